@@ -1,0 +1,39 @@
+"""Error codes of the public protocol and the one exception the decoder raises.
+
+Every code is documented in docs/PROTOCOL.md; a client can rely on the code,
+the message is for people.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    BAD_FRAME = "bad_frame"  # undecodable, trailing bytes, or not exactly one frame
+    TOO_LARGE = "too_large"  # frame over the configured limit
+    BAD_MESSAGE = "bad_message"  # not a map, or a field missing / of the wrong type
+    UNSUPPORTED_VERSION = "unsupported_version"
+    UNKNOWN_OP = "unknown_op"
+    UNKNOWN_PROVIDER = "unknown_provider"
+    UNKNOWN_CALL = "unknown_call"
+    BREAKER_OPEN = "breaker_open"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    OVERLOADED = "overloaded"
+    CANCELLED = "cancelled"
+    SHUTTING_DOWN = "shutting_down"
+    # Outcomes of a call, carried in the `error` of a `done` event.
+    PROVIDER_ERROR = "provider_error"  # the provider answered with a non-retryable error
+    RETRIES_EXHAUSTED = "retries_exhausted"  # every attempt failed transiently
+    STREAM_STALLED = "stream_stalled"  # the last attempt went silent past its stale timeout
+    CONTEXT_OVERFLOW = "context_overflow"
+    INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """A message from outside that cannot be accepted. `code` goes on the wire."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message

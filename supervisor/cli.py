@@ -1,0 +1,115 @@
+"""The `streamfence` command: serve, submit, status, demo."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from supervisor.config import DEFAULT_ENDPOINT, ConfigError, load_config
+
+
+@click.group()
+def main() -> None:
+    """streamfence: LLM streaming calls that can't hang, leak or corrupt a transcript."""
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="TOML configuration file ([daemon] and [providers.NAME] tables).")
+@click.option("--log-json", is_flag=True, default=False, help="Log JSON lines.")
+def serve(config_path: str | None, log_json: bool) -> None:
+    """Run the daemon in the foreground until SIGTERM/SIGINT."""
+    from supervisor.daemon import Daemon, StartupError
+    from supervisor.logs import setup_logging
+
+    try:
+        cfg = load_config(config_path)
+    except ConfigError as exc:
+        raise click.ClickException(f"invalid configuration: {exc}") from None
+    setup_logging(cfg.log_level, log_json or cfg.log_json)
+    try:
+        code = Daemon(cfg).run()
+    except StartupError as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(code)
+
+
+def _parse_request(model: str, prompt: str, request_json: str | None) -> dict[str, Any]:
+    if request_json:
+        try:
+            request: dict[str, Any] = json.loads(request_json)
+        except json.JSONDecodeError as exc:
+            raise click.BadParameter(f"not JSON: {exc}", param_hint="--request") from None
+        return request
+    return {"model": model, "messages": [{"role": "user", "content": prompt}]}
+
+
+@main.command()
+@click.option("--endpoint", default=DEFAULT_ENDPOINT, show_default=True)
+@click.option("--provider", required=True, help="A provider profile name of the daemon.")
+@click.option("--model", default="gpt-4o-mini", show_default=True)
+@click.option("--request", "request_json", default=None,
+              help="The provider-native request body as JSON (overrides --model/PROMPT).")
+@click.option("--session", "session_id", default=None)
+@click.option("--stale-timeout", type=float, default=None)
+@click.option("--timeout", type=float, default=600.0, show_default=True,
+              help="Give up waiting for the daemon after this many seconds of silence.")
+@click.argument("prompt", required=False, default="Hello!")
+def submit(endpoint: str, provider: str, model: str, request_json: str | None,
+           session_id: str | None, stale_timeout: float | None, timeout: float,
+           prompt: str) -> None:
+    """Submit one call and stream its text live to the terminal."""
+    from protocol.client import Client, ClientError
+
+    options = {"stale_timeout_s": stale_timeout} if stale_timeout else None
+    request = _parse_request(model, prompt, request_json)
+    with Client(endpoint, timeout_s=timeout) as client:
+        try:
+            call_id = client.submit(provider, request, session_id=session_id, options=options)
+        except ClientError as exc:
+            raise click.ClickException(f"{exc.code}: {exc.message}") from None
+        done: dict[str, Any] = {}
+        for event in client.events(call_id, timeout_s=timeout):
+            op = event.get("op")
+            if op == "delta" and event.get("kind") in ("text", "refusal"):
+                click.echo(event["data"], nl=False)
+            elif op == "delta" and event.get("kind") == "notice":
+                click.echo(f"\n[notice] {event['data']}", err=True)
+            elif op == "reset":
+                click.echo("\n[reset: the answer restarts]", err=True)
+            elif op == "done":
+                done = event
+        click.echo()
+        err = done.get("error") or {}
+        click.echo(f"[{done.get('status')}] call={call_id} attempts={done.get('attempts')}"
+                   + (f" error={err.get('code')}: {err.get('message')}" if err else ""),
+                   err=True)
+        if done.get("status") not in ("completed", "partial"):
+            sys.exit(1)
+
+
+@main.command()
+@click.option("--endpoint", default=DEFAULT_ENDPOINT, show_default=True)
+@click.option("--json", "as_json", is_flag=True, default=False)
+def status(endpoint: str, as_json: bool) -> None:
+    """Show workers (pid, state, attempt), calls, breakers and counters."""
+    from protocol.client import Client
+
+    with Client(endpoint, timeout_s=5.0) as client:
+        try:
+            reply = client.status()
+        except TimeoutError:
+            raise click.ClickException(f"no answer from a daemon at {endpoint}") from None
+    if as_json:
+        click.echo(json.dumps(reply, indent=2, default=str))
+        return
+    from supervisor.render import render_status
+
+    render_status(reply)
+
+
+if __name__ == "__main__":
+    main()

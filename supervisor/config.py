@@ -1,0 +1,161 @@
+"""Daemon configuration: a TOML file with a [daemon] table and one
+[providers.NAME] table per provider profile, overridable by environment
+variables (STREAMFENCE_<KEY> for daemon keys, e.g. STREAMFENCE_ENDPOINT).
+
+An invalid file fails at start with the file, the key and the reason
+(`ConfigError`). Credentials are never in the file: a profile names the
+environment variable that holds its key (`api_key_env`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:7755"
+KINDS = ("openai", "anthropic", "bedrock")
+
+
+class ConfigError(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderProfile:
+    name: str
+    kind: str
+    base_url: str | None = None
+    endpoint_url: str | None = None
+    api_key_env: str | None = None
+    region: str | None = None
+    stale_timeout_s: float | None = None  # None: the implicit default (see timeouts.py)
+    first_chunk_timeout_s: float | None = None
+    max_attempts: int = 3
+    connect_timeout_s: float = 30.0
+    read_timeout_s: float = 120.0
+
+    @property
+    def is_local(self) -> bool:
+        url = self.base_url or self.endpoint_url or ""
+        host = urlparse(url).hostname or ""
+        return host in ("localhost", "::1") or host.startswith("127.")
+
+    def to_map(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    endpoint: str = DEFAULT_ENDPOINT
+    state_dir: str = "./streamfence-state"
+    max_frame_bytes: int = 16 * 1024 * 1024
+    workers_max: int = 64
+    workers_spare: int = 2
+    queue_max: int = 10_000
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 4.0
+    breaker_threshold: int = 5
+    log_level: str = "INFO"
+    log_json: bool = False
+    providers: dict[str, ProviderProfile] = field(default_factory=dict)
+
+    def runtime_dir(self) -> str:
+        """Where the ipc sockets live: under state_dir when the path is short
+        enough for a unix socket (~107 bytes), else a private temp dir."""
+        candidate = os.path.abspath(os.path.join(self.state_dir, "run"))
+        if len(candidate) + len("/sink.ctl") < 100:
+            os.makedirs(candidate, exist_ok=True)
+            return candidate
+        return tempfile.mkdtemp(prefix="sf-")
+
+
+_DAEMON_TYPES: dict[str, tuple[type, ...]] = {
+    "endpoint": (str,), "state_dir": (str,), "max_frame_bytes": (int,), "workers_max": (int,),
+    "workers_spare": (int,), "queue_max": (int,), "backoff_base_s": (int, float),
+    "backoff_max_s": (int, float), "breaker_threshold": (int,), "log_level": (str,),
+    "log_json": (bool,),
+}
+_PROFILE_TYPES: dict[str, tuple[type, ...]] = {
+    "kind": (str,), "base_url": (str,), "endpoint_url": (str,), "api_key_env": (str,),
+    "region": (str,), "stale_timeout_s": (int, float), "first_chunk_timeout_s": (int, float),
+    "max_attempts": (int,), "connect_timeout_s": (int, float), "read_timeout_s": (int, float),
+}
+
+
+def _check(where: str, key: str, value: Any, types: tuple[type, ...]) -> Any:
+    if isinstance(value, bool) and bool not in types:
+        raise ConfigError(f"{where}.{key}: expected {types[0].__name__}, got a boolean")
+    if not isinstance(value, types):
+        raise ConfigError(f"{where}.{key}: expected {types[0].__name__}, "
+                          f"got {type(value).__name__}")
+    if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+        raise ConfigError(f"{where}.{key}: must not be negative")
+    return float(value) if float in types else value
+
+
+def parse_config(data: dict[str, Any], source: str = "<config>") -> DaemonConfig:
+    unknown = set(data) - {"daemon", "providers"}
+    if unknown:
+        raise ConfigError(f"{source}: unknown table(s) {sorted(unknown)}")
+    daemon: dict[str, Any] = {}
+    for key, value in data.get("daemon", {}).items():
+        if key not in _DAEMON_TYPES:
+            raise ConfigError(f"{source}: daemon.{key}: unknown key")
+        daemon[key] = _check(f"{source}: daemon", key, value, _DAEMON_TYPES[key])
+    profiles: dict[str, ProviderProfile] = {}
+    for name, table in data.get("providers", {}).items():
+        where = f"{source}: providers.{name}"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: must be a table")
+        values: dict[str, Any] = {}
+        for key, value in table.items():
+            if key not in _PROFILE_TYPES:
+                raise ConfigError(f"{where}.{key}: unknown key")
+            values[key] = _check(where, key, value, _PROFILE_TYPES[key])
+        if values.get("kind") not in KINDS:
+            raise ConfigError(f"{where}.kind: must be one of {', '.join(KINDS)}")
+        if values.get("max_attempts", 3) < 1:
+            raise ConfigError(f"{where}.max_attempts: must be at least 1")
+        profiles[name] = ProviderProfile(name=name, **values)
+    cfg = DaemonConfig(providers=profiles, **daemon)
+    if cfg.workers_spare < 1 or cfg.workers_max < cfg.workers_spare + 1:
+        raise ConfigError(f"{source}: daemon.workers_max must exceed daemon.workers_spare >= 1")
+    return cfg
+
+
+def apply_env(cfg: DaemonConfig, env: dict[str, str]) -> DaemonConfig:
+    """STREAMFENCE_<DAEMON_KEY>=value overrides a [daemon] key."""
+    changes: dict[str, Any] = {}
+    for key, types in _DAEMON_TYPES.items():
+        raw = env.get("STREAMFENCE_" + key.upper())
+        if raw is None:
+            continue
+        kind = types[0]
+        try:
+            if kind is bool:
+                changes[key] = raw.lower() in ("1", "true", "yes", "on")
+            else:
+                changes[key] = kind(raw)
+        except ValueError:
+            raise ConfigError(f"environment STREAMFENCE_{key.upper()}: expected "
+                              f"{kind.__name__}, got {raw!r}") from None
+    return replace(cfg, **changes) if changes else cfg
+
+
+def load_config(path: str | None, env: dict[str, str] | None = None) -> DaemonConfig:
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{source}: file not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    return apply_env(parse_config(data, source), dict(os.environ) if env is None else env)

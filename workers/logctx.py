@@ -1,0 +1,101 @@
+"""Log context for child processes, and the handler that ships their records
+to the daemon's log.
+
+Every record of every process carries `session_id`, `call_id` and `attempt`
+(origin document 000: the one line that explains a failed stream must name
+its session). A worker runs one attempt at a time, so the context is simply
+process-global: it holds for records from any thread and any library (the
+openai SDK's, httpx2's), which a thread-local or contextvar would not.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import msgpack
+import zmq
+
+from protocol.internal import L_RECORD
+
+CONTEXT_FIELDS = ("session_id", "call_id", "attempt")
+_context: dict[str, Any] = {"session_id": "-", "call_id": "-", "attempt": 0}
+_installed = False
+
+
+def set_context(session_id: str | None, call_id: str | None, attempt: int) -> None:
+    _context["session_id"] = session_id or "-"
+    _context["call_id"] = call_id or "-"
+    _context["attempt"] = attempt
+
+
+def clear_context() -> None:
+    set_context(None, None, 0)
+
+
+def install_record_factory() -> None:
+    """Stamp the process context on every record that does not carry its own."""
+    global _installed
+    if _installed:
+        return
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        for key in CONTEXT_FIELDS:
+            if not hasattr(record, key):
+                setattr(record, key, _context[key])
+        return record
+
+    logging.setLogRecordFactory(factory)
+    _installed = True
+
+
+class ZmqLogHandler(logging.Handler):
+    """Sends each record as a msgpack map over a PUSH socket to the supervisor.
+
+    The record is flattened to plain fields (message formatted, traceback as
+    text): no pickle on any socket.
+    """
+
+    def __init__(self, socket: zmq.Socket[bytes]) -> None:
+        super().__init__()
+        self._socket = socket
+        self._lock_send = threading.Lock()
+        self._formatter = logging.Formatter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            exc_text = record.exc_text
+            if record.exc_info and not exc_text:
+                exc_text = self._formatter.formatException(record.exc_info)
+            fields = {
+                "name": record.name,
+                "levelno": record.levelno,
+                "levelname": record.levelname,
+                "msg": record.getMessage(),
+                "exc_text": exc_text,
+                "created": record.created,
+                "process": record.process,
+                "processName": record.processName,
+            }
+            for key in CONTEXT_FIELDS:
+                fields[key] = getattr(record, key, _context[key])
+            frame = msgpack.packb([L_RECORD, fields], use_bin_type=True, default=str)
+            with self._lock_send:
+                self._socket.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the supervisor is behind: losing a log line beats blocking a stream
+        except Exception:
+            self.handleError(record)
+
+
+def route_logs_to(socket: zmq.Socket[bytes], level: int) -> None:
+    """Make `socket` the only destination of this process's records."""
+    install_record_factory()
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.addHandler(ZmqLogHandler(socket))
+    root.setLevel(level)
