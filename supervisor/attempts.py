@@ -5,6 +5,7 @@ attempt, decide (supervisor.calls.decide), back off, and finish.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -14,7 +15,7 @@ import msgpack
 from protocol.errors import ErrorCode
 from protocol.internal import W_RUN
 from protocol.messages import CallStatus
-from supervisor.calls import Call, CallState, Finish, Retry, decide
+from supervisor.calls import Call, CallState, Finish, decide
 from supervisor.state import DaemonState
 from supervisor.timeouts import backoff_delay
 
@@ -67,7 +68,7 @@ class AttemptDriver:
             for call in started:
                 reset = call.delivered  # only under on_partial=restart can this hold here
                 st.sink.authorize(call.call_id, call.epoch, reset,
-                                  lambda ok, p, c=call: self._authorized(c, ok, p))
+                                  functools.partial(self._authorized, call))
         st.pool.maintain(demand=sum(1 for cid in st.queue if cid in st.calls))
 
     def _authorized(self, call: Call, ok: bool, payload: Any) -> None:
@@ -134,7 +135,7 @@ class AttemptDriver:
         call.fence_reason = reason
         call.to("fence")
         self.st.sink.fence(call.call_id, call.epoch,
-                           lambda ok, stats, c=call, e=call.epoch: self._fenced(c, e, ok, stats))
+                           functools.partial(self._fenced, call, call.epoch))
 
     def _fenced(self, call: Call, epoch: int, ok: bool, stats: Any) -> None:
         st = self.st
@@ -232,7 +233,7 @@ class AttemptDriver:
         call.to("finish")
         self.st.sink.finish(call.call_id, decision.status.value, decision.error, call.attempts,
                             decision.meta,
-                            lambda ok, done, c=call: self._finished(c, ok, done))
+                            functools.partial(self._finished, call))
 
     def _finished(self, call: Call, ok: bool, done: Any) -> None:
         st = self.st

@@ -111,5 +111,15 @@ def status(endpoint: str, as_json: bool) -> None:
     render_status(reply)
 
 
+@main.command()
+@click.option("--rounds", default=2, show_default=True,
+              help="How many times to run each fault scenario.")
+def demo(rounds: int) -> None:
+    """Emulator + daemon + a batch of calls with injected faults, live, then a verdict."""
+    from supervisor.demo import run_demo
+
+    sys.exit(0 if run_demo(rounds=rounds) else 1)
+
+
 if __name__ == "__main__":
     main()

@@ -14,7 +14,7 @@ import tempfile
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7755"
@@ -95,7 +95,9 @@ def _check(where: str, key: str, value: Any, types: tuple[type, ...]) -> Any:
                           f"got {type(value).__name__}")
     if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
         raise ConfigError(f"{where}.{key}: must not be negative")
-    return float(value) if float in types else value
+    if float in types:
+        return float(cast(float, value))
+    return value
 
 
 def parse_config(data: dict[str, Any], source: str = "<config>") -> DaemonConfig:

@@ -29,6 +29,7 @@ import multiprocess
 import zmq
 
 from protocol.internal import L_RECORD, W_HELLO, W_IDLE, Endpoints
+from protocol.messages import CallOptions, CallSpec, OnPartial
 from sink.process import run_sink
 from supervisor.attempts import AttemptDriver
 from supervisor.calls import Call
@@ -40,7 +41,6 @@ from supervisor.pool import Pool
 from supervisor.sinklink import SinkLink
 from supervisor.state import DaemonState
 from supervisor.timeouts import attempt_timeouts
-from protocol.messages import CallOptions, CallSpec, OnPartial
 from workers.liveness import LivenessTable
 from workers.zygote import zygote_main
 

@@ -10,17 +10,14 @@ after the journal commit of the loop turn (see `flush_accepts`).
 from __future__ import annotations
 
 import logging
-import sqlite3
 import uuid
 from typing import Any
-
-import msgpack
 
 from protocol.codec import decode_untrusted, encode
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
-    Cancel,
     CallStatus,
+    Cancel,
     Result,
     Status,
     Submit,
@@ -31,6 +28,7 @@ from protocol.messages import (
     pending_msg,
     ref_of,
 )
+from sink.store import events_after
 from supervisor.attempts import AttemptDriver
 from supervisor.calls import Call, CallState, Finish
 from supervisor.state import DaemonState
@@ -102,8 +100,7 @@ class Front:
                         or st.journal.call_by_idempotency_key(spec.idempotency_key))
             if existing is not None:
                 if req.subscribe:
-                    self._subscribe(identity, Subscribe(ref=req.ref, call_id=existing),
-                                    reply=False)
+                    self._subscribe(identity, Subscribe(ref=req.ref, call_id=existing))
                 self._accepts.append((identity, accepted_msg(req.ref, existing, duplicate=True)))
                 return
         if len(st.queue) >= st.config.queue_max:
@@ -139,15 +136,14 @@ class Front:
         self._accepts.clear()
         self._idem_in_turn.clear()
 
-    def _subscribe(self, identity: bytes, req: Subscribe, reply: bool = True) -> None:
+    def _subscribe(self, identity: bytes, req: Subscribe) -> None:
+        """Replay from the store, then follow live. Success has no reply (the
+        events are the answer); an unknown call gets an error with the ref."""
         st = self.st
         live = st.events.get(req.call_id)
         if live is None and not st.journal.exists(req.call_id):
             self._error(identity, req.ref, ErrorCode.UNKNOWN_CALL, f"no call {req.call_id!r}")
             return
-        if reply:
-            self._send(identity, {"v": 1, "op": "subscribed", "ref": req.ref,
-                                  "call_id": req.call_id})
         if live is not None:
             for frame in live[req.from_seq:]:
                 st.front.send_multipart([identity, frame])
@@ -158,13 +154,7 @@ class Front:
 
     def _replay(self, call_id: str, from_seq: int) -> list[bytes]:
         """Events of a finished call, read from the sink's transcript."""
-        db = sqlite3.connect(f"file:{self._transcript_path}?mode=ro", uri=True)
-        try:
-            rows = db.execute("SELECT body FROM events WHERE call_id = ? AND seq > ? "
-                              "ORDER BY seq", (call_id, from_seq)).fetchall()
-        finally:
-            db.close()
-        return [bytes(r[0]) for r in rows]
+        return events_after(self._transcript_path, call_id, from_seq)
 
     def _result(self, identity: bytes, req: Result) -> None:
         st = self.st
@@ -245,7 +235,3 @@ class Front:
                     send([identity, frame])
                     subs[identity] = seq + 1
 
-
-def decode_event(frame: bytes) -> dict[str, Any]:
-    event: dict[str, Any] = msgpack.unpackb(frame, raw=False)
-    return event

@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from workers.logctx import CONTEXT_FIELDS, install_record_factory
+from workers.logctx import CONTEXT_FIELDS, ContextFilter
 
 TEXT_FORMAT = ("%(asctime)s %(levelname)-7s %(processName)s[%(process)d] %(name)s "
                "session=%(session_id)s call=%(call_id)s attempt=%(attempt)s: %(message)s")
@@ -31,8 +31,8 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(level: str, json_lines: bool, stream: Any = None) -> None:
-    install_record_factory()
     handler = logging.StreamHandler(stream or sys.stderr)
+    handler.addFilter(ContextFilter())
     handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -9,6 +9,7 @@ replaces it in the background. Every worker has a liveness slot
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -169,10 +170,8 @@ class Pool:
         worker.to("kill")
         self.killed_total += 1
         if worker.pid:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(worker.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def snapshot(self) -> list[dict[str, Any]]:
         now = time.monotonic()

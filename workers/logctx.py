@@ -21,7 +21,6 @@ from protocol.internal import L_RECORD
 
 CONTEXT_FIELDS = ("session_id", "call_id", "attempt")
 _context: dict[str, Any] = {"session_id": "-", "call_id": "-", "attempt": 0}
-_installed = False
 
 
 def set_context(session_id: str | None, call_id: str | None, attempt: int) -> None:
@@ -34,22 +33,16 @@ def clear_context() -> None:
     set_context(None, None, 0)
 
 
-def install_record_factory() -> None:
-    """Stamp the process context on every record that does not carry its own."""
-    global _installed
-    if _installed:
-        return
-    previous = logging.getLogRecordFactory()
+class ContextFilter(logging.Filter):
+    """Stamps the process context on every record that does not carry its own
+    (a record logged with extra={"call_id": ...} keeps its own). A filter on
+    the handler, not a record factory, so that `extra` may still set them."""
 
-    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
-        record = previous(*args, **kwargs)
+    def filter(self, record: logging.LogRecord) -> bool:
         for key in CONTEXT_FIELDS:
             if not hasattr(record, key):
                 setattr(record, key, _context[key])
-        return record
-
-    logging.setLogRecordFactory(factory)
-    _installed = True
+        return True
 
 
 class ZmqLogHandler(logging.Handler):
@@ -61,6 +54,7 @@ class ZmqLogHandler(logging.Handler):
 
     def __init__(self, socket: zmq.Socket[bytes]) -> None:
         super().__init__()
+        self.addFilter(ContextFilter())
         self._socket = socket
         self._lock_send = threading.Lock()
         self._formatter = logging.Formatter()
@@ -93,7 +87,6 @@ class ZmqLogHandler(logging.Handler):
 
 def route_logs_to(socket: zmq.Socket[bytes], level: int) -> None:
     """Make `socket` the only destination of this process's records."""
-    install_record_factory()
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)

@@ -61,20 +61,19 @@ def _run_openai(client: Any, request: dict[str, Any], out: AttemptOutput,
                 settings: dict[str, Any]) -> Final:
     from workers.openai_chat import is_stream_options_rejection, stream_chat
 
-    req = dict(request)
-    req["timeout"] = openai.Timeout(connect=settings["connect_timeout_s"],
+    timeout = openai.Timeout(connect=settings["connect_timeout_s"],
                                     read=settings["read_timeout_s"],
                                     write=settings.get("write_timeout_s", 600.0),
                                     pool=settings["connect_timeout_s"])
     include_usage = settings.get("include_usage", True)
     try:
-        return stream_chat(client, req, out, include_usage=include_usage)
+        return stream_chat(client, request, out, include_usage=include_usage, timeout=timeout)
     except openai.APIStatusError as exc:
         # A provider that refuses stream_options: retry once without it, inside
         # the same attempt (it does not spend the retry budget), and tell the
         # supervisor so the profile remembers.
         if include_usage and is_stream_options_rejection(exc):
-            final = stream_chat(client, req, out, include_usage=False)
+            final = stream_chat(client, request, out, include_usage=False, timeout=timeout)
             final["stream_options_rejected"] = True
             return final
         raise
@@ -82,6 +81,13 @@ def _run_openai(client: Any, request: dict[str, Any], out: AttemptOutput,
 
 _BUILDERS: dict[str, Callable[[dict[str, Any]], Any]] = {"openai": _openai_client}
 _RUNNERS: dict[str, Runner] = {"openai": _run_openai}
+
+
+def secrets_of(profile: dict[str, Any]) -> list[str]:
+    """Literal secrets to scrub from any error message of this profile."""
+    env = profile.get("api_key_env")
+    key = os.environ.get(env) if env else None
+    return [key] if key else []
 
 
 def client_for(profile: dict[str, Any]) -> Any:

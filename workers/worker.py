@@ -38,11 +38,11 @@ from protocol.internal import (
     Endpoints,
 )
 from protocol.messages import DeltaKind
-from workers.errors import classify
 from workers.lifecycle import ExitCode
 from workers.liveness import LivenessTable
 from workers.logctx import clear_context, route_logs_to, set_context
-from workers.providers import run_attempt
+from workers.openai_chat import final_from_exception
+from workers.providers import run_attempt, secrets_of
 
 log = logging.getLogger("streamfence.worker")
 
@@ -79,12 +79,6 @@ class SinkOutput:
         self._send(self._pack([T_DELTA, self._call_id, self._attempt, self.seq, kind, data]))
 
 
-def _failed_final(error: dict[str, Any]) -> dict[str, Any]:
-    return {"ok": False, "finish_reason": None, "usage": None, "model": None,
-            "provider_response_id": None, "dropped_tool_names": [],
-            "dropped_tool_indexes": [], "error": error}
-
-
 def _run_one(msg: list[Any], sink: zmq.Socket[bytes], live: LivenessTable,
              slot: int) -> bool:
     _, token, call_id, attempt, session_id, profile, request, settings = msg
@@ -96,7 +90,8 @@ def _run_one(msg: list[Any], sink: zmq.Socket[bytes], live: LivenessTable,
     try:
         final = run_attempt(profile, request, out, settings)
     except Exception as exc:
-        error = classify(exc)
+        final = final_from_exception(exc, extra_secrets=secrets_of(profile))
+        error = final["error"]
         if out.visible_chars == 0:
             # The one line that explains a failed stream: ERROR, with traceback.
             log.exception("stream failed before delivery: %s (%s, %s)",
@@ -105,7 +100,6 @@ def _run_one(msg: list[Any], sink: zmq.Socket[bytes], live: LivenessTable,
             log.warning("stream failed after %d visible chars: %s (%s, %s)",
                         out.visible_chars, error["message"], error["class"], error["code"],
                         exc_info=True)
-        final = _failed_final(error)
     else:
         if final.get("error"):
             err = final["error"]

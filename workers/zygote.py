@@ -16,6 +16,7 @@ records travel the same pipe as ["log", fields].
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -154,10 +155,8 @@ def _serve(conn: Any, runtime_dir: str, slots: int, log_level: int) -> None:
             elif msg[0] == "stop":
                 break
     for pid in children:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     os._exit(ExitCode.OK)
 
 

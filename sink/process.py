@@ -1,0 +1,337 @@
+"""The sink process: the only writer of the transcript.
+
+Duties (`run_sink` is the entry point the supervisor starts with
+`multiprocess.get_context("spawn").Process(target=run_sink, ...)`):
+
+- bind ROUTER `sink.in` (workers: T_DELTA, T_FINAL) and ROUTER `sink.ctl`
+  (the supervisor: C_AUTHORIZE, C_FENCE, C_FINISH, C_STATS), see
+  protocol.internal;
+- per delta: the fence check (`FenceTable.check`); on ACCEPT assign the call's
+  next public seq, build the public delta event, queue it for the store,
+  accumulate content, and send `[E_EVENT, call_id, seq, event]` to the
+  supervisor's control peer (the identity that last sent a valid control
+  message; events are buffered while there is none);
+- group-commit the store every 1000 events or 5 ms; commit before acking an
+  authorize or a final and before publishing a done event;
+- count and sparsely log refused deltas and bad frames; never crash on input;
+- die with the parent (PR_SET_PDEATHSIG) and exit cleanly on SIGTERM after a
+  last commit. SIGINT is ignored: the supervisor owns the shutdown order.
+
+The per-delta path is written out inline in `_drain_in` on purpose: a burst
+loop with locals, one `unpackb`, integer tag test, a dict lookup in the fence,
+list appends and pre-encoded byte pieces.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from types import FrameType
+
+import msgpack
+import zmq
+
+from protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted, encode
+from protocol.errors import ProtocolError
+from protocol.internal import R_REFUSED, T_DELTA, Endpoints
+from sink.content import check_tool_fragment
+from sink.fence import Verdict
+from sink.lifeline import die_with_parent, expected_parent_pid
+from sink.state import COMMIT_AFTER_S, COMMIT_EVERY, SinkState, log
+from sink.store import TranscriptStore
+from sink.wire import KIND_TAIL, TOOL_CALL, BadFrame, parse_control, parse_final
+
+EXIT_OK = 0
+EXIT_PARENT_GONE = 3  # the supervisor died before we could arm the death signal
+
+BACKLOG_MAX = 200_000  # events kept while no supervisor is connected
+CTL_BURST = 100
+IDLE_POLL_MS = 1000
+
+_ACCEPT = Verdict.ACCEPT
+_PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException)
+
+
+class Sink(SinkState):
+    """Sockets and the loop around SinkState."""
+
+    def __init__(self, runtime_dir: str, db_path: str) -> None:
+        super().__init__(TranscriptStore(db_path))
+        ep = Endpoints(runtime_dir)
+        self.ctx = zmq.Context()
+        self.sin = self._router(ep.sink_in)
+        self.ctl = self._router(ep.sink_ctl)
+        self.peer: bytes | None = None
+        self.backlog: list[bytes] = []
+        self.events_unsent = 0
+        self.acks_unroutable = 0
+        self._signals: list[int] = []
+        self._stopping = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+
+    def _router(self, endpoint: str) -> zmq.Socket[bytes]:
+        s: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
+        # Mandatory: an unknown peer is an error we see, not a silent drop.
+        # No send HWM: the supervisor is our own process and must get every
+        # event (with HWM+mandatory a send could block the loop instead).
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.RCVHWM, 10_000)
+        s.setsockopt(zmq.MAXMSGSIZE, DEFAULT_MAX_FRAME)
+        s.setsockopt(zmq.LINGER, 500)
+        s.bind(endpoint)
+        return s
+
+    # ---- supervisor peer ------------------------------------------------------------
+
+    def _publish(self, frame: bytes) -> None:
+        peer = self.peer
+        if peer is not None:
+            try:
+                self.ctl.send(peer, zmq.SNDMORE)
+                self.ctl.send(frame)
+                return
+            except zmq.ZMQError as exc:
+                self._lose_peer(exc)
+        self._buffer(frame)
+
+    def _buffer(self, frame: bytes) -> None:
+        if len(self.backlog) < BACKLOG_MAX:
+            self.backlog.append(frame)
+        else:
+            self.events_unsent += 1  # still in the store: subscribers can replay
+
+    def _lose_peer(self, exc: zmq.ZMQError) -> None:
+        log.warning("sink: supervisor control peer unreachable (%s); buffering events", exc)
+        self.peer = None
+
+    def _set_peer(self, ident: bytes) -> None:
+        if ident == self.peer:
+            return
+        self.peer = ident
+        backlog, self.backlog = self.backlog, []
+        for frame in backlog:
+            self._publish(frame)
+
+    def stats(self) -> dict[str, object]:
+        out = super().stats()
+        out.update(events_buffered=len(self.backlog), events_unsent=self.events_unsent,
+                   acks_unroutable=self.acks_unroutable)
+        return out
+
+    # ---- loop -------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signals.append(signum)  # only enqueue; the loop acts on it
+
+    def serve(self) -> None:
+        signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        poller = zmq.Poller()
+        poller.register(self.ctl, zmq.POLLIN)
+        poller.register(self.sin, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        log.info("sink: serving pid=%s in=%s", os.getpid(), self.sin.getsockopt_string(zmq.LAST_ENDPOINT))
+        while not self._stopping:
+            due = self.commit_due
+            timeout = IDLE_POLL_MS if due is None else max(0, int((due - time.monotonic()) * 1000) + 1)
+            ready = dict(poller.poll(timeout))
+            if self._wake_r in ready:
+                self._drain_signals()
+            if self.ctl in ready:
+                self._drain_ctl()
+            if self.sin in ready:
+                self._drain_in(max(1, COMMIT_EVERY - self.pending_events))
+            if self.pending_events:
+                now = time.monotonic()
+                if self.commit_due is None:
+                    self.commit_due = now + COMMIT_AFTER_S
+                if self.pending_events >= COMMIT_EVERY or now >= self.commit_due:
+                    self.commit()
+        log.info("sink: stopping; final commit")
+        self.commit()
+
+    def _drain_signals(self) -> None:
+        try:
+            while self._wake_r.recv(512):
+                pass
+        except BlockingIOError:
+            pass
+        signals, self._signals = self._signals, []
+        for signum in signals:
+            if signum == signal.SIGTERM:
+                self._stopping = True
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(-1)
+        self.sin.close()
+        self.ctl.close()
+        self.ctx.term()
+        self.store.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # ---- sockets ---------------------------------------------------------------------
+
+    def _skip_rest(self, sock: zmq.Socket[bytes]) -> None:
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv()
+
+    def _drain_ctl(self) -> None:
+        sock = self.ctl
+        for _ in range(CTL_BURST):
+            try:
+                ident = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            frame = sock.recv()
+            if sock.getsockopt(zmq.RCVMORE):
+                self._skip_rest(sock)
+                self.bad_frame("ctl", "more than one frame")
+                continue
+            try:
+                op = parse_control(decode_untrusted(frame))
+            except ProtocolError as exc:
+                self.bad_frame("ctl", exc.message)
+                continue
+            except BadFrame as exc:
+                self.bad_frame("ctl", exc.reason)
+                if exc.req is not None:  # the sender is waiting on this req: answer it
+                    self._send(sock, ident, encode([R_REFUSED, exc.req, f"bad_message: {exc.reason}"]))
+                continue
+            self._set_peer(ident)
+            self._send(sock, ident, self.handle_control(op))
+
+    def _send(self, sock: zmq.Socket[bytes], ident: bytes, frame: bytes) -> bool:
+        try:
+            sock.send(ident, zmq.SNDMORE | zmq.NOBLOCK)
+            sock.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False  # the peer is gone (EHOSTUNREACH): nobody to answer
+
+    def _on_in_other(self, ident: bytes, frame: bytes) -> None:
+        """Anything on sink.in that is not a well-formed delta: a final or garbage."""
+        try:
+            final = parse_final(decode_untrusted(frame))
+        except ProtocolError as exc:
+            self.bad_frame("in", exc.message)
+            return
+        except BadFrame as exc:
+            self.bad_frame("in", exc.reason)
+            return
+        ack = self.handle_final(final)
+        if not self._send(self.sin, ident, ack):
+            # The worker exited without waiting for its ack (it will count the
+            # attempt as unfinished); the supervisor has E_ENDED anyway.
+            self.acks_unroutable += 1
+
+    def _drain_in(self, budget: int) -> None:
+        """The hot path: up to `budget` worker messages."""
+        sock = self.sin
+        recv = sock.recv
+        ctl_send = self.ctl.send
+        unpackb = msgpack.unpackb
+        pack = self.pack
+        check = self.fence.check
+        lives = self.lives
+        tails = KIND_TAIL
+        dirty_append = self.dirty.append
+        peer = self.peer
+        noblock, sndmore, rcvmore = zmq.NOBLOCK, zmq.SNDMORE, zmq.RCVMORE
+        n = 0
+        for _ in range(budget):
+            try:
+                ident = recv(noblock)
+            except zmq.Again:
+                break
+            frame = recv()
+            if sock.getsockopt(rcvmore):
+                self._skip_rest(sock)
+                self.bad_frame("in", "more than one frame")
+                continue
+            try:
+                msg = unpackb(frame)
+                tag = msg[0]
+            except _PARSE_ERRORS:
+                self.bad_frame("in", "not a msgpack array")
+                continue
+            if tag != T_DELTA or type(tag) is not int:
+                # Out of line (finals, garbage). It may commit or publish:
+                # settle the burst's counters and re-read the peer after.
+                self.pending_events += n
+                self.accepted += n
+                n = 0
+                self._on_in_other(ident, frame)
+                peer = self.peer
+                continue
+            try:
+                _, call, attempt, seq, kind, data = msg
+                tail = tails[kind]
+                if type(call) is not str or type(attempt) is not int or type(seq) is not int:
+                    raise TypeError
+                if kind == TOOL_CALL:
+                    check_tool_fragment(data)
+                elif type(data) is not str:
+                    raise TypeError
+            except _PARSE_ERRORS:
+                self.bad_frame("in", "malformed T_DELTA")
+                continue
+            verdict = check(call, attempt, seq)
+            if verdict is not _ACCEPT:
+                self.drop(call, attempt, seq, verdict)
+                continue
+            live = lives[call]
+            pseq = live.seq + 1
+            live.seq = pseq
+            pseq_b = pack(pseq)
+            event = live.prefix + pseq_b + tail + pack(data)
+            pending = live.pending
+            if not pending:
+                live.pending_seq = pseq
+                dirty_append(live)
+            pending.append(event)
+            live.add[kind](data)
+            n += 1
+            out = live.head + pseq_b + pack(event)
+            if peer is not None:
+                try:
+                    ctl_send(peer, sndmore)
+                    ctl_send(out)
+                    continue
+                except zmq.ZMQError as exc:
+                    self._lose_peer(exc)
+                    peer = None
+            self._buffer(out)
+        self.pending_events += n
+        self.accepted += n
+
+
+def _setup_logging(level: str) -> None:
+    base = logging.getLogger("streamfence")
+    if not logging.getLogger().handlers and not base.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
+        base.addHandler(handler)
+    logging.getLogger("streamfence.sink").setLevel(level.upper())
+
+
+def run_sink(runtime_dir: str, db_path: str, log_level: str = "INFO") -> None:
+    """Process entry point: serve until SIGTERM (or the parent's death)."""
+    _setup_logging(log_level)
+    if not die_with_parent(expected_parent_pid()):
+        log.error("sink: parent already gone at start; exiting")
+        sys.exit(EXIT_PARENT_GONE)
+    sink = Sink(runtime_dir, db_path)
+    try:
+        sink.serve()
+    finally:
+        sink.close()

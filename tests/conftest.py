@@ -1,0 +1,45 @@
+"""Shared fixtures: the real emulator (one per test module) and the real
+daemon against it (one per test, in the test's tmp_path)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from emulator.control import EmulatorClient, EmulatorProcess
+from tests.harness import DaemonProcess
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[EmulatorProcess]:
+    with EmulatorProcess() as emu:
+        yield emu
+
+
+@pytest.fixture
+def emu(emulator: EmulatorProcess) -> EmulatorClient:
+    client = emulator.client()
+    client.reset()
+    return client
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path, emulator: EmulatorProcess) -> Iterator[Any]:
+    started: list[DaemonProcess] = []
+
+    def make(profile: dict[str, Any] | None = None, daemon: dict[str, Any] | None = None,
+             name: str = "state", start: bool = True) -> DaemonProcess:
+        table = {"kind": "openai", "base_url": emulator.openai_base_url,
+                 "stale_timeout_s": 30.0}
+        table.update(profile or {})
+        proc = DaemonProcess(tmp_path / name, {"emu": table}, daemon=daemon)
+        started.append(proc)
+        return proc.start() if start else proc
+
+    yield make
+    for proc in started:
+        proc.stop()
+        assert not getattr(proc, "survivors", []), f"processes outlived the daemon: {proc.survivors}"

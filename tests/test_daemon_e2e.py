@@ -1,0 +1,131 @@
+"""End-to-end: the real daemon, real worker processes forked from the warm
+zygote, the real sink, the real openai SDK against the real emulator."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import psutil
+import pytest
+
+from emulator.control import EmulatorClient
+from tests.harness import DaemonProcess, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _request(key: str) -> dict[str, Any]:
+    return {"model": f"gpt-emu#{key}", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _collect(client: Any, call_id: str) -> list[dict[str, Any]]:
+    return list(client.events(call_id, timeout_s=30.0))
+
+
+def _content(events: list[dict[str, Any]]) -> str:
+    done = events[-1]
+    assert done["op"] == "done", events[-1]
+    return str(done["response"]["content"])
+
+
+def test_clean_call_completes_with_exactly_the_emulators_text(
+        make_daemon: Any, emu: EmulatorClient) -> None:
+    daemon: DaemonProcess = make_daemon()
+    with daemon.client() as client:
+        call_id = client.submit("emu", _request("clean"))
+        events = _collect(client, call_id)
+    done = events[-1]
+    assert done["status"] == "completed", done
+    sent = emu.log("clean")
+    assert len(sent) == 1
+    assert _content(events) == sent[0]["text"]
+    assert "".join(e["data"] for e in events if e.get("kind") == "text") == sent[0]["text"]
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    assert done["response"]["finish_reason"] == "stop"
+    assert done["response"]["usage"]["total_tokens"] > 0
+
+
+@pytest.mark.parametrize("policy,after", [("continue", 0), ("restart", 3)])
+def test_zombie_is_fenced_killed_and_retried(make_daemon: Any, emu: EmulatorClient,
+                                             policy: str, after: int) -> None:
+    """Attempt 1 stalls past the stale timeout, then resumes on the same
+    connection. Its worker must be gone, nothing of attempt 1 accepted after
+    the fence, and the content exactly one complete response."""
+    emu.script("zombie", [{"fault": "stall", "after": after, "stall_s": 3.0}])
+    daemon: DaemonProcess = make_daemon()
+    with daemon.client() as client:
+        call_id = client.submit("emu", _request("zombie"),
+                                options={"stale_timeout_s": 1.0, "on_partial": policy})
+        events = _collect(client, call_id)
+    done = events[-1]
+    assert done["status"] == "completed", done
+    assert done["attempts"] == 2
+    sent = emu.log("zombie")
+    assert len(sent) == 2
+    # Byte for byte: the winning request's text, and nothing of the zombie's.
+    assert _content(events).encode() == sent[1]["text"].encode()
+    assert sent[0]["text"] != sent[1]["text"]
+    # Attempt 1's worker process no longer exists.
+    (pid,) = daemon.journal_rows(
+        "SELECT worker_pid FROM attempts WHERE call_id = ? AND attempt = 1", call_id)[0:1]
+    assert pid[0] and not _alive(pid[0]), f"attempt 1's worker {pid[0]} still exists"
+    # The transcript: attempt 1 has at most the deltas it sent before the stall.
+    rows = daemon.transcript_rows(
+        "SELECT attempt, SUM(n) FROM events WHERE call_id = ? AND op = 'delta' "
+        "GROUP BY attempt", call_id)
+    per_attempt = dict(rows)
+    assert per_attempt.get(1, 0) <= after + 1  # +1: a role-only first chunk carries no delta
+    if policy == "restart" and after:
+        assert any(e["op"] == "reset" for e in events)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_kill_9_of_the_worker_retries_with_exactly_one_response(
+        make_daemon: Any, emu: EmulatorClient) -> None:
+    emu.script("victim", [{"fault": "stall", "after": 0, "stall_s": 20.0}])
+    daemon: DaemonProcess = make_daemon()
+    with daemon.client() as client:
+        call_id = client.submit("emu", _request("victim"))
+        wait_until(lambda: emu.log("victim"), 10, "the first request to reach the emulator")
+
+        def busy_pid() -> int:
+            for w in client.status()["workers"]:
+                if w["call_id"] == call_id and w["state"] == "busy":
+                    return int(w["pid"])
+            return 0
+
+        pid = wait_until(busy_pid, 10, "a busy worker for the call in status")
+        os.kill(pid, signal.SIGKILL)
+        events = _collect(client, call_id)
+    assert events[-1]["status"] == "completed", events[-1]
+    sent = emu.log("victim")
+    assert len(sent) == 2
+    assert _content(events) == sent[1]["text"]
+    assert not _alive(pid)
+
+
+def test_status_shows_workers_with_pid_state_and_attempt(make_daemon: Any,
+                                                         emu: EmulatorClient) -> None:
+    emu.script("held", [{"fault": "stall", "after": 0, "stall_s": 2.0}])
+    daemon: DaemonProcess = make_daemon()
+    with daemon.client() as client:
+        call_id = client.submit("emu", _request("held"))
+
+        def busy() -> dict[str, Any] | None:
+            return next((w for w in client.status()["workers"]
+                         if w["call_id"] == call_id and w["state"] == "busy"), None)
+
+        worker = wait_until(busy, 10, "the call's worker in status")
+        assert worker["attempt"] == 1
+        assert psutil.Process(worker["pid"]).is_running()
+        status = client.status()
+        assert sum(1 for w in status["workers"] if w["state"] == "idle") >= 1
+        _collect(client, call_id)

@@ -1,0 +1,379 @@
+"""Turn any exception an attempt can die of into the FinalInfo `error` map.
+
+Contract: `classify(exc)` never raises and returns
+    {"class": "transient"|"final"|"context_overflow", "code": str,
+     "message": str, "status": int|None, "retry_after_s": float|None}
+The supervisor decides retries from `class` alone and reads `code` for the
+special cases it handles (`stream_options_rejected`, `streaming_unsupported`,
+`empty_sse_frames`, ...). `message` is scrubbed of anything that looks like a
+credential and truncated, because it reaches logs, the journal and clients.
+
+Rules (from the origin's stream error handling, SPEC §3):
+- transient: timeouts; connection drops (httpx2 connect/read/protocol errors
+  raised raw while a body is read, the SDKs' APIConnectionError/APITimeoutError,
+  botocore connection/read-timeout errors); SSE error texts such as "connection
+  lost"; malformed stream data; empty streams; HTTP 408/409/429/5xx.
+- context_overflow: a 400/422 (or an in-stream error) whose text says the
+  prompt does not fit the context window.
+- final: every other 4xx, and anything we do not recognise (a bug must not
+  turn into a retry loop).
+Optional SDKs (anthropic, botocore, urllib3, anyio) are looked up in
+sys.modules, never imported: an instance of their exception implies the module
+is already loaded.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import math
+import re
+import ssl
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import httpx2
+import openai
+
+TRANSIENT = "transient"
+FINAL = "final"
+CONTEXT_OVERFLOW = "context_overflow"
+MESSAGE_LIMIT = 2000
+
+
+class StreamFailure(Exception):
+    """A failure detected by our own stream decoding; carries its class and code."""
+
+    error_class = TRANSIENT
+    code = "stream_failure"
+
+
+class MalformedStreamError(StreamFailure):
+    """An SSE data payload that is not a JSON object of the expected shape."""
+
+    code = "malformed_stream"
+
+
+# ---- scrubbing -------------------------------------------------------------
+
+_SCRUBBERS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=\-]{4,}"), r"\1 [redacted]"),
+    (re.compile(r"(?i)\b(proxy-authorization|authorization|x-api-key|api-key|x-goog-api-key)"
+                r"([\"']?\s*[:=]\s*[\"']?)(?!\[redacted)[^\s\"',;}]+"), r"\1\2[redacted]"),
+    (re.compile(r"(?i)\b(api[_-]?key|access[_-]?token|secret[_-]?access[_-]?key|password|"
+                r"client[_-]?secret|session[_-]?token)([\"']?\s*[:=]\s*[\"']?)[^\s\"',&;}]{4,}"),
+     r"\1\2[redacted]"),
+    (re.compile(r"(?i)([?&](?:key|api_key|apikey|token|access_token|sig)=)[^&\s\"']+"), r"\1[redacted]"),
+    (re.compile(r"\b(?:sk|rk|pk)-[A-Za-z0-9_\-*.]{6,}"), "[redacted-key]"),
+    (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), "[redacted-aws-key]"),
+    (re.compile(r"\bAIza[0-9A-Za-z_\-]{30,}"), "[redacted-key]"),
+    (re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|xox[abprs]-[A-Za-z0-9\-]{10,})"), "[redacted-key]"),
+    (re.compile(r"\beyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{4,}"), "[redacted-jwt]"),
+)
+
+
+def scrub(text: str, extra_secrets: Iterable[str] = ()) -> str:
+    """Remove credentials from `text` and cap its length."""
+    for secret in extra_secrets:
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, "[redacted]")
+    for pattern, repl in _SCRUBBERS:
+        text = pattern.sub(repl, text)
+    if len(text) > MESSAGE_LIMIT:
+        text = text[:MESSAGE_LIMIT] + "…"
+    return text
+
+
+def error_info(error_class: str, code: str, message: str, status: int | None = None,
+               retry_after_s: float | None = None, extra_secrets: Iterable[str] = ()) -> dict[str, Any]:
+    """Build the FinalInfo `error` map; the single place messages get scrubbed."""
+    return {"class": error_class, "code": code, "message": scrub(message, extra_secrets),
+            "status": status, "retry_after_s": retry_after_s}
+
+
+# ---- text patterns ---------------------------------------------------------
+
+_CONTEXT_RE = re.compile(
+    r"context[_ ]length[_ ]exceeded|maximum context|context (?:length|window|size|limit)"
+    r"|prompt is too long|prompt too long|input is too long|too many (?:input )?tokens"
+    r"|exceeds? (?:the )?(?:model'?s? )?(?:context|max(?:imum)? (?:input|number of tokens|tokens))"
+    r"|reduce the length of the messages|input length and `?max_tokens`? exceed"
+    r"|maximum input length|prompt (?:length|tokens?) exceeds?", re.IGNORECASE)
+
+# From the origin: proxies report an upstream drop as an SSE error event, not a status.
+_CONN_PHRASES = ("connection lost", "connection reset", "connection closed", "connection terminated",
+                 "connection aborted", "connection refused", "network error", "network connection",
+                 "terminated", "peer closed", "broken pipe", "upstream connect error",
+                 "incomplete chunked read", "server disconnected", "remote end closed",
+                 "eof occurred", "timed out", "stream timeout")
+
+# Provider error types/codes that say "try again" rather than "your request is wrong".
+_TRANSIENT_TYPES = ("server_error", "internal", "overloaded", "unavailable", "rate_limit",
+                    "timeout", "api_error", "throttl", "too_many_requests", "capacity",
+                    "modelstreamerror", "modelnotready", "bad_gateway", "gateway")
+
+_STATUS_CODES = {400: "bad_request", 401: "auth_failed", 403: "permission_denied",
+                 404: "not_found", 408: "request_timeout", 409: "conflict",
+                 413: "payload_too_large", 422: "unprocessable", 429: "rate_limited",
+                 503: "unavailable", 529: "overloaded"}
+
+
+def is_context_overflow_text(text: str) -> bool:
+    return _CONTEXT_RE.search(text) is not None
+
+
+def has_connection_phrase(text: str) -> bool:
+    low = text.lower()
+    return any(p in low for p in _CONN_PHRASES)
+
+
+def names_stream_options(status: int | None, text: str) -> bool:
+    """A strict endpoint rejecting the usage extension (400/422 naming it)."""
+    return status in (400, 422) and "stream_options" in text.lower()
+
+
+def _rejects_streaming(status: int | None, text: str) -> bool:
+    low = text.lower()
+    return (status is not None and 400 <= status < 500 and "stream" in low
+            and ("not supported" in low or "unsupported" in low or "not allowed" in low
+                 or "does not support" in low))
+
+
+# ---- Retry-After -----------------------------------------------------------
+
+def retry_after_from_headers(headers: Any, now: float | None = None) -> float | None:
+    """Seconds to wait from `retry-after-ms` or `Retry-After` (seconds or HTTP date)."""
+    if headers is None:
+        return None
+    try:
+        ms = headers.get("retry-after-ms")
+        raw = headers.get("retry-after")
+    except Exception:
+        return None
+    for value, scale in ((ms, 1000.0), (raw, 1.0)):
+        if value is None:
+            continue
+        try:
+            delay = float(value) / scale
+        except (TypeError, ValueError):
+            continue
+        return max(0.0, delay) if math.isfinite(delay) else None
+    if isinstance(raw, str):
+        parsed = email.utils.parsedate_tz(raw)
+        if parsed is not None:
+            try:
+                when = float(email.utils.mktime_tz(parsed))
+            except (OverflowError, ValueError):
+                return None
+            return max(0.0, when - (time.time() if now is None else now))
+    return None
+
+
+# ---- classification ----------------------------------------------------------
+
+def status_from_value(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
+        return value
+    if isinstance(value, str):
+        m = re.search(r"\b([1-5]\d\d)\b", value)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def classify_status(status: int, text: str, *, retry_after_s: float | None = None,
+                    provider_type: str = "", extra_secrets: Iterable[str] = ()) -> dict[str, Any]:
+    """An HTTP status with the provider's message (and error type, if known)."""
+    def make(cls: str, code: str) -> dict[str, Any]:
+        return error_info(cls, code, text, status, retry_after_s, extra_secrets)
+
+    low_type = provider_type.lower()
+    if status in (400, 413, 422) and is_context_overflow_text(text + " " + low_type):
+        return make(CONTEXT_OVERFLOW, "context_overflow")
+    if names_stream_options(status, text):
+        return make(FINAL, "stream_options_rejected")
+    if _rejects_streaming(status, text):
+        return make(FINAL, "streaming_unsupported")
+    if status == 429 and ("insufficient_quota" in text + low_type or "billing" in text.lower()):
+        # OpenAI's quota exhaustion is a 429 that no retry can fix.
+        return make(FINAL, "quota_exhausted")
+    if status in (408, 409, 425, 429) or status >= 500:
+        return make(TRANSIENT, _STATUS_CODES.get(status, "server_error" if status >= 500 else f"http_{status}"))
+    return make(FINAL, _STATUS_CODES.get(status, f"http_{status}"))
+
+
+def classify_payload(payload: Any, *, status: int | None = None, text: str | None = None,
+                     extra_secrets: Iterable[str] = ()) -> dict[str, Any]:
+    """A provider error object (in-stream `{"error": {...}}`, an error event, a body)."""
+    err = payload.get("error") if isinstance(payload, Mapping) else None
+    if not isinstance(err, Mapping):
+        err = payload if isinstance(payload, Mapping) else {}
+    if isinstance(payload, Mapping) and isinstance(payload.get("error"), str) and not err.get("message"):
+        err = {"message": payload["error"]}
+    etype = " ".join(str(v) for v in (err.get("type") or err.get("error_type"), err.get("code")) if v)
+    message = err.get("message") or err.get("error_message") or text or str(payload)
+    message = str(message)
+    if etype and etype not in message:
+        message = f"{etype}: {message}"
+    if status is None:
+        for cand in (payload.get("status_code") if isinstance(payload, Mapping) else None,
+                     err.get("status_code"), err.get("status"), err.get("http_status"), err.get("code")):
+            status = status_from_value(cand)
+            if status is not None:
+                break
+    if status is not None and status >= 400:
+        return classify_status(status, message, provider_type=etype, extra_secrets=extra_secrets)
+    low = (etype + " " + message).lower()
+    if is_context_overflow_text(low):
+        return error_info(CONTEXT_OVERFLOW, "context_overflow", message, status, None, extra_secrets)
+    if any(t in etype.lower() for t in _TRANSIENT_TYPES) or has_connection_phrase(message):
+        return error_info(TRANSIENT, "provider_error", message, status, None, extra_secrets)
+    return error_info(FINAL, "provider_error", message, status, None, extra_secrets)
+
+
+def classify_error_text(text: str) -> dict[str, Any]:
+    """Error text streamed as content with finish_reason "error": SSE fields or JSON."""
+    status, data = None, []
+    for line in text.splitlines():
+        name, sep, value = line.partition(":")
+        if name == "data" and sep:
+            data.append(value.strip())
+        elif sep and name in ("", "status", "status_code", "http_status") and status is None:
+            status = status_from_value(value)
+    for candidate in ("\n".join(data), text):
+        try:
+            payload = json.loads(candidate)
+        except ValueError:
+            continue
+        if isinstance(payload, dict):
+            return classify_payload(payload, status=status)
+    message = text.strip() or "the provider ended the stream with finish_reason 'error'"
+    return classify_payload({"error": {"message": message}}, status=status)
+
+
+def _mod(name: str) -> Any:
+    return sys.modules.get(name)
+
+
+def _types(module: str, *names: str) -> tuple[type[BaseException], ...]:
+    mod = _mod(module)
+    if mod is None:
+        return ()
+    return tuple(t for t in (getattr(mod, n, None) for n in names) if isinstance(t, type))
+
+
+def _describe(exc: BaseException) -> str:
+    """`Type: message`, plus the cause the SDKs hide behind "Connection error."."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and isinstance(exc, (openai.APIConnectionError, *_anthropic_conn())):
+        text += f" ({type(cause).__name__}: {cause})"
+    return text
+
+
+def _anthropic_conn() -> tuple[type[BaseException], ...]:
+    return _types("anthropic", "APIConnectionError")
+
+
+def _transport_code(exc: BaseException) -> str | None:
+    """Code for a timeout or connection error of any transport we use, else None."""
+    if isinstance(exc, httpx2.ConnectTimeout | httpx2.PoolTimeout):
+        return "connect_timeout"
+    if isinstance(exc, httpx2.ReadTimeout | TimeoutError):
+        return "read_timeout"
+    if isinstance(exc, httpx2.TimeoutException):
+        return "timeout"
+    if isinstance(exc, (openai.APITimeoutError, *_types("anthropic", "APITimeoutError"))):
+        return "timeout"
+    if isinstance(exc, _types("botocore.exceptions", "ReadTimeoutError", "ConnectTimeoutError")
+                  + _types("urllib3.exceptions", "TimeoutError")):
+        return "read_timeout" if "Read" in type(exc).__name__ else "connect_timeout"
+    if isinstance(exc, (openai.APIConnectionError, *_anthropic_conn())):
+        cause = exc.__cause__ or exc.__context__
+        return "connect_error" if isinstance(cause, httpx2.ConnectError) else "connection_error"
+    if isinstance(exc, httpx2.ConnectError | ConnectionRefusedError):
+        return "connect_error"
+    if isinstance(exc, httpx2.NetworkError | httpx2.RemoteProtocolError | httpx2.ProxyError
+                  | httpx2.DecodingError | ConnectionError | ssl.SSLError | EOFError):
+        return "connection_error"
+    if isinstance(exc, _types("anyio", "EndOfStream", "BrokenResourceError", "ClosedResourceError")
+                  + _types("botocore.exceptions", "ConnectionError", "HTTPClientError", "IncompleteReadError")
+                  + _types("urllib3.exceptions", "ProtocolError", "NewConnectionError")
+                  + _types("http.client", "IncompleteRead")):
+        return "connection_error"
+    return None
+
+
+def _classify_botocore(exc: BaseException, extra: Iterable[str]) -> dict[str, Any]:
+    response = getattr(exc, "response", None)
+    response = response if isinstance(response, Mapping) else {}
+    err = response.get("Error") or {}
+    code = str(err.get("Code") or "")
+    message = f"{code}: {err.get('Message') or exc}"
+    meta = response.get("ResponseMetadata") or {}
+    status = status_from_value(meta.get("HTTPStatusCode"))
+    headers = meta.get("HTTPHeaders")
+    low = code.lower()
+    if "accessdenied" in low and ("stream" in message.lower()):
+        return error_info(FINAL, "streaming_unsupported", message, status, None, extra)
+    if status is not None and status >= 400 and not any(t in low for t in _TRANSIENT_TYPES):
+        return classify_status(status, message, provider_type=code,
+                               retry_after_s=retry_after_from_headers(headers), extra_secrets=extra)
+    result = classify_payload({"error": {"type": code, "message": str(err.get("Message") or exc)}},
+                              status=None, extra_secrets=extra)
+    result["status"] = status
+    result["retry_after_s"] = retry_after_from_headers(headers)
+    return result
+
+
+def classify(exc: BaseException, extra_secrets: Iterable[str] = ()) -> dict[str, Any]:
+    """The FinalInfo `error` map for `exc`. Never raises.
+
+    `extra_secrets`: literal values (the profile's API key) to scrub as well.
+    """
+    extra = tuple(extra_secrets)
+    try:
+        return _classify(exc, extra)
+    except Exception as inner:  # a classifier bug (or a str() that raises) must not hide the failure
+        return error_info(FINAL, "unclassified", f"{type(exc).__name__} [classifier: {type(inner).__name__}]",
+                          extra_secrets=extra)
+
+
+def _classify(exc: BaseException, extra: tuple[str, ...]) -> dict[str, Any]:
+    if isinstance(exc, StreamFailure):
+        return error_info(exc.error_class, exc.code, str(exc), extra_secrets=extra)
+    status = getattr(exc, "status_code", None)
+    response = getattr(exc, "response", None)
+    if isinstance(exc, httpx2.HTTPStatusError):
+        status = exc.response.status_code
+    if isinstance(status, int) and not isinstance(status, bool) and response is not None \
+            and not isinstance(response, Mapping):
+        body = getattr(exc, "body", None)
+        headers = getattr(response, "headers", None)
+        if status < 400:  # anthropic: an in-stream error event is an APIStatusError on a 200
+            info = classify_payload(body, text=str(exc), extra_secrets=extra)
+        else:
+            etype = f"{getattr(exc, 'type', None) or ''} {getattr(exc, 'code', None) or ''}"
+            info = classify_status(status, str(exc), provider_type=etype,
+                                   retry_after_s=retry_after_from_headers(headers), extra_secrets=extra)
+        info["status"] = status
+        return info
+    if isinstance(exc, _types("botocore.exceptions", "ClientError")):
+        return _classify_botocore(exc, extra)
+    text = _describe(exc)
+    if "certificate verify failed" in text.lower():
+        return error_info(FINAL, "tls_verify_failed", text, extra_secrets=extra)
+    code = _transport_code(exc)
+    if code is not None:
+        return error_info(TRANSIENT, code, text, extra_secrets=extra)
+    if isinstance(exc, (openai.APIError, *_types("anthropic", "APIError"))):
+        # An SSE error event the SDK raised without a status (e.g. OpenRouter's
+        # {"error": {"message": "Network connection lost."}}).
+        body = getattr(exc, "body", None)
+        return classify_payload(body if isinstance(body, Mapping) else {"error": {"message": str(exc)}},
+                                text=str(exc), extra_secrets=extra)
+    if has_connection_phrase(str(exc)):
+        return error_info(TRANSIENT, "connection_error", text, extra_secrets=extra)
+    return error_info(FINAL, "unexpected_error", text, extra_secrets=extra)
