@@ -138,12 +138,13 @@ class Sink(SinkState):
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self.sin, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        wake_fd = self._wake_r.fileno()
         log.info("sink: serving pid=%s in=%s", os.getpid(), self.sin.getsockopt_string(zmq.LAST_ENDPOINT))
         while not self._stopping:
             due = self.commit_due
             timeout = IDLE_POLL_MS if due is None else max(0, int((due - time.monotonic()) * 1000) + 1)
             ready = dict(poller.poll(timeout))
-            if self._wake_r in ready:
+            if wake_fd in ready:  # plain fds come back as their fileno
                 self._drain_signals()
             if self.ctl in ready:
                 self._drain_ctl()

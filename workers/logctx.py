@@ -52,10 +52,11 @@ class ZmqLogHandler(logging.Handler):
     text): no pickle on any socket.
     """
 
-    def __init__(self, socket: zmq.Socket[bytes]) -> None:
+    def __init__(self, socket: zmq.Socket[bytes], process_name: str) -> None:
         super().__init__()
         self.addFilter(ContextFilter())
         self._socket = socket
+        self._process_name = process_name
         self._lock_send = threading.Lock()
         self._formatter = logging.Formatter()
 
@@ -72,7 +73,7 @@ class ZmqLogHandler(logging.Handler):
                 "exc_text": exc_text,
                 "created": record.created,
                 "process": record.process,
-                "processName": record.processName,
+                "processName": self._process_name,
             }
             for key in CONTEXT_FIELDS:
                 fields[key] = getattr(record, key, _context[key])
@@ -85,10 +86,10 @@ class ZmqLogHandler(logging.Handler):
             self.handleError(record)
 
 
-def route_logs_to(socket: zmq.Socket[bytes], level: int) -> None:
+def route_logs_to(socket: zmq.Socket[bytes], level: int | str, process_name: str) -> None:
     """Make `socket` the only destination of this process's records."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
-    root.addHandler(ZmqLogHandler(socket))
+    root.addHandler(ZmqLogHandler(socket, process_name))
     root.setLevel(level)
