@@ -131,6 +131,7 @@ class Daemon:
                            self.driver.on_final_refused)
         self._start_sink()
         self._start_zygote()
+        st.processes.update(supervisor=os.getpid(), sink=self._sink.pid, zygote=self._zygote.pid)
         self._recover(st)
         pool.maintain()
         return st
@@ -280,6 +281,7 @@ class Daemon:
             st.pool.on_exited(worker.worker_id, worker.pid, -9)
             self.driver.on_worker_exit(worker.call_id, worker.token, -9)
         self._start_zygote()
+        st.processes["zygote"] = self._zygote.pid
         st.pool.maintain()
 
     def _shutdown(self, st: DaemonState) -> None:

@@ -212,6 +212,7 @@ class Front:
         for call in st.calls.values():
             by_state[call.state.value] = by_state.get(call.state.value, 0) + 1
         return {"v": 1, "op": "status_reply", "ref": ref,
+                "processes": dict(st.processes),
                 "workers": st.pool.snapshot(),
                 "pool": {"spare": st.pool.spare, "max": st.pool.max_workers,
                          "spawned_total": st.pool.spawned_total,

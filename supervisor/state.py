@@ -39,3 +39,5 @@ class DaemonState:
     # call_id -> encoded events of a live call, index = seq - 1 (for late subscribers)
     events: dict[str, list[bytes]] = field(default_factory=dict)
     next_token: int = 1
+    # role -> pid of the daemon's own processes (supervisor, sink, zygote)
+    processes: dict[str, int] = field(default_factory=dict)
