@@ -129,3 +129,28 @@ def test_status_shows_workers_with_pid_state_and_attempt(make_daemon: Any,
         status = client.status()
         assert sum(1 for w in status["workers"] if w["state"] == "idle") >= 1
         _collect(client, call_id)
+
+
+def test_sigkill_of_the_supervisor_leaves_no_child_alive(make_daemon: Any,
+                                                         emu: EmulatorClient) -> None:
+    emu.script("orphan", [{"fault": "stall", "after": 0, "stall_s": 20.0}])
+    daemon: DaemonProcess = make_daemon()
+    with daemon.client() as client:
+        call_id = client.submit("emu", _request("orphan"))
+        wait_until(lambda: any(w["call_id"] == call_id and w["state"] == "busy"
+                               for w in client.status()["workers"]), 10, "a busy worker")
+        roles = client.status()["processes"]
+    children = daemon.remember_descendants()
+    assert {roles["sink"], roles["zygote"]} <= children
+    assert daemon.proc is not None
+    daemon.proc.kill()
+    daemon.proc.wait(timeout=10)
+    procs = []
+    for pid in children:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=1.0)
+    alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"children alive 1 s after SIGKILL of the supervisor: {alive}"
