@@ -47,6 +47,10 @@ class Fault(enum.Enum):
     EMPTY = "empty"
     ERROR_EVENT = "error_event"
     KEEPALIVE = "keepalive"
+    # Bedrock only (emulator.bedrock_wire): converse-stream answers 403
+    # AccessDeniedException (IAM lacks bedrock:InvokeModelWithResponseStream)
+    # while converse answers normally. Other wires have no meaning for it yet.
+    ACCESS_DENIED = "access_denied"
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,10 @@ def _ctx(call: Call) -> dict[str, Any]:
             "attempt": call.epoch}
 
 
+def _breaker_key(call: Call) -> tuple[str, str]:
+    return (call.spec.session_id or "-", call.profile.name)
+
+
 class AttemptDriver:
     def __init__(self, st: DaemonState) -> None:
         self.st = st
@@ -99,7 +103,8 @@ class AttemptDriver:
         settings = {"connect_timeout_s": call.timeouts.connect_s,
                     "read_timeout_s": call.timeouts.read_s,
                     "include_usage": profile.name not in st.no_stream_options,
-                    "final_ack_timeout_s": 30.0}
+                    "final_ack_timeout_s": 30.0, "notice": call.notice}
+        call.notice = None
         st.workers_sock.send_multipart([worker.identity, msgpack.packb(
             [W_RUN, call.token, call.call_id, call.epoch, call.spec.session_id,
              profile.to_map(), call.spec.request, settings], use_bin_type=True)])
@@ -147,6 +152,8 @@ class AttemptDriver:
             ended_stats, final = call.ended
             self._decide(call, ended_stats, final, final.get("error"))
             return
+        if call.fence_reason == "stale":
+            st.breakers.on_stale(_breaker_key(call))  # once per attempt: fenced once
         if worker is not None and worker.token == call.token:
             st.pool.kill(worker)  # fenced first, so the kill cannot lose an accepted delta
             st.pool.maintain()
@@ -205,6 +212,10 @@ class AttemptDriver:
         if int(stats.get("visible_chars", 0)) > 0:
             call.delivered = True
         decision = decide(call, stats, final, error, st.clock())
+        if error is None and final is not None:
+            st.breakers.on_success(_breaker_key(call))
+        elif call.fence_reason != "stale":
+            st.breakers.on_probe_ended(_breaker_key(call))
         if isinstance(decision, Finish):
             self.finish(call, decision)
             return
@@ -216,6 +227,10 @@ class AttemptDriver:
                 "code": ErrorCode.DEADLINE_EXCEEDED.value,
                 "message": "the deadline leaves no time for the next attempt's backoff"}, {}))
             return
+        if int(stats.get("tool_fragments", 0)) > 0:
+            call.notice = (f"The connection dropped in the middle of a tool call "
+                           f"({(error or {}).get('message')}); the request is retried "
+                           f"and the tool call starts over.")
         log.info("retrying after %.2fs: %s", delay, (error or {}).get("message"), extra=_ctx(call))
         call.retry_at = now + delay
         call.to("retry")
@@ -245,8 +260,10 @@ class AttemptDriver:
         st.counters["calls_" + str(done.get("status"))] += 1
         log.info("call %s after %d attempt(s)", done.get("status"), call.attempts,
                  extra=_ctx(call))
-        for identity, ref, _ in call.waiters:
-            st.front.send_multipart([identity, msgpack.packb(dict(done, ref=ref))])
+        if call.waiters:
+            reply = dict(done, diagnostics=st.journal.attempts_of(call.call_id))
+            for identity, ref, _ in call.waiters:
+                st.front.send_multipart([identity, msgpack.packb(dict(reply, ref=ref))])
         call.waiters.clear()
         st.subscribers.pop(call.call_id, None)
         st.events.pop(call.call_id, None)

@@ -71,6 +71,7 @@ class Call:
     cancel_requested: bool = False
     delivered: bool = False  # visible text of some attempt stands in the transcript
     last_error: dict[str, Any] | None = None
+    notice: str | None = None  # the next attempt's first delta (a user-visible warning)
     waiters: list[tuple[bytes, str, float]] = field(default_factory=list)
 
     def to(self, event: str) -> None:

@@ -32,6 +32,7 @@ from protocol.internal import L_RECORD, W_HELLO, W_IDLE, Endpoints
 from protocol.messages import CallOptions, CallSpec, OnPartial
 from sink.process import run_sink
 from supervisor.attempts import AttemptDriver
+from supervisor.breaker import Breakers
 from supervisor.calls import Call
 from supervisor.config import DaemonConfig
 from supervisor.front import Front
@@ -124,7 +125,9 @@ class Daemon:
                     max_workers=cfg.workers_max)
         st = DaemonState(config=cfg, journal=journal, pool=pool, sink=None,  # type: ignore[arg-type]
                          live=live, front=front, workers_sock=workers_sock,
-                         clock=time.monotonic, rng=random.Random())
+                         clock=time.monotonic, rng=random.Random(),
+                         breakers=Breakers(cfg.breaker_threshold, cfg.breaker_cooldown_s,
+                                           time.monotonic))
         self.driver = AttemptDriver(st)
         self.front = Front(st, self.driver, self.transcript_path)
         st.sink = SinkLink(sink_sock, self.front.on_event, self.driver.on_ended,

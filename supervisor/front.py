@@ -36,13 +36,19 @@ from supervisor.timeouts import attempt_timeouts
 
 log = logging.getLogger("streamfence.front")
 
+# Codes that mean "the client sent something we cannot take" (counted as bad
+# input), as opposed to refusals of a well-formed request (breaker, overload).
+BAD_INPUT = frozenset({ErrorCode.BAD_FRAME, ErrorCode.TOO_LARGE, ErrorCode.BAD_MESSAGE,
+                       ErrorCode.UNSUPPORTED_VERSION, ErrorCode.UNKNOWN_OP,
+                       ErrorCode.UNKNOWN_PROVIDER, ErrorCode.UNKNOWN_CALL})
+
 
 class Front:
     def __init__(self, st: DaemonState, driver: AttemptDriver, transcript_path: str) -> None:
         self.st = st
         self.driver = driver
         self._transcript_path = transcript_path
-        self._accepts: list[tuple[bytes, dict[str, Any]]] = []
+        self._accepts: list[tuple[bytes, dict[str, Any], Subscribe | None]] = []
         self._idem_in_turn: dict[str, str] = {}
         self.accepting = True
 
@@ -50,7 +56,8 @@ class Front:
         self.st.front.send_multipart([identity, encode(msg)])
 
     def _error(self, identity: bytes, ref: str | None, code: ErrorCode, message: str) -> None:
-        self.st.counters["bad_input." + code.value] += 1
+        kind = "bad_input." if code in BAD_INPUT else "refused."
+        self.st.counters[kind + code.value] += 1
         self._send(identity, error_msg(ref, code, message))
 
     # ---- one frame ---------------------------------------------------------
@@ -95,14 +102,21 @@ class Front:
             self._error(identity, req.ref, ErrorCode.UNKNOWN_PROVIDER,
                         f"no provider profile {spec.provider!r} (configured: {known})")
             return
+        existing = None
         if spec.idempotency_key is not None:
             existing = (self._idem_in_turn.get(spec.idempotency_key)
                         or st.journal.call_by_idempotency_key(spec.idempotency_key))
-            if existing is not None:
-                if req.subscribe:
-                    self._subscribe(identity, Subscribe(ref=req.ref, call_id=existing))
-                self._accepts.append((identity, accepted_msg(req.ref, existing, duplicate=True)))
-                return
+        if existing is not None:
+            # The same call again: its id, and nothing new starts.
+            # Subscribed after `accepted` goes out, so the replay follows the reply.
+            self._accepts.append((identity, accepted_msg(req.ref, existing, duplicate=True),
+                                  Subscribe(ref=req.ref, call_id=existing)
+                                  if req.subscribe else None))
+            return
+        refusal = st.breakers.admit((spec.session_id or "-", spec.provider))
+        if refusal is not None:
+            self._error(identity, req.ref, ErrorCode.BREAKER_OPEN, refusal)
+            return
         if len(st.queue) >= st.config.queue_max:
             self._error(identity, req.ref, ErrorCode.OVERLOADED,
                         f"{len(st.queue)} calls are queued (queue_max); retry later")
@@ -124,15 +138,17 @@ class Front:
             st.subscribers.setdefault(call_id, {})[identity] = 1
         st.queue.append(call_id)
         st.counters["calls_accepted"] += 1
-        self._accepts.append((identity, accepted_msg(req.ref, call_id)))
+        self._accepts.append((identity, accepted_msg(req.ref, call_id), None))
 
     def flush_accepts(self) -> None:
         """Journal commit first, then the `accepted` replies of this turn."""
         if not self._accepts:
             return
         self.st.journal.commit()
-        for identity, msg in self._accepts:
+        for identity, msg, then_subscribe in self._accepts:
             self._send(identity, msg)
+            if then_subscribe is not None:
+                self._subscribe(identity, then_subscribe)
         self._accepts.clear()
         self._idem_in_turn.clear()
 
@@ -164,7 +180,8 @@ class Front:
             if done is None:
                 self._error(identity, req.ref, ErrorCode.UNKNOWN_CALL, f"no call {req.call_id!r}")
             else:
-                self._send(identity, dict(done, ref=req.ref))
+                self._send(identity, dict(done, ref=req.ref,
+                                          diagnostics=st.journal.attempts_of(req.call_id)))
             return
         if req.wait_s > 0:
             call.waiters.append((identity, req.ref, st.clock() + req.wait_s))
@@ -217,8 +234,12 @@ class Front:
                 "pool": {"spare": st.pool.spare, "max": st.pool.max_workers,
                          "spawned_total": st.pool.spawned_total,
                          "killed_total": st.pool.killed_total},
-                "calls": {"active": len(st.calls), "queued": len(st.queue), "by_state": by_state},
-                "breakers": [],
+                "calls": {"active": len(st.calls), "queued": len(st.queue), "by_state": by_state,
+                          "running": [{"call_id": c.call_id, "state": c.state.value,
+                                       "attempt": c.epoch, "session_id": c.spec.session_id,
+                                       "provider": c.profile.name}
+                                      for c in list(st.calls.values())[:100]]},
+                "breakers": st.breakers.snapshot(),
                 "counters": dict(st.counters),
                 "sink": st.sink.stats}
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from supervisor.breaker import Breakers
 from supervisor.calls import Call
 from supervisor.config import DaemonConfig
 from supervisor.journal import Journal
@@ -29,6 +30,7 @@ class DaemonState:
     workers_sock: zmq.Socket[bytes]
     clock: Callable[[], float]
     rng: random.Random
+    breakers: Breakers
     calls: dict[str, Call] = field(default_factory=dict)
     queue: deque[str] = field(default_factory=deque)
     counters: Counter[str] = field(default_factory=Counter)

@@ -87,6 +87,8 @@ def _run_one(msg: list[Any], sink: zmq.Socket[bytes], live: LivenessTable,
     out = SinkOutput(sink, call_id, attempt, live, slot)
     started = time.monotonic_ns()
     log.info("attempt started: provider=%s model=%s", profile.get("name"), request.get("model"))
+    if settings.get("notice"):
+        out.delta(DeltaKind.NOTICE.value, settings["notice"])
     try:
         final = run_attempt(profile, request, out, settings)
     except Exception as exc:
@@ -106,6 +108,15 @@ def _run_one(msg: list[Any], sink: zmq.Socket[bytes], live: LivenessTable,
             level = logging.ERROR if out.visible_chars == 0 else logging.WARNING
             log.log(level, "stream ended with error: %s (%s, %s)",
                     err.get("message"), err.get("class"), err.get("code"))
+    if final.get("dropped_tool_names"):
+        names = ", ".join(final["dropped_tool_names"])
+        log.warning("tool call(s) dropped, never executed: %s", names)
+        out.delta(DeltaKind.NOTICE.value,
+                  f"The stream ended before these tool calls were complete; they were "
+                  f"dropped and not executed: {names}.")
+    if final.get("finish_reason") == "content_filter":
+        out.delta(DeltaKind.NOTICE.value, "The provider stopped this answer with its content "
+                                          "filter (finish_reason content_filter).")
     _, _, chunks, nbytes = live.read(slot)
     final["diag"] = {
         "first_chunk_ms": (out.first_chunk_ns - started) / 1e6 if out.first_chunk_ns else None,
