@@ -5,6 +5,8 @@ Contract
 Provider routes (one sibling module per wire; only OpenAI so far):
 
   ``POST /v1/chat/completions``   :mod:`emulator.openai_wire`
+  ``POST /v1/messages``           :mod:`emulator.anthropic_wire`
+  ``POST /model/{modelId}/converse-stream``, ``.../converse``   :mod:`emulator.bedrock_wire`
 
 Control API (JSON in, JSON out; a bad request gets 400 ``{"error": str}``):
 
@@ -28,7 +30,7 @@ import os
 import orjson
 from aiohttp import web
 
-from . import openai_wire
+from . import anthropic_wire, bedrock_wire, openai_wire
 from .script import STEP_FIELDS, ScriptError, parse_steps
 from .state import STATE_KEY, EmulatorState, RequestLog
 
@@ -99,6 +101,9 @@ def make_app(*, require_auth: bool = False, log_limit: int = 100_000) -> web.App
     app = web.Application(client_max_size=_MAX_BODY)
     app[STATE_KEY] = EmulatorState(log=RequestLog(log_limit), require_auth=require_auth)
     app.router.add_post("/v1/chat/completions", openai_wire.handle_chat_completions)
+    app.router.add_post("/v1/messages", anthropic_wire.handle_messages)
+    app.router.add_post("/model/{modelId}/converse-stream", bedrock_wire.handle_converse_stream)
+    app.router.add_post("/model/{modelId}/converse", bedrock_wire.handle_converse)
     app.router.add_post("/_emu/script", _script)
     app.router.add_get("/_emu/log", _log)
     app.router.add_post("/_emu/reset", _reset)

@@ -266,7 +266,6 @@ class Sink(SinkState):
         peer = self.peer
         noblock, sndmore = zmq.NOBLOCK, zmq.SNDMORE
         n = 0
-        outs = []
         for _ in range(budget):
             try:
                 ident = recv(noblock)
@@ -322,10 +321,16 @@ class Sink(SinkState):
             pending.append(event)
             live.add[kind](data)
             n += 1
-            outs.append(live.head + pseq_b + pack(event))
-        if outs and peer is not None:
-            ctl_send(peer, sndmore)
-            ctl_send(b"\xdd" + len(outs).to_bytes(4, "big") + b"".join(outs))
+            out = live.head + pseq_b + pack(event)
+            if peer is not None:
+                try:
+                    ctl_send(peer, sndmore)
+                    ctl_send(out)
+                    continue
+                except zmq.ZMQError as exc:
+                    self._lose_peer(exc)
+                    peer = None
+            self._buffer(out)
         self.pending_events += n
         self.accepted += n
 

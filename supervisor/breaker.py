@@ -76,6 +76,7 @@ class Breakers:
             b.probe_out = False
 
     def snapshot(self) -> list[dict[str, Any]]:
+        """Every pair with a stale streak, open or not (a success clears it)."""
         return [{"session_id": k[0], "provider": k[1], "state": b.state.value,
                  "consecutive_stale": b.consecutive_stale}
-                for k, b in self._pairs.items() if b.state is not BreakerState.CLOSED]
+                for k, b in self._pairs.items()]

@@ -30,8 +30,7 @@ Rules (origin 002, `_call_chat_completions` / `_finish_chat_stream`):
 from __future__ import annotations
 
 import contextlib
-import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import openai
@@ -47,6 +46,7 @@ from workers.errors import (
     names_stream_options,
 )
 from workers.output import REASONING, REFUSAL, TEXT, TOOL_CALL, AttemptOutput
+from workers.sse import iter_sse_events
 
 __all__ = ["ChatStreamAssembler", "MalformedStreamError", "complete_chat", "final_from_exception",
            "is_stream_options_rejection", "iter_sse_events", "stream_chat"]
@@ -313,60 +313,6 @@ class ChatStreamAssembler:
         except orjson.JSONDecodeError:
             return False
         return True
-
-
-def iter_sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[bytes | None, bytes | None]]:
-    """Parse SSE framing from raw body bytes; yield (event, data) per dispatched event.
-
-    data is None for a frame without `data:` lines (event/id-only keep-alives);
-    comments never dispatch. Lines end in LF, CRLF or CR (also split across reads);
-    an event not closed by a blank line at EOF is discarded, as the spec says.
-    """
-    tail = b""
-    event: bytes | None = None
-    data: bytes | None = None
-    cr = False
-    first = True
-    for chunk in itertools.chain(chunks, (None,)):
-        if chunk is None:
-            if not cr:
-                break
-            chunk = b""
-        elif not chunk:
-            continue
-        if first:
-            first = False
-            if chunk.startswith(b"\xef\xbb\xbf"):
-                chunk = chunk[3:]
-        if cr:  # a CR ended the previous read: swallow the LF of a CRLF
-            cr = False
-            if not chunk.startswith(b"\n"):
-                chunk = b"\n" + chunk
-        if b"\r" in chunk:
-            if chunk.endswith(b"\r"):
-                chunk = chunk[:-1]
-                cr = True
-            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        if tail:
-            chunk = tail + chunk
-        lines = chunk.split(b"\n")
-        tail = lines.pop()
-        for line in lines:
-            if not line:
-                if data is not None or event is not None:
-                    yield event, data
-                event = data = None
-            elif line.startswith(b"data:"):
-                value = line[6:] if line[5:6] == b" " else line[5:]
-                data = value if data is None else data + b"\n" + value
-            elif line[0] != 58:  # 58 = ":" starts a comment; id/retry/unknown fields are ignored
-                name, _, value = line.partition(b":")
-                if value[:1] == b" ":
-                    value = value[1:]
-                if name == b"event":
-                    event = value
-                elif name == b"data":  # a bare "data" line is an empty data field
-                    data = value if data is None else data + b"\n" + value
 
 
 def _keep_partial(exc: BaseException, asm: ChatStreamAssembler) -> None:
