@@ -61,6 +61,7 @@ class DaemonConfig:
     backoff_max_s: float = 4.0
     breaker_threshold: int = 5
     breaker_cooldown_s: float = 60.0
+    stop_grace_s: float = 30.0
     log_level: str = "INFO"
     log_json: bool = False
     providers: dict[str, ProviderProfile] = field(default_factory=dict)
@@ -79,7 +80,7 @@ _DAEMON_TYPES: dict[str, tuple[type, ...]] = {
     "endpoint": (str,), "state_dir": (str,), "max_frame_bytes": (int,), "workers_max": (int,),
     "workers_spare": (int,), "queue_max": (int,), "backoff_base_s": (int, float),
     "backoff_max_s": (int, float), "breaker_threshold": (int,),
-    "breaker_cooldown_s": (int, float), "log_level": (str,),
+    "breaker_cooldown_s": (int, float), "stop_grace_s": (int, float), "log_level": (str,),
     "log_json": (bool,),
 }
 _PROFILE_TYPES: dict[str, tuple[type, ...]] = {

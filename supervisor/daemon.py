@@ -31,9 +31,10 @@ import zmq
 from protocol.internal import L_RECORD, W_HELLO, W_IDLE, Endpoints
 from protocol.messages import CallOptions, CallSpec, OnPartial
 from sink.process import run_sink
+from sink.store import events_after
 from supervisor.attempts import AttemptDriver
 from supervisor.breaker import Breakers
-from supervisor.calls import Call
+from supervisor.calls import Call, CallState
 from supervisor.config import DaemonConfig
 from supervisor.front import Front
 from supervisor.journal import Journal
@@ -161,7 +162,8 @@ class Daemon:
                         deadline=None, epoch=jc.epoch)
             call.delivered = jc.epoch > 0  # the transcript may hold an earlier attempt's text
             st.calls[jc.call_id] = call
-            st.events[jc.call_id] = []
+            # Subscribers that come back resume from what the transcript holds.
+            st.events[jc.call_id] = events_after(self.transcript_path, jc.call_id, 0)
             st.queue.append(jc.call_id)
             log.info("recovered unfinished call %s (last epoch %d)", jc.call_id, jc.epoch)
 
@@ -185,7 +187,16 @@ class Daemon:
                  self.config.endpoint, self.config.state_dir, self.runtime_dir)
         code = 0
         try:
-            while not self._stop:
+            drain_until: float | None = None
+            while True:
+                if self._stop and drain_until is None:
+                    drain_until = time.monotonic() + self.config.stop_grace_s
+                    self.front.accepting = False
+                    log.info("stop requested: no new calls; letting %d running attempt(s) "
+                             "finish within %.0fs", self._busy_calls(st), self.config.stop_grace_s)
+                if drain_until is not None and (self._busy_calls(st) == 0
+                                                or time.monotonic() >= drain_until):
+                    break
                 ready = dict(poller.poll(int(TICK_S * 1000)))
                 if st.front in ready:
                     self._drain_front(st)
@@ -203,7 +214,8 @@ class Daemon:
                 self.front.flush_accepts()
                 self.driver.tick_backoffs()
                 self.driver.check_stale()
-                self.driver.schedule()
+                if drain_until is None:
+                    self.driver.schedule()
                 self.front.expire_waiters()
                 st.journal.commit()
                 now = time.monotonic()
@@ -218,6 +230,13 @@ class Daemon:
         finally:
             self._shutdown(st)
         return code
+
+    @staticmethod
+    def _busy_calls(st: DaemonState) -> int:
+        """Calls with an attempt in flight (queued and backing-off ones wait in the journal)."""
+        return sum(1 for c in st.calls.values()
+                   if c.state in (CallState.AUTHORIZING, CallState.RUNNING, CallState.FENCING,
+                                  CallState.FINISHING))
 
     def _drain_front(self, st: DaemonState) -> None:
         for _ in range(1000):

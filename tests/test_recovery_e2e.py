@@ -1,0 +1,66 @@
+"""Stopping and restarting the daemon: a graceful stop lets running attempts
+finish; after kill -9 of the whole daemon, accepted unfinished calls resume
+from the journal under a new epoch and complete with exactly one answer."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import pytest
+
+from emulator.control import EmulatorClient
+from tests.harness import DaemonProcess, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _req(key: str) -> dict[str, Any]:
+    return {"model": f"gpt-emu#{key}", "messages": [{"role": "user", "content": key}]}
+
+
+def test_sigterm_lets_the_running_attempt_finish_and_exits_0(make_daemon: Any,
+                                                             emu: EmulatorClient) -> None:
+    emu.script("graceful", [{"fault": "ok", "chunks": 30, "chunk_delay_s": 0.05}])
+    daemon: DaemonProcess = make_daemon()
+    with daemon.client() as client:
+        call_id = client.submit("emu", _req("graceful"))
+        wait_until(lambda: any(r["chunks_sent"] >= 3 for r in emu.log("graceful")), 10,
+                   "the stream to be under way")
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGTERM)
+        events = list(client.events(call_id, timeout_s=20.0))
+    assert events[-1]["status"] == "completed", events[-1]
+    assert events[-1]["response"]["content"] == emu.log("graceful")[0]["text"]
+    assert daemon.proc.wait(timeout=20) == 0
+
+
+def test_kill_9_of_the_daemon_then_restart_resumes_the_call(make_daemon: Any,
+                                                            emu: EmulatorClient) -> None:
+    emu.script("survivor", [{"fault": "stall", "after": 2, "stall_s": 30.0}])
+    daemon: DaemonProcess = make_daemon()
+    with daemon.client() as client:
+        call_id = client.submit("emu", _req("survivor"), options={"on_partial": "restart"})
+        seen = []
+        for event in client.events(call_id, timeout_s=10.0):
+            seen.append(event)
+            if len(seen) == 2:
+                break
+    assert daemon.proc is not None
+    daemon.proc.kill()
+    daemon.proc.wait(timeout=10)
+    daemon.stop()  # reap what is left (nothing should be)
+    again: DaemonProcess = make_daemon(start=False)  # same state dir
+    again.start()
+    with again.client() as client:
+        client.subscribe(call_id, from_seq=seen[-1]["seq"])
+        rest = list(client.events(call_id, timeout_s=30.0))
+    done = rest[-1]
+    assert done["status"] == "completed", done
+    sent = emu.log("survivor")
+    assert len(sent) == 2
+    assert done["response"]["content"] == sent[1]["text"]
+    assert any(e["op"] == "reset" for e in rest), rest
+    attempts = {e["attempt"] for e in rest if e["op"] == "delta"}
+    assert attempts and min(attempts) > 1  # a new epoch, never a reused attempt number
+    assert [e["seq"] for e in seen + rest] == list(range(1, len(seen) + len(rest) + 1))
