@@ -160,6 +160,11 @@ class EmulatorProcess:
         self._stderr: IO[bytes] | None = None
 
     @property
+    def anthropic_base_url(self) -> str:
+        """``base_url`` itself: the anthropic SDK appends ``/v1/messages``."""
+        return self.base_url
+
+    @property
     def openai_base_url(self) -> str:
         """``base_url + "/v1"``: the ``base_url`` for ``openai.OpenAI``."""
         return self.base_url + "/v1"

@@ -11,6 +11,7 @@ import pytest
 
 from emulator.control import EmulatorClient, EmulatorProcess
 from tests.harness import DaemonProcess
+from tests.wires import profile_for
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +32,8 @@ def make_daemon(tmp_path: Path, emulator: EmulatorProcess) -> Iterator[Any]:
     started: list[DaemonProcess] = []
 
     def make(profile: dict[str, Any] | None = None, daemon: dict[str, Any] | None = None,
-             name: str = "state", start: bool = True) -> DaemonProcess:
-        table = {"kind": "openai", "base_url": emulator.openai_base_url,
-                 "stale_timeout_s": 30.0}
+             name: str = "state", start: bool = True, wire: str = "openai") -> DaemonProcess:
+        table = dict(profile_for(wire, emulator), stale_timeout_s=30.0)
         table.update(profile or {})
         proc = DaemonProcess(tmp_path / name, {"emu": table}, daemon=daemon)
         started.append(proc)

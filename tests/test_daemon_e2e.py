@@ -12,6 +12,7 @@ import pytest
 
 from emulator.control import EmulatorClient
 from tests.harness import DaemonProcess, wait_until
+from tests.wires import WIRES, request_for
 
 pytestmark = pytest.mark.slow
 
@@ -47,16 +48,17 @@ def test_clean_call_completes_with_exactly_the_emulators_text(
     assert done["response"]["usage"]["total_tokens"] > 0
 
 
+@pytest.mark.parametrize("wire", WIRES)
 @pytest.mark.parametrize("policy,after", [("continue", 0), ("restart", 3)])
 def test_zombie_is_fenced_killed_and_retried(make_daemon: Any, emu: EmulatorClient,
-                                             policy: str, after: int) -> None:
+                                             policy: str, after: int, wire: str) -> None:
     """Attempt 1 stalls past the stale timeout, then resumes on the same
     connection. Its worker must be gone, nothing of attempt 1 accepted after
     the fence, and the content exactly one complete response."""
     emu.script("zombie", [{"fault": "stall", "after": after, "stall_s": 3.0}])
-    daemon: DaemonProcess = make_daemon()
+    daemon: DaemonProcess = make_daemon(wire=wire)
     with daemon.client() as client:
-        call_id = client.submit("emu", _request("zombie"),
+        call_id = client.submit("emu", request_for(wire, "zombie"),
                                 options={"stale_timeout_s": 1.0, "on_partial": policy})
         events = _collect(client, call_id)
     done = events[-1]
@@ -71,13 +73,14 @@ def test_zombie_is_fenced_killed_and_retried(make_daemon: Any, emu: EmulatorClie
     (pid,) = daemon.journal_rows(
         "SELECT worker_pid FROM attempts WHERE call_id = ? AND attempt = 1", call_id)[0:1]
     assert pid[0] and not _alive(pid[0]), f"attempt 1's worker {pid[0]} still exists"
-    # The transcript: attempt 1 has at most the deltas it sent before the stall.
+    # The fence: of attempt 1, the transcript holds at most what it sent before the stall.
     rows = daemon.transcript_rows(
         "SELECT attempt, SUM(n) FROM events WHERE call_id = ? AND op = 'delta' "
         "GROUP BY attempt", call_id)
     per_attempt = dict(rows)
-    assert per_attempt.get(1, 0) <= after + 1  # +1: a role-only first chunk carries no delta
-    if policy == "restart" and after:
+    assert per_attempt.get(1, 0) <= after
+    assert per_attempt.get(1, 0) <= sent[0]["chunks_sent"]
+    if policy == "restart" and per_attempt.get(1, 0):
         assert any(e["op"] == "reset" for e in events)
 
 

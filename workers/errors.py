@@ -377,3 +377,17 @@ def _classify(exc: BaseException, extra: tuple[str, ...]) -> dict[str, Any]:
     if has_connection_phrase(str(exc)):
         return error_info(TRANSIENT, "connection_error", text, extra_secrets=extra)
     return error_info(FINAL, "unexpected_error", text, extra_secrets=extra)
+
+
+def final_from_exception(exc: BaseException, extra_secrets: Iterable[str] = ()) -> dict[str, Any]:
+    """FinalInfo for an attempt that raised: the classified error plus the partial
+    state of whichever assembler raised (adapters attach it to the exception as
+    `streamfence_partial`, an object with `finish(error) -> FinalInfo`)."""
+    error = classify(exc, extra_secrets)
+    finish = getattr(getattr(exc, "streamfence_partial", None), "finish", None)
+    if callable(finish):
+        final: dict[str, Any] = finish(error)
+        return final
+    return {"ok": False, "finish_reason": None, "usage": None, "model": None,
+            "provider_response_id": None, "dropped_tool_names": [], "dropped_tool_indexes": [],
+            "error": error, "diag": {}}

@@ -30,7 +30,6 @@ Rules (origin 002, `_call_chat_completions` / `_finish_chat_stream`):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
 from typing import Any
 
 import openai
@@ -43,6 +42,7 @@ from workers.errors import (
     classify_error_text,
     classify_payload,
     error_info,
+    final_from_exception,
     names_stream_options,
 )
 from workers.output import REASONING, REFUSAL, TEXT, TOOL_CALL, AttemptOutput
@@ -423,17 +423,6 @@ def complete_chat(client: openai.OpenAI, request: dict[str, Any], out: AttemptOu
         _keep_partial(exc, asm)
         raise
     return asm.finish()
-
-
-def final_from_exception(exc: BaseException, extra_secrets: Iterable[str] = ()) -> dict[str, Any]:
-    """FinalInfo for an attempt that raised: classified error plus the partial state."""
-    error = classify(exc, extra_secrets)
-    asm = getattr(exc, "streamfence_partial", None)
-    if isinstance(asm, ChatStreamAssembler):
-        return asm.finish(error)
-    return {"ok": False, "finish_reason": None, "usage": None, "model": None,
-            "provider_response_id": None, "dropped_tool_names": [], "dropped_tool_indexes": [],
-            "error": error, "diag": {}}
 
 
 def is_stream_options_rejection(exc: BaseException) -> bool:

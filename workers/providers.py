@@ -38,7 +38,7 @@ def shared_ssl_context() -> ssl.SSLContext:
     return _ssl_context
 
 
-def _api_key(profile: dict[str, Any]) -> str:
+def api_key_of(profile: dict[str, Any]) -> str:
     env = profile.get("api_key_env")
     if not env:
         return "unused"  # e.g. a local endpoint without auth
@@ -53,7 +53,7 @@ def _api_key(profile: dict[str, Any]) -> str:
 def _openai_client(profile: dict[str, Any]) -> openai.OpenAI:
     http = httpx2.Client(verify=shared_ssl_context(), trust_env=False,
                          limits=httpx2.Limits(max_connections=8, max_keepalive_connections=2))
-    return openai.OpenAI(base_url=profile.get("base_url") or None, api_key=_api_key(profile),
+    return openai.OpenAI(base_url=profile.get("base_url") or None, api_key=api_key_of(profile),
                          http_client=http, max_retries=0)
 
 
@@ -79,8 +79,22 @@ def _run_openai(client: Any, request: dict[str, Any], out: AttemptOutput,
         raise
 
 
-_BUILDERS: dict[str, Callable[[dict[str, Any]], Any]] = {"openai": _openai_client}
-_RUNNERS: dict[str, Runner] = {"openai": _run_openai}
+def _anthropic_client(profile: dict[str, Any]) -> Any:
+    from workers.anthropic_messages import make_client
+
+    return make_client(profile, shared_ssl_context())
+
+
+def _run_anthropic(client: Any, request: dict[str, Any], out: AttemptOutput,
+                   settings: dict[str, Any]) -> Final:
+    from workers.anthropic_messages import run_messages
+
+    return run_messages(client, request, out, settings)
+
+
+_BUILDERS: dict[str, Callable[[dict[str, Any]], Any]] = {"openai": _openai_client,
+                                                         "anthropic": _anthropic_client}
+_RUNNERS: dict[str, Runner] = {"openai": _run_openai, "anthropic": _run_anthropic}
 
 
 def secrets_of(profile: dict[str, Any]) -> list[str]:

@@ -38,10 +38,10 @@ from protocol.internal import (
     Endpoints,
 )
 from protocol.messages import DeltaKind
+from workers.errors import final_from_exception
 from workers.lifecycle import ExitCode
 from workers.liveness import LivenessTable
 from workers.logctx import clear_context, route_logs_to, set_context
-from workers.openai_chat import final_from_exception
 from workers.providers import run_attempt, secrets_of
 
 log = logging.getLogger("streamfence.worker")

@@ -45,14 +45,33 @@ _STUB_BODY = b"".join(
 )
 
 
+_ANTHROPIC_STUB_BODY = b"".join(
+    b"event: " + name + b"\ndata: " + data + b"\n\n"
+    for name, data in (
+        (b"message_start", b'{"type":"message_start","message":{"id":"w","type":"message",'
+                           b'"role":"assistant","model":"warm","content":[],"stop_reason":null,'
+                           b'"usage":{"input_tokens":1,"output_tokens":0}}}'),
+        (b"content_block_start", b'{"type":"content_block_start","index":0,'
+                                 b'"content_block":{"type":"text","text":""}}'),
+        (b"content_block_delta", b'{"type":"content_block_delta","index":0,'
+                                 b'"delta":{"type":"text_delta","text":"warm"}}'),
+        (b"content_block_stop", b'{"type":"content_block_stop","index":0}'),
+        (b"message_delta", b'{"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+                           b'"usage":{"output_tokens":1}}'),
+        (b"message_stop", b'{"type":"message_stop"}'),
+    )
+)
+
+
 class _StubHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", "0")))
+        body = _ANTHROPIC_STUB_BODY if self.path.endswith("/messages") else _STUB_BODY
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
-        self.send_header("content-length", str(len(_STUB_BODY)))
+        self.send_header("content-length", str(len(body)))
         self.end_headers()
-        self.wfile.write(_STUB_BODY)
+        self.wfile.write(body)
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -74,12 +93,20 @@ def warm_up() -> None:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
+        base = f"http://127.0.0.1:{server.server_port}"
         client = providers._openai_client(
-            {"name": "warm", "kind": "openai", "api_key_env": None,
-             "base_url": f"http://127.0.0.1:{server.server_port}/v1"})
-        stream_chat(client, {"model": "warm", "messages": [{"role": "user", "content": "hi"}],
-                             "timeout": openai.Timeout(5.0)}, RecordingOutput())
+            {"name": "warm", "kind": "openai", "api_key_env": None, "base_url": base + "/v1"})
+        stream_chat(client, {"model": "warm", "messages": [{"role": "user", "content": "hi"}]},
+                    RecordingOutput(), timeout=openai.Timeout(5.0))
         client.close()
+        from workers.anthropic_messages import make_client, stream_messages
+
+        aclient = make_client({"name": "warm", "kind": "anthropic", "api_key_env": None,
+                               "base_url": base}, providers.shared_ssl_context())
+        stream_messages(aclient, {"model": "warm", "max_tokens": 8,
+                                  "messages": [{"role": "user", "content": "hi"}]},
+                        RecordingOutput(), timeout=5.0)
+        aclient.close()
     finally:
         server.shutdown()
         server.server_close()
