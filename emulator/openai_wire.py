@@ -197,6 +197,7 @@ class _Response:
             keepalive=b": keep-alive\n\n",
             malformed=b"data: {not json\n\n",
             error_event=_stream_error(step),
+            empty_frame=b"data: \n\n",
         )
 
     def completion(self, finish: bool) -> dict[str, Any]:

@@ -47,6 +47,7 @@ class Fault(enum.Enum):
     EMPTY = "empty"
     ERROR_EVENT = "error_event"
     KEEPALIVE = "keepalive"
+    KEEPALIVE_ONLY = "keepalive_only"  # empty frames for stall_s, then the end: no chunk
     # Bedrock only (emulator.bedrock_wire): converse-stream answers 403
     # AccessDeniedException (IAM lacks bedrock:InvokeModelWithResponseStream)
     # while converse answers normally. Other wires have no meaning for it yet.

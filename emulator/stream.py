@@ -53,6 +53,7 @@ class StreamPlan:
     keepalive: bytes  # one keep-alive frame (not a chunk)
     malformed: bytes  # an undecodable frame
     error_event: bytes  # an in-stream provider error frame
+    empty_frame: bytes = b""  # an empty data frame (SSE `data:` with nothing); b"": keepalive
 
 
 class ClientGone(Exception):
@@ -164,6 +165,10 @@ async def play(writer: BodyWriter, plan: StreamPlan, step: Step, record: Request
     try:
         if fault is Fault.EMPTY:
             await writer.raw(plan.done)
+        elif fault is Fault.KEEPALIVE_ONLY:
+            await writer.keepalives(plan.empty_frame or plan.keepalive, step.stall_s,
+                                    step.keepalive_every_s)
+            await writer.raw(plan.done)
         elif fault is Fault.NO_FINISH:
             await writer.chunks(plan.body, delay)
         elif fault in (Fault.OK, Fault.STALL, Fault.KEEPALIVE, Fault.STATUS):
@@ -190,7 +195,8 @@ async def play(writer: BodyWriter, plan: StreamPlan, step: Step, record: Request
     except asyncio.CancelledError:
         record.end(aborted=True)
         raise
-    record.end(completed=fault in (Fault.OK, Fault.STALL, Fault.KEEPALIVE, Fault.EMPTY))
+    record.end(completed=fault in (Fault.OK, Fault.STALL, Fault.KEEPALIVE, Fault.EMPTY,
+                                   Fault.KEEPALIVE_ONLY))
 
 
 async def sleep_watching(request: web.Request, seconds: float) -> bool:

@@ -21,6 +21,10 @@ from supervisor.timeouts import backoff_delay
 
 log = logging.getLogger("streamfence.attempts")
 
+# Error codes that mean "this provider will not stream for this profile".
+NON_STREAMING_CODES = frozenset({"streaming_unsupported", "empty_sse_frames"})
+PROBE_WINDOW_S = 60.0
+
 
 def _ctx(call: Call) -> dict[str, Any]:
     return {"session_id": call.spec.session_id or "-", "call_id": call.call_id,
@@ -100,7 +104,10 @@ class AttemptDriver:
         call.dispatched_ns = time.monotonic_ns()
         st.journal.set_attempt_pid(call.call_id, call.epoch, worker.pid)
         profile = call.profile
-        settings = {"connect_timeout_s": call.timeouts.connect_s,
+        streaming = profile.name not in st.no_streaming and not call.probe_next
+        call.probe_next = False
+        settings = {"streaming": streaming,
+                    "connect_timeout_s": call.timeouts.connect_s,
                     "read_timeout_s": call.timeouts.read_s,
                     "include_usage": profile.name not in st.no_stream_options,
                     "final_ack_timeout_s": 30.0, "notice": call.notice}
@@ -179,6 +186,8 @@ class AttemptDriver:
             return
         if final.get("stream_options_rejected"):
             self.st.no_stream_options.add(call.profile.name)
+        if final.get("streaming_denied"):
+            self.st.no_streaming.add(call.profile.name)
         if call.state is CallState.FENCING:
             call.ended = (stats, final)  # decided when the fence reply arrives
             return
@@ -211,6 +220,7 @@ class AttemptDriver:
             call.last_error = error
         if int(stats.get("visible_chars", 0)) > 0:
             call.delivered = True
+        error = self._streaming_fallbacks(call, stats, error)
         decision = decide(call, stats, final, error, st.clock())
         if error is None and final is not None:
             st.breakers.on_success(_breaker_key(call))
@@ -235,6 +245,30 @@ class AttemptDriver:
         call.retry_at = now + delay
         call.to("retry")
         st.counters["retries"] += 1
+
+    def _streaming_fallbacks(self, call: Call, stats: dict[str, Any],
+                             error: dict[str, Any] | None) -> dict[str, Any] | None:
+        """SPEC §3 streaming fall-backs. Returns the error `decide` should see."""
+        st = self.st
+        if error is None:
+            return None
+        name = call.profile.name
+        if error.get("code") in NON_STREAMING_CODES and name not in st.no_streaming:
+            # The provider will not stream for this profile: switch it to
+            # non-streaming (delivered as deltas) and try again at once.
+            log.warning("profile %s switched to non-streaming: %s", name, error.get("message"),
+                        extra=_ctx(call))
+            st.no_streaming.add(name)
+            return dict(error, **{"class": "transient", "retry_after_s": 0.0})
+        status = error.get("status") or 0
+        now = st.clock()
+        if (status >= 500 and int(stats.get("accepted", 0)) == 0 and name not in st.no_streaming
+                and now - st.last_probe.get(name, -PROBE_WINDOW_S) >= PROBE_WINDOW_S):
+            # A 5xx killed the stream before any delta: one non-streaming probe
+            # per window, whose 4xx (if any) replaces the opaque 5xx.
+            st.last_probe[name] = now
+            call.probe_next = True
+        return error
 
     def tick_backoffs(self) -> None:
         now = self.st.clock()

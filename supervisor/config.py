@@ -38,6 +38,8 @@ class ProviderProfile:
     max_attempts: int = 3
     connect_timeout_s: float = 30.0
     read_timeout_s: float = 120.0
+    aws_credentials: str | None = None  # bedrock: "chain" (default) or "dummy" (test endpoints)
+    aws_profile: str | None = None  # bedrock: a named profile of the AWS config files
 
     @property
     def is_local(self) -> bool:
@@ -87,6 +89,7 @@ _PROFILE_TYPES: dict[str, tuple[type, ...]] = {
     "kind": (str,), "base_url": (str,), "endpoint_url": (str,), "api_key_env": (str,),
     "region": (str,), "stale_timeout_s": (int, float), "first_chunk_timeout_s": (int, float),
     "max_attempts": (int,), "connect_timeout_s": (int, float), "read_timeout_s": (int, float),
+    "aws_credentials": (str,), "aws_profile": (str,),
 }
 
 

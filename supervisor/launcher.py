@@ -42,7 +42,8 @@ class DaemonProcess:
     """`streamfence serve --config F --log-json` in a subprocess."""
 
     def __init__(self, state_dir: Path, providers: dict[str, dict[str, Any]],
-                 daemon: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
+                 daemon: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                 log_json: bool = True) -> None:
         self.state_dir = state_dir
         # ipc paths must be short: keep the front socket in a short temp dir.
         self._short = tempfile.mkdtemp(prefix="sft")
@@ -61,9 +62,11 @@ class DaemonProcess:
         self.config_path.write_text("\n".join(lines) + "\n")
         self.log_path = state_dir / "daemon.log"
         self._env = env
+        self._log_json = log_json
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_file: Any = None
         self.descendants: set[int] = set()
+        self.survivors: list[str] = []
 
     # ---- lifecycle -------------------------------------------------------------
     def start(self, ready_timeout: float = 60.0) -> DaemonProcess:
@@ -72,7 +75,8 @@ class DaemonProcess:
         env.update(self._env or {})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "supervisor.cli", "serve", "--config", str(self.config_path),
-             "--log-json"], stdout=self._log_file, stderr=self._log_file, env=env)
+             *(["--log-json"] if self._log_json else [])],
+            stdout=self._log_file, stderr=self._log_file, env=env)
         with self.client(timeout_s=2.0) as client:
             def ready() -> bool:
                 self._check_alive()
@@ -128,17 +132,29 @@ class DaemonProcess:
                 pass
         if self._log_file is not None:
             self._log_file.close()
-        shutil.rmtree(self._short, ignore_errors=True)
+            self._log_file = None
         code = self.proc.returncode
         self.proc = None
         self.survivors = survivors
         return code
 
+    def kill(self) -> None:
+        """SIGKILL the supervisor (its children die with it) and wait for it."""
+        assert self.proc is not None
+        self.remember_descendants()
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def cleanup(self) -> None:
+        """Stop, and remove the short directory of the front socket."""
+        self.stop()
+        shutil.rmtree(self._short, ignore_errors=True)
+
     def __enter__(self) -> DaemonProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.cleanup()
 
     # ---- observation -----------------------------------------------------------
     def client(self, timeout_s: float = 10.0) -> Client:

@@ -36,6 +36,11 @@ class DaemonState:
     counters: Counter[str] = field(default_factory=Counter)
     # Profiles whose provider refused `stream_options`: remembered for the run.
     no_stream_options: set[str] = field(default_factory=set)
+    # Profiles switched to non-streaming (streaming refused, keep-alive-only
+    # streams, IAM denial of the streaming action): remembered for the run.
+    no_streaming: set[str] = field(default_factory=set)
+    # profile -> when its last non-streaming probe after a 5xx went out
+    last_probe: dict[str, float] = field(default_factory=dict)
     # call_id -> {client identity: next seq owed}
     subscribers: dict[str, dict[bytes, int]] = field(default_factory=dict)
     # call_id -> encoded events of a live call, index = seq - 1 (for late subscribers)

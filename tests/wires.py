@@ -7,7 +7,7 @@ from typing import Any
 
 from emulator.control import EmulatorProcess
 
-WIRES = ("openai", "anthropic")
+WIRES = ("openai", "anthropic", "bedrock")
 
 
 def profile_for(wire: str, emulator: EmulatorProcess) -> dict[str, Any]:
@@ -16,7 +16,8 @@ def profile_for(wire: str, emulator: EmulatorProcess) -> dict[str, Any]:
     if wire == "anthropic":
         return {"kind": "anthropic", "base_url": emulator.anthropic_base_url}
     if wire == "bedrock":
-        return {"kind": "bedrock", "endpoint_url": emulator.base_url, "region": "us-east-1"}
+        return {"kind": "bedrock", "endpoint_url": emulator.base_url, "region": "us-east-1",
+                "aws_credentials": "dummy"}
     raise ValueError(wire)
 
 

@@ -438,13 +438,13 @@ def run_messages(client: anthropic.Anthropic, request: dict[str, Any], out: Atte
                  settings: dict[str, Any]) -> dict[str, Any]:
     """The providers.py Runner: one attempt with the worker's socket timeouts.
 
-    `settings["stream"] is False` (the profile switched to non-streaming) runs
+    `settings["streaming"] is False` (the profile switched to non-streaming) runs
     `complete_messages` instead.
     """
     timeout = anthropic.Timeout(connect=settings["connect_timeout_s"],
                                 read=settings["read_timeout_s"],
                                 write=settings.get("write_timeout_s", 600.0),
                                 pool=settings["connect_timeout_s"])
-    if settings.get("stream") is False:
+    if settings.get("streaming") is False:
         return complete_messages(client, request, out, timeout=timeout)
     return stream_messages(client, request, out, timeout=timeout)

@@ -31,7 +31,7 @@ import re
 import ssl
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import httpx2
@@ -379,11 +379,13 @@ def _classify(exc: BaseException, extra: tuple[str, ...]) -> dict[str, Any]:
     return error_info(FINAL, "unexpected_error", text, extra_secrets=extra)
 
 
-def final_from_exception(exc: BaseException, extra_secrets: Iterable[str] = ()) -> dict[str, Any]:
+def final_from_exception(exc: BaseException, extra_secrets: Iterable[str] = (),
+                         classifier: Callable[[BaseException, Iterable[str]], dict[str, Any]]
+                         = classify) -> dict[str, Any]:
     """FinalInfo for an attempt that raised: the classified error plus the partial
     state of whichever assembler raised (adapters attach it to the exception as
     `streamfence_partial`, an object with `finish(error) -> FinalInfo`)."""
-    error = classify(exc, extra_secrets)
+    error = classifier(exc, extra_secrets)
     finish = getattr(getattr(exc, "streamfence_partial", None), "finish", None)
     if callable(finish):
         final: dict[str, Any] = finish(error)

@@ -65,6 +65,10 @@ def _run_openai(client: Any, request: dict[str, Any], out: AttemptOutput,
                                     read=settings["read_timeout_s"],
                                     write=settings.get("write_timeout_s", 600.0),
                                     pool=settings["connect_timeout_s"])
+    if settings.get("streaming") is False:
+        from workers.openai_chat import complete_chat
+
+        return complete_chat(client, request, out, timeout=timeout)
     include_usage = settings.get("include_usage", True)
     try:
         return stream_chat(client, request, out, include_usage=include_usage, timeout=timeout)
@@ -92,9 +96,35 @@ def _run_anthropic(client: Any, request: dict[str, Any], out: AttemptOutput,
     return run_messages(client, request, out, settings)
 
 
-_BUILDERS: dict[str, Callable[[dict[str, Any]], Any]] = {"openai": _openai_client,
-                                                         "anthropic": _anthropic_client}
-_RUNNERS: dict[str, Runner] = {"openai": _run_openai, "anthropic": _run_anthropic}
+def _bedrock_client(profile: dict[str, Any]) -> Any:
+    from workers.bedrock_converse import make_client
+
+    return make_client(profile, shared_ssl_context())
+
+
+def _run_bedrock(client: Any, request: dict[str, Any], out: AttemptOutput,
+                 settings: dict[str, Any]) -> Final:
+    from workers.bedrock_converse import run_converse
+
+    return run_converse(client, request, out, settings)
+
+
+_BUILDERS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "openai": _openai_client, "anthropic": _anthropic_client, "bedrock": _bedrock_client}
+_RUNNERS: dict[str, Runner] = {
+    "openai": _run_openai, "anthropic": _run_anthropic, "bedrock": _run_bedrock}
+
+
+def final_from_exception(profile: dict[str, Any], exc: BaseException) -> Final:
+    """The attempt's FinalInfo after `exc`, classified the way its provider needs."""
+    from workers import errors
+
+    secrets = secrets_of(profile)
+    if profile.get("kind") == "bedrock":
+        from workers.bedrock_converse import final_from_exception as bedrock_final
+
+        return bedrock_final(exc, secrets)
+    return errors.final_from_exception(exc, secrets)
 
 
 def secrets_of(profile: dict[str, Any]) -> list[str]:

@@ -38,11 +38,10 @@ from protocol.internal import (
     Endpoints,
 )
 from protocol.messages import DeltaKind
-from workers.errors import final_from_exception
 from workers.lifecycle import ExitCode
 from workers.liveness import LivenessTable
 from workers.logctx import clear_context, route_logs_to, set_context
-from workers.providers import run_attempt, secrets_of
+from workers.providers import final_from_exception, run_attempt
 
 log = logging.getLogger("streamfence.worker")
 
@@ -92,7 +91,7 @@ def _run_one(msg: list[Any], sink: zmq.Socket[bytes], live: LivenessTable,
     try:
         final = run_attempt(profile, request, out, settings)
     except Exception as exc:
-        final = final_from_exception(exc, extra_secrets=secrets_of(profile))
+        final = final_from_exception(profile, exc)
         error = final["error"]
         if out.visible_chars == 0:
             # The one line that explains a failed stream: ERROR, with traceback.

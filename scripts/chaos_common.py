@@ -1,0 +1,173 @@
+"""Shared machinery of the chaos scripts: the emulator and the daemon, a
+bounded load of concurrent calls that survive daemon restarts (idempotent
+submits, resubscription from the last seq), and the verdict table.
+
+The verdict is computed from what the calls' subscribers received and from
+the emulator's own record of what it sent (supervisor.verdict), never from
+the daemon's counters. Loopback only; every loop is bounded by a call count
+and a duration, and the whole run by a final deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from emulator.control import EmulatorClient, EmulatorProcess
+from protocol.client import Client, ClientError
+from supervisor.launcher import DaemonProcess
+from supervisor.verdict import BAD, CallRecord, judge, tally, verdict_ok
+
+StepMaker = Callable[[random.Random], list[dict[str, Any]]]
+
+
+def parser(description: str, calls: int = 400, duration: float = 60.0) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--seed", type=int, default=None, help="random seed (printed; default: random)")
+    p.add_argument("--calls", type=int, default=calls, help="calls to submit (upper bound)")
+    p.add_argument("--duration", type=float, default=duration,
+                   help="seconds to keep submitting and injecting faults")
+    p.add_argument("--concurrency", type=int, default=24, help="calls in flight at once")
+    p.add_argument("--workers-max", type=int, default=48)
+    return p
+
+
+def seeded(args: argparse.Namespace) -> random.Random:
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
+    print(f"seed: {seed}  (rerun with --seed {seed})", flush=True)
+    return random.Random(seed)
+
+
+@dataclass
+class ChaosState:
+    emulator: EmulatorProcess
+    emu: EmulatorClient
+    daemon: DaemonProcess
+    stop: threading.Event = field(default_factory=threading.Event)
+    records: list[CallRecord] = field(default_factory=list)
+    faults: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, what: str, n: int = 1) -> None:
+        with self.lock:
+            self.faults[what] = self.faults.get(what, 0) + n
+
+
+@contextmanager
+def chaos_run(daemon_settings: dict[str, Any] | None = None,
+              profile: dict[str, Any] | None = None) -> Iterator[ChaosState]:
+    with tempfile.TemporaryDirectory(prefix="streamfence-chaos-") as tmp, \
+            EmulatorProcess() as emulator:
+        settings = {"workers_spare": 4, "workers_max": 48, "backoff_base_s": 0.05,
+                    "backoff_max_s": 0.3, "log_level": "WARNING"}
+        settings.update(daemon_settings or {})
+        table = {"kind": "openai", "base_url": emulator.openai_base_url, "stale_timeout_s": 5.0,
+                 "max_attempts": 6}
+        table.update(profile or {})
+        daemon = DaemonProcess(Path(tmp) / "state", {"emu": table}, daemon=settings,
+                               log_json=False)
+        daemon.start()
+        try:
+            yield ChaosState(emulator=emulator, emu=emulator.client(), daemon=daemon)
+        finally:
+            daemon.cleanup()
+            if daemon.survivors:
+                print(f"PROCESSES OUTLIVED THE DAEMON: {daemon.survivors}")
+
+
+def _follow(state: ChaosState, record: CallRecord, request: dict[str, Any],
+            options: dict[str, Any], deadline: float) -> None:
+    """Submit (idempotently) and follow one call to its done, across restarts."""
+    last_seq = 0
+    while time.monotonic() < deadline:
+        try:
+            with Client(state.daemon.endpoint, timeout_s=3.0) as client:
+                if not record.call_id:
+                    record.call_id = client.submit("emu", request, options=options,
+                                                   idempotency_key=record.key,
+                                                   session_id=f"chaos-{record.key}")
+                else:
+                    client.subscribe(record.call_id, from_seq=last_seq)
+                for event in client.events(record.call_id, timeout_s=30.0):
+                    if event["seq"] <= last_seq:
+                        continue  # a replay overlapping what we have
+                    record.events.append(event)
+                    last_seq = event["seq"]
+                    if event["op"] == "done":
+                        return
+        except (TimeoutError, ClientError, OSError):
+            time.sleep(0.2)  # the daemon is restarting: reconnect and resume
+
+
+def run_load(state: ChaosState, args: argparse.Namespace, rng: random.Random,
+             make_steps: StepMaker, options: Callable[[random.Random], dict[str, Any]],
+             finish_timeout: float = 120.0) -> None:
+    """Submit up to args.calls calls for args.duration seconds, at most
+    args.concurrency at once, then wait for them (bounded)."""
+    slots = threading.Semaphore(args.concurrency)
+    threads: list[threading.Thread] = []
+    started = time.monotonic()
+    end = started + args.duration
+    for i in range(args.calls):
+        if time.monotonic() >= end:
+            break
+        while not slots.acquire(timeout=0.5):
+            if time.monotonic() >= end:
+                break
+        else:
+            key = f"c{i}-{rng.randrange(1 << 30):x}"
+            state.emu.script(key, make_steps(rng))
+            record = CallRecord(call_id="", key=key)
+            state.records.append(record)
+            request = {"model": f"gpt-emu#{key}",
+                       "messages": [{"role": "user", "content": f"chaos call {i}"}]}
+            hard_deadline = end + finish_timeout
+
+            def body(r: CallRecord = record, q: dict[str, Any] = request,
+                     o: dict[str, Any] = options(rng), d: float = hard_deadline) -> None:
+                try:
+                    _follow(state, r, q, o, d)
+                finally:
+                    slots.release()
+
+            t = threading.Thread(target=body, daemon=True)
+            threads.append(t)
+            t.start()
+            continue
+        break
+    state.stop.set()
+    for t in threads:
+        t.join(timeout=max(0.0, end + finish_timeout - time.monotonic()) + 1.0)
+
+
+def verdict(state: ChaosState, title: str) -> bool:
+    outcomes = [judge(r, state.emu.log(r.key)) for r in state.records]
+    counts = tally(outcomes)
+    failed_unclear = sum(1 for r, labels in zip(state.records, outcomes, strict=True)
+                         if labels[0] == "failed" and not ((r.done or {}).get("error") or {})
+                         .get("code"))
+    rows = [("submitted", counts["submitted"]), ("completed", counts["completed"]),
+            ("partial", counts["partial"]),
+            ("failed with a clear error", counts["failed"] - failed_unclear),
+            ("failed without a clear error (must be 0)", failed_unclear),
+            ("cancelled", counts["cancelled"])]
+    rows += [(f"{k} (must be 0)", counts[k]) for k in BAD]
+    width = max(len(k) for k, _ in rows)
+    print(f"\n{title}")
+    for what, n in sorted(state.faults.items()):
+        print(f"  injected: {what} = {n}")
+    print("  " + "-" * (width + 10))
+    for k, n in rows:
+        print(f"  {k:<{width}} {n:>7}")
+    ok = verdict_ok(counts) and failed_unclear == 0 and counts["submitted"] > 0
+    print("  " + "-" * (width + 10))
+    print(f"  verdict: {'PASS' if ok else 'FAIL'}")
+    return ok
