@@ -41,5 +41,5 @@ def make_daemon(tmp_path: Path, emulator: EmulatorProcess) -> Iterator[Any]:
 
     yield make
     for proc in started:
-        proc.stop()
+        proc.cleanup()
         assert not getattr(proc, "survivors", []), f"processes outlived the daemon: {proc.survivors}"
