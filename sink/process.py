@@ -8,11 +8,14 @@ Duties (`run_sink` is the entry point the supervisor starts with
   protocol.internal;
 - per delta: the fence check (`FenceTable.check`); on ACCEPT assign the call's
   next public seq, build the public delta event, queue it for the store,
-  accumulate content, and send `[E_EVENT, call_id, seq, event]` to the
+  accumulate content, and queue `[E_EVENT, call_id, seq, event]` for the
   supervisor's control peer (the identity that last sent a valid control
   message; events are buffered while there is none);
-- group-commit the store every 1000 events or 5 ms; commit before acking an
-  authorize or a final and before publishing a done event;
+- group commit: when 1000 events are pending, when the input runs dry (at
+  most once per 0.2 ms: tiny commits churn the WAL), or 5 ms after the first
+  pending event; queued events are sent right after the commit that stored
+  them (durable before visible), and authorize / final acks / done events
+  are sent after a commit too;
 - count and sparsely log refused deltas and bad frames; never crash on input;
 - die with the parent (PR_SET_PDEATHSIG) and exit cleanly on SIGTERM after a
   last commit. SIGINT is ignored: the supervisor owns the shutdown order.
@@ -42,7 +45,7 @@ from protocol.internal import R_REFUSED, T_DELTA, Endpoints
 from sink.content import check_tool_fragment
 from sink.fence import Verdict
 from sink.lifeline import die_with_parent, expected_parent_pid
-from sink.state import COMMIT_AFTER_S, COMMIT_EVERY, SinkState, log
+from sink.state import COMMIT_AFTER_S, COMMIT_EVERY, IDLE_COMMIT_GAP_S, SinkState, log
 from sink.store import TranscriptStore
 from sink.wire import KIND_TAIL, TOOL_CALL, BadFrame, parse_control, parse_final
 
@@ -113,6 +116,23 @@ class Sink(SinkState):
         log.warning("sink: supervisor control peer unreachable (%s); buffering events", exc)
         self.peer = None
 
+    def _publish_all(self, frames: list[bytes]) -> None:
+        peer = self.peer
+        if peer is None:
+            for frame in frames:
+                self._buffer(frame)
+            return
+        send = _raw_send.__get__(self.ctl)
+        for i, frame in enumerate(frames):
+            try:
+                send(peer, zmq.SNDMORE)
+                send(frame)
+            except zmq.ZMQError as exc:
+                self._lose_peer(exc)
+                for rest in frames[i:]:
+                    self._buffer(rest)
+                return
+
     def _set_peer(self, ident: bytes) -> None:
         if ident == self.peer:
             return
@@ -142,21 +162,27 @@ class Sink(SinkState):
         poller.register(self._wake_r, zmq.POLLIN)
         wake_fd = self._wake_r.fileno()
         log.info("sink: serving pid=%s in=%s", os.getpid(), self.sin.getsockopt_string(zmq.LAST_ENDPOINT))
+        idle = True  # the input ran dry in the last drain
         while not self._stopping:
-            due = self.commit_due
-            timeout = IDLE_POLL_MS if due is None else max(0, int((due - time.monotonic()) * 1000) + 1)
+            timeout = IDLE_POLL_MS
+            if self.commit_due is not None:
+                due = min(self.commit_due, self.last_commit + IDLE_COMMIT_GAP_S) \
+                    if idle else self.commit_due
+                timeout = max(0, int((due - time.monotonic()) * 1000) + 1)
             ready = dict(poller.poll(timeout))
             if wake_fd in ready:  # plain fds come back as their fileno
                 self._drain_signals()
             if self.ctl in ready:
                 self._drain_ctl()
+            idle = True
             if self.sin in ready:
-                self._drain_in(max(1, COMMIT_EVERY - self.pending_events))
+                idle = self._drain_in(max(1, COMMIT_EVERY - self.pending_events))
             if self.pending_events:
                 now = time.monotonic()
                 if self.commit_due is None:
                     self.commit_due = now + COMMIT_AFTER_S
-                if self.pending_events >= COMMIT_EVERY or now >= self.commit_due:
+                if (self.pending_events >= COMMIT_EVERY or now >= self.commit_due
+                        or (idle and now >= self.last_commit + IDLE_COMMIT_GAP_S)):
                     self.commit()
         log.info("sink: stopping; final commit")
         self.commit()
@@ -242,8 +268,8 @@ class Sink(SinkState):
             # attempt as unfinished); the supervisor has E_ENDED anyway.
             self.acks_unroutable += 1
 
-    def _drain_in(self, budget: int) -> None:
-        """The hot path: up to `budget` worker messages.
+    def _drain_in(self, budget: int) -> bool:
+        """The hot path: up to `budget` worker messages. True if the input ran dry.
 
         Framing: pyzmq's RCVMORE read costs ~1.5 us, more than the fence check
         itself, so a message is read as [identity, body] and RCVMORE is
@@ -256,25 +282,27 @@ class Sink(SinkState):
         """
         sock = self.sin
         recv = sock.recv
-        ctl_send = _raw_send.__get__(self.ctl)  # skips pyzmq's Python wrapper (~0.5 us/call)
+        outbox_append = self.outbox.append
         unpackb = msgpack.unpackb
         pack = self.pack
         check = self.fence.check
         lives = self.lives
         tails = KIND_TAIL
         dirty_append = self.dirty.append
-        peer = self.peer
-        noblock, sndmore = zmq.NOBLOCK, zmq.SNDMORE
+        noblock = zmq.NOBLOCK
         n = 0
+        idle = False
         for _ in range(budget):
             try:
                 ident = recv(noblock)
             except zmq.Again:
+                idle = True
                 break
             try:
                 frame = recv(noblock)  # never block: a message arrives whole
             except zmq.Again:
                 self.bad_frame("in", "lone frame (a misaligned multi-part message)")
+                idle = True
                 break
             try:
                 msg = unpackb(frame)
@@ -284,13 +312,12 @@ class Sink(SinkState):
                 self.bad_frame("in", "not a msgpack array")
                 continue
             if tag != T_DELTA or type(tag) is not int:
-                # Out of line (finals, garbage). It may commit or publish:
-                # settle the burst's counters and re-read the peer after.
+                # Out of line (finals, garbage). It may commit: settle the
+                # burst's counters first.
                 self.pending_events += n
                 self.accepted += n
                 n = 0
                 self._on_in_other(ident, frame)
-                peer = self.peer
                 continue
             try:
                 _, call, attempt, seq, kind, data = msg
@@ -321,31 +348,26 @@ class Sink(SinkState):
             pending.append(event)
             live.add[kind](data)
             n += 1
-            out = live.head + pseq_b + pack(event)
-            if peer is not None:
-                try:
-                    ctl_send(peer, sndmore)
-                    ctl_send(out)
-                    continue
-                except zmq.ZMQError as exc:
-                    self._lose_peer(exc)
-                    peer = None
-            self._buffer(out)
+            outbox_append(live.head + pseq_b + pack(event))  # sent after its commit
         self.pending_events += n
         self.accepted += n
+        return idle
 
 
-def _setup_logging(level: str) -> None:
+def _setup_logging(level: str | int) -> None:
+    # A spawned child starts with no handlers: give it stderr unless someone
+    # configured logging already (the lead routes child logs to the daemon).
     base = logging.getLogger("streamfence")
     if not logging.getLogger().handlers and not base.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(
             "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
         base.addHandler(handler)
-    logging.getLogger("streamfence.sink").setLevel(level.upper())
+    logging.getLogger("streamfence.sink").setLevel(
+        level.upper() if isinstance(level, str) else level)
 
 
-def run_sink(runtime_dir: str, db_path: str, log_level: str = "INFO") -> None:
+def run_sink(runtime_dir: str, db_path: str, log_level: str | int = "INFO") -> None:
     """Process entry point: serve until SIGTERM (or the parent's death)."""
     _setup_logging(log_level)
     if not die_with_parent(expected_parent_pid()):

@@ -11,8 +11,10 @@ Invariants:
 - a LiveCall's `pending` holds accepted events not yet handed to the store,
   and the calls with pending events are listed in `dirty` (the hot path
   appends; `flush_pending` turns each into one row per call);
-- whatever is acknowledged or published as final (authorize, accepted final,
-  done) is committed first.
+- durable before visible: an accepted event's E_EVENT waits in `outbox` until
+  the commit that stores it, and every ack, reply or event is sent after the
+  commit covering what it reports. So whatever a client has seen survives a
+  kill -9 of the whole daemon, and a restarted sink never re-uses a seq.
 """
 
 from __future__ import annotations
@@ -43,19 +45,22 @@ log = logging.getLogger("streamfence.sink")
 fence_log = logging.getLogger("streamfence.sink.fence")
 
 COMMIT_EVERY = 1000  # events per group commit ...
-COMMIT_AFTER_S = 0.005  # ... or this long after the first uncommitted one
+COMMIT_AFTER_S = 0.005  # ... or this long after the first uncommitted one ...
+IDLE_COMMIT_GAP_S = 0.0002  # ... or when the input runs dry, at most once per this
 FINISHED_KEEP = 10_000  # finished calls kept in memory (late drops stay attributed)
 UNKNOWN_DROP_KEYS = 4096  # (call, attempt) pairs of unknown calls tracked for logging
 WARN_EVERY_S = 10.0  # bad frames: at most one WARNING per socket per interval
 
+# One grep-able prefix for every refusal: "fence: dropped delta".
 _DROP_WHY = {
-    Verdict.STALE_ATTEMPT: "superseded attempt",
-    Verdict.FUTURE_ATTEMPT: "unauthorized attempt",
-    Verdict.UNKNOWN_CALL: "unknown call",
-    Verdict.CLOSED: "closed attempt",
-    Verdict.GAP: "seq gap",
-    Verdict.DUPLICATE: "duplicate seq",
+    Verdict.STALE_ATTEMPT: "from superseded attempt",
+    Verdict.FUTURE_ATTEMPT: "from unauthorized attempt",
+    Verdict.UNKNOWN_CALL: "for unknown call",
+    Verdict.CLOSED: "from closed attempt",
+    Verdict.GAP: "with seq gap",
+    Verdict.DUPLICATE: "with duplicate seq",
 }
+_SEQ_VERDICTS = (Verdict.GAP, Verdict.DUPLICATE)
 
 
 class LiveCall:
@@ -100,6 +105,8 @@ class SinkState:
         self.dirty: list[LiveCall] = []
         self.pending_events = 0
         self.commit_due: float | None = None
+        self.last_commit = 0.0
+        self.outbox: list[bytes] = []  # E_EVENT frames waiting for their commit
         self.finished: deque[str] = deque()
         self.pack = msgpack.Packer(use_bin_type=True, datetime=False).pack
         self.accepted = 0
@@ -113,12 +120,28 @@ class SinkState:
         for row in store.unfinished_calls():
             # Closed until the supervisor authorizes a higher epoch.
             self.fence.seed(row.call_id, row.max_epoch)
-            self.lives[row.call_id] = LiveCall(row.call_id, row.last_seq)
+            live = self.lives[row.call_id] = LiveCall(row.call_id, row.last_seq)
+            self._restore_content(live, row.max_epoch)
         if self.lives:
             log.info("sink: rebuilt %d unfinished calls from %s", len(self.lives), store.path)
 
     def _publish(self, frame: bytes) -> None:
         raise NotImplementedError
+
+    def _publish_all(self, frames: list[bytes]) -> None:
+        for frame in frames:
+            self._publish(frame)
+
+    def _restore_content(self, live: LiveCall, epoch: int) -> None:
+        """Reload the latest attempt's content from the store after a restart, so
+        its stats (visible_chars above all) tell the supervisor what was delivered."""
+        if epoch < 1:
+            return
+        live.start_attempt(epoch, None)
+        for body in self.store.events_after(live.call_id, 0):
+            event = msgpack.unpackb(body)
+            if event["op"] == "delta" and event["attempt"] == epoch:
+                live.add[event["kind"]](event["data"])
 
     # ---- calls -------------------------------------------------------------------
 
@@ -153,15 +176,23 @@ class SinkState:
         self.dirty.clear()
 
     def commit(self) -> None:
+        """Store everything accepted so far, then publish its events."""
         self.flush_pending()
         self.store.commit()
         self.pending_events = 0
         self.commit_due = None
+        self.last_commit = time.monotonic()
+        if self.outbox:
+            self._publish_all(self.outbox)
+            self.outbox.clear()  # in place: the hot path holds a bound append
 
     # ---- control ops ---------------------------------------------------------------
 
     def handle_control(self, op: ControlOp) -> bytes:
         """Run one control op; returns the encoded reply."""
+        # Commit (and so publish) what is accepted first: a reply never
+        # overtakes the events it reports on.
+        self.commit()
         if isinstance(op, Authorize):
             return self._authorize(op)
         if isinstance(op, Fence):
@@ -255,9 +286,11 @@ class SinkState:
 
     def handle_final(self, f: Final) -> bytes:
         """An attempt's final message; returns the encoded ack for the worker."""
+        # Every delta up to last_seq is durable (and its event sent) before the
+        # ack, and before E_ENDED / E_FINAL_REFUSED.
+        self.commit()
         verdict = self.fence.close_on_final(f.call_id, f.attempt, f.last_seq)
         if verdict is FinalVerdict.ACCEPT:
-            self.commit()  # every delta up to last_seq is durable before the ack
             self.finals_accepted += 1
             stats = self.lives[f.call_id].stats(closed=True)
             self._publish(encode([E_ENDED, f.call_id, f.attempt, stats, f.final]))
@@ -299,12 +332,13 @@ class SinkState:
         level = logging.WARNING if n == 1 else logging.DEBUG
         if fence_log.isEnabledFor(level):
             view = self.fence.view(call_id)
+            expected = view.last_seq + 1 if view and verdict in _SEQ_VERDICTS else "-"
             fence_log.log(
                 level,
-                "fence: dropped delta from %s call=%s attempt=%d current=%s seq=%d "
+                "fence: dropped delta %s call=%s attempt=%d current=%s seq=%d "
                 "expected=%s verdict=%s dropped=%d dropped_call=%d model=%s",
                 _DROP_WHY[verdict], call_id, attempt, view.epoch if view else "-", seq,
-                view.last_seq + 1 if view else "-", verdict.value, n, per_call, model or "-",
+                expected, verdict.value, n, per_call, model or "-",
             )
 
     def bad_frame(self, where: str, reason: str) -> None:

@@ -430,7 +430,7 @@ def test_make_client_and_run_messages(emu: EmulatorClient, emulator: EmulatorPro
         assert made.max_retries == 0 and str(made.base_url).rstrip("/") == emulator.base_url
         out = RecordingOutput()
         final = run_messages(made, req("made"), out, settings)
-        whole = run_messages(made, req("made"), RecordingOutput(), {**settings, "stream": False})
+        whole = run_messages(made, req("made"), RecordingOutput(), {**settings, "streaming": False})
     assert final["ok"] and whole["ok"] and out.text == emu.log("made")[0]["text"]
     assert [r["stream"] for r in emu.log("made")] == [True, False]
     assert all(r["auth_present"] for r in emu.log("made"))

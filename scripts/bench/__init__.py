@@ -1,0 +1,29 @@
+"""streamfence's benchmark suite: `python -m scripts.bench [--quick] [--only NAME ...]
+[--write-docs]`.
+
+Every comparison runs side by side in one run (variants interleaved A B A B,
+the order rotated each round), against the bundled provider emulator on
+127.0.0.1, and is reported as medians (and medians of per-round ratios), so
+drift of a shared 2-core machine cancels instead of deciding the result.
+
+Sections (one module each; each returns a `common.Section`):
+
+- `cpu`        1. CPU per delta end to end: bare openai / anthropic SDK loops vs
+               the whole daemon (worker + sink + supervisor + a subscriber).
+- `throughput` 2. sink throughput from 1 and 8 producer processes, beside the
+               machine's ceiling (ZMQ + msgpack, + SQLite group commit).
+- `latency`    3. latency added from a worker's send to a subscriber's receive
+               at 20k deltas/s, sink alone and through the supervisor.
+- `failover`   4. stale deadline -> fence -> kill -> retry request; replacement.
+- `scale`      5. 50 / 200 / 500 concurrent paced streams: completion, latency,
+               CPU, memory per worker, file descriptors.
+- `startup`    6. daemon start to ready; a warm pool of N workers ready.
+
+`load` holds the process entry points shared by sections 2, 3 and 5
+(producers impersonating workers, the ceiling server, a standalone sink);
+`report` renders the table and writes docs/PERFORMANCE.md.
+
+Nothing here is imported by the product, and this package imports nothing
+heavy at import time: producer processes are spawned with `scripts.bench.load`
+as their module and must start fast.
+"""

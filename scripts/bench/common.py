@@ -1,0 +1,241 @@
+"""What every section shares: result rows, statistics, CPU accounting of a
+process tree, the machine's description, and the emulator and daemon set-ups.
+
+CPU is read with psutil (`cpu_times()` user + system of each pid, threads
+included) before and after a measured window; a pid that appears during the
+window counts from zero. A section's own process is read with
+`time.process_time()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from emulator.control import EmulatorProcess
+from supervisor.launcher import DaemonProcess
+
+MiB = 1024 * 1024
+
+
+# ---- results -------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One line of the results table."""
+
+    section: str
+    item: str
+    result: str
+    target: str = ""
+    reference: str = ""
+    met: bool | None = None  # None: no target on this line
+
+
+@dataclass
+class Section:
+    name: str
+    title: str
+    rows: list[Row] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)  # markdown lines under the table
+    params: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def row(self, item: str, result: str, target: str = "", reference: str = "",
+            met: bool | None = None) -> None:
+        self.rows.append(Row(self.title, item, result, target, reference, met))
+
+    def note(self, line: str) -> None:
+        self.details.append(line)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values (q in [0, 100])."""
+    if not sorted_values:
+        return float("nan")
+    rank = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
+    return sorted_values[rank]
+
+
+def rotated(variants: Sequence[str], round_no: int) -> list[str]:
+    """A B C, then B C A, ...: each variant runs at each position over the rounds."""
+    k = round_no % len(variants)
+    return list(variants[k:]) + list(variants[:k])
+
+
+def fmt_us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.1f} µs"
+
+
+def fmt_rate(per_s: float) -> str:
+    return f"{per_s:,.0f}/s"
+
+
+# ---- the machine -----------------------------------------------------------------
+
+def machine() -> dict[str, str]:
+    model = platform.processor() or "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    mem = psutil.virtual_memory().total / MiB / 1024
+    return {"nproc": str(os.cpu_count()), "cpu": model,
+            "python": f"{platform.python_implementation()} {platform.python_version()}",
+            "os": f"{platform.system()} {platform.release()}", "memory": f"{mem:.1f} GiB"}
+
+
+# ---- CPU of processes ---------------------------------------------------------------
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time of all threads of `pid`, in seconds, with nanosecond resolution.
+
+    /proc/PID/task/*/schedstat (time on CPU, ns) rather than psutil's
+    cpu_times, whose clock-tick resolution (10 ms) is coarser than a short
+    stream's cost in one process. Threads that ended earlier are not counted
+    (the daemon's threads live as long as their process). Falls back to psutil.
+    """
+    try:
+        total = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        return total / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return float(t.user + t.system)
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and all its descendants."""
+    try:
+        return [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+class CpuMeter:
+    """CPU seconds used by a set of process trees between `start()` and `stop()`."""
+
+    def __init__(self, roots: Sequence[int]) -> None:
+        self.roots = list(roots)
+        self._before: dict[int, float] = {}
+        self.used: dict[int, float] = {}
+
+    def _read(self) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for root in self.roots:
+            for pid in tree(root):
+                value = cpu_seconds(pid)
+                if value is not None:
+                    out[pid] = value
+        return out
+
+    def start(self) -> None:
+        self._before = self._read()
+
+    def stop(self) -> dict[int, float]:
+        after = self._read()
+        self.used = {pid: after[pid] - self._before.get(pid, 0.0) for pid in after}
+        return self.used
+
+    def total(self) -> float:
+        return sum(self.used.values())
+
+
+# ---- emulator and daemon ----------------------------------------------------------------
+
+@contextlib.contextmanager
+def emulator() -> Iterator[EmulatorProcess]:
+    """The bundled emulator on 127.0.0.1, quiet (WARNING) so its log costs nothing."""
+    with EmulatorProcess(extra_args=["--log-level", "WARNING"], ready_timeout=30.0) as emu:
+        yield emu
+
+
+def providers_for(emu: EmulatorProcess, **profile: Any) -> dict[str, dict[str, Any]]:
+    """One openai and one anthropic profile, both pointing at the emulator."""
+    return {"oa": {"kind": "openai", "base_url": emu.openai_base_url, **profile},
+            "an": {"kind": "anthropic", "base_url": emu.anthropic_base_url, **profile}}
+
+
+@contextlib.contextmanager
+def daemon(providers: dict[str, dict[str, Any]], settings: dict[str, Any] | None = None,
+           ready_timeout: float = 120.0) -> Iterator[DaemonProcess]:
+    """The real daemon (`streamfence serve --log-json`) in a short temp dir."""
+    with tempfile.TemporaryDirectory(prefix="sfbench-") as tmp:
+        base = {"log_level": "WARNING"}
+        base.update(settings or {})
+        proc = DaemonProcess(Path(tmp) / "state", providers, daemon=base)
+        try:
+            proc.start(ready_timeout=ready_timeout)
+            yield proc
+        finally:
+            proc.cleanup()
+
+
+def daemon_roles(status: dict[str, Any]) -> dict[int, str]:
+    """pid -> role (supervisor, sink, zygote, worker) from a `status` reply."""
+    roles = {pid: role for role, pid in status["processes"].items()}
+    for w in status["workers"]:
+        if w["pid"]:
+            roles[w["pid"]] = "worker"
+    return roles
+
+
+def sink_in_endpoint(proc: DaemonProcess) -> str:
+    """The daemon's worker -> sink ipc endpoint (protocol.internal.Endpoints)."""
+    from protocol.internal import Endpoints
+    from supervisor.config import load_config
+
+    cfg = load_config(str(proc.config_path), env={})
+    return Endpoints(cfg.runtime_dir()).sink_in
+
+
+def raise_fd_limit() -> int:
+    """Soft RLIMIT_NOFILE up to the hard limit (children inherit it); returns it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    return soft
+
+
+def realistic_text(chunks: int, seed: int = 0) -> str:
+    """Text that the emulator splits into `chunks` pieces of ~4-5 characters
+    (a token's worth, as providers stream it), multi-byte characters included."""
+    words = ("the ", "model", " says", " hé", "llo,", " worl", "d —", " and", " then",
+             " some", " more", " 日本", " tex", "t. ", " ok")
+    out = [words[(i * 7 + seed) % len(words)] for i in range(chunks)]
+    text = "".join(out)
+    # split_text cuts len/chunks characters per piece; pad to a multiple.
+    return text + "." * ((-len(text)) % chunks)
+
+
+def wall() -> float:
+    return time.time()
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,243 @@
+"""Section 1: CPU per delta, end to end.
+
+The same N-chunk text stream (pieces of ~4-5 characters, like a provider's
+token deltas) is read, per round and in rotated order, by:
+
+- `openai-sdk`     the bare openai SDK loop in this process
+                   (`chat.completions.create(stream=True)`, `chunk.choices[0].delta.content`);
+- `anthropic-sdk`  the bare anthropic SDK loop in this process
+                   (`messages.create(stream=True)`, `event.delta.text`);
+- `httpx2-raw`     raw httpx2 + orjson on the OpenAI wire (SPEC §5's reference point);
+- `sf-openai`      streamfence: submit to the real daemon (openai profile) and read the
+                   events with `protocol.client.Client`: CPU of the supervisor, sink,
+                   zygote and every worker (psutil, before/after) plus this process
+                   (the subscriber);
+- `sf-anthropic`   the same on an anthropic profile.
+
+Two paces: `burst` (no delay: the emulator writes 64 KiB batches) and `paced`
+(`chunk_delay_s`, one chunk per write, like a model streaming). The emulator's
+own CPU is measured around every run and reported, never summed. µs/delta is
+CPU seconds / N; c/a is the median of the per-round ratios sf-openai / openai-sdk.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import anthropic
+import httpx2
+import openai
+import orjson
+
+from emulator.control import EmulatorClient, EmulatorProcess
+from protocol.client import Client
+from scripts.bench.common import (
+    CpuMeter,
+    Section,
+    daemon,
+    daemon_roles,
+    emulator,
+    fmt_us,
+    log,
+    median,
+    providers_for,
+    realistic_text,
+    rotated,
+)
+from supervisor.launcher import DaemonProcess
+
+VARIANTS = ("openai-sdk", "anthropic-sdk", "httpx2-raw", "sf-openai", "sf-anthropic")
+PROMPT = [{"role": "user", "content": "Write a short paragraph."}]
+
+
+class Runner:
+    """Runs one stream through one variant and measures it."""
+
+    def __init__(self, emu: EmulatorProcess, proc: DaemonProcess) -> None:
+        self.emu = emu
+        self.control: EmulatorClient = emu.client()
+        self.proc = proc
+        http = httpx2.Client(trust_env=False, timeout=60.0)
+        self.oa = openai.OpenAI(base_url=emu.openai_base_url, api_key="bench", max_retries=0,
+                                http_client=http)
+        self.an = anthropic.Anthropic(base_url=emu.anthropic_base_url, api_key="bench",
+                                      max_retries=0, http_client=httpx2.Client(trust_env=False,
+                                                                               timeout=60.0))
+        self.raw = httpx2.Client(trust_env=False, timeout=60.0)
+        self.sf = Client(proc.endpoint, timeout_s=30.0)
+        assert proc.proc is not None
+        self.daemon_pid = proc.proc.pid
+        self.emu_pid = emu.pid or 0
+
+    def close(self) -> None:
+        self.sf.close()
+        self.oa.close()
+        self.an.close()
+        self.raw.close()
+
+    # ---- the variants: each returns the text it received ----------------------
+
+    def _openai_sdk(self, model: str) -> str:
+        parts = []
+        stream = self.oa.chat.completions.create(model=model, messages=PROMPT,  # type: ignore[arg-type]
+                                                 stream=True,
+                                                 stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.choices:
+                content = chunk.choices[0].delta.content
+                if content:
+                    parts.append(content)
+        return "".join(parts)
+
+    def _anthropic_sdk(self, model: str) -> str:
+        parts = []
+        stream = self.an.messages.create(model=model, max_tokens=4096, messages=PROMPT,  # type: ignore[arg-type]
+                                         stream=True)
+        for event in stream:
+            if event.type == "content_block_delta" and event.delta.type == "text_delta":
+                parts.append(event.delta.text)
+        return "".join(parts)
+
+    def _httpx2_raw(self, model: str) -> str:
+        parts = []
+        body = {"model": model, "messages": PROMPT, "stream": True,
+                "stream_options": {"include_usage": True}}
+        url = self.emu.openai_base_url + "/chat/completions"
+        with self.raw.stream("POST", url, json=body,
+                             headers={"Authorization": "Bearer bench"}) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = orjson.loads(line[6:])
+                choices = obj.get("choices")
+                if choices:
+                    content = choices[0]["delta"].get("content")
+                    if content:
+                        parts.append(content)
+        return "".join(parts)
+
+    def _streamfence(self, profile: str, model: str) -> str:
+        request: dict[str, Any] = {"model": model, "messages": PROMPT}
+        if profile == "an":
+            request["max_tokens"] = 4096
+        parts = []
+        call_id = self.sf.submit(profile, request)
+        for event in self.sf.events(call_id, timeout_s=60.0):
+            if event["op"] == "delta" and event["kind"] == "text":
+                parts.append(event["data"])
+            elif event["op"] == "done" and event["status"] != "completed":
+                raise RuntimeError(f"streamfence call ended {event['status']}: {event['error']}")
+        return "".join(parts)
+
+    def fn(self, variant: str) -> Callable[[str], str]:
+        return {"openai-sdk": self._openai_sdk, "anthropic-sdk": self._anthropic_sdk,
+                "httpx2-raw": self._httpx2_raw,
+                "sf-openai": lambda m: self._streamfence("oa", m),
+                "sf-anthropic": lambda m: self._streamfence("an", m)}[variant]
+
+    # ---- one measured run -------------------------------------------------------
+
+    def run(self, variant: str, chunks: int, delay: float, text: str) -> dict[str, Any]:
+        key = f"cpu-{uuid.uuid4().hex[:10]}"
+        self.control.script(key, [{"fault": "ok", "chunks": chunks, "chunk_delay_s": delay,
+                                   "text": text}])
+        model = f"emu-model#{key}"
+        in_daemon = variant.startswith("sf-")
+        daemon_meter = CpuMeter([self.daemon_pid])
+        emu_meter = CpuMeter([self.emu_pid])
+        status = self.sf.status() if in_daemon else None
+        gc.collect()
+        daemon_meter.start()
+        emu_meter.start()
+        own0 = time.process_time()
+        wall0 = time.perf_counter()
+        got = self.fn(variant)(model)
+        wall_s = time.perf_counter() - wall0
+        own_s = time.process_time() - own0
+        if in_daemon:
+            time.sleep(0.03)  # the worker's last steps (W_IDLE, its log line) after the done
+        daemon_meter.stop()
+        emu_meter.stop()
+        if got != text:
+            raise RuntimeError(f"{variant}: received {len(got)} chars, scripted {len(text)}")
+        by_role: dict[str, float] = {"client": own_s}
+        if in_daemon and status is not None:
+            roles = daemon_roles(status)
+            roles[self.daemon_pid] = "supervisor"
+            for pid, used in daemon_meter.used.items():
+                role = roles.get(pid, "other")
+                by_role[role] = by_role.get(role, 0.0) + used
+        return {"cpu": sum(by_role.values()), "by_role": by_role, "wall": wall_s,
+                "emu": emu_meter.total()}
+
+
+def _idle_rate(runner: Runner, seconds: float) -> float:
+    """CPU seconds per second the daemon burns with nothing to do."""
+    meter = CpuMeter([runner.daemon_pid])
+    meter.start()
+    time.sleep(seconds)
+    meter.stop()
+    return meter.total() / seconds
+
+
+def run(quick: bool, rounds: int) -> Section:
+    sec = Section("cpu", "1 CPU/delta")
+    paces = {"burst": (1000 if quick else 3000, 0.0),
+             "paced": (50 if quick else 200, 0.02)}
+    sec.params = {"rounds": rounds, **{f"{p} chunks": n for p, (n, _) in paces.items()},
+                  "paced chunk_delay_s": 0.02, "chars/delta": "~4.5"}
+    with emulator() as emu, daemon(providers_for(emu, stale_timeout_s=60.0),
+                                   {"workers_spare": 2}) as proc:
+        runner = Runner(emu, proc)
+        try:
+            idle = _idle_rate(runner, 1.0 if quick else 2.0)
+            for pace, (chunks, delay) in paces.items():
+                text = realistic_text(chunks)
+                for variant in VARIANTS:  # warm-up: connections, caches, lazy imports
+                    runner.run(variant, min(chunks, 50), delay, realistic_text(min(chunks, 50)))
+                results: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+                for r in range(rounds):
+                    for variant in rotated(VARIANTS, r):
+                        results[variant].append(runner.run(variant, chunks, delay, text))
+                    log(f"  cpu {pace} round {r + 1}/{rounds}: " + ", ".join(
+                        f"{v} {results[v][-1]['cpu'] / chunks * 1e6:.0f}" for v in VARIANTS))
+                _report(sec, pace, chunks, delay, results, idle)
+        finally:
+            runner.close()
+    return sec
+
+
+def _report(sec: Section, pace: str, chunks: int, delay: float,
+            results: dict[str, list[dict[str, Any]]], idle: float) -> None:
+    def per_delta(v: str) -> float:
+        return median([r["cpu"] for r in results[v]]) / chunks
+
+    ratio_c = median([c["cpu"] / a["cpu"] for c, a in
+                      zip(results["sf-openai"], results["openai-sdk"], strict=True)])
+    ratio_d = median([d["cpu"] / b["cpu"] for d, b in
+                      zip(results["sf-anthropic"], results["anthropic-sdk"], strict=True)])
+    label = f"{pace}, {chunks} chunks" + (f" @ {1 / delay:.0f}/s" if delay else "")
+    ref = {"openai-sdk": "SPEC: ~160 µs (paced)", "anthropic-sdk": "SPEC: ~80–110 µs (paced)",
+           "httpx2-raw": "SPEC: raw httpx+json ~60 µs"}
+    for v in VARIANTS:
+        sec.row(f"{v} ({label})", fmt_us(per_delta(v)) + "/delta", reference=ref.get(v, ""))
+    sec.row(f"c/a = sf-openai ÷ openai-sdk ({pace})", f"{ratio_c:.2f}", "≤ 1.0", "",
+            ratio_c <= 1.0)
+    sec.row(f"sf-anthropic ÷ anthropic-sdk ({pace})", f"{ratio_d:.2f}", "", "")
+    emu_cpu = median([r["emu"] for v in VARIANTS for r in results[v]]) / chunks
+    emu_util = max(r["emu"] / r["wall"] for v in VARIANTS for r in results[v])
+    sec.row(f"emulator's own CPU ({pace})", f"{fmt_us(emu_cpu)}/chunk, ≤ {emu_util:.0%} of a core",
+            "not the bottleneck", "", emu_util < 0.9)
+    roles = sorted({k for r in results["sf-openai"] for k in r["by_role"]})
+    parts = []
+    for role in roles:
+        value = median([r["by_role"].get(role, 0.0) for r in results["sf-openai"]]) / chunks
+        parts.append(f"{role} {value * 1e6:.1f}")
+    wall = median([r["wall"] for r in results["sf-openai"]])
+    sec.note(f"- sf-openai, {label}: µs/delta by process (medians): {', '.join(parts)}; "
+             f"wall {wall:.2f} s per stream; the idle daemon burns {idle * 1e3:.1f} ms CPU/s "
+             f"(= {idle * wall / chunks * 1e6:.1f} µs/delta of this run's wall time).")

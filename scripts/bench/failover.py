@@ -1,0 +1,122 @@
+"""Section 4: failover of a stalled stream, from the records the processes keep.
+
+Each round submits one call (openai profile, `stale_timeout_s` STALE_S,
+`on_partial: "restart"` so that a retry is allowed after visible text) whose
+first attempt streams 3 chunks and then stalls (emulator `stall`), and whose
+second attempt streams normally. The daemon runs with backoff 0, so the retry
+is not delayed by the (by design 1-4 s) backoff: what is measured is the
+machinery. Nothing is added to the product; every instant is read back from
+a record that already exists (all wall clock, `time.time()`, one machine):
+
+- stale deadline  the emulator's `last_write` of request 1 (its last chunk
+                  before the stall) + STALE_S;
+- fence sent      the supervisor's JSON log record "stale attempt" (`ts`),
+                  logged just before the fence request goes to the sink;
+- kill            the journal's `attempts.ended` of attempt 1, written right
+                  after the SIGKILL, which is sent when the sink acks the fence;
+- retry request   the emulator's `started` of request 2 (the retry's request
+                  body read by the emulator);
+- replacement     the newest worker's idle-since instant, from `status`
+                  (`for_s`, rounded to 1 ms, taken mid-way between the request
+                  and the reply): the worker forked after the kill and its hello.
+
+Missing record: the sink's fence ack has no INFO line (its "sink: fenced" line
+is DEBUG); the kill row stands for it since the supervisor kills on that ack.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from protocol.client import Client
+from scripts.bench.common import Section, daemon, emulator, log, median, providers_for
+from supervisor.launcher import DaemonProcess
+
+STALE_S = 0.3
+
+
+def _status_at(client: Client) -> tuple[dict[str, Any], float]:
+    t0 = time.time()
+    status = client.status()
+    return status, (t0 + time.time()) / 2
+
+
+def _one(proc: DaemonProcess, emu_url: str, client: Client, emu: Any) -> dict[str, float]:
+    key = f"fo-{uuid.uuid4().hex[:10]}"
+    emu.script(key, [{"fault": "stall", "after": 3, "chunks": 20, "stall_s": 10.0},
+                     {"fault": "ok", "chunks": 20}])
+    call_id = client.submit("oa", {"model": f"m#{key}", "messages": []},
+                            options={"stale_timeout_s": STALE_S, "on_partial": "restart"})
+    before: set[int] | None = None
+    done: dict[str, Any] = {}
+    for event in client.events(call_id, timeout_s=30.0):
+        if before is None and event["op"] == "delta":
+            before = {w["worker_id"] for w in client.status()["workers"]}
+        if event["op"] == "done":
+            done = event
+    if done.get("status") != "completed" or done.get("attempts") != 2:
+        raise RuntimeError(f"failover call ended {done.get('status')} after "
+                           f"{done.get('attempts')} attempts: {done.get('error')}")
+    time.sleep(0.2)  # let the replacement say hello
+    status, at = _status_at(client)
+    fresh = [w for w in status["workers"]
+             if w["worker_id"] not in (before or set()) and w["state"] == "idle"]
+    if not fresh:
+        raise RuntimeError(f"no replacement worker in {status['workers']}")
+    ready = min(at - w["for_s"] for w in fresh)
+    records = sorted(emu.log(key), key=lambda r: r["n"])
+    deadline = records[0]["last_write"] + STALE_S
+    retry_at = records[1]["started"]
+    stale = [r for r in proc.log_records()
+             if r.get("call_id") == call_id and str(r.get("message", "")).startswith("stale attempt")]
+    if len(stale) != 1:
+        raise RuntimeError(f"expected one 'stale attempt' record for {call_id}, got {len(stale)}")
+    fenced = float(stale[0]["ts"])
+    rows = proc.journal_rows("SELECT attempt, started, ended FROM attempts WHERE call_id = ? "
+                             "ORDER BY attempt", call_id)
+    killed = float(rows[0][2])
+    scheduled = float(rows[1][1])
+    return {"fence": fenced - deadline, "kill": killed - fenced, "retry": retry_at - killed,
+            "replacement": ready - killed, "schedule": scheduled - killed,
+            "dispatch": retry_at - scheduled, "total": retry_at - deadline}
+
+
+def run(quick: bool, rounds: int) -> Section:
+    sec = Section("failover", "4 failover")
+    n = max(rounds, 5)
+    sec.params = {"rounds": n, "stale_timeout_s": STALE_S, "backoff": 0, "workers_spare": 2}
+    results: list[dict[str, float]] = []
+    with emulator() as emu, daemon(providers_for(emu, stale_timeout_s=STALE_S),
+                                   {"workers_spare": 2, "backoff_base_s": 0.0,
+                                    "backoff_max_s": 0.0}) as proc:
+        emu_client = emu.client()
+        with Client(proc.endpoint, timeout_s=10.0) as client:
+            for r in range(n):
+                results.append(_one(proc, emu.base_url, client, emu_client))
+                log(f"  failover round {r + 1}/{n}: " + ", ".join(
+                    f"{k} {v * 1e3:.1f} ms" for k, v in results[-1].items()))
+    _report(sec, results)
+    return sec
+
+
+def _report(sec: Section, results: list[dict[str, float]]) -> None:
+    def ms(key: str) -> tuple[float, float]:
+        values = [r[key] for r in results]
+        return median(values) * 1e3, max(values) * 1e3
+
+    fence, kill, retry, repl = ms("fence"), ms("kill"), ms("retry"), ms("replacement")
+    sec.row("stale deadline → fence sent", f"{fence[0]:.1f} ms (max {fence[1]:.1f})",
+            "≤ 50 ms", "liveness checked every 20 ms", fence[1] <= 50.0)
+    sec.row("fence sent → worker killed (fence acked)", f"{kill[0]:.2f} ms (max {kill[1]:.2f})")
+    sec.row("kill → retry's request at the emulator", f"{retry[0]:.2f} ms (max {retry[1]:.2f})",
+            "≤ 5 ms", "SPEC: hand-off to a ready spare ~0.25 ms", retry[1] <= 5.0)
+    sec.row("kill → replacement worker ready", f"{repl[0]:.1f} ms (max {repl[1]:.1f})",
+            "≤ 10 ms", "SPEC: 7.6 ms after the predecessor's kill", repl[1] <= 10.0)
+    sched, disp, total = ms("schedule"), ms("dispatch"), ms("total")
+    sec.note(f"- kill → retry scheduled (journal `started` of attempt 2) {sched[0]:.2f} ms; "
+             f"scheduled → request at the emulator {disp[0]:.2f} ms (authorize at the sink, "
+             f"W_RUN, the worker's SDK request); stale deadline → retry request {total[0]:.1f} ms "
+             f"median, {total[1]:.1f} ms max. Replacement times have ±1 ms resolution "
+             f"(`for_s` is rounded to ms). Pass/fail uses the max over {len(results)} rounds.")

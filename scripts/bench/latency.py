@@ -1,0 +1,180 @@
+"""Section 3: latency added from a worker's send to a subscriber's receive.
+
+A producer process (scripts.bench.load, "paced") impersonates a worker: it
+sends T_DELTA frames at 20k/s whose data is the CLOCK_MONOTONIC ns taken
+just before the send (CLOCK_MONOTONIC is system-wide on Linux); the receiver
+takes the clock right after its `recv`, before decoding. Two paths, in
+rotated order each round:
+
+- `sink`    worker -> real sink (spawned alone) -> its control peer: this
+            process, which authorized the call as the supervisor does and
+            receives the sink's E_EVENT frames;
+- `daemon`  worker -> the real daemon's sink -> supervisor -> a subscriber
+            (a DEALER in this process that submitted the call). The call is
+            real: the emulator holds its stream silent (`stall`, 0 chunks), so
+            its worker sends nothing while the producer writes into the sink's
+            `sink.in` as attempt 1 with seq 1, 2, ... like the worker would.
+            After the run the call is cancelled (fenced, worker killed).
+
+Both include the sink's durability rule: an event goes out only after the
+commit that stored it. The first 5 % of each run is discarded as warm-up.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import msgpack
+import zmq
+
+from emulator.control import EmulatorProcess
+from protocol.client import Client
+from protocol.client_base import new_ref, submit_msg
+from protocol.codec import encode
+from scripts.bench.common import (
+    Section,
+    daemon,
+    emulator,
+    log,
+    median,
+    percentile,
+    providers_for,
+    rotated,
+    sink_in_endpoint,
+)
+from scripts.bench.load import Producers, SinkUnderTest
+from supervisor.launcher import DaemonProcess
+
+RATE = 20_000
+PAD = "abcde"
+TARGET_P99_S = 0.001
+
+
+class StalledCall:
+    """A real call whose provider stream is held silent, and its raw subscriber."""
+
+    def __init__(self, proc: DaemonProcess, emu: EmulatorProcess) -> None:
+        self.proc = proc
+        key = f"lat-{uuid.uuid4().hex[:10]}"
+        emu_client = emu.client()
+        emu_client.script(key, [{"fault": "stall", "after": 0, "stall_s": 600}])
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.rcvhwm = 0
+        self.sock.connect(proc.endpoint)
+        ref = new_ref()
+        self.sock.send(encode(submit_msg(ref, "oa", {"model": f"m#{key}", "messages": []},
+                                         session_id=None, idempotency_key=None,
+                                         options={"stale_timeout_s": 600.0}, subscribe=True)))
+        if not self.sock.poll(10_000):
+            raise RuntimeError("no reply to the submit")
+        reply = msgpack.unpackb(self.sock.recv())
+        if reply.get("op") != "accepted":
+            raise RuntimeError(f"submit refused: {reply}")
+        self.call_id: str = reply["call_id"]
+        # The worker has the attempt once the emulator sees its request.
+        emu_client.wait_for(lambda recs: recs, timeout=30.0, what="the stalled request", key=key)
+        self.latencies: list[int] = []
+
+    def drain(self, sock: zmq.Socket[bytes]) -> None:
+        recv, unpackb, now_ns = sock.recv, msgpack.unpackb, time.monotonic_ns
+        out = self.latencies
+        while True:
+            try:
+                frame = recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            now = now_ns()
+            event = unpackb(frame)
+            if event.get("op") == "delta":
+                out.append(now - int(event["data"][:19]))
+
+    def close(self) -> None:
+        with Client(self.proc.endpoint, timeout_s=10.0) as client:
+            client.cancel(self.call_id)
+        self.sock.close(linger=0)
+
+
+def _summary(samples: list[int]) -> tuple[float, float, float, int]:
+    kept = sorted(samples[len(samples) // 20:])
+    return (percentile(kept, 50) / 1e9, percentile(kept, 99) / 1e9, kept[-1] / 1e9
+            if kept else float("nan"), len(kept))
+
+
+def run(quick: bool, rounds: int) -> Section:
+    sec = Section("latency", "3 latency")
+    seconds = 1.0 if quick else 3.0
+    sec.params = {"rounds": rounds, "rate": RATE, "seconds per run": seconds}
+    results: dict[str, list[tuple[float, float, float, int]]] = {"sink": [], "daemon": []}
+    with tempfile.TemporaryDirectory(prefix="sfbench-") as rt, emulator() as emu, \
+            daemon(providers_for(emu, stale_timeout_s=600.0), {"workers_spare": 2}) as proc:
+        sink = SinkUnderTest(rt)
+        producers = Producers(1, rt)
+        daemon_sink_in = sink_in_endpoint(proc)
+        try:
+            for r in range(rounds):
+                for variant in rotated(["sink", "daemon"], r):
+                    if variant == "sink":
+                        call = f"lat-{uuid.uuid4().hex[:12]}"
+                        sink.authorize([call])
+                        samples: list[int] = []
+                        sink.on_event = lambda msg, now, out=samples: out.append(
+                            now - int(msgpack.unpackb(msg[3])["data"][:19]))
+                        producers.run([["paced", sink.endpoints.sink_in, call, 1, 1, RATE,
+                                        seconds, PAD]], {sink.ctl: sink.drain})
+                        _settle({sink.ctl: sink.drain})
+                        sink.on_event = None
+                    else:
+                        stalled = StalledCall(proc, emu)
+                        try:
+                            producers.run([["paced", daemon_sink_in, stalled.call_id, 1, 1, RATE,
+                                            seconds, PAD]], {stalled.sock: stalled.drain})
+                            _settle({stalled.sock: stalled.drain})
+                        finally:
+                            stalled.close()
+                        samples = stalled.latencies
+                    expected = int(RATE * seconds)
+                    if len(samples) != expected:
+                        raise RuntimeError(f"latency/{variant}: received {len(samples)} of "
+                                           f"{expected} deltas")
+                    results[variant].append(_summary(samples))
+                log(f"  latency round {r + 1}/{rounds}: " + ", ".join(
+                    f"{v} p50 {results[v][-1][0] * 1e6:.0f} µs p99 {results[v][-1][1] * 1e6:.0f} µs"
+                    for v in results))
+        finally:
+            producers.close()
+            sink.close()
+    _report(sec, results)
+    return sec
+
+
+def _settle(extra: dict[zmq.Socket[bytes], Any], seconds: float = 0.3) -> None:
+    """Keep draining for a moment after the producer's last send."""
+    poller = zmq.Poller()
+    for sock in extra:
+        poller.register(sock, zmq.POLLIN)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for sock, _ in poller.poll(20):
+            extra[sock](sock)
+
+
+def _report(sec: Section, results: dict[str, list[tuple[float, float, float, int]]]) -> None:
+    names = {"sink": "worker → sink → control peer (no supervisor)",
+             "daemon": "worker → sink → supervisor → subscriber"}
+    for variant, runs in results.items():
+        p50 = median([x[0] for x in runs])
+        p99 = median([x[1] for x in runs])
+        worst = max(x[2] for x in runs)
+        text = f"p50 {p50 * 1e6:.0f} µs, p99 {p99 * 1e6:.0f} µs, max {worst * 1e3:.2f} ms"
+        if variant == "daemon":
+            sec.row(f"{names[variant]} @ {RATE // 1000}k/s", text, "p99 ≤ 1 ms",
+                    "SPEC: one hop p50 ~40–60 µs, p99 ~90–175 µs", p99 <= TARGET_P99_S)
+        else:
+            sec.row(f"{names[variant]} @ {RATE // 1000}k/s", text, "",
+                    "SPEC: one hop p50 ~40–60 µs, p99 ~90–175 µs")
+        sec.note(f"- {names[variant]}: per-round p99 " + ", ".join(
+            f"{x[1] * 1e6:.0f}" for x in runs) + f" µs over {runs[0][3]:,} samples each")

@@ -1,0 +1,111 @@
+"""Section 2: sink throughput, beside the machine's ceiling.
+
+Producer processes (scripts.bench.load) impersonate workers: each sends its
+pre-packed T_DELTA frames (`[T_DELTA, call, 1, seq, "text", data]`, data a
+5-character delta) as fast as ZeroMQ takes them, then one T_FINAL per call,
+and waits for the final acks. Deltas/s = all deltas / (last ack - first send):
+an ack is sent only after the commit that made every delta of its call
+durable, so the figure counts deltas accepted, fence-checked and persisted.
+
+Targets, in rotated order each round:
+- `sink`        the real sink process (`sink.process.run_sink`, spawned), calls
+                authorized first over its control socket; this process plays
+                the supervisor and drains the sink's E_EVENT frames (one per
+                accepted delta) while the load runs;
+- `ceil-db`     ZMQ + msgpack + SQLite WAL group commit, no fence, no events;
+- `ceil-nodb`   ZMQ + msgpack alone.
+With 1 producer (1 call) and 8 producers (1 call each), plus `sink 8x32`:
+8 producers interleaving 32 calls each (256 streams, so a group commit holds
+many calls' runs). On 2 cores, 8 producers compete with the sink for CPU.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import uuid
+from typing import Any
+
+from scripts.bench.common import Section, fmt_rate, log, median, rotated
+from scripts.bench.load import Producers, SinkUnderTest, ceiling
+
+DATA = "tok, "  # a token's worth of text
+TARGET = 250_000
+
+
+def _rate(done: list[list[Any]], total: int) -> tuple[float, int]:
+    t0 = min(d[1] for d in done)
+    t1 = max(d[2] for d in done)
+    acked = sum(d[3] for d in done)
+    return total / ((t1 - t0) / 1e9), acked
+
+
+def run(quick: bool, rounds: int) -> Section:
+    sec = Section("throughput", "2 sink throughput")
+    total = 100_000 if quick else 400_000
+    sec.params = {"rounds": rounds, "deltas per run": total, "delta data": repr(DATA)}
+    shapes = {"1p": (1, 1), "8p": (8, 1), "8x32": (8, 32)}
+    variants = ["ceil-nodb 1p", "ceil-db 1p", "sink 1p", "ceil-nodb 8p", "ceil-db 8p",
+                "sink 8p", "sink 8x32"]
+    results: dict[str, list[float]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory(prefix="sfbench-") as rt, \
+            ceiling(rt, "ceil-nodb", with_db=False) as nodb, \
+            ceiling(rt, "ceil-db", with_db=True) as withdb:
+        sink = SinkUnderTest(rt)
+        producers = Producers(8, rt)
+        try:
+            targets = {"ceil-nodb": nodb, "ceil-db": withdb, "sink": sink.endpoints.sink_in}
+            for r in range(-1, rounds):  # round -1 warms up (discarded)
+                for variant in rotated(variants, max(r, 0)):
+                    target, shape = variant.split()
+                    n_prod, n_calls = shapes[shape]
+                    per_call = total // (n_prod * n_calls)
+                    if r < 0:
+                        per_call = max(10, 8000 // (n_prod * n_calls))
+                    jobs = []
+                    for _ in range(n_prod):
+                        calls = [f"tp-{uuid.uuid4().hex[:12]}" for _ in range(n_calls)]
+                        if target == "sink":
+                            sink.authorize(calls)
+                        jobs.append(["blast", targets[target], calls, 1, per_call, DATA])
+                    extra = {sink.ctl: sink.drain} if target == "sink" else None
+                    done = producers.run(jobs, extra)
+                    n = per_call * n_prod * n_calls
+                    rate, acked = _rate(done, n)
+                    if acked != n_prod * n_calls:
+                        raise RuntimeError(f"{variant}: {acked} of {n_prod * n_calls} finals "
+                                           f"accepted: {done}")
+                    if r >= 0:
+                        results[variant].append(rate)
+                if r >= 0:
+                    log(f"  throughput round {r + 1}/{rounds}: " + ", ".join(
+                        f"{v} {results[v][-1] / 1e3:.0f}k" for v in variants))
+            stats = sink.stats()
+        finally:
+            producers.close()
+            sink.close()
+    _report(sec, results, stats)
+    return sec
+
+
+def _report(sec: Section, results: dict[str, list[float]], stats: dict[str, Any]) -> None:
+    ref = {"ceil-nodb": "SPEC: ~570k–790k/s (with fence check)",
+           "ceil-db": "SPEC: ~320k–370k/s", "sink": "SPEC: ~320k–370k/s (group commit)"}
+    for variant, rates in results.items():
+        target, shape = variant.split()
+        label = {"1p": "1 producer", "8p": "8 producers", "8x32": "8 producers × 32 calls"}[shape]
+        name = {"ceil-nodb": "ceiling: ZMQ + msgpack", "ceil-db": "ceiling: + SQLite group commit",
+                "sink": "sink: fenced + persisted"}[target]
+        value = median(rates)
+        if target == "sink":
+            sec.row(f"{name}, {label}", fmt_rate(value), f"≥ {TARGET // 1000}k/s",
+                    ref[target], value >= TARGET)
+        else:
+            sec.row(f"{name}, {label}", fmt_rate(value), "", ref[target])
+    for shape in ("1p", "8p"):
+        ratios = [s / c for s, c in zip(results[f"sink {shape}"], results[f"ceil-db {shape}"],
+                                        strict=True)]
+        sec.note(f"- sink ÷ ceiling (ZMQ + msgpack + SQLite), {shape}: median of per-round "
+                 f"ratios {median(ratios):.2f}; per-round sink rates: "
+                 + ", ".join(f"{x / 1e3:.0f}k" for x in results[f"sink {shape}"]))
+    sec.note(f"- sink counters after the runs: accepted {stats.get('accepted')}, dropped "
+             f"{stats.get('dropped')}, rows {stats.get('db_rows')}, commits {stats.get('commits')}")

@@ -1,0 +1,113 @@
+"""The transcript store: runs of events, replay from any seq, read-only reader, epochs."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from protocol.codec import encode
+from protocol.messages import CallStatus, delta_event, done_event, reset_event
+from sink.store import (
+    TranscriptReader,
+    TranscriptStore,
+    events_after,
+    max_epochs,
+    split_events,
+)
+
+
+def deltas(call: str, attempt: int, first_seq: int, texts: list[str]) -> list[bytes]:
+    return [encode(delta_event(call, attempt, first_seq + i, "text", t))
+            for i, t in enumerate(texts)]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[TranscriptStore]:
+    s = TranscriptStore(str(tmp_path / "t.db"))
+    yield s
+    s.close()
+
+
+def test_wal_mode_and_schema(store: TranscriptStore) -> None:
+    conn = sqlite3.connect(store.path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"events", "calls", "meta"} <= tables
+    conn.close()
+
+
+def test_split_events_returns_each_encoded_event() -> None:
+    events = [*deltas("c", 1, 1, ["a", "b" * 300, ""]), encode({"k": [1, {"x": b"\x00"}]})]
+    assert split_events(b"".join(events)) == events
+
+
+def test_replay_across_runs_from_any_seq(store: TranscriptStore) -> None:
+    run1 = deltas("c", 1, 1, ["a", "b", "c"])
+    reset = encode(reset_event("c", 2, 4))
+    run2 = deltas("c", 2, 5, ["x", "y"])
+    store.add_run("c", 1, 1, run1)
+    store.set_epoch("c", 1)
+    store.commit()
+    store.add("c", 4, 4, 2, "reset", reset)
+    store.add_run("c", 5, 2, run2)
+    store.set_epoch("c", 2)
+    assert store.commit() == 2
+    everything = [*run1, reset, *run2]
+    for from_seq in range(0, 8):
+        got = events_after(store.path, "c", from_seq)
+        assert got == everything[from_seq:], from_seq
+        assert [msgpack.unpackb(e)["seq"] for e in got] == list(range(from_seq + 1, 7))
+
+
+def test_uncommitted_rows_are_invisible_to_readers(store: TranscriptStore) -> None:
+    store.add_run("c", 1, 1, deltas("c", 1, 1, ["a"]))
+    assert events_after(store.path, "c", 0) == []
+    store.commit()
+    assert len(events_after(store.path, "c", 0)) == 1
+
+
+def test_epochs_only_grow_and_done_is_recorded(store: TranscriptStore) -> None:
+    store.set_epoch("c", 3)
+    store.set_epoch("c", 2)
+    store.set_epoch("d", 1)
+    store.commit()
+    assert max_epochs(store.path) == {"c": 3, "d": 1}
+    assert {r.call_id for r in store.unfinished_calls()} == {"c", "d"}
+    body = encode(done_event("c", 1, CallStatus.COMPLETED, None, None, 3))
+    store.add("c", 1, 1, 3, "done", body)
+    store.set_done("c", 3, "completed", 1)
+    store.commit()
+    assert [r.call_id for r in store.unfinished_calls()] == ["d"]
+    row = store.call_row("c")
+    assert row is not None and row.status == "completed" and row.last_seq == 1
+    reader = TranscriptReader(store.path)
+    try:
+        assert reader.done_event("c") == body
+        assert reader.done_event("d") is None
+        assert [r.max_epoch for r in reader.calls(["c"])] == [3]
+    finally:
+        reader.close()
+
+
+def test_reader_cannot_write(store: TranscriptStore) -> None:
+    store.set_epoch("c", 1)
+    store.commit()
+    reader = TranscriptReader(store.path)
+    try:
+        with pytest.raises(sqlite3.OperationalError):
+            reader._conn.execute("DELETE FROM calls")
+    finally:
+        reader.close()
+
+
+def test_a_duplicate_seq_rolls_the_batch_back(store: TranscriptStore) -> None:
+    store.add_run("c", 1, 1, deltas("c", 1, 1, ["a"]))
+    store.commit()
+    store.add_run("c", 1, 1, deltas("c", 1, 1, ["again"]))
+    with pytest.raises(sqlite3.IntegrityError):
+        store.commit()
+    assert len(store.events_after("c", 0)) == 1
