@@ -20,7 +20,7 @@ Sink -> worker:
     [T_FINAL_ACK, call_id, attempt, accepted: bool, reason: str]
 
 Supervisor -> sink ("sink.ctl"), each carries a request id echoed by the reply:
-    [C_AUTHORIZE, req, call_id, attempt, reset: bool]
+    [C_AUTHORIZE, req, call_id, attempt, reset: bool, model: str]
         attempt becomes the only writer of call_id (must be > any epoch seen
         for the call, else refused). reset=True voids the content so far and
         appends a `reset` event (on_partial="restart").
@@ -33,13 +33,20 @@ Supervisor -> sink ("sink.ctl"), each carries a request id echoed by the reply:
     [C_STATS, req]
 Sink -> supervisor replies:
     [R_OK, req, payload]       payload: AttemptStats map for AUTHORIZE/FENCE
-                               (of the attempt that was current before), the
+                               (of the attempt that was current before; attempt
+                               0 and zeros for a new call), the
                                done event for FINISH, counters for STATS
     [R_REFUSED, req, reason]
 Sink -> supervisor events (unsolicited):
     [E_EVENT, call_id, seq, event_bytes]
         an accepted public event (delta/reset/done), already encoded as the
         msgpack map a subscriber receives; the supervisor forwards the bytes.
+    [E_EVENTS, [[E_EVENT, call_id, seq, event_bytes], ...]]
+        the events of one commit in one message (one decode per batch on the
+        supervisor's side instead of one per delta).
+        Events are sent only after the commit that stores them, and nothing
+        the sink sends overtakes an earlier event: a subscriber never sees an
+        event the transcript does not hold.
     [E_ENDED, call_id, attempt, stats, final]
         the sink accepted an attempt's final message (stats as AttemptStats).
     [E_FINAL_REFUSED, call_id, attempt, reason]
@@ -90,6 +97,7 @@ R_REFUSED = 21
 E_EVENT = 30
 E_ENDED = 31
 E_FINAL_REFUSED = 32
+E_EVENTS = 33
 
 # supervisor <-> worker
 W_RUN = 40

@@ -41,7 +41,7 @@ import zmq.backend
 
 from protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted, encode
 from protocol.errors import ProtocolError
-from protocol.internal import R_REFUSED, T_DELTA, Endpoints
+from protocol.internal import E_EVENTS, R_REFUSED, T_DELTA, Endpoints
 from sink.content import check_tool_fragment
 from sink.fence import Verdict
 from sink.lifeline import die_with_parent, expected_parent_pid
@@ -57,6 +57,8 @@ CTL_BURST = 100
 IDLE_POLL_MS = 1000
 
 _ACCEPT = Verdict.ACCEPT
+BATCH_MAX = 4096
+_BATCH_TAG = b"\x92" + msgpack.packb(E_EVENTS)  # a 2-array: [E_EVENTS, [...]]
 _raw_send = zmq.backend.Socket.send  # the compiled send, under pyzmq's Python-level one
 _PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException)
 
@@ -64,14 +66,20 @@ _PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackExce
 class Sink(SinkState):
     """Sockets and the loop around SinkState."""
 
-    def __init__(self, runtime_dir: str, db_path: str) -> None:
+    def __init__(self, runtime_dir: str, db_path: str,
+                 control_identity: bytes | None = None) -> None:
         super().__init__(TranscriptStore(db_path))
+        # Only the supervisor may drive the sink and receive its events: its
+        # DEALER carries a secret identity handed to us at spawn (never on a
+        # socket). Without one, the first valid peer is pinned for good.
+        self.control_identity = control_identity
         ep = Endpoints(runtime_dir)
         self.ctx = zmq.Context()
         self.sin = self._router(ep.sink_in)
         self.ctl = self._router(ep.sink_ctl)
         self.peer: bytes | None = None
         self.backlog: list[bytes] = []
+        self._batch_header = msgpack.Packer().pack_array_header
         self.events_unsent = 0
         self.acks_unroutable = 0
         self._signals: list[int] = []
@@ -117,19 +125,25 @@ class Sink(SinkState):
         self.peer = None
 
     def _publish_all(self, frames: list[bytes]) -> None:
+        """The E_EVENT frames of one commit, as one E_EVENTS message (in slices
+        of BATCH_MAX): the supervisor then decodes once per batch."""
         peer = self.peer
         if peer is None:
             for frame in frames:
                 self._buffer(frame)
             return
         send = _raw_send.__get__(self.ctl)
-        for i, frame in enumerate(frames):
+        header = self._batch_header
+        for start in range(0, len(frames), BATCH_MAX):
+            part = frames[start:start + BATCH_MAX]
+            body = part[0] if len(part) == 1 else \
+                _BATCH_TAG + header(len(part)) + b"".join(part)
             try:
                 send(peer, zmq.SNDMORE)
-                send(frame)
+                send(body)
             except zmq.ZMQError as exc:
                 self._lose_peer(exc)
-                for rest in frames[i:]:
+                for rest in frames[start:]:
                     self._buffer(rest)
                 return
 
@@ -228,6 +242,9 @@ class Sink(SinkState):
             if self._resync(sock):
                 self.bad_frame("ctl", "more than one frame")
                 continue
+            if self.control_identity is not None and ident != self.control_identity:
+                self.bad_frame("ctl", "control message from a peer that is not the supervisor")
+                continue
             try:
                 op = parse_control(decode_untrusted(frame))
             except ProtocolError as exc:
@@ -238,6 +255,8 @@ class Sink(SinkState):
                 if exc.req is not None:  # the sender is waiting on this req: answer it
                     self._send(sock, ident, encode([R_REFUSED, exc.req, f"bad_message: {exc.reason}"]))
                 continue
+            if self.control_identity is None:
+                self.control_identity = ident  # trust on first use
             self._set_peer(ident)
             self._send(sock, ident, self.handle_control(op))
 
@@ -367,13 +386,17 @@ def _setup_logging(level: str | int) -> None:
         level.upper() if isinstance(level, str) else level)
 
 
-def run_sink(runtime_dir: str, db_path: str, log_level: str | int = "INFO") -> None:
-    """Process entry point: serve until SIGTERM (or the parent's death)."""
+def run_sink(runtime_dir: str, db_path: str, log_level: str | int = "INFO",
+             control_identity: bytes | None = None) -> None:
+    """Process entry point: serve until SIGTERM (or the parent's death).
+
+    `control_identity`: the ZeroMQ identity of the supervisor's control
+    socket; control messages from any other peer are refused and counted."""
     _setup_logging(log_level)
     if not die_with_parent(expected_parent_pid()):
         log.error("sink: parent already gone at start; exiting")
         sys.exit(EXIT_PARENT_GONE)
-    sink = Sink(runtime_dir, db_path)
+    sink = Sink(runtime_dir, db_path, control_identity)
     try:
         sink.serve()
     finally:

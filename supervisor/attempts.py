@@ -75,7 +75,9 @@ class AttemptDriver:
             st.journal.commit()
             for call in started:
                 reset = call.delivered  # only under on_partial=restart can this hold here
-                st.sink.authorize(call.call_id, call.epoch, reset,
+                model = str(call.spec.request.get("model") or call.spec.request.get("modelId")
+                            or "-")
+                st.sink.authorize(call.call_id, call.epoch, reset, model,
                                   functools.partial(self._authorized, call))
         st.pool.maintain(demand=sum(1 for cid in st.queue if cid in st.calls))
 

@@ -73,9 +73,10 @@ class DaemonConfig:
         enough for a unix socket (~107 bytes), else a private temp dir."""
         candidate = os.path.abspath(os.path.join(self.state_dir, "run"))
         if len(candidate) + len("/sink.ctl") < 100:
-            os.makedirs(candidate, exist_ok=True)
+            os.makedirs(candidate, mode=0o700, exist_ok=True)
+            os.chmod(candidate, 0o700)  # only our user may reach the internal sockets
             return candidate
-        return tempfile.mkdtemp(prefix="sf-")
+        return tempfile.mkdtemp(prefix="sf-")  # mkdtemp is 0o700 already
 
 
 _DAEMON_TYPES: dict[str, tuple[type, ...]] = {

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import random
+import secrets
 import signal
 import time
 from typing import Any
@@ -70,12 +71,15 @@ class Daemon:
         self._zygote_ready = False
         self._sink: Any = None
         self.ctx = zmq.Context()
+        # The sink obeys only this identity (passed to it at spawn, never sent).
+        self._control_identity = b"sup-" + secrets.token_hex(16).encode()
 
     # ---- child processes -----------------------------------------------------
     def _start_sink(self) -> None:
         self._sink = self._mp.Process(
             target=run_sink, name="sink",
-            args=(self.runtime_dir, self.transcript_path, self.config.log_level))
+            args=(self.runtime_dir, self.transcript_path, self.config.log_level,
+                  self._control_identity))
         self._sink.start()
 
     def _start_zygote(self) -> None:
@@ -117,6 +121,7 @@ class Daemon:
         except zmq.ZMQError as exc:
             raise StartupError(f"cannot bind {cfg.endpoint}: {exc}") from None
         sink_sock = self.ctx.socket(zmq.DEALER)
+        sink_sock.setsockopt(zmq.IDENTITY, self._control_identity)
         sink_sock.linger = 0
         sink_sock.sndhwm = 0
         sink_sock.rcvhwm = 0

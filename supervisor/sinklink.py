@@ -22,6 +22,7 @@ from protocol.internal import (
     C_STATS,
     E_ENDED,
     E_EVENT,
+    E_EVENTS,
     E_FINAL_REFUSED,
     R_OK,
     R_REFUSED,
@@ -52,8 +53,9 @@ class SinkLink:
         self._pending[req] = reply
         self.socket.send(msgpack.packb(msg, use_bin_type=True))
 
-    def authorize(self, call_id: str, attempt: int, reset: bool, reply: Reply) -> None:
-        self._request([C_AUTHORIZE, call_id, attempt, reset], reply)
+    def authorize(self, call_id: str, attempt: int, reset: bool, model: str,
+                  reply: Reply) -> None:
+        self._request([C_AUTHORIZE, call_id, attempt, reset, model], reply)
 
     def fence(self, call_id: str, attempt: int, reply: Reply) -> None:
         self._request([C_FENCE, call_id, attempt], reply)
@@ -84,7 +86,11 @@ class SinkLink:
             n += 1
             msg = msgpack.unpackb(frame, raw=False)
             tag = msg[0]
-            if tag == E_EVENT:
+            if tag == E_EVENTS:
+                on_event = self._on_event
+                for event in msg[1]:
+                    on_event(event[1], event[2], event[3])
+            elif tag == E_EVENT:
                 self._on_event(msg[1], msg[2], msg[3])
             elif tag in (R_OK, R_REFUSED):
                 callback = self._pending.pop(msg[1], None)

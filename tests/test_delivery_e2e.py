@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from emulator.control import EmulatorClient, EmulatorProcess
 
+from emulator.control import EmulatorClient, EmulatorProcess
 from protocol.client import Client, ClientError
 from tests.harness import DaemonProcess, wait_until
 

@@ -25,6 +25,7 @@ from protocol.internal import (
     C_STATS,
     E_ENDED,
     E_EVENT,
+    E_EVENTS,
     E_FINAL_REFUSED,
     R_OK,
     R_REFUSED,
@@ -74,7 +75,9 @@ class Supervisor:
                 raise AssertionError(f"timed out after {timeout}s waiting for {what}; "
                                      f"last messages: {self.inbox[-5:]!r}")
             if self.sock.poll(int(left * 1000) + 1):
-                self.inbox.append(msgpack.unpackb(self.sock.recv()))
+                msg = msgpack.unpackb(self.sock.recv())
+                # A commit's events come batched; the tests reason per event.
+                self.inbox.extend(msg[1] if msg[0] == E_EVENTS else [msg])
 
     def request(self, tag: int, *args: Any, timeout: float = WAIT_S) -> list[Any]:
         self._req += 1

@@ -231,3 +231,20 @@ def test_every_published_event_is_already_stored(sink: SinkUnderTest) -> None:
     sink.proc.kill()
     sink.proc.join(WAIT_S)
     assert [e["seq"] for e in sink.transcript("c")] == list(range(1, 301))
+
+
+def test_only_the_supervisor_may_drive_the_sink(sink: SinkUnderTest) -> None:
+    """A stranger on sink.ctl with a well-formed control message gets no
+    answer, steals no events, and is counted; the supervisor keeps control."""
+    stranger = sink.ctx.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.connect(sink.ep.sink_ctl)
+    sink.sockets.append(stranger)
+    stranger.send(encode([C_AUTHORIZE, 1, "hijack", 1, False]))
+    sink.sup.wait_stats(lambda s: s["bad_frames"]["ctl"] >= 1, "the stranger to be counted")
+    assert not stranger.poll(200), "the sink answered a stranger"
+    sink.sup.ok(C_AUTHORIZE, "hijack", 1, False)  # the supervisor still drives it
+    worker = sink.worker()
+    worker.send(encode([T_DELTA, "hijack", 1, 1, "text", "mine"]))
+    assert [e["data"] for e in sink.sup.events("hijack", 1)] == ["mine"]
+    assert not stranger.poll(200), "events went to a stranger"
