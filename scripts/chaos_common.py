@@ -131,8 +131,10 @@ def run_load(state: ChaosState, args: argparse.Namespace, rng: random.Random,
                        "messages": [{"role": "user", "content": f"chaos call {i}"}]}
             hard_deadline = end + finish_timeout
 
+            opts = options(rng)
+
             def body(r: CallRecord = record, q: dict[str, Any] = request,
-                     o: dict[str, Any] = options(rng), d: float = hard_deadline) -> None:
+                     o: dict[str, Any] = opts, d: float = hard_deadline) -> None:
                 try:
                     _follow(state, r, q, o, d)
                 finally:

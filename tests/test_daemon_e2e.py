@@ -3,6 +3,7 @@ zygote, the real sink, the real openai SDK against the real emulator."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from typing import Any
@@ -150,10 +151,8 @@ def test_sigkill_of_the_supervisor_leaves_no_child_alive(make_daemon: Any,
     daemon.proc.wait(timeout=10)
     procs = []
     for pid in children:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
     _, alive = psutil.wait_procs(procs, timeout=1.0)
     alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"children alive 1 s after SIGKILL of the supervisor: {alive}"
