@@ -24,6 +24,7 @@ log = logging.getLogger("streamfence.attempts")
 # Error codes that mean "this provider will not stream for this profile".
 NON_STREAMING_CODES = frozenset({"streaming_unsupported", "empty_sse_frames"})
 PROBE_WINDOW_S = 60.0
+SINK_LOST = "the sink died before answering"
 
 
 def _ctx(call: Call) -> dict[str, Any]:
@@ -155,6 +156,8 @@ class AttemptDriver:
         st = self.st
         if call.state is not CallState.FENCING or call.epoch != epoch:
             return
+        if not ok or not isinstance(stats, dict):
+            stats = self._stats_from_events(call)  # the sink died: what subscribers saw
         worker = st.pool.workers.get(call.worker_id or -1)
         if call.ended is not None:
             # The sink accepted the attempt's final before the fence: it finished.
@@ -173,6 +176,7 @@ class AttemptDriver:
             "worker_died": ("worker_died", "the worker process died mid-attempt"),
             "final_refused": ("final_refused", "the sink refused the attempt's final message"),
             "deadline": ("deadline_exceeded", "the call's deadline passed"),
+            "sink_restarted": ("sink_restarted", "the sink restarted mid-attempt"),
             "cancelled": ("cancelled", "cancelled by the client"),
         }
         code, message = messages.get(reason, (reason, reason))
@@ -282,13 +286,50 @@ class AttemptDriver:
     # ---- finishing -----------------------------------------------------------
     def finish(self, call: Call, decision: Finish) -> None:
         call.to("finish")
+        call.finishing = decision
+        self._send_finish(call, decision)
+
+    def _send_finish(self, call: Call, decision: Finish) -> None:
         self.st.sink.finish(call.call_id, decision.status.value, decision.error, call.attempts,
-                            decision.meta,
-                            functools.partial(self._finished, call))
+                            decision.meta, functools.partial(self._finished, call))
+
+    # ---- the sink died ---------------------------------------------------------
+    def on_sink_restart(self) -> None:
+        """Fail the requests the dead sink never answered, then fence every
+        attempt still running: its worker streams to a sink that no longer
+        knows where it was."""
+        for callback in self.st.sink.forget_pending():
+            callback(False, SINK_LOST)
+        for call in list(self.st.calls.values()):
+            if call.state is CallState.RUNNING:
+                call.fence_reason = "sink_restarted"
+                call.to("fence")
+                self._fenced(call, call.epoch, False, SINK_LOST)
+
+    def _stats_from_events(self, call: Call) -> dict[str, Any]:
+        """The current attempt's stats as subscribers saw them (every published
+        event was committed first, so this is what the transcript holds)."""
+        visible = fragments = accepted = 0
+        for frame in self.st.events.get(call.call_id, []):
+            event = msgpack.unpackb(frame, raw=False)
+            if event.get("op") == "reset":
+                visible = fragments = accepted = 0
+            elif event.get("op") == "delta" and event.get("attempt") == call.epoch:
+                accepted += 1
+                if event["kind"] in ("text", "refusal"):
+                    visible += len(str(event["data"]).strip())
+                elif event["kind"] == "tool_call":
+                    fragments += 1
+        return {"attempt": call.epoch, "accepted": accepted, "visible_chars": visible,
+                "tool_fragments": fragments}
 
     def _finished(self, call: Call, ok: bool, done: Any) -> None:
         st = self.st
         if not ok:
+            if done == SINK_LOST and call.finishing is not None:
+                # Ask the restarted sink again (a repeated finish is idempotent there).
+                self._send_finish(call, call.finishing)
+                return
             log.error("sink refused to finish the call: %s", done, extra=_ctx(call))
             return
         call.to("finished")

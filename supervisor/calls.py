@@ -72,6 +72,7 @@ class Call:
     delivered: bool = False  # visible text of some attempt stands in the transcript
     last_error: dict[str, Any] | None = None
     notice: str | None = None  # the next attempt's first delta (a user-visible warning)
+    finishing: Finish | None = None  # the decision being written by the sink
     probe_next: bool = False  # run the next attempt non-streaming, to learn a clear error
     waiters: list[tuple[bytes, str, float]] = field(default_factory=list)
 

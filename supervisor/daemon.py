@@ -50,6 +50,8 @@ from workers.zygote import zygote_main
 log = logging.getLogger("streamfence.supervisor")
 
 TICK_S = 0.02
+SINK_RESTARTS_MAX = 5  # within SINK_RESTART_WINDOW_S, else the daemon stops
+SINK_RESTART_WINDOW_S = 60.0
 
 
 class StartupError(Exception):
@@ -70,6 +72,7 @@ class Daemon:
         self._zygote_conn: Any = None
         self._zygote_ready = False
         self._sink: Any = None
+        self._sink_deaths: list[float] = []
         self.ctx = zmq.Context()
         # The sink obeys only this identity (passed to it at spawn, never sent).
         self._control_identity = b"sup-" + secrets.token_hex(16).encode()
@@ -187,6 +190,8 @@ class Daemon:
         poller.register(self.logs_sock, zmq.POLLIN)
         poller.register(self._zygote_conn.fileno(), zmq.POLLIN)
         zygote_fd = self._zygote_conn.fileno()
+        sink_fd = self._sink.sentinel
+        poller.register(sink_fd, zmq.POLLIN)
         last_stats = 0.0
         log.info("supervisor up: endpoint=%s state_dir=%s runtime_dir=%s",
                  self.config.endpoint, self.config.state_dir, self.runtime_dir)
@@ -211,6 +216,13 @@ class Daemon:
                     self._drain_workers(st)
                 if self.logs_sock in ready:
                     self._drain_logs()
+                if sink_fd in ready:
+                    poller.unregister(sink_fd)
+                    if not self._restart_sink(st):
+                        code = 1
+                        break
+                    sink_fd = self._sink.sentinel
+                    poller.register(sink_fd, zmq.POLLIN)
                 if zygote_fd in ready and not self._drain_zygote(st):
                     poller.unregister(zygote_fd)
                     self._restart_zygote(st)
@@ -227,11 +239,6 @@ class Daemon:
                 if now - last_stats > 1.0:
                     last_stats = now
                     st.sink.refresh_stats()
-                    if not self._sink.is_alive():
-                        log.critical("the sink exited (code %s); stopping so a restart can "
-                                     "recover from the journal", self._sink.exitcode)
-                        code = 1
-                        break
         finally:
             self._shutdown(st)
         return code
@@ -298,6 +305,28 @@ class Daemon:
                               worker.pid, msg[3])
                     self.driver.on_worker_exit(worker.call_id, worker.token, msg[3])
                 st.pool.maintain()
+        return True
+
+    def _restart_sink(self, st: DaemonState) -> bool:
+        """The sink died: start a new one on the same store, and fence every
+        attempt in flight (the new sink rebuilds its epochs and each call's
+        last content from the store; what it had not committed was never
+        published). False if the sink is crash-looping."""
+        self._sink.join(timeout=1.0)
+        now = time.monotonic()
+        self._sink_deaths = [t for t in self._sink_deaths if now - t < SINK_RESTART_WINDOW_S]
+        self._sink_deaths.append(now)
+        if len(self._sink_deaths) > SINK_RESTARTS_MAX:
+            log.critical("the sink died %d times in %.0fs; stopping (the journal keeps every "
+                         "accepted call for the next start)", len(self._sink_deaths),
+                         SINK_RESTART_WINDOW_S)
+            return False
+        log.error("the sink exited (code %s); restarting it and retrying the attempts in "
+                  "flight", self._sink.exitcode)
+        self._start_sink()
+        st.processes["sink"] = self._sink.pid
+        st.counters["sink_restarts"] += 1
+        self.driver.on_sink_restart()
         return True
 
     def _restart_zygote(self, st: DaemonState) -> None:

@@ -71,6 +71,13 @@ class SinkLink:
         if ok and isinstance(payload, dict):
             self.stats = payload
 
+    def forget_pending(self) -> list[Reply]:
+        """The sink died: its replies will never come. Hands back the waiting
+        callbacks (the caller fails each one) and starts afresh."""
+        lost = list(self._pending.values())
+        self._pending.clear()
+        return lost
+
     @property
     def in_flight(self) -> int:
         return len(self._pending)

@@ -1,0 +1,58 @@
+"""The sink dies mid-stream: the supervisor restarts it on the same store,
+fences the attempt in flight and retries (or ends it partial), and the
+transcript holds every event a subscriber saw, once."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+
+from emulator.control import EmulatorClient
+from tests.harness import DaemonProcess
+
+pytestmark = pytest.mark.slow
+
+
+def _req(key: str) -> dict[str, Any]:
+    return {"model": f"gpt-emu#{key}", "messages": [{"role": "user", "content": key}]}
+
+
+@pytest.mark.parametrize("policy", ["restart", "continue"])
+def test_sink_kill_9_mid_stream(make_daemon: Any, emu: EmulatorClient, policy: str) -> None:
+    emu.script("sinkdeath", [{"fault": "ok", "chunks": 40, "chunk_delay_s": 0.05}])
+    daemon: DaemonProcess = make_daemon()
+    with daemon.client() as client:
+        call_id = client.submit("emu", _req("sinkdeath"), options={"on_partial": policy})
+        events: list[dict[str, Any]] = []
+        for event in client.events(call_id, timeout_s=20.0):
+            events.append(event)
+            if len(events) == 5:
+                break
+        sink_pid = client.status()["processes"]["sink"]
+        os.kill(sink_pid, signal.SIGKILL)
+        events += list(client.events(call_id, timeout_s=30.0))
+        status = client.status()
+        assert status["counters"]["sink_restarts"] == 1
+        assert status["processes"]["sink"] != sink_pid
+        after = client.run("emu", _req("after-sink"), timeout_s=30.0)
+    done = events[-1]
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    sent = emu.log("sinkdeath")
+    if policy == "restart":
+        assert done["status"] == "completed", done
+        assert len(sent) == 2 and done["response"]["content"] == sent[1]["text"]
+        assert any(e["op"] == "reset" for e in events)
+    else:
+        assert done["status"] == "partial", done
+        text = "".join(e["data"] for e in events if e["op"] == "delta" and e["kind"] == "text")
+        assert done["response"]["content"] == text
+        assert sent[0]["text"].startswith(text)
+    assert after["status"] == "completed"
+    # The transcript holds exactly what the subscriber saw.
+    with daemon.client() as client:
+        client.subscribe(call_id, from_seq=0)
+        replay = list(client.events(call_id, timeout_s=10.0))
+    assert replay == events
