@@ -29,7 +29,7 @@ from supervisor.verdict import BAD, CallRecord, judge, tally, verdict_ok
 StepMaker = Callable[[random.Random], list[dict[str, Any]]]
 
 
-def parser(description: str, calls: int = 400, duration: float = 60.0) -> argparse.ArgumentParser:
+def parser(description: str, calls: int = 2000, duration: float = 60.0) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--seed", type=int, default=None, help="random seed (printed; default: random)")
     p.add_argument("--calls", type=int, default=calls, help="calls to submit (upper bound)")

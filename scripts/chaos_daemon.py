@@ -1,6 +1,6 @@
 """Chaos: SIGKILL the whole daemon and restart it, again and again, under load.
 
-    python -m scripts.chaos_daemon [--seed N] [--calls 400] [--duration 60]
+    python -m scripts.chaos_daemon [--seed N] [--calls 2000] [--duration 60]
 
 Calls are submitted with an idempotency key and followed across restarts
 (resubscribe from the last seq received). Every accepted call must resume

@@ -1,7 +1,7 @@
 """Chaos: malformed, oversized, truncated and forged frames on the front
 socket and on the sink's sockets, while a load of real calls runs.
 
-    python -m scripts.chaos_input [--seed N] [--calls 400] [--duration 60]
+    python -m scripts.chaos_input [--seed N] [--calls 2000] [--duration 60]
 
 Forged deltas carry live call ids with stale, future or random attempt
 numbers, and garbage seqs; forged finals and control messages too. None may

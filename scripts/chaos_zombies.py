@@ -1,6 +1,6 @@
 """Chaos: the emulator stalls and resumes streams at random (zombies).
 
-    python -m scripts.chaos_zombies [--seed N] [--calls 400] [--duration 60]
+    python -m scripts.chaos_zombies [--seed N] [--calls 2000] [--duration 60]
 
 A share of the requests stall past the stale timeout and then resume on the
 same connection. The daemon must fence and kill each one, retry, and never
