@@ -164,10 +164,18 @@ class Daemon:
                                   on_partial=OnPartial(o.get("on_partial") or "continue"))
             spec = CallSpec(provider=jc.provider, request=jc.request, session_id=jc.session_id,
                             idempotency_key=jc.idempotency_key, options=options)
+            max_attempts = options.max_attempts or profile.max_attempts
+            deadline = None
+            if options.deadline_s is not None:
+                # The deadline counts from acceptance, across restarts.
+                left = jc.created + options.deadline_s - time.time()
+                deadline = time.monotonic() + max(0.0, left)
             call = Call(call_id=jc.call_id, spec=spec, profile=profile,
                         timeouts=attempt_timeouts(options, profile, jc.request),
-                        max_attempts=options.max_attempts or profile.max_attempts,
-                        deadline=None, epoch=jc.epoch)
+                        max_attempts=max_attempts, deadline=deadline, epoch=jc.epoch,
+                        # Attempts spent before the restart count, but the call
+                        # always gets at least one more (the crash was ours).
+                        attempts=min(jc.attempts, max_attempts - 1))
             call.delivered = jc.epoch > 0  # the transcript may hold an earlier attempt's text
             st.calls[jc.call_id] = call
             # Subscribers that come back resume from what the transcript holds.

@@ -66,6 +66,7 @@ class JournaledCall:
     state: str
     epoch: int
     attempts: int
+    created: float  # wall-clock seconds
 
 
 class Journal:
@@ -147,9 +148,11 @@ class Journal:
     def unfinished(self) -> list[JournaledCall]:
         rows = self._db.execute(
             "SELECT call_id, idempotency_key, session_id, provider, request, options, state, "
-            "epoch, attempts FROM calls WHERE state != 'done' ORDER BY created").fetchall()
+            "epoch, attempts, created FROM calls WHERE state != 'done' ORDER BY created"
+        ).fetchall()
         return [JournaledCall(r[0], r[1], r[2], r[3], msgpack.unpackb(r[4], raw=False),
-                              msgpack.unpackb(r[5], raw=False), r[6], r[7], r[8]) for r in rows]
+                              msgpack.unpackb(r[5], raw=False), r[6], r[7], r[8], r[9])
+                for r in rows]
 
     def attempts_of(self, call_id: str) -> list[dict[str, Any]]:
         cur = self._db.execute("SELECT * FROM attempts WHERE call_id = ? ORDER BY attempt",
