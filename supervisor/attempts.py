@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import msgpack
+import zmq
 
 from protocol.errors import ErrorCode
 from protocol.internal import W_RUN
@@ -115,9 +116,18 @@ class AttemptDriver:
                     "include_usage": profile.name not in st.no_stream_options,
                     "final_ack_timeout_s": 30.0, "notice": call.notice}
         call.notice = None
-        st.workers_sock.send_multipart([worker.identity, msgpack.packb(
-            [W_RUN, call.token, call.call_id, call.epoch, call.spec.session_id,
-             profile.to_map(), call.spec.request, settings], use_bin_type=True)])
+        try:
+            st.workers_sock.send_multipart([worker.identity, msgpack.packb(
+                [W_RUN, call.token, call.call_id, call.epoch, call.spec.session_id,
+                 profile.to_map(), call.spec.request, settings], use_bin_type=True)])
+        except zmq.ZMQError as exc:
+            # Killed after it reported idle, before the zygote reported its
+            # exit: the attempt never started; fence it and retry elsewhere.
+            log.warning("worker %d unreachable (%s); fencing the attempt", worker.worker_id, exc,
+                        extra=_ctx(call))
+            st.pool.kill(worker)
+            self.fence(call, "worker_died")
+            return
         log.debug("attempt dispatched to worker %d (pid %d)", worker.worker_id, worker.pid,
                   extra=_ctx(call))
 

@@ -156,3 +156,28 @@ def test_sigkill_of_the_supervisor_leaves_no_child_alive(make_daemon: Any,
     _, alive = psutil.wait_procs(procs, timeout=1.0)
     alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"children alive 1 s after SIGKILL of the supervisor: {alive}"
+
+
+def test_a_worker_killed_while_idle_is_never_handed_an_attempt(
+        make_daemon: Any, emu: EmulatorClient) -> None:
+    """Regression (found by chaos_workers): a worker SIGKILLed after it
+    reported idle, before the zygote reported its exit, was handed an attempt
+    and the send to it crashed the supervisor."""
+    daemon: DaemonProcess = make_daemon()
+    with daemon.client() as client:
+        status = client.status()
+        zygote = status["processes"]["zygote"]
+        idle = [w["pid"] for w in status["workers"] if w["state"] == "idle"]
+        os.kill(zygote, signal.SIGSTOP)  # it can neither reap nor report exits now
+        try:
+            for pid in idle:
+                os.kill(pid, signal.SIGKILL)
+            call_id = client.submit("emu", _request("after-idle-kill"))
+            wait_until(lambda: any(r.get("call_id") == call_id and "unreachable" in r["message"]
+                                   for r in daemon.log_records()), 10,
+                       "the supervisor to find the dead worker unreachable")
+        finally:
+            os.kill(zygote, signal.SIGCONT)
+        events = _collect(client, call_id)
+    assert events[-1]["status"] == "completed", events[-1]
+    assert events[-1]["response"]["content"] == emu.log("after-idle-kill")[0]["text"]
