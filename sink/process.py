@@ -34,6 +34,7 @@ import socket
 import sys
 import time
 from types import FrameType
+from typing import Any
 
 import msgpack
 import zmq
@@ -42,6 +43,7 @@ import zmq.backend
 from protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted, encode
 from protocol.errors import ProtocolError
 from protocol.internal import E_EVENTS, R_REFUSED, T_DELTA, Endpoints
+from protocol.logs import route_logs_to
 from sink.content import check_tool_fragment
 from sink.fence import Verdict
 from sink.lifeline import die_with_parent, expected_parent_pid
@@ -373,9 +375,20 @@ class Sink(SinkState):
         return idle
 
 
+def _route_logs(runtime_dir: str, level: str | int) -> zmq.Socket[bytes]:
+    """Ship our records to the supervisor's log socket (one log, one format)."""
+    ctx: Any = zmq.Context.instance()
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.PUSH)
+    sock.linger = 1000
+    sock.sndhwm = 10_000
+    sock.connect(Endpoints(runtime_dir).logs)
+    route_logs_to(sock, level.upper() if isinstance(level, str) else level, "sink")
+    return sock
+
+
 def _setup_logging(level: str | int) -> None:
     # A spawned child starts with no handlers: give it stderr unless someone
-    # configured logging already (the lead routes child logs to the daemon).
+    # configured logging already.
     base = logging.getLogger("streamfence")
     if not logging.getLogger().handlers and not base.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -387,12 +400,14 @@ def _setup_logging(level: str | int) -> None:
 
 
 def run_sink(runtime_dir: str, db_path: str, log_level: str | int = "INFO",
-             control_identity: bytes | None = None) -> None:
+             control_identity: bytes | None = None, log_to_supervisor: bool = False) -> None:
     """Process entry point: serve until SIGTERM (or the parent's death).
 
     `control_identity`: the ZeroMQ identity of the supervisor's control
     socket; control messages from any other peer are refused and counted."""
-    _setup_logging(log_level)
+    log_sock = _route_logs(runtime_dir, log_level) if log_to_supervisor else None
+    if log_sock is None:
+        _setup_logging(log_level)
     if not die_with_parent(expected_parent_pid()):
         log.error("sink: parent already gone at start; exiting")
         sys.exit(EXIT_PARENT_GONE)
@@ -401,3 +416,6 @@ def run_sink(runtime_dir: str, db_path: str, log_level: str | int = "INFO",
         sink.serve()
     finally:
         sink.close()
+        if log_sock is not None:
+            logging.shutdown()
+            log_sock.close()

@@ -82,7 +82,7 @@ class Daemon:
         self._sink = self._mp.Process(
             target=run_sink, name="sink",
             args=(self.runtime_dir, self.transcript_path, self.config.log_level,
-                  self._control_identity))
+                  self._control_identity, True))
         self._sink.start()
 
     def _start_zygote(self) -> None:

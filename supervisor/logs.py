@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from workers.logctx import CONTEXT_FIELDS, ContextFilter
+from protocol.logs import CONTEXT_FIELDS, ContextFilter
 
 TEXT_FORMAT = ("%(asctime)s %(levelname)-7s %(processName)s[%(process)d] %(name)s "
                "session=%(session_id)s call=%(call_id)s attempt=%(attempt)s: %(message)s")

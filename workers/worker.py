@@ -3,7 +3,7 @@ sink, and ends every attempt with an explicit final message.
 
 Duties:
 1. Say hello to the supervisor, then wait for a W_RUN.
-2. Stamp the attempt on every log record (workers.logctx), open the provider
+2. Stamp the attempt on every log record (protocol.logs), open the provider
    stream through the SDK, and push each delta to the sink as
    (call, attempt, seq, kind, data) with seq contiguous from 1.
 3. Touch the liveness row on every real chunk (workers.liveness).
@@ -37,10 +37,10 @@ from protocol.internal import (
     W_RUN,
     Endpoints,
 )
+from protocol.logs import clear_context, route_logs_to, set_context
 from protocol.messages import DeltaKind
 from workers.lifecycle import ExitCode
 from workers.liveness import LivenessTable
-from workers.logctx import clear_context, route_logs_to, set_context
 from workers.providers import final_from_exception, run_attempt
 
 log = logging.getLogger("streamfence.worker")

@@ -1,5 +1,5 @@
-"""Log context for child processes, and the handler that ships their records
-to the daemon's log.
+"""Log records on the wire: the process log context, and the handler that
+ships a child process's records (workers, sink) to the daemon's one log.
 
 Every record of every process carries `session_id`, `call_id` and `attempt`
 (origin document 000: the one line that explains a failed stream must name
