@@ -37,19 +37,24 @@ def serve(config_path: str | None, log_json: bool) -> None:
     sys.exit(code)
 
 
-def _parse_request(model: str, prompt: str, request_json: str | None) -> dict[str, Any]:
+def _parse_request(wire: str, model: str, prompt: str,
+                   request_json: str | None) -> dict[str, Any]:
     if request_json:
         try:
             request: dict[str, Any] = json.loads(request_json)
         except json.JSONDecodeError as exc:
             raise click.BadParameter(f"not JSON: {exc}", param_hint="--request") from None
         return request
-    return {"model": model, "messages": [{"role": "user", "content": prompt}]}
+    from supervisor.wires import sample_request
+
+    return sample_request(wire, model, prompt)
 
 
 @main.command()
 @click.option("--endpoint", default=DEFAULT_ENDPOINT, show_default=True)
 @click.option("--provider", required=True, help="A provider profile name of the daemon.")
+@click.option("--wire", type=click.Choice(["openai", "anthropic", "bedrock"]), default="openai",
+              show_default=True, help="The profile's kind: shapes the request from --model/PROMPT.")
 @click.option("--model", default="gpt-4o-mini", show_default=True)
 @click.option("--request", "request_json", default=None,
               help="The provider-native request body as JSON (overrides --model/PROMPT).")
@@ -58,15 +63,15 @@ def _parse_request(model: str, prompt: str, request_json: str | None) -> dict[st
 @click.option("--timeout", type=float, default=600.0, show_default=True,
               help="Give up waiting for the daemon after this many seconds of silence.")
 @click.argument("prompt", required=False, default="Hello!")
-def submit(endpoint: str, provider: str, model: str, request_json: str | None,
+def submit(endpoint: str, provider: str, wire: str, model: str, request_json: str | None,
            session_id: str | None, stale_timeout: float | None, timeout: float,
            prompt: str) -> None:
     """Submit one call and stream its text live to the terminal."""
     from protocol.client import Client, ClientError
 
     options = {"stale_timeout_s": stale_timeout} if stale_timeout else None
-    request = _parse_request(model, prompt, request_json)
-    with Client(endpoint, timeout_s=timeout) as client:
+    request = _parse_request(wire, model, prompt, request_json)
+    with Client(endpoint) as client:
         try:
             call_id = client.submit(provider, request, session_id=session_id, options=options)
         except ClientError as exc:
@@ -112,13 +117,18 @@ def status(endpoint: str, as_json: bool) -> None:
 
 
 @main.command()
-@click.option("--rounds", default=2, show_default=True,
-              help="How many times to run each fault scenario.")
-def demo(rounds: int) -> None:
+@click.option("--rounds", default=1, show_default=True,
+              help="How many times to run each fault scenario on each wire.")
+@click.option("--wire", "wires", type=click.Choice(["openai", "anthropic", "bedrock", "all"]),
+              default=("all",), show_default=True, multiple=True,
+              help="The provider wire(s) to run the calls on.")
+def demo(rounds: int, wires: tuple[str, ...]) -> None:
     """Emulator + daemon + a batch of calls with injected faults, live, then a verdict."""
     from supervisor.demo import run_demo
+    from supervisor.wires import WIRES
 
-    sys.exit(0 if run_demo(rounds=rounds) else 1)
+    chosen = list(WIRES) if "all" in wires else list(dict.fromkeys(wires))
+    sys.exit(0 if run_demo(rounds=rounds, wires=chosen) else 1)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from rich.table import Table
 from emulator.control import EmulatorProcess
 from supervisor.launcher import DaemonProcess
 from supervisor.verdict import BAD, CallRecord, judge, tally, verdict_ok
+from supervisor.wires import WIRES, emulator_profile, sample_request
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,14 @@ SCENARIOS = [
 ]
 
 
+def _for_wire(wire: str, steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`after` counts a wire's events: Anthropic and Bedrock open a stream with
+    two framing events (message start, block start) before the first text."""
+    if wire == "openai":
+        return steps
+    return [dict(s, after=s["after"] + 2) if s.get("after") else s for s in steps]
+
+
 class Board:
     """What the live table shows, updated from the calls' threads."""
 
@@ -72,7 +81,7 @@ class Board:
     def table(self) -> Table:
         table = Table(title="streamfence demo: calls")
         for col in ("call", "scenario", "state", "attempt", "chars", "expected"):
-            table.add_column(col)
+            table.add_column(col, no_wrap=True)
         with self.lock:
             for key, row in self.rows.items():
                 state = row.get("state", "queued")
@@ -83,12 +92,11 @@ class Board:
         return table
 
 
-def _run_call(daemon: DaemonProcess, key: str, scenario: Scenario, board: Board,
+def _run_call(daemon: DaemonProcess, wire: str, key: str, scenario: Scenario, board: Board,
               record: CallRecord) -> None:
-    request = {"model": f"gpt-emu#{key}",
-               "messages": [{"role": "user", "content": f"demo call {key}"}]}
+    request = sample_request(wire, f"emu-model#{key}", f"demo call {key}")
     with daemon.client(timeout_s=10.0) as client:
-        call_id = client.submit("emulator", request, session_id=f"demo-{key}",
+        call_id = client.submit(wire, request, session_id=f"demo-{key}",
                                 options=scenario.options or None)
         record.call_id = call_id
         chars = 0
@@ -105,17 +113,19 @@ def _run_call(daemon: DaemonProcess, key: str, scenario: Scenario, board: Board,
                 board.update(key, state=event["status"], attempt=event["attempts"])
 
 
-def run_demo(rounds: int = 2, console: Console | None = None) -> bool:
+def run_demo(rounds: int = 1, wires: list[str] | None = None,
+             console: Console | None = None) -> bool:
+    wires = wires or list(WIRES)
     console = console or Console()
     board = Board()
     records: list[tuple[CallRecord, Scenario]] = []
     with tempfile.TemporaryDirectory(prefix="streamfence-demo-") as tmp, \
             EmulatorProcess() as emu:
         emu_client = emu.client()
-        daemon = DaemonProcess(Path(tmp) / "state",
-                               {"emulator": {"kind": "openai", "base_url": emu.openai_base_url,
-                                             "stale_timeout_s": 30.0}},
-                               daemon={"workers_spare": 3, "backoff_base_s": 0.2,
+        profiles = {wire: dict(emulator_profile(wire, emu.base_url), stale_timeout_s=30.0)
+                    for wire in wires}
+        daemon = DaemonProcess(Path(tmp) / "state", profiles,
+                               daemon={"workers_spare": 4, "backoff_base_s": 0.2,
                                        "backoff_max_s": 1.0})
         console.print(f"emulator at {emu.base_url}; starting the daemon "
                       f"(log: {daemon.log_path}) ...")
@@ -125,15 +135,16 @@ def run_demo(rounds: int = 2, console: Console | None = None) -> bool:
                           f"(workers forked from a warm zygote)")
             threads = []
             for r in range(rounds):
-                for scenario in SCENARIOS:
-                    key = f"{scenario.name}-{r}"
-                    emu_client.script(key, scenario.steps)
-                    record = CallRecord(call_id="", key=key)
-                    records.append((record, scenario))
-                    board.update(key, scenario=scenario.name, expect=scenario.expect)
-                    threads.append(threading.Thread(
-                        target=_run_call, args=(daemon, key, scenario, board, record),
-                        daemon=True))
+                for wire in wires:
+                    for scenario in SCENARIOS:
+                        key = f"{wire}-{scenario.name}" + (f"-{r}" if rounds > 1 else "")
+                        emu_client.script(key, _for_wire(wire, scenario.steps))
+                        record = CallRecord(call_id="", key=key)
+                        records.append((record, scenario))
+                        board.update(key, scenario=scenario.name, expect=scenario.expect)
+                        threads.append(threading.Thread(
+                            target=_run_call, args=(daemon, wire, key, scenario, board, record),
+                            daemon=True))
             with Live(board.table(), console=console, refresh_per_second=8) as live:
                 for t in threads:
                     t.start()
@@ -148,6 +159,7 @@ def run_demo(rounds: int = 2, console: Console | None = None) -> bool:
     unexpected = [(rec.key, sc.expect, labels[0])
                   for (rec, sc), labels in zip(records, outcomes, strict=True)
                   if labels[0] != sc.expect]
+    console.print()
     verdict = Table(title="verdict (from the transcript and the emulator's record)")
     verdict.add_column("outcome")
     verdict.add_column("calls", justify="right")
