@@ -1,0 +1,33 @@
+"""Strict tooling as a test, so CI holds the line: ruff over the tree, mypy
+(strict, see pyproject.toml) over the packages."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name, path=str(Path(sys.executable).parent))
+    if found is None:
+        pytest.fail(f"{name} is not installed beside {sys.executable} (pip install -e '.[test]')")
+    return found
+
+
+def test_ruff_is_clean() -> None:
+    proc = subprocess.run([_tool("ruff"), "check", "."], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_mypy_strict_is_clean() -> None:
+    proc = subprocess.run([_tool("mypy")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 0, proc.stdout[-4000:]
