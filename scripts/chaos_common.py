@@ -103,7 +103,8 @@ def _follow(state: ChaosState, record: CallRecord, request: dict[str, Any],
                     last_seq = event["seq"]
                     if event["op"] == "done":
                         return
-        except (TimeoutError, ClientError, OSError):
+        except (TimeoutError, ClientError, OSError) as exc:
+            record.errors.append(f"{type(exc).__name__}: {exc}"[:300])
             time.sleep(0.2)  # the daemon is restarting: reconnect and resume
 
 
@@ -150,8 +151,33 @@ def run_load(state: ChaosState, args: argparse.Namespace, rng: random.Random,
         t.join(timeout=max(0.0, end + finish_timeout - time.monotonic()) + 1.0)
 
 
+def _explain_lost(state: ChaosState, lost: list[CallRecord]) -> None:
+    """For calls no subscriber saw end: what the daemon says of them."""
+    try:
+        with Client(state.daemon.endpoint, timeout_s=5.0) as client:
+            for r in lost[:10]:
+                answer: Any = "never accepted"
+                if r.call_id:
+                    try:
+                        answer = client.result(r.call_id) or "pending"
+                    except (TimeoutError, ClientError) as exc:
+                        answer = f"{type(exc).__name__}: {exc}"
+                if isinstance(answer, dict):
+                    answer = {k: answer.get(k) for k in ("status", "error", "attempts")}
+                print(f"  lost {r.key} call={r.call_id or '-'} events={len(r.events)} "
+                      f"daemon says: {answer}; last client error: {r.errors[-1:]}")
+    except Exception as exc:  # diagnostics must not hide the verdict
+        print(f"  (could not ask the daemon about lost calls: {exc})")
+    proc = state.daemon.proc
+    print(f"  daemon process: {'running' if proc and proc.poll() is None else proc and proc.poll()}")
+    print("  daemon log tail:\n    " + "\n    ".join(state.daemon.log_text().splitlines()[-25:]))
+
+
 def verdict(state: ChaosState, title: str) -> bool:
     outcomes = [judge(r, state.emu.log(r.key)) for r in state.records]
+    lost = [r for r, labels in zip(state.records, outcomes, strict=True) if labels == ["lost"]]
+    if lost:
+        _explain_lost(state, lost)
     counts = tally(outcomes)
     failed_unclear = sum(1 for r, labels in zip(state.records, outcomes, strict=True)
                          if labels[0] == "failed" and not ((r.done or {}).get("error") or {})

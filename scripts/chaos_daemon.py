@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import sys
 import threading
+import traceback
 from typing import Any
 
 from scripts.chaos_common import ChaosState, chaos_run, parser, run_load, seeded, verdict
@@ -29,12 +30,25 @@ def options(rng: random.Random) -> dict[str, Any]:
 
 
 def restarter(state: ChaosState, rng: random.Random, mean_interval_s: float) -> None:
+    try:
+        _restart_loop(state, rng, mean_interval_s)
+    except Exception:
+        traceback.print_exc()
+        state.count("restarter crashed")
+
+
+def _restart_loop(state: ChaosState, rng: random.Random, mean_interval_s: float) -> None:
     while not state.stop.wait(rng.uniform(0.5, 1.5) * mean_interval_s):
         state.daemon.kill()
         state.daemon.stop()  # reap; report stragglers
         if state.daemon.survivors:
             state.count("children that outlived the daemon", len(state.daemon.survivors))
-        state.daemon.start()
+        try:
+            state.daemon.start()
+        except AssertionError as exc:  # did not come up: that is a finding, say so
+            print(f"the daemon did not come back after a restart: {exc}", flush=True)
+            state.count("restarts that did not come up")
+            return
         state.count("daemon SIGKILL + restart")
 
 
@@ -51,7 +65,8 @@ def main() -> int:
         state.stop.set()
         t.join(timeout=60)
         ok = verdict(state, "chaos_daemon: SIGKILL and restart the whole daemon")
-        ok = ok and "children that outlived the daemon" not in state.faults
+        ok = ok and "children that outlived the daemon" not in state.faults \
+            and "restarts that did not come up" not in state.faults
     return 0 if ok else 1
 
 

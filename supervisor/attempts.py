@@ -87,11 +87,18 @@ class AttemptDriver:
         st = self.st
         worker = st.pool.workers.get(call.worker_id or -1)
         if not ok:
-            log.error("sink refused to authorize attempt: %s", payload, extra=_ctx(call))
             if worker is not None:
                 st.pool.release(worker)
             call.to("refused")
-            st.queue.appendleft(call.call_id)
+            if payload == SINK_LOST:
+                st.queue.appendleft(call.call_id)  # the restarted sink will answer
+                return
+            # The sink knows better (e.g. an epoch it has seen, set after a
+            # crash): never spin on it; fail the call with what it said.
+            log.error("sink refused to authorize attempt: %s", payload, extra=_ctx(call))
+            self.finish(call, Finish(CallStatus.FAILED, {
+                "code": ErrorCode.INTERNAL.value,
+                "message": f"the sink refused the attempt: {payload}"}, {}))
             return
         if call.delivered:
             call.delivered = False  # the reset voided it

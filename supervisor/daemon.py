@@ -32,7 +32,7 @@ import zmq
 from protocol.internal import L_RECORD, W_HELLO, W_IDLE, Endpoints
 from protocol.messages import CallOptions, CallSpec, OnPartial
 from sink.process import run_sink
-from sink.store import events_after
+from sink.store import TranscriptReader, events_after
 from supervisor.attempts import AttemptDriver
 from supervisor.breaker import Breakers
 from supervisor.calls import Call, CallState
@@ -149,8 +149,19 @@ class Daemon:
         return st
 
     def _recover(self, st: DaemonState) -> None:
-        """Calls accepted but not finished before a restart run again, under new epochs."""
+        """Calls accepted but not finished before a restart run again, under new
+        epochs; a call whose done event the sink had already stored (we died
+        between its commit and ours) is finished in the journal from it."""
+        reader = TranscriptReader(self.transcript_path) if os.path.exists(
+            self.transcript_path) else None
         for jc in st.journal.unfinished():
+            stored = reader.done_event(jc.call_id) if reader is not None else None
+            if stored is not None:
+                done = msgpack.unpackb(stored, raw=False)
+                st.journal.finish_call(jc.call_id, str(done.get("status")), done)
+                log.info("call %s had finished before the restart (%s)", jc.call_id,
+                         done.get("status"))
+                continue
             profile = self.config.providers.get(jc.provider)
             if profile is None:
                 log.error("journaled call %s names unknown provider %r; left as is",
@@ -182,6 +193,8 @@ class Daemon:
             st.events[jc.call_id] = events_after(self.transcript_path, jc.call_id, 0)
             st.queue.append(jc.call_id)
             log.info("recovered unfinished call %s (last epoch %d)", jc.call_id, jc.epoch)
+        if reader is not None:
+            reader.close()
 
     # ---- the loop -------------------------------------------------------------
     def request_stop(self, signum: int = 0, frame: Any = None) -> None:

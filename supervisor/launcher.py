@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 import psutil
 
 from protocol.client import Client
-from workers.lifecycle import die_with_parent
 
 T = TypeVar("T")
 
@@ -77,9 +76,9 @@ class DaemonProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "supervisor.cli", "serve", "--config", str(self.config_path),
              *(["--log-json"] if self._log_json else [])],
-            stdout=self._log_file, stderr=self._log_file, env=env,
-            # A launcher that dies (a killed test or chaos run) takes its daemon along.
-            preexec_fn=die_with_parent)
+            # No parent-death signal here: it fires when the *thread* that
+            # started the daemon exits (a chaos restarter thread, say).
+            stdout=self._log_file, stderr=self._log_file, env=env)
         with self.client(timeout_s=2.0) as client:
             def ready() -> bool:
                 self._check_alive()

@@ -15,6 +15,7 @@ class CallRecord:
     call_id: str
     key: str  # the emulator script key of the call
     events: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # what the client ran into
 
     @property
     def done(self) -> dict[str, Any] | None:
