@@ -69,8 +69,17 @@ import orjson
 from aiohttp import web
 
 from .script import Fault, Step, default_reasoning, default_text, split_model_key, split_text
-from .state import STATE_KEY, RequestRecord, summarize_request
-from .stream import BodyWriter, Chunk, StreamPlan, play, sleep_watching
+from .state import RequestRecord
+from .stream import (
+    Chunk,
+    StreamPlan,
+    answer_stream,
+    answer_whole,
+    logged,
+    open_record,
+    refusal,
+    take_step,
+)
 
 logger = logging.getLogger("emulator.anthropic")
 
@@ -129,6 +138,11 @@ def _input_tokens(body: dict[str, Any]) -> int:
         if isinstance(message, dict):
             chars += len(str(message.get("content") or ""))
     return max(1, chars // 4)
+
+
+def _stream_error(step: Step) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": step.error_type or "overloaded_error",
+                                       "message": step.message or "Overloaded (emulated)."}}
 
 
 class _Message:
@@ -199,16 +213,13 @@ class _Message:
                  "usage": {"output_tokens": self.output_tokens}}
         tail = [Chunk(_event("message_delta", delta)),
                 Chunk(_event("message_stop", {"type": "message_stop"}))]
-        error = {"type": "error",
-                 "error": {"type": step.error_type or "overloaded_error",
-                           "message": step.message or "Overloaded (emulated)."}}
         return StreamPlan(
             body=body,
             tail=tail,
             done=b"",
             keepalive=_event("ping", {"type": "ping"}),
             malformed=b"event: content_block_delta\ndata: {not json\n\n",
-            error_event=_event("error", error),
+            error_event=_event("error", _stream_error(step)),
         )
 
     @staticmethod
@@ -249,45 +260,17 @@ class _Message:
 
 
 async def handle_messages(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE_KEY]
-    raw = await request.read()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        body = None
-    peer = request.transport.get_extra_info("peername") if request.transport else None
-    record = RequestRecord(
-        n=state.log.next_number(),
-        key=request.headers.get("X-Emu-Key") or None,
-        path=request.path,
-        peer=f"{peer[0]}:{peer[1]}" if peer else "",
-        model="",
-        stream=False,
-        step=Step(),
-        auth_present=_auth_present(request),
-    )
-    state.log.add(record)
-    problem = _validate(body)
-    if problem is None and state.require_auth and not record.auth_present:
-        record.status = 401
-        problem = "x-api-key header is required (emulated)"
-    if problem is not None:
-        record.status = record.status if record.status != 200 else 400
-        record.end(completed=True)
-        _log_end(record)
-        return _error_response(record.status, record.n, None, problem)
-    assert isinstance(body, dict)
-    record.model, key = split_model_key(body["model"], record.key)
-    record.key = key
-    record.step = step = state.scripts.take(key)
-    record.stream = body.get("stream") is True
-    record.request = summarize_request(body, len(raw))
-    try:
+    record, body, raw = await open_record(request, key=request.headers.get("X-Emu-Key") or None,
+                                          auth_present=_auth_present(request))
+    with logged(record, logger):
+        problem = refusal(request, record, _validate(body), 401,
+                          "x-api-key header is required (emulated)")
+        if problem is not None:
+            return _error_response(record.status, record.n, None, problem)
+        record.model, record.key = split_model_key(body["model"], record.key)
+        step = take_step(request, record, body, raw)
+        record.stream = body.get("stream") is True
         return await _respond(request, record, step, body)
-    finally:
-        if record.ended is None:
-            record.end(aborted=True)
-        _log_end(record)
 
 
 def _validate(body: object) -> str | None:
@@ -312,54 +295,12 @@ async def _respond(request: web.Request, record: RequestRecord, step: Step,
         return _error_response(step.status, record.n, step, extra=headers)
     message = _Message(record, step, body)
     if not record.stream:
-        return await _respond_whole(request, record, step, message)
-    response = web.StreamResponse(status=200, headers={
+        payload = await answer_whole(request, record, step, message.message, message.text,
+                                     orjson.dumps(_stream_error(step)))
+        return web.Response(status=200) if payload is None else _json_response(200, payload, record.n)
+    return await answer_stream(request, record, step, message.plan(step), {
         "Content-Type": "text/event-stream; charset=utf-8",
         "Cache-Control": "no-cache",
         "request-id": f"req_emu_{record.n}",
         "x-request-id": f"req_emu_{record.n}",
     })
-    try:
-        await response.prepare(request)
-    except (ConnectionError, RuntimeError):
-        record.end(aborted=True)
-        return response
-    await play(BodyWriter(request, response, record), message.plan(step), step, record)
-    return response
-
-
-async def _respond_whole(request: web.Request, record: RequestRecord, step: Step,
-                         message: _Message) -> web.StreamResponse:
-    fault = step.fault
-    if fault in (Fault.STALL, Fault.KEEPALIVE) and not await sleep_watching(request, step.stall_s):
-        record.end(aborted=True)
-        return web.Response(status=200)
-    if fault is Fault.DISCONNECT:
-        if request.transport is not None:
-            request.transport.abort()
-        record.end(aborted=True)
-        return web.Response(status=200)
-    if fault is Fault.MALFORMED:
-        payload = b"{not json"
-    elif fault is Fault.EMPTY:
-        payload = b""
-    elif fault is Fault.ERROR_EVENT:
-        payload = orjson.dumps({"type": "error", "error": {
-            "type": step.error_type or "overloaded_error",
-            "message": step.message or "Overloaded (emulated)."}})
-    else:
-        payload = orjson.dumps(message.message(finish=fault is not Fault.NO_FINISH))
-    response = _json_response(200, payload, record.n)
-    if fault not in (Fault.MALFORMED, Fault.EMPTY, Fault.ERROR_EVENT):
-        record.sent_parts.append(message.text)
-    record.end(completed=True)
-    return response
-
-
-def _log_end(record: RequestRecord) -> None:
-    logger.info(
-        "request n=%d key=%s model=%s stream=%s fault=%s status=%d chunks_sent=%d "
-        "completed=%s aborted=%s",
-        record.n, record.key, record.model, record.stream, record.fault, record.status,
-        record.chunks_sent, record.completed, record.aborted,
-    )

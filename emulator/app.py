@@ -2,7 +2,7 @@
 
 Contract
 --------
-Provider routes (one sibling module per wire; only OpenAI so far):
+Provider routes (one sibling module per wire):
 
   ``POST /v1/chat/completions``   :mod:`emulator.openai_wire`
   ``POST /v1/messages``           :mod:`emulator.anthropic_wire`

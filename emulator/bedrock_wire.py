@@ -65,8 +65,17 @@ from aiohttp import web
 
 from . import eventstream
 from .script import Fault, Step, default_reasoning, default_text, split_model_key, split_text
-from .state import STATE_KEY, RequestRecord, summarize_request
-from .stream import BodyWriter, Chunk, StreamPlan, play, sleep_watching
+from .state import RequestRecord
+from .stream import (
+    Chunk,
+    StreamPlan,
+    answer_stream,
+    answer_whole,
+    logged,
+    open_record,
+    refusal,
+    take_step,
+)
 
 logger = logging.getLogger("emulator.bedrock")
 
@@ -246,42 +255,21 @@ def _validate(body: object) -> str | None:
 
 
 async def _handle(request: web.Request, *, stream: bool) -> web.StreamResponse:
-    state = request.app[STATE_KEY]
-    raw = await request.read()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        body = None
-    peer = request.transport.get_extra_info("peername") if request.transport else None
     model, key = split_model_key(request.match_info["modelId"],
                                  request.headers.get("X-Emu-Key") or None)
-    record = RequestRecord(
-        n=state.log.next_number(), key=key, path=request.path,
-        peer=f"{peer[0]}:{peer[1]}" if peer else "", model=model, stream=stream, step=Step(),
-        auth_present=request.headers.get("Authorization", "").startswith("AWS4-HMAC-SHA256 "),
-    )
-    state.log.add(record)
-    try:
-        problem = _validate(body)
+    auth = request.headers.get("Authorization", "").startswith("AWS4-HMAC-SHA256 ")
+    record, body, raw = await open_record(request, key=key, auth_present=auth, model=model,
+                                          stream=stream)
+    with logged(record, logger):
+        problem = refusal(request, record, _validate(body), 403,
+                          "The security token included in the request is invalid.")
         if problem is not None:
-            record.status = 400
-            record.end(completed=True)
-            return _error_response(400, record.n, message=problem)
-        if state.require_auth and not record.auth_present:
-            record.status = 403
-            record.end(completed=True)
-            return _error_response(403, record.n, "UnrecognizedClientException",
-                                   "The security token included in the request is invalid.")
-        assert isinstance(body, dict)
-        record.step = step = state.scripts.take(key)
-        record.request = summarize_request(body, len(raw))
+            etype = "UnrecognizedClientException" if record.status == 403 else None
+            return _error_response(record.status, record.n, etype, problem)
+        step = take_step(request, record, body, raw)
         if stream:
             return await _respond_stream(request, record, step, body)
         return await _respond_whole(request, record, step, body)
-    finally:
-        if record.ended is None:
-            record.end(aborted=True)
-        _log_end(record)
 
 
 def _status_fault(record: RequestRecord, step: Step) -> web.Response | None:
@@ -306,15 +294,8 @@ async def _respond_stream(request: web.Request, record: RequestRecord, step: Ste
     if error is not None:
         return error
     plan = _Converse(record, step, body).plan(step)
-    response = web.StreamResponse(status=200, headers={
+    return await answer_stream(request, record, step, plan, {
         "Content-Type": EVENTSTREAM, "x-amzn-RequestId": f"emu-{record.n}"})
-    try:
-        await response.prepare(request)
-    except (ConnectionError, RuntimeError):
-        record.end(aborted=True)
-        return response
-    await play(BodyWriter(request, response, record), plan, step, record)
-    return response
 
 
 async def _respond_whole(request: web.Request, record: RequestRecord, step: Step,
@@ -322,29 +303,11 @@ async def _respond_whole(request: web.Request, record: RequestRecord, step: Step
     error = _status_fault(record, step)
     if error is not None:
         return error
-    fault = step.fault
     content = _Converse(record, step, body)
-    if fault in (Fault.STALL, Fault.KEEPALIVE) and not await sleep_watching(request, step.stall_s):
-        record.end(aborted=True)
+    # error_event was answered above, as the HTTP error of that exception.
+    payload = await answer_whole(request, record, step, content.message,
+                                 content.text + content.refusal)
+    if payload is None:
         return web.Response(status=200)
-    if fault is Fault.DISCONNECT:
-        if request.transport is not None:
-            request.transport.abort()
-        record.end(aborted=True)
-        return web.Response(status=200)
-    if fault is Fault.MALFORMED:
-        payload = b"{not json"
-    elif fault is Fault.EMPTY:
-        payload = b""
-    else:
-        payload = orjson.dumps(content.message(finish=fault is not Fault.NO_FINISH))
-        record.sent_parts.append(content.text + content.refusal)
-    record.end(completed=True)
     return web.Response(status=200, body=payload, content_type="application/json",
                         headers={"x-amzn-RequestId": f"emu-{record.n}"})
-
-
-def _log_end(record: RequestRecord) -> None:
-    logger.info("request n=%d key=%s model=%s stream=%s fault=%s status=%d chunks_sent=%d "
-                "completed=%s aborted=%s", record.n, record.key, record.model, record.stream,
-                record.fault, record.status, record.chunks_sent, record.completed, record.aborted)

@@ -38,8 +38,17 @@ import orjson
 from aiohttp import web
 
 from .script import Fault, Step, default_reasoning, default_text, split_model_key, split_text
-from .state import STATE_KEY, RequestRecord, summarize_request
-from .stream import BodyWriter, Chunk, StreamPlan, play, sleep_watching
+from .state import RequestRecord
+from .stream import (
+    Chunk,
+    StreamPlan,
+    answer_stream,
+    answer_whole,
+    logged,
+    open_record,
+    refusal,
+    take_step,
+)
 
 logger = logging.getLogger("emulator.openai")
 
@@ -245,47 +254,21 @@ def _stream_error(step: Step) -> bytes:
 
 
 async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE_KEY]
-    raw = await request.read()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        body = None
-    peer = request.transport.get_extra_info("peername") if request.transport else None
-    record = RequestRecord(
-        n=state.log.next_number(),
-        key=request.headers.get("X-Emu-Key") or None,
-        path=request.path,
-        peer=f"{peer[0]}:{peer[1]}" if peer else "",
-        model="",
-        stream=False,
-        step=Step(),
-        auth_present=_auth_present(request),
+    record, body, raw = await open_record(
+        request, key=request.headers.get("X-Emu-Key") or None, auth_present=_auth_present(request)
     )
-    state.log.add(record)
-    problem = _validate(body)
-    if problem is None and state.require_auth and not record.auth_present:
-        record.status = 401
-        problem = "You didn't provide an API key (emulated)."
-    if problem is not None:
-        record.status = record.status if record.status != 200 else 400
-        record.end(completed=True)
-        _log_end(record)
-        return _json_response(record.status, _error_body(record.status, None, problem), record.n)
-    assert isinstance(body, dict)
-    record.model, key = split_model_key(body["model"], record.key)
-    record.key = key
-    record.step = step = state.scripts.take(key)
-    record.stream = body.get("stream") is True
-    record.has_stream_options = "stream_options" in body
-    record.stream_options = body.get("stream_options")
-    record.request = summarize_request(body, len(raw))
-    try:
+    with logged(record, logger):
+        problem = refusal(
+            request, record, _validate(body), 401, "You didn't provide an API key (emulated)."
+        )
+        if problem is not None:
+            return _json_response(record.status, _error_body(record.status, None, problem), record.n)
+        record.model, record.key = split_model_key(body["model"], record.key)
+        step = take_step(request, record, body, raw)
+        record.stream = body.get("stream") is True
+        record.has_stream_options = "stream_options" in body
+        record.stream_options = body.get("stream_options")
         return await _respond(request, record, step, body)
-    finally:
-        if record.ended is None:
-            record.end(aborted=True)
-        _log_end(record)
 
 
 def _validate(body: object) -> str | None:
@@ -308,65 +291,14 @@ async def _respond(
         return _json_response(step.status, _error_body(step.status, step), record.n, headers)
     content = _Response(record, step, body)
     if not record.stream:
-        return await _respond_whole(request, record, step, content)
+        error = _stream_error(step)[len(b"data: ") : -2]
+        payload = await answer_whole(request, record, step, content.completion, content.text, error)
+        return web.Response(status=200) if payload is None else _json_response(200, payload, record.n)
     options = body.get("stream_options")
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    plan = content.plan(step, include_usage)
-    response = web.StreamResponse(
-        status=200,
-        headers={
-            "Content-Type": "text/event-stream; charset=utf-8",
-            "Cache-Control": "no-cache",
-            "x-request-id": f"req_emu_{record.n}",
-        },
-    )
-    try:
-        await response.prepare(request)
-    except (ConnectionError, RuntimeError):
-        record.end(aborted=True)
-        return response
-    await play(BodyWriter(request, response, record), plan, step, record)
-    return response
-
-
-async def _respond_whole(
-    request: web.Request, record: RequestRecord, step: Step, content: _Response
-) -> web.StreamResponse:
-    fault = step.fault
-    if fault in (Fault.STALL, Fault.KEEPALIVE) and not await sleep_watching(request, step.stall_s):
-        record.end(aborted=True)
-        return web.Response(status=200)
-    if fault is Fault.DISCONNECT:
-        if request.transport is not None:
-            request.transport.abort()
-        record.end(aborted=True)
-        return web.Response(status=200)
-    if fault is Fault.MALFORMED:
-        payload = b"{not json"
-    elif fault is Fault.EMPTY:
-        payload = b""
-    elif fault is Fault.ERROR_EVENT:
-        payload = _stream_error(step)[len(b"data: ") : -2]
-    else:
-        payload = orjson.dumps(content.completion(finish=fault is not Fault.NO_FINISH))
-    response = _json_response(200, payload, record.n)
-    if fault not in (Fault.MALFORMED, Fault.EMPTY, Fault.ERROR_EVENT):
-        record.sent_parts.append(content.text)
-    record.end(completed=True)
-    return response
-
-
-def _log_end(record: RequestRecord) -> None:
-    logger.info(
-        "request n=%d key=%s model=%s stream=%s fault=%s status=%d chunks_sent=%d "
-        "completed=%s aborted=%s",
-        record.n,
-        record.key,
-        record.model,
-        record.stream,
-        record.fault,
-        record.status,
-        record.chunks_sent,
-        record.completed,
-        record.aborted,
-    )
+    headers = {
+        "Content-Type": "text/event-stream; charset=utf-8",
+        "Cache-Control": "no-cache",
+        "x-request-id": f"req_emu_{record.n}",
+    }
+    return await answer_stream(request, record, step, content.plan(step, include_usage), headers)

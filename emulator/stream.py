@@ -1,12 +1,26 @@
-"""Playing a scripted streaming response onto the socket, wire-agnostically.
+"""Serving one scripted response, wire-agnostically: its record, its stream, its faults.
 
 Contract
 --------
-* A wire module (``openai_wire``; later Anthropic SSE, Bedrock event-stream)
-  renders a response as a :class:`StreamPlan`: already-framed bytes for each
-  data chunk, the terminator, and the framed bytes of the fault lines
-  (keep-alive, malformed, in-stream error). :func:`play` applies the step's
-  fault to that plan; it knows nothing about any provider's format.
+* A wire module (``openai_wire``, ``anthropic_wire``, ``bedrock_wire``) owns
+  its formats; the exchange around them is the same for every wire and lives
+  here. :func:`open_record` reads the body (``None`` when it is not JSON) and
+  logs the request's :class:`RequestRecord`; inside ``with logged(record,
+  logger)`` the handler answers, and on the way out a record nobody ended is
+  ``aborted`` and the request's log line is written. :func:`refusal` turns
+  away a body that fails validation (400) or, with ``--require-auth``, a
+  request without credentials (the wire's status; the wire words the error
+  body); else :func:`take_step` consumes the record key's next step.
+* A wire renders a streaming response as a :class:`StreamPlan`:
+  already-framed bytes for each data chunk, the terminator, and the framed
+  bytes of the fault lines (keep-alive, malformed, in-stream error).
+  :func:`answer_stream` sends the headers and :func:`play` applies the step's
+  fault to that plan; neither knows anything about any provider's format.
+* :func:`answer_whole` applies the step's fault to a non-streaming answer:
+  ``stall`` and ``keepalive`` wait ``stall_s`` first; ``disconnect`` aborts
+  before any byte; ``no_finish`` asks the wire for a message without its stop;
+  ``malformed`` / ``empty`` give an undecodable / empty body; ``error_event``
+  the wire's error body, when it has one.
 * :class:`BodyWriter` is the only thing that writes a streaming body. It
   keeps the request's record true as it writes: ``chunks_sent``,
   ``sent_text``, ``keepalives_sent``, ``last_write``, and ``completed`` /
@@ -25,14 +39,18 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import orjson
 from aiohttp import web
 
 from .script import Fault, Step
-from .state import RequestRecord
+from .state import STATE_KEY, RequestRecord, summarize_request
 
 BATCH_BYTES = 64 * 1024
 WATCH_INTERVAL_S = 0.05
@@ -210,3 +228,100 @@ async def sleep_watching(request: web.Request, seconds: float) -> bool:
         if left <= 0:
             return True
         await asyncio.sleep(min(left, WATCH_INTERVAL_S))
+
+
+async def open_record(request: web.Request, *, key: str | None, auth_present: bool,
+                      model: str = "", stream: bool = False) -> tuple[RequestRecord, Any, bytes]:
+    """Read the request's body and log its new record: (record, JSON body or None, raw body)."""
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        body = None
+    log = request.app[STATE_KEY].log
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    record = RequestRecord(n=log.next_number(), key=key, path=request.path,
+                           peer=f"{peer[0]}:{peer[1]}" if peer else "", model=model,
+                           stream=stream, step=Step(), auth_present=auth_present)
+    log.add(record)
+    return record, body, raw
+
+
+@contextlib.contextmanager
+def logged(record: RequestRecord, logger: logging.Logger) -> Iterator[None]:
+    """End ``record`` as aborted unless the answer ended it; then log its line."""
+    try:
+        yield
+    finally:
+        if record.ended is None:
+            record.end(aborted=True)
+        logger.info("request n=%d key=%s model=%s stream=%s fault=%s status=%d chunks_sent=%d "
+                    "completed=%s aborted=%s", record.n, record.key, record.model, record.stream,
+                    record.fault, record.status, record.chunks_sent, record.completed,
+                    record.aborted)
+
+
+def refusal(request: web.Request, record: RequestRecord, problem: str | None,
+            auth_status: int, auth_problem: str) -> str | None:
+    """The message when the body has a ``problem`` (400) or auth is required and absent
+    (``auth_status``): the record then holds the status and is ended. None: go on."""
+    if problem is not None:
+        record.status = 400
+    elif request.app[STATE_KEY].require_auth and not record.auth_present:
+        record.status, problem = auth_status, auth_problem
+    else:
+        return None
+    record.end(completed=True)
+    return problem
+
+
+def take_step(request: web.Request, record: RequestRecord, body: dict[str, Any],
+              raw: bytes) -> Step:
+    """The next step of the record's script key; the record notes it and the body."""
+    record.step = step = request.app[STATE_KEY].scripts.take(record.key)
+    record.request = summarize_request(body, len(raw))
+    return step
+
+
+async def answer_stream(request: web.Request, record: RequestRecord, step: Step,
+                        plan: StreamPlan, headers: Mapping[str, str]) -> web.StreamResponse:
+    """A 200 with ``headers``, then ``plan`` played with ``step``'s fault."""
+    response = web.StreamResponse(status=200, headers=headers)
+    try:
+        await response.prepare(request)
+    except (ConnectionError, RuntimeError):
+        record.end(aborted=True)
+        return response
+    await play(BodyWriter(request, response, record), plan, step, record)
+    return response
+
+
+async def answer_whole(request: web.Request, record: RequestRecord, step: Step,
+                       message: Callable[[bool], dict[str, Any]], text: str,
+                       error: bytes | None = None) -> bytes | None:
+    """The body of a non-streaming 200 with ``step``'s fault applied (see the module
+    docstring); None when the client or the fault ended the exchange first.
+
+    ``message(finish)`` renders the whole answer, ``text`` is what it delivers (for
+    ``sent_text``), ``error`` the wire's body for ``error_event``.
+    """
+    fault = step.fault
+    if fault in (Fault.STALL, Fault.KEEPALIVE) and not await sleep_watching(request, step.stall_s):
+        record.end(aborted=True)
+        return None
+    if fault is Fault.DISCONNECT:
+        if request.transport is not None:
+            request.transport.abort()
+        record.end(aborted=True)
+        return None
+    if fault is Fault.MALFORMED:
+        payload = b"{not json"
+    elif fault is Fault.EMPTY:
+        payload = b""
+    elif fault is Fault.ERROR_EVENT and error is not None:
+        payload = error
+    else:
+        payload = orjson.dumps(message(fault is not Fault.NO_FINISH))
+        record.sent_parts.append(text)
+    record.end(completed=True)
+    return payload

@@ -172,12 +172,24 @@ def test_a_worker_killed_while_idle_is_never_handed_an_attempt(
         try:
             for pid in idle:
                 os.kill(pid, signal.SIGKILL)
-            call_id = client.submit("emu", _request("after-idle-kill"))
-            wait_until(lambda: any(r.get("call_id") == call_id and "unreachable" in r["message"]
-                                   for r in daemon.log_records()), 10,
-                       "the supervisor to find the dead worker unreachable")
+            # Exited (a zombie: the stopped zygote cannot reap it), so its
+            # sockets are closed; the status round trip lets the supervisor's
+            # socket see the disconnect before the submit.
+            wait_until(lambda: all(psutil.Process(p).status() == psutil.STATUS_ZOMBIE
+                                   for p in idle), 10, "the killed workers to exit")
+            client.status()
+            call_id = client.submit("emu", _request("after-idle-kill"),
+                                    options={"first_chunk_timeout_s": 3.0})
+            # Either the send fails at once ("unreachable") or, if it raced the
+            # disconnect, the first-chunk watchdog fences the attempt.
+            wait_until(lambda: any(r.get("call_id") == call_id
+                                   and ("unreachable" in r["message"]
+                                        or "stale attempt" in r["message"])
+                                   for r in daemon.log_records()), 15,
+                       "the supervisor to fence the attempt handed to a dead worker")
         finally:
             os.kill(zygote, signal.SIGCONT)
         events = _collect(client, call_id)
+        assert daemon.proc is not None and daemon.proc.poll() is None
     assert events[-1]["status"] == "completed", events[-1]
     assert events[-1]["response"]["content"] == emu.log("after-idle-kill")[0]["text"]

@@ -4,7 +4,8 @@ Contract:
 - `MessagesStreamAssembler(out)`: `feed(event_type, data)` per decoded event (its
   `type`: message_start, content_block_start/delta/stop, message_delta, message_stop,
   error), then `finish()` -> the FinalInfo map of protocol/internal.py (`diag` left {}).
-  Pure, dict lookups only; a bad event shape raises MalformedStreamError.
+  Pure, dict lookups only; a bad event shape raises MalformedStreamError. Slot
+  bookkeeping and the FinalInfo come from `workers.assembly.ToolSlots`.
 - `stream_messages(client, request, out)`: the SDK sends the request (auth, headers,
   typed status errors raised on entering); we frame the body ourselves
   (`workers.sse.iter_sse_events` + orjson) and stop reading at `message_stop`. Transport
@@ -41,7 +42,6 @@ Rules (origin 002, `_call_anthropic` / `_check_anthropic_message`; SPEC §3):
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import ssl
 from typing import Any
@@ -50,15 +50,18 @@ import anthropic
 import httpx2
 import orjson
 
-from workers.errors import (
-    TRANSIENT,
-    MalformedStreamError,
-    classify_payload,
-    error_info,
-    final_from_exception,
+from workers.assembly import (
+    FinalInfo,
+    ToolSlots,
+    complete_body,
+    json_body,
+    keep_partial,
+    no_sdk_retries,
+    raised_here,
+    sse_events,
 )
+from workers.errors import TRANSIENT, MalformedStreamError, error_info, final_from_exception
 from workers.output import REASONING, REFUSAL, TEXT, TOOL_CALL, AttemptOutput
-from workers.sse import iter_sse_events
 
 __all__ = ["MalformedStreamError", "MessagesStreamAssembler", "complete_messages",
            "final_from_exception", "make_client", "run_messages", "stream_messages"]
@@ -76,37 +79,19 @@ def _transient(code: str, message: str) -> dict[str, Any]:
     return error_info(TRANSIENT, code, message)
 
 
-def _raised_here(exc: BaseException) -> bool:
-    """Did a shape error start in this module (bad event) rather than in `out`?"""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code.co_filename == __file__
-
-
-class MessagesStreamAssembler:
+class MessagesStreamAssembler(ToolSlots):
     """Turns Messages stream events into deltas; see the module docstring."""
 
-    __slots__ = ("_args", "_delta", "_ids", "_names", "_open", "_slot_by_block",
-                 "_usage", "chunks", "done", "error", "keepalives", "model", "response_id",
-                 "saw_content", "stop_details", "stop_reason", "stopped")
+    __slots__ = (*ToolSlots.SLOTS, "_open", "_usage", "chunks", "keepalives", "stop_details",
+                 "stop_reason", "stopped")
 
     def __init__(self, out: AttemptOutput) -> None:
-        self._delta = out.delta
-        self._names: list[str] = []
-        self._ids: list[str | None] = []
-        self._args: list[list[str]] = []
+        super().__init__(out)  # `done` here: message_stop or an error ended the attempt
         self._open: list[bool] = []  # per slot: its tool_use block has not stopped yet
-        self._slot_by_block: dict[Any, int] = {}
         self._usage: dict[str, Any] | None = None
-        self.model: str | None = None
-        self.response_id: str | None = None
         self.stop_reason: str | None = None  # as Anthropic named it
         self.stop_details: Any = None
         self.stopped = False  # message_stop seen
-        self.error: dict[str, Any] | None = None
-        self.done = False  # message_stop or an error ended the attempt: stop reading
-        self.saw_content = False
         self.keepalives = 0  # pings and data-less frames (the transport counts them)
         self.chunks = 0
 
@@ -140,7 +125,7 @@ class MessagesStreamAssembler:
                     if value and type(value) is str:
                         self._delta(pair[1], value)
             elif event_type == "content_block_stop":
-                slot = self._slot_by_block.get(data["index"])
+                slot = self._slot_by.get(data["index"])
                 if slot is not None:
                     self._open[slot] = False
             elif event_type == "message_start":
@@ -158,7 +143,7 @@ class MessagesStreamAssembler:
                 self.fail_payload(data)
             # ping and event types added later: nothing to do
         except _SHAPE_ERRORS as exc:
-            if _raised_here(exc):
+            if raised_here(exc, __file__):
                 raise MalformedStreamError(
                     f"unexpected {event_type} event shape ({type(exc).__name__}: {exc})") from exc
             raise
@@ -175,17 +160,14 @@ class MessagesStreamAssembler:
             args = initial
         else:
             args = orjson.dumps(initial).decode()
-        slot = len(self._names)
-        self._names.append(name)
-        self._ids.append(None if tid is None else str(tid))
-        self._args.append([args] if args else [])
+        slot = self._new_slot(block_index, None if tid is None else str(tid), name)
+        if args:
+            self._args[slot].append(args)
         self._open.append(True)
-        self._slot_by_block[block_index] = slot
-        self._delta(TOOL_CALL, {"index": slot, "id": self._ids[slot], "name": name,
-                                "arguments": args})
+        self._name_slot(slot, name)
 
     def _tool_piece(self, block_index: Any, piece: Any) -> None:
-        slot = self._slot_by_block.get(block_index)
+        slot = self._slot_by.get(block_index)
         if slot is None or not self._open[slot]:
             raise ValueError(f"unexpected event order: input_json_delta for block "
                              f"{block_index!r}, which is not an open tool_use block")
@@ -225,23 +207,11 @@ class MessagesStreamAssembler:
         return {**raw, "prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    def fail_payload(self, payload: Any) -> None:
-        """An in-stream `event: error` (`{"type": "error", "error": {...}}`)."""
-        self.error = classify_payload(payload)
-        self.done = True
-
-    def fail_text(self, text: str) -> None:
-        """An `event: error` whose data is not JSON: the text is the message."""
-        self.error = classify_payload({"error": {"message": text}})
-        self.done = True
-
-    def finish(self, error: dict[str, Any] | None = None) -> dict[str, Any]:
+    def finish(self, error: dict[str, Any] | None = None) -> FinalInfo:
         """The FinalInfo. `error`: the classified exception that ended the attempt."""
         error = error or self.error
         reason = self.stop_reason
         finish = _STOP_REASONS.get(reason, reason) if reason else None
-        slots = range(len(self._names))
-        dropped = list(slots)
         if error is None and not self.stopped:
             if self.saw_content:
                 error = _transient("no_finish_reason", "the stream ended before message_stop "
@@ -261,41 +231,19 @@ class MessagesStreamAssembler:
                                    "while a tool_use block was open: a mid-tool-call drop")
             else:
                 finish = "stop"
+        refused = finish == "content_filter"  # a refused turn runs no tool: drop them all
+        dropped, finish = self._settle(error, finish, lambda s: not refused and self._complete(s))
         if error is None:
-            if finish != "content_filter":
-                dropped = [s for s in slots if not self._complete(s)]
-                if dropped:
-                    finish = "length"
-            for s in slots:
+            for s in range(len(self._names)):
                 if s not in dropped and not self._args[s]:
                     self._args[s].append("{}")
                     self._delta(TOOL_CALL, {"index": s, "id": None, "name": None,
                                             "arguments": "{}"})
-        return {"ok": error is None, "finish_reason": finish, "usage": self.usage(),
-                "model": self.model, "provider_response_id": self.response_id,
-                "dropped_tool_names": [self._names[s] for s in dropped],
-                "dropped_tool_indexes": dropped, "error": error, "diag": {}}
+        return self._final(error, finish, self.usage(), dropped)
 
     def _complete(self, slot: int) -> bool:
-        if self._open[slot]:
-            return False  # the block never stopped: its input may be cut short
-        args = "".join(self._args[slot])
-        if not args.strip():
-            return True  # no input at all: "{}"
-        try:
-            return type(orjson.loads(args)) is dict
-        except orjson.JSONDecodeError:
-            return False
-
-
-def _keep_partial(exc: BaseException, asm: MessagesStreamAssembler) -> None:
-    with contextlib.suppress(AttributeError):  # read back by final_from_exception
-        exc.streamfence_partial = asm  # type: ignore[attr-defined]
-
-
-def _no_sdk_retries(client: anthropic.Anthropic) -> anthropic.Anthropic:
-    # The supervisor owns retries and backoff; SDK retries would sleep inside an attempt.
-    return client if client.max_retries == 0 else client.with_options(max_retries=0)
+        # A block that never stopped may have its input cut short; no input at all is "{}".
+        return not self._open[slot] and self._args_ok(slot, want_object=True)
 
 
 # Body fields the SDK names as keyword parameters (not its request options).
@@ -327,18 +275,14 @@ def stream_messages(client: anthropic.Anthropic, request: dict[str, Any], out: A
     asm = MessagesStreamAssembler(out)
     chunk, feed, loads = out.chunk, asm.feed, orjson.loads
     try:
-        with _no_sdk_retries(client).messages.with_streaming_response.create(**kwargs) as resp:
-            http = resp.http_response
-            ctype = http.headers.get("content-type", "")
-            if "json" in ctype and "event-stream" not in ctype:
-                body = http.read()  # the server ignored stream=True: a whole message
+        with no_sdk_retries(client).messages.with_streaming_response.create(**kwargs) as resp:
+            events = sse_events(resp.http_response)
+            if events is None:  # a whole message
+                body = resp.http_response.read()
                 chunk(len(body))
                 _feed_message(asm, body)
                 return asm.finish()
-            # iter_raw skips httpx2's decoder and re-chunker layers (~10% of the per-read cost).
-            encoding = http.headers.get("content-encoding", "identity").lower()
-            reads = http.iter_raw() if encoding in ("", "identity") else http.iter_bytes()
-            for event, data in iter_sse_events(reads):
+            for event, data in events:
                 if data is None or event == b"ping":
                     asm.keepalives += 1
                     continue
@@ -370,19 +314,14 @@ def stream_messages(client: anthropic.Anthropic, request: dict[str, Any], out: A
                 if asm.done:
                     break
     except Exception as exc:
-        _keep_partial(exc, asm)
+        keep_partial(exc, asm)
         raise
     return asm.finish()
 
 
 def _feed_message(asm: MessagesStreamAssembler, body: bytes) -> None:
     """Replay a non-streaming Message body through the assembler as events."""
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise MalformedStreamError(f"message body is not JSON: {body[:200]!r}") from None
-    if type(obj) is not dict:
-        raise MalformedStreamError("message body is not a JSON object")
+    obj = json_body(body, "message")
     if obj.get("type") == "error" or "error" in obj:
         asm.fail_payload(obj)
         return
@@ -405,16 +344,9 @@ def complete_messages(client: anthropic.Anthropic, request: dict[str, Any], out:
     """Non-streaming fall-back: one message, delivered as deltas; its FinalInfo."""
     # An explicit timeout also keeps the SDK from refusing a large max_tokens unstreamed.
     kwargs = _create_kwargs(request, timeout if timeout is not None else client.timeout)
-    asm = MessagesStreamAssembler(out)
-    try:
-        with _no_sdk_retries(client).messages.with_streaming_response.create(**kwargs) as resp:
-            body = resp.http_response.read()
-        out.chunk(len(body))
-        _feed_message(asm, body)
-    except Exception as exc:
-        _keep_partial(exc, asm)
-        raise
-    return asm.finish()
+    return complete_body(
+        lambda: no_sdk_retries(client).messages.with_streaming_response.create(**kwargs),
+        out, MessagesStreamAssembler(out), _feed_message)
 
 
 def _base_url(profile: dict[str, Any]) -> str:

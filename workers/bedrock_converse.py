@@ -9,7 +9,8 @@ Contract:
   `total_max_attempts: 1` (botocore's `max_attempts: 1` means one *retry*; measured).
   botocore has no hook for a prebuilt SSLContext, so `ssl_context` is unused.
 - `ConverseStreamAssembler(out)`: `feed(event)` per parsed event dict, `finish()` -> the
-  FinalInfo of protocol/internal.py (`diag` left {}). Pure dict lookups.
+  FinalInfo of protocol/internal.py (`diag` left {}). Pure dict lookups; slot bookkeeping
+  and the FinalInfo come from `workers.assembly.ToolSlots`.
 - `stream_converse(client, request, out)`: every event is a real chunk (`out.chunk`). Errors
   opening the stream (ClientError) propagate untouched; an in-stream exception message
   (EventStreamError) ends the attempt as a classified error; transport errors mid-stream
@@ -35,7 +36,6 @@ is dropped and the finish becomes "length" (unless content_filter).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -47,6 +47,7 @@ from botocore.eventstream import ParserError
 from botocore.exceptions import ClientError, EventStreamError
 
 from workers import errors
+from workers.assembly import FinalInfo, ToolSlots, keep_partial, raised_here
 from workers.errors import FINAL, TRANSIENT, classify, error_info
 from workers.output import NOTICE, REASONING, TEXT, TOOL_CALL, AttemptOutput
 
@@ -56,13 +57,11 @@ __all__ = ["ConverseStreamAssembler", "classify_bedrock", "complete_converse",
 
 log = logging.getLogger("streamfence.bedrock")
 
-FinalInfo = dict[str, Any]
 DUMMY_CREDENTIALS = ("test", "test")
 _STOP_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
                  "model_context_window_exceeded": "length", "tool_use": "tool_calls",
                  "content_filtered": "content_filter", "guardrail_intervened": "content_filter"}
 _MALFORMED_STOPS = frozenset({"malformed_model_output", "malformed_tool_use"})
-_UNNAMED = "unknown"
 _SERVICE_SIDE = frozenset({"internalserverexception", "serviceunavailableexception",
                            "modelstreamerrorexception", "modelnotreadyexception",
                            "modeltimeoutexception"})
@@ -116,34 +115,16 @@ def _usage(raw: Any) -> dict[str, Any] | None:
     return usage
 
 
-def _raised_here(exc: BaseException) -> bool:
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code.co_filename == __file__
-
-
-class ConverseStreamAssembler:
+class ConverseStreamAssembler(ToolSlots):
     """Turns parsed ConverseStream event dicts into deltas; see the module docstring."""
 
-    __slots__ = ("_args", "_delta", "_ids", "_names", "_slot_by_block", "done", "error",
-                 "events", "finish_reason", "model", "response_id", "saw_content",
-                 "stop_reason", "usage")
+    __slots__ = (*ToolSlots.SLOTS, "events", "finish_reason", "stop_reason", "usage")
 
     def __init__(self, out: AttemptOutput) -> None:
-        self._delta = out.delta
-        self._slot_by_block: dict[Any, int] = {}
-        self._names: list[str | None] = []
-        self._ids: list[str | None] = []
-        self._args: list[list[str]] = []
-        self.model: str | None = None
-        self.response_id: str | None = None
+        super().__init__(out)
         self.stop_reason: str | None = None  # as Bedrock sent it
         self.finish_reason: str | None = None  # normalized
         self.usage: dict[str, Any] | None = None
-        self.error: dict[str, Any] | None = None
-        self.done = False  # an in-stream error ended the attempt
-        self.saw_content = False
         self.events = 0
 
     def feed(self, event: dict[str, Any]) -> None:
@@ -167,7 +148,7 @@ class ConverseStreamAssembler:
                 self.usage = _usage(body.get("usage")) or self.usage
             # messageStart, contentBlockStop and unknown members carry nothing we keep.
         except _SHAPE_ERRORS as exc:
-            if not _raised_here(exc):
+            if not raised_here(exc, __file__):
                 raise  # from `out`, not a bad event
             self.fail(error_info(TRANSIENT, "malformed_stream", f"unexpected event shape "
                                  f"({type(exc).__name__}: {exc}): {str(event)[:200]}"))
@@ -190,9 +171,9 @@ class ConverseStreamAssembler:
         if tool is not None:
             self.saw_content = True
             block = body["contentBlockIndex"]
-            slot = self._slot_by_block.get(block)
+            slot = self._slot_by.get(block)
             if slot is None:  # input before its start event: held until a name comes
-                slot = self._new_slot(block, None, None)
+                slot = self._new_slot(block)
             piece = tool.get("input")
             if piece is not None and type(piece) is not str:
                 piece = orjson.dumps(piece).decode()
@@ -204,35 +185,19 @@ class ConverseStreamAssembler:
 
     def _open(self, block: Any, tool_id: Any, name: Any) -> None:
         self.saw_content = True
-        slot = self._slot_by_block.get(block)
+        slot = self._slot_by.get(block)
+        tid = str(tool_id) if tool_id else None
         if slot is None or self._names[slot] is not None:
-            slot = self._new_slot(block, tool_id, None)
-        elif tool_id:
-            self._ids[slot] = str(tool_id)
+            slot = self._new_slot(block, tid)
+        elif tid:
+            self._ids[slot] = tid
         if name:
-            self._names[slot] = str(name)
-            self._delta(TOOL_CALL, {"index": slot, "id": self._ids[slot], "name": str(name),
-                                    "arguments": "".join(self._args[slot])})
-
-    def _new_slot(self, block: Any, tool_id: Any, name: str | None) -> int:
-        slot = len(self._names)
-        self._names.append(name)
-        self._ids.append(str(tool_id) if tool_id else None)
-        self._args.append([])
-        self._slot_by_block[block] = slot
-        return slot
-
-    def fail(self, error: dict[str, Any]) -> None:
-        """An in-stream provider exception (or an event we cannot read) ends the attempt."""
-        self.error = error
-        self.done = True
+            self._name_slot(slot, name)
 
     def finish(self, error: dict[str, Any] | None = None) -> FinalInfo:
         """The FinalInfo. `error`: the classified exception that ended the attempt."""
         error = error or self.error
         finish = self.finish_reason
-        slots = range(len(self._names))
-        dropped = list(slots)
         if error is None and self.stop_reason in _MALFORMED_STOPS:
             error = error_info(TRANSIENT, "malformed_model_output", "Bedrock ended the message "
                                f"with stopReason {self.stop_reason!r}")
@@ -241,29 +206,8 @@ class ConverseStreamAssembler:
                                 "messageStop (incomplete response)") if self.saw_content else
                      error_info(TRANSIENT, "empty_stream", "Bedrock returned an empty stream "
                                 "(no content, tool call or messageStop)"))
-        if error is None:
-            dropped = [s for s in slots if self._names[s] is None or not self._valid_args(s)]
-            if dropped and finish != "content_filter":
-                finish = "length"
-        return {"ok": error is None, "finish_reason": finish, "usage": self.usage,
-                "model": self.model, "provider_response_id": self.response_id,
-                "dropped_tool_names": [self._names[s] or _UNNAMED for s in dropped],
-                "dropped_tool_indexes": dropped, "error": error, "diag": {}}
-
-    def _valid_args(self, slot: int) -> bool:
-        args = "".join(self._args[slot])
-        if not args.strip():
-            return True  # a tool without input; messageStop vouches for it
-        try:
-            orjson.loads(args)
-        except orjson.JSONDecodeError:
-            return False
-        return True
-
-
-def _keep_partial(exc: BaseException, asm: ConverseStreamAssembler) -> None:
-    with contextlib.suppress(AttributeError):  # read back by final_from_exception
-        exc.streamfence_partial = asm  # type: ignore[attr-defined]
+        dropped, finish = self._settle(error, finish, self._named_json)
+        return self._final(error, finish, self.usage, dropped)
 
 
 def _request_id(response: dict[str, Any]) -> str | None:
@@ -292,7 +236,7 @@ def stream_converse(client: Any, request: dict[str, Any], out: AttemptOutput) ->
         if asm.stop_reason is not None and asm.error is None \
                 and classify_bedrock(exc)["class"] == TRANSIENT:
             return asm.finish()  # messageStop is proof enough; only the metadata was lost
-        _keep_partial(exc, asm)
+        keep_partial(exc, asm)
         raise
     finally:
         events.close()

@@ -2,7 +2,8 @@
 
 Contract:
 - `ChatStreamAssembler(out)`: `feed(chunk_dict)` per decoded chunk, then `finish()`
-  -> the FinalInfo map of protocol/internal.py (`diag` left {}). Pure, dict lookups only.
+  -> the FinalInfo map of protocol/internal.py (`diag` left {}). Pure, dict lookups only;
+  slot bookkeeping and the FinalInfo come from `workers.assembly.ToolSlots`.
 - `stream_chat(client, request, out)`: the SDK sends the request (auth; typed status
   errors raised on entering); we frame the body ourselves (`iter_sse_events` + orjson),
   skipping the SDK's per-chunk model construction. Transport errors mid-body propagate
@@ -29,18 +30,26 @@ Rules (origin 002, `_call_chat_completions` / `_finish_chat_stream`):
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import openai
 import orjson
 
+from workers.assembly import (
+    FinalInfo,
+    ToolSlots,
+    complete_body,
+    json_body,
+    keep_partial,
+    no_sdk_retries,
+    raised_here,
+    sse_events,
+)
 from workers.errors import (
     TRANSIENT,
     MalformedStreamError,
     classify,
     classify_error_text,
-    classify_payload,
     error_info,
     final_from_exception,
     names_stream_options,
@@ -57,7 +66,6 @@ _FINISH_ALIASES = {"end_turn": "stop", "stop_sequence": "stop", "eos": "stop", "
                    "tool_use": "tool_calls", "function_call": "tool_calls", "safety": "content_filter"}
 _SSE_FIELDS = ("event", "data", "id", "retry")
 _ERROR_JSON = '{"error"'
-_UNNAMED = "unknown"
 _SHAPE_ERRORS = (AttributeError, TypeError, KeyError, IndexError, ValueError)
 
 
@@ -83,39 +91,20 @@ def _may_be_error_block(text: str) -> bool:
     return True
 
 
-def _raised_here(exc: BaseException) -> bool:
-    """Did a shape error start in this module (bad chunk) rather than in `out`?"""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code.co_filename == __file__
-
-
-class ChatStreamAssembler:
+class ChatStreamAssembler(ToolSlots):
     """Turns chat.completion.chunk dicts into deltas; see the module docstring."""
 
-    __slots__ = ("_args", "_delta", "_held", "_ids", "_last_id_by_raw", "_names", "_open",
-                 "_slot_by_raw", "_text_head", "_text_sent", "chunks", "done", "error",
-                 "finish_reason", "keepalives", "model", "response_id", "saw_content", "usage")
+    __slots__ = (*ToolSlots.SLOTS, "_held", "_last_id_by_raw", "_text_head", "_text_sent",
+                 "chunks", "finish_reason", "keepalives", "usage")
 
     def __init__(self, out: AttemptOutput) -> None:
-        self._delta = out.delta
+        super().__init__(out)
         self._held = ""
-        self._names: list[str | None] = []
-        self._ids: list[str | None] = []
-        self._args: list[list[str]] = []
-        self._open: list[bool] = []
-        self._slot_by_raw: dict[Any, int] = {}
         self._last_id_by_raw: dict[Any, str] = {}
         self._text_sent = False
         self._text_head = ""
-        self.model: str | None = None
-        self.response_id: str | None = None
         self.usage: dict[str, Any] | None = None
         self.finish_reason: str | None = None
-        self.error: dict[str, Any] | None = None
-        self.done = False  # an in-stream error ended the attempt: stop reading
-        self.saw_content = False
         self.keepalives = 0  # contentless SSE frames (the transport counts them)
         self.chunks = 0
 
@@ -169,7 +158,7 @@ class ChatStreamAssembler:
                 for tc in tool_calls:
                     self._tool(tc)
         except _SHAPE_ERRORS as exc:
-            if _raised_here(exc):
+            if raised_here(exc, __file__):
                 raise MalformedStreamError(f"unexpected chunk shape ({type(exc).__name__}: {exc})") from exc
             raise
 
@@ -223,7 +212,7 @@ class ChatStreamAssembler:
         tid = tc.get("id")
         if tid is not None and type(tid) is not str:
             tid = str(tid)  # Poolside sends integer ids
-        slot = self._slot_by_raw.get(raw)
+        slot = self._slot_by.get(raw)
         if tid:
             last = self._last_id_by_raw.get(raw)
             # Ollama-style batches reuse index 0 and tell calls apart only by id.
@@ -239,7 +228,7 @@ class ChatStreamAssembler:
         args = fn.get("arguments")
         if args is not None and type(args) is not str:
             args = orjson.dumps(args).decode()  # some servers send an object
-        if self._open[slot]:
+        if self._names[slot] is not None:  # open towards `out`
             if args:
                 self._args[slot].append(args)
                 self._delta(TOOL_CALL, {"index": slot, "id": None, "name": None, "arguments": args})
@@ -247,36 +236,12 @@ class ChatStreamAssembler:
         if args:
             self._args[slot].append(args)
         if name:
-            self._names[slot] = str(name)
-            self._open[slot] = True
-            self._delta(TOOL_CALL, {"index": slot, "id": self._ids[slot], "name": self._names[slot],
-                                    "arguments": "".join(self._args[slot])})
+            self._name_slot(slot, name)
 
-    def _new_slot(self, raw: Any) -> int:
-        slot = len(self._names)
-        self._names.append(None)
-        self._ids.append(None)
-        self._args.append([])
-        self._open.append(False)
-        self._slot_by_raw[raw] = slot
-        return slot
-
-    def fail_payload(self, payload: Any) -> None:
-        """An in-stream provider error (`{"error": {...}}` chunk or `event: error`)."""
-        self.error = classify_payload(payload)
-        self.done = True
-
-    def fail_text(self, text: str) -> None:
-        """An `event: error` whose data is not JSON: the text is the message."""
-        self.error = classify_payload({"error": {"message": text}})
-        self.done = True
-
-    def finish(self, error: dict[str, Any] | None = None) -> dict[str, Any]:
+    def finish(self, error: dict[str, Any] | None = None) -> FinalInfo:
         """The FinalInfo. `error`: the classified exception that ended the attempt."""
         error = error or self.error
         finish = self.finish_reason
-        slots = range(len(self._names))
-        dropped = list(slots)
         if error is None and finish in _ERROR_FINISH:
             error = classify_error_text(self._held or self._text_head)
         elif error is None and finish is None:
@@ -291,38 +256,12 @@ class ChatStreamAssembler:
             else:
                 error = error_info(TRANSIENT, "no_finish_reason", "the stream ended without a "
                                    "finish_reason (incomplete response)")
-        if error is None:
-            dropped = [s for s in slots if not self._open[s] or not self._valid_args(s)]
-            if dropped and finish != "content_filter":
-                finish = "length"
-            if self._held:
-                self._text_sent = True
-                self._delta(TEXT, self._held)
-                self._held = ""
-        return {"ok": error is None, "finish_reason": finish if error is None else self.finish_reason,
-                "usage": self.usage, "model": self.model, "provider_response_id": self.response_id,
-                "dropped_tool_names": [self._names[s] or _UNNAMED for s in dropped],
-                "dropped_tool_indexes": dropped, "error": error, "diag": {}}
-
-    def _valid_args(self, slot: int) -> bool:
-        args = "".join(self._args[slot])
-        if not args.strip():
-            return True  # a call without arguments; the finish_reason vouches for it
-        try:
-            orjson.loads(args)
-        except orjson.JSONDecodeError:
-            return False
-        return True
-
-
-def _keep_partial(exc: BaseException, asm: ChatStreamAssembler) -> None:
-    with contextlib.suppress(AttributeError):  # read back by final_from_exception
-        exc.streamfence_partial = asm  # type: ignore[attr-defined]
-
-
-def _no_sdk_retries(client: openai.OpenAI) -> openai.OpenAI:
-    # The supervisor owns retries and backoff; SDK retries would sleep inside an attempt.
-    return client if client.max_retries == 0 else client.with_options(max_retries=0)
+        dropped, finish = self._settle(error, finish, self._named_json)
+        if error is None and self._held:
+            self._text_sent = True
+            self._delta(TEXT, self._held)
+            self._held = ""
+        return self._final(error, finish, self.usage, dropped)
 
 
 def stream_chat(client: openai.OpenAI, request: dict[str, Any], out: AttemptOutput, *,
@@ -338,18 +277,14 @@ def stream_chat(client: openai.OpenAI, request: dict[str, Any], out: AttemptOutp
     asm = ChatStreamAssembler(out)
     chunk, feed, loads = out.chunk, asm.feed, orjson.loads
     try:
-        with _no_sdk_retries(client).chat.completions.with_streaming_response.create(**kwargs) as resp:
-            http = resp.http_response
-            ctype = http.headers.get("content-type", "")
-            if "json" in ctype and "event-stream" not in ctype:
-                body = http.read()  # the server ignored stream=True: a whole completion
+        with no_sdk_retries(client).chat.completions.with_streaming_response.create(**kwargs) as resp:
+            events = sse_events(resp.http_response)
+            if events is None:  # a whole completion
+                body = resp.http_response.read()
                 chunk(len(body))
                 _feed_completion(asm, body)
                 return asm.finish()
-            # iter_raw skips httpx2's decoder and re-chunker layers (~10% of the per-read cost).
-            encoding = http.headers.get("content-encoding", "identity").lower()
-            reads = http.iter_raw() if encoding in ("", "identity") else http.iter_bytes()
-            for event, data in iter_sse_events(reads):
+            for event, data in events:
                 if data is None:
                     asm.keepalives += 1
                     continue
@@ -378,19 +313,14 @@ def stream_chat(client: openai.OpenAI, request: dict[str, Any], out: AttemptOutp
     except Exception as exc:
         if asm.finish_reason is not None and asm.error is None and classify(exc)["class"] == TRANSIENT:
             return asm.finish()  # the finish chunk is proof enough; only the trailer was lost
-        _keep_partial(exc, asm)
+        keep_partial(exc, asm)
         raise
     return asm.finish()
 
 
 def _feed_completion(asm: ChatStreamAssembler, body: bytes) -> None:
     """Feed a non-streaming chat.completion body to the assembler as one chunk."""
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise MalformedStreamError(f"completion body is not JSON: {body[:200]!r}") from None
-    if type(obj) is not dict:
-        raise MalformedStreamError("completion body is not a JSON object")
+    obj = json_body(body, "completion")
     choices = obj.get("choices")
     if obj.get("error") or not isinstance(choices, list) or not choices:
         asm.feed(obj)
@@ -413,16 +343,9 @@ def complete_chat(client: openai.OpenAI, request: dict[str, Any], out: AttemptOu
     kwargs = {k: v for k, v in request.items() if k not in ("stream", "stream_options")}
     if timeout is not None:
         kwargs["timeout"] = timeout
-    asm = ChatStreamAssembler(out)
-    try:
-        with _no_sdk_retries(client).chat.completions.with_streaming_response.create(**kwargs) as resp:
-            body = resp.http_response.read()
-        out.chunk(len(body))
-        _feed_completion(asm, body)
-    except Exception as exc:
-        _keep_partial(exc, asm)
-        raise
-    return asm.finish()
+    return complete_body(
+        lambda: no_sdk_retries(client).chat.completions.with_streaming_response.create(**kwargs),
+        out, ChatStreamAssembler(out), _feed_completion)
 
 
 def is_stream_options_rejection(exc: BaseException) -> bool:
