@@ -1,10 +1,11 @@
 """What every section shares: result rows, statistics, CPU accounting of a
 process tree, the machine's description, and the emulator and daemon set-ups.
 
-CPU is read with psutil (`cpu_times()` user + system of each pid, threads
-included) before and after a measured window; a pid that appears during the
-window counts from zero. A section's own process is read with
-`time.process_time()`.
+CPU is read per pid from /proc/PID/task/*/schedstat (all threads, ns
+resolution; psutil's `cpu_times()` only as a fallback, its 10 ms ticks being
+too coarse for one stream) before and after a measured window; a pid that
+appears during the window counts from zero. A section's own process is read
+with `time.process_time()`.
 """
 
 from __future__ import annotations
@@ -191,6 +192,19 @@ def daemon(providers: dict[str, dict[str, Any]], settings: dict[str, Any] | None
             yield proc
         finally:
             proc.cleanup()
+
+
+def wait_idle(proc: DaemonProcess, count: int, timeout_s: float = 300.0) -> float:
+    """Wait until `count` workers are idle (the warm pool is complete); returns the wait."""
+    from supervisor.launcher import wait_until
+
+    t0 = time.monotonic()
+    with proc.client(timeout_s=30.0) as client:
+        def ready() -> bool:
+            return sum(1 for w in client.status()["workers"] if w["state"] == "idle") >= count
+
+        wait_until(ready, timeout_s, f"{count} idle workers", interval=0.05)
+    return time.monotonic() - t0
 
 
 def daemon_roles(status: dict[str, Any]) -> dict[int, str]:

@@ -10,14 +10,17 @@ token deltas) is read, per round and in rotated order, by:
 - `httpx2-raw`     raw httpx2 + orjson on the OpenAI wire (SPEC §5's reference point);
 - `sf-openai`      streamfence: submit to the real daemon (openai profile) and read the
                    events with `protocol.client.Client`: CPU of the supervisor, sink,
-                   zygote and every worker (psutil, before/after) plus this process
-                   (the subscriber);
+                   zygote and every worker (common.CpuMeter, before/after) plus this
+                   process (the subscriber);
 - `sf-anthropic`   the same on an anthropic profile.
 
-Two paces: `burst` (no delay: the emulator writes 64 KiB batches) and `paced`
-(`chunk_delay_s`, one chunk per write, like a model streaming). The emulator's
-own CPU is measured around every run and reported, never summed. µs/delta is
-CPU seconds / N; c/a is the median of the per-round ratios sf-openai / openai-sdk.
+Three shapes: `burst` (no delay: the emulator writes 64 KiB batches), `paced`
+(`chunk_delay_s`, one chunk per write, like a model streaming) and `paced ×N`
+(N such streams at once: the SDK loop in N threads of this process, against N
+calls submitted to the daemon; openai pair only). The emulator's own CPU is
+measured around every run and reported, never summed. µs/delta is CPU seconds /
+chunks; c/a is the median of the per-round ratios sf-openai / openai-sdk. The
+daemon keeps N + 2 warm workers; every variant runs once unmeasured first.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import gc
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anthropic
@@ -47,6 +51,7 @@ from scripts.bench.common import (
     providers_for,
     realistic_text,
     rotated,
+    wait_idle,
 )
 from supervisor.launcher import DaemonProcess
 
@@ -83,9 +88,9 @@ class Runner:
 
     def _openai_sdk(self, model: str) -> str:
         parts = []
-        stream = self.oa.chat.completions.create(model=model, messages=PROMPT,  # type: ignore[arg-type]
-                                                 stream=True,
-                                                 stream_options={"include_usage": True})
+        client: Any = self.oa  # the SDK's overloads are too narrow for a bench's model names
+        stream = client.chat.completions.create(model=model, messages=PROMPT, stream=True,
+                                                stream_options={"include_usage": True})
         for chunk in stream:
             if chunk.choices:
                 content = chunk.choices[0].delta.content
@@ -95,8 +100,9 @@ class Runner:
 
     def _anthropic_sdk(self, model: str) -> str:
         parts = []
-        stream = self.an.messages.create(model=model, max_tokens=4096, messages=PROMPT,  # type: ignore[arg-type]
-                                         stream=True)
+        client: Any = self.an
+        stream = client.messages.create(model=model, max_tokens=4096, messages=PROMPT,
+                                        stream=True)
         for event in stream:
             if event.type == "content_block_delta" and event.delta.type == "text_delta":
                 parts.append(event.delta.text)
@@ -120,32 +126,51 @@ class Runner:
                         parts.append(content)
         return "".join(parts)
 
-    def _streamfence(self, profile: str, model: str) -> str:
-        request: dict[str, Any] = {"model": model, "messages": PROMPT}
-        if profile == "an":
-            request["max_tokens"] = 4096
-        parts = []
-        call_id = self.sf.submit(profile, request)
-        for event in self.sf.events(call_id, timeout_s=60.0):
-            if event["op"] == "delta" and event["kind"] == "text":
-                parts.append(event["data"])
-            elif event["op"] == "done" and event["status"] != "completed":
-                raise RuntimeError(f"streamfence call ended {event['status']}: {event['error']}")
-        return "".join(parts)
+    def _streamfence(self, profile: str, models: list[str]) -> list[str]:
+        """Submit one call per model (all at once), then read each one's events."""
+        calls = []
+        for model in models:
+            request: dict[str, Any] = {"model": model, "messages": PROMPT}
+            if profile == "an":
+                request["max_tokens"] = 4096
+            calls.append(self.sf.submit(profile, request))
+        texts = []
+        for call_id in calls:  # the client buffers the other calls' events meanwhile
+            parts = []
+            for event in self.sf.events(call_id, timeout_s=60.0):
+                if event["op"] == "delta" and event["kind"] == "text":
+                    parts.append(event["data"])
+                elif event["op"] == "done" and event["status"] != "completed":
+                    raise RuntimeError(f"streamfence call ended {event['status']}: "
+                                       f"{event['error']}")
+            texts.append("".join(parts))
+        return texts
 
-    def fn(self, variant: str) -> Callable[[str], str]:
-        return {"openai-sdk": self._openai_sdk, "anthropic-sdk": self._anthropic_sdk,
-                "httpx2-raw": self._httpx2_raw,
-                "sf-openai": lambda m: self._streamfence("oa", m),
-                "sf-anthropic": lambda m: self._streamfence("an", m)}[variant]
+    def _sdk(self, one: Callable[[str], str], models: list[str]) -> list[str]:
+        """One stream in this thread, or one thread per stream (an agent runtime's shape)."""
+        if len(models) == 1:
+            return [one(models[0])]
+        with ThreadPoolExecutor(max_workers=len(models)) as pool:
+            return list(pool.map(one, models))
+
+    def fn(self, variant: str) -> Callable[[list[str]], list[str]]:
+        sdk = {"openai-sdk": self._openai_sdk, "anthropic-sdk": self._anthropic_sdk,
+               "httpx2-raw": self._httpx2_raw}
+        if variant in sdk:
+            return lambda models: self._sdk(sdk[variant], models)
+        return lambda models: self._streamfence("oa" if variant == "sf-openai" else "an", models)
 
     # ---- one measured run -------------------------------------------------------
 
-    def run(self, variant: str, chunks: int, delay: float, text: str) -> dict[str, Any]:
-        key = f"cpu-{uuid.uuid4().hex[:10]}"
-        self.control.script(key, [{"fault": "ok", "chunks": chunks, "chunk_delay_s": delay,
-                                   "text": text}])
-        model = f"emu-model#{key}"
+    def run(self, variant: str, chunks: int, delay: float, text: str,
+            streams: int = 1) -> dict[str, Any]:
+        """`streams` concurrent copies of the stream; CPU is for all of them."""
+        models = []
+        for _ in range(streams):
+            key = f"cpu-{uuid.uuid4().hex[:10]}"
+            self.control.script(key, [{"fault": "ok", "chunks": chunks, "chunk_delay_s": delay,
+                                       "text": text}])
+            models.append(f"emu-model#{key}")
         in_daemon = variant.startswith("sf-")
         daemon_meter = CpuMeter([self.daemon_pid])
         emu_meter = CpuMeter([self.emu_pid])
@@ -155,15 +180,16 @@ class Runner:
         emu_meter.start()
         own0 = time.process_time()
         wall0 = time.perf_counter()
-        got = self.fn(variant)(model)
+        got = self.fn(variant)(models)
         wall_s = time.perf_counter() - wall0
         own_s = time.process_time() - own0
         if in_daemon:
             time.sleep(0.03)  # the worker's last steps (W_IDLE, its log line) after the done
         daemon_meter.stop()
         emu_meter.stop()
-        if got != text:
-            raise RuntimeError(f"{variant}: received {len(got)} chars, scripted {len(text)}")
+        for one in got:
+            if one != text:
+                raise RuntimeError(f"{variant}: received {len(one)} chars, scripted {len(text)}")
         by_role: dict[str, float] = {"client": own_s}
         if in_daemon and status is not None:
             roles = daemon_roles(status)
@@ -184,60 +210,78 @@ def _idle_rate(runner: Runner, seconds: float) -> float:
     return meter.total() / seconds
 
 
+PAIRS = (("sf-openai", "openai-sdk", "c/a = sf-openai ÷ openai-sdk"),
+         ("sf-anthropic", "anthropic-sdk", "sf-anthropic ÷ anthropic-sdk"))
+
+
 def run(quick: bool, rounds: int) -> Section:
     sec = Section("cpu", "1 CPU/delta")
-    paces = {"burst": (1000 if quick else 3000, 0.0),
-             "paced": (50 if quick else 200, 0.02)}
-    sec.params = {"rounds": rounds, **{f"{p} chunks": n for p, (n, _) in paces.items()},
-                  "paced chunk_delay_s": 0.02, "chars/delta": "~4.5"}
+    many = 8 if quick else 50
+    gap = 0.01 if quick else 0.02  # s between chunks: 100/s quick, 50/s (a model's pace) full
+    # name -> (chunks, chunk_delay_s, concurrent streams, variants)
+    paces: dict[str, tuple[int, float, int, tuple[str, ...]]] = {
+        "burst": (1000 if quick else 3000, 0.0, 1, VARIANTS),
+        "paced": (40 if quick else 200, gap, 1, VARIANTS),
+        f"paced ×{many}": (40 if quick else 200, gap, many, ("openai-sdk", "sf-openai")),
+    }
+    sec.params = {"rounds": rounds, **{f"{p} chunks": n for p, (n, *_) in paces.items()},
+                  "paced chunk_delay_s": gap, "chars/delta": "~4.5",
+                  "SDK streams": "one thread each"}
     with emulator() as emu, daemon(providers_for(emu, stale_timeout_s=60.0),
-                                   {"workers_spare": 2}) as proc:
+                                   {"workers_spare": many + 2,
+                                    "workers_max": many + 8}) as proc:
+        wait_idle(proc, many + 2)  # the whole warm pool: forking it is not idle CPU
         runner = Runner(emu, proc)
         try:
             idle = _idle_rate(runner, 1.0 if quick else 2.0)
-            for pace, (chunks, delay) in paces.items():
+            for pace, (chunks, delay, streams, variants) in paces.items():
                 text = realistic_text(chunks)
-                for variant in VARIANTS:  # warm-up: connections, caches, lazy imports
-                    runner.run(variant, min(chunks, 50), delay, realistic_text(min(chunks, 50)))
-                results: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+                warm = realistic_text(min(chunks, 50))
+                for variant in variants:  # warm-up: connections, caches, each worker once
+                    runner.run(variant, min(chunks, 50), 0.0, warm, streams)
+                results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
                 for r in range(rounds):
-                    for variant in rotated(VARIANTS, r):
-                        results[variant].append(runner.run(variant, chunks, delay, text))
+                    for variant in rotated(variants, r):
+                        results[variant].append(runner.run(variant, chunks, delay, text, streams))
                     log(f"  cpu {pace} round {r + 1}/{rounds}: " + ", ".join(
-                        f"{v} {results[v][-1]['cpu'] / chunks * 1e6:.0f}" for v in VARIANTS))
-                _report(sec, pace, chunks, delay, results, idle)
+                        f"{v} {results[v][-1]['cpu'] / chunks / streams * 1e6:.0f}"
+                        for v in variants))
+                _report(sec, pace, chunks * streams, delay, results, idle)
         finally:
             runner.close()
     return sec
 
 
-def _report(sec: Section, pace: str, chunks: int, delay: float,
+def _report(sec: Section, pace: str, deltas: int, delay: float,
             results: dict[str, list[dict[str, Any]]], idle: float) -> None:
     def per_delta(v: str) -> float:
-        return median([r["cpu"] for r in results[v]]) / chunks
+        return median([r["cpu"] for r in results[v]]) / deltas
 
-    ratio_c = median([c["cpu"] / a["cpu"] for c, a in
-                      zip(results["sf-openai"], results["openai-sdk"], strict=True)])
-    ratio_d = median([d["cpu"] / b["cpu"] for d, b in
-                      zip(results["sf-anthropic"], results["anthropic-sdk"], strict=True)])
-    label = f"{pace}, {chunks} chunks" + (f" @ {1 / delay:.0f}/s" if delay else "")
+    label = f"{pace}, {deltas} chunks" + (f" @ {1 / delay:.0f}/s each" if delay else "")
     ref = {"openai-sdk": "SPEC: ~160 µs (paced)", "anthropic-sdk": "SPEC: ~80–110 µs (paced)",
            "httpx2-raw": "SPEC: raw httpx+json ~60 µs"}
-    for v in VARIANTS:
+    for v in results:
         sec.row(f"{v} ({label})", fmt_us(per_delta(v)) + "/delta", reference=ref.get(v, ""))
-    sec.row(f"c/a = sf-openai ÷ openai-sdk ({pace})", f"{ratio_c:.2f}", "≤ 1.0", "",
-            ratio_c <= 1.0)
-    sec.row(f"sf-anthropic ÷ anthropic-sdk ({pace})", f"{ratio_d:.2f}", "", "")
-    emu_cpu = median([r["emu"] for v in VARIANTS for r in results[v]]) / chunks
-    emu_util = max(r["emu"] / r["wall"] for v in VARIANTS for r in results[v])
+    for ours, theirs, name in PAIRS:
+        if ours not in results or theirs not in results:
+            continue
+        ratio = median([c["cpu"] / a["cpu"] for c, a in
+                        zip(results[ours], results[theirs], strict=True)])
+        if ours == "sf-openai":
+            sec.row(f"{name} ({pace})", f"{ratio:.2f}", "≤ 1.0", "", ratio <= 1.0)
+        else:
+            sec.row(f"{name} ({pace})", f"{ratio:.2f}")
+    every = [r for v in results for r in results[v]]
+    emu_cpu = median([r["emu"] for r in every]) / deltas
+    emu_util = max(r["emu"] / r["wall"] for r in every)
     sec.row(f"emulator's own CPU ({pace})", f"{fmt_us(emu_cpu)}/chunk, ≤ {emu_util:.0%} of a core",
             "not the bottleneck", "", emu_util < 0.9)
     roles = sorted({k for r in results["sf-openai"] for k in r["by_role"]})
     parts = []
     for role in roles:
-        value = median([r["by_role"].get(role, 0.0) for r in results["sf-openai"]]) / chunks
+        value = median([r["by_role"].get(role, 0.0) for r in results["sf-openai"]]) / deltas
         parts.append(f"{role} {value * 1e6:.1f}")
     wall = median([r["wall"] for r in results["sf-openai"]])
     sec.note(f"- sf-openai, {label}: µs/delta by process (medians): {', '.join(parts)}; "
-             f"wall {wall:.2f} s per stream; the idle daemon burns {idle * 1e3:.1f} ms CPU/s "
-             f"(= {idle * wall / chunks * 1e6:.1f} µs/delta of this run's wall time).")
+             f"wall {wall:.2f} s per run; the idle daemon burns {idle * 1e3:.1f} ms CPU/s "
+             f"(= {idle * wall / deltas * 1e6:.1f} µs/delta of this run's wall time).")

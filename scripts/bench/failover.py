@@ -120,3 +120,8 @@ def _report(sec: Section, results: list[dict[str, float]]) -> None:
              f"W_RUN, the worker's SDK request); stale deadline → retry request {total[0]:.1f} ms "
              f"median, {total[1]:.1f} ms max. Replacement times have ±1 ms resolution "
              f"(`for_s` is rounded to ms). Pass/fail uses the max over {len(results)} rounds.")
+    sec.note("- Records that would make these exact (none is added by the bench): an INFO "
+             "line when the supervisor sends the SIGKILL (today: the journal's `ended`, "
+             "written just after it), the sink's fence ack at INFO (today DEBUG "
+             "\"sink: fenced\"), and a line when a worker's hello arrives with its spawn "
+             "time (today: `status` `for_s`, 1 ms resolution).")

@@ -6,6 +6,8 @@ just before the send (CLOCK_MONOTONIC is system-wide on Linux); the receiver
 takes the clock right after its `recv`, before decoding. Two paths, in
 rotated order each round:
 
+- `hop`     the floor: worker -> a bare ROUTER in this process (one ZeroMQ
+            ipc hop and a msgpack decode, nothing else);
 - `sink`    worker -> real sink (spawned alone) -> its control peer: this
             process, which authorized the call as the supervisor does and
             receives the sink's E_EVENT frames;
@@ -25,6 +27,7 @@ from __future__ import annotations
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -49,6 +52,7 @@ from scripts.bench.load import Producers, SinkUnderTest
 from supervisor.launcher import DaemonProcess
 
 RATE = 20_000
+VARIANTS = ("hop", "sink", "daemon")
 PAD = "abcde"
 TARGET_P99_S = 0.001
 
@@ -62,8 +66,8 @@ class StalledCall:
         emu_client = emu.client()
         emu_client.script(key, [{"fault": "stall", "after": 0, "stall_s": 600}])
         self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.linger = 0
-        self.sock.rcvhwm = 0
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.connect(proc.endpoint)
         ref = new_ref()
         self.sock.send(encode(submit_msg(ref, "oa", {"model": f"m#{key}", "messages": []},
@@ -98,6 +102,28 @@ class StalledCall:
         self.sock.close(linger=0)
 
 
+def _hop_into(out: list[int]) -> Callable[[zmq.Socket[bytes]], None]:
+    """Drain for the bare ZeroMQ hop: [identity, T_DELTA frame] from the producer."""
+    def drain(sock: zmq.Socket[bytes]) -> None:
+        recv, unpackb, now_ns = sock.recv, msgpack.unpackb, time.monotonic_ns
+        while True:
+            try:
+                recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            frame = recv()
+            now = now_ns()
+            out.append(now - int(unpackb(frame)[5][:19]))
+    return drain
+
+
+def _stamps_into(out: list[int]) -> Callable[[list[Any], int], None]:
+    """Handler of the sink's events: [E_EVENT, call, seq, event_bytes] + receive time."""
+    def on_event(msg: list[Any], now: int) -> None:
+        out.append(now - int(msgpack.unpackb(msg[3])["data"][:19]))
+    return on_event
+
+
 def _summary(samples: list[int]) -> tuple[float, float, float, int]:
     kept = sorted(samples[len(samples) // 20:])
     return (percentile(kept, 50) / 1e9, percentile(kept, 99) / 1e9, kept[-1] / 1e9
@@ -106,23 +132,31 @@ def _summary(samples: list[int]) -> tuple[float, float, float, int]:
 
 def run(quick: bool, rounds: int) -> Section:
     sec = Section("latency", "3 latency")
-    seconds = 1.0 if quick else 3.0
+    seconds = 0.5 if quick else 3.0
     sec.params = {"rounds": rounds, "rate": RATE, "seconds per run": seconds}
-    results: dict[str, list[tuple[float, float, float, int]]] = {"sink": [], "daemon": []}
+    results: dict[str, list[tuple[float, float, float, int]]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="sfbench-") as rt, emulator() as emu, \
             daemon(providers_for(emu, stale_timeout_s=600.0), {"workers_spare": 2}) as proc:
         sink = SinkUnderTest(rt)
         producers = Producers(1, rt)
         daemon_sink_in = sink_in_endpoint(proc)
+        hop: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+        hop.linger = 0
+        hop_endpoint = "ipc://" + rt + "/hop"
+        hop.bind(hop_endpoint)
         try:
             for r in range(rounds):
-                for variant in rotated(["sink", "daemon"], r):
-                    if variant == "sink":
+                for variant in rotated(VARIANTS, r):
+                    samples: list[int] = []
+                    if variant == "hop":
+                        drain = _hop_into(samples)
+                        producers.run([["paced", hop_endpoint, "hop", 1, 1, RATE, seconds, PAD]],
+                                      {hop: drain})
+                        _settle({hop: drain})
+                    elif variant == "sink":
                         call = f"lat-{uuid.uuid4().hex[:12]}"
                         sink.authorize([call])
-                        samples: list[int] = []
-                        sink.on_event = lambda msg, now, out=samples: out.append(
-                            now - int(msgpack.unpackb(msg[3])["data"][:19]))
+                        sink.on_event = _stamps_into(samples)
                         producers.run([["paced", sink.endpoints.sink_in, call, 1, 1, RATE,
                                         seconds, PAD]], {sink.ctl: sink.drain})
                         _settle({sink.ctl: sink.drain})
@@ -135,7 +169,7 @@ def run(quick: bool, rounds: int) -> Section:
                             _settle({stalled.sock: stalled.drain})
                         finally:
                             stalled.close()
-                        samples = stalled.latencies
+                        samples.extend(stalled.latencies)
                     expected = int(RATE * seconds)
                     if len(samples) != expected:
                         raise RuntimeError(f"latency/{variant}: received {len(samples)} of "
@@ -145,13 +179,14 @@ def run(quick: bool, rounds: int) -> Section:
                     f"{v} p50 {results[v][-1][0] * 1e6:.0f} µs p99 {results[v][-1][1] * 1e6:.0f} µs"
                     for v in results))
         finally:
+            hop.close(linger=0)
             producers.close()
             sink.close()
     _report(sec, results)
     return sec
 
 
-def _settle(extra: dict[zmq.Socket[bytes], Any], seconds: float = 0.3) -> None:
+def _settle(extra: dict[zmq.Socket[bytes], Any], seconds: float = 0.15) -> None:
     """Keep draining for a moment after the producer's last send."""
     poller = zmq.Poller()
     for sock in extra:
@@ -163,7 +198,8 @@ def _settle(extra: dict[zmq.Socket[bytes], Any], seconds: float = 0.3) -> None:
 
 
 def _report(sec: Section, results: dict[str, list[tuple[float, float, float, int]]]) -> None:
-    names = {"sink": "worker → sink → control peer (no supervisor)",
+    names = {"hop": "worker → one ZeroMQ ipc hop (the machine's floor)",
+             "sink": "worker → sink → control peer (no supervisor)",
              "daemon": "worker → sink → supervisor → subscriber"}
     for variant, runs in results.items():
         p50 = median([x[0] for x in runs])

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,7 @@ from protocol.internal import (
     C_AUTHORIZE,
     C_STATS,
     E_EVENT,
+    E_EVENTS,
     R_OK,
     T_DELTA,
     T_FINAL,
@@ -82,8 +84,8 @@ def producer_main(ctl_endpoint: str, ident: bytes) -> None:
 
 def _data_socket(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[bytes]:
     sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    sock.sndhwm = 0  # as a worker: never drop a delta
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)  # as a worker: never drop a delta
     sock.connect(endpoint)
     return sock
 
@@ -147,9 +149,9 @@ class Producers:
     """k producer processes and the bench's end of their control socket."""
 
     def __init__(self, count: int, runtime_dir: str) -> None:
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[Any] = zmq.Context.instance()
         self.sock: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
-        self.sock.linger = 0
+        self.sock.setsockopt(zmq.LINGER, 0)
         endpoint = "ipc://" + os.path.join(runtime_dir, "producers")
         self.sock.bind(endpoint)
         mp = multiprocess.get_context("spawn")
@@ -158,7 +160,7 @@ class Producers:
                       for ident in self.idents]
         for proc in self.procs:
             proc.start()
-        seen = set()
+        seen: set[bytes] = set()
         while len(seen) < count:
             if not self.sock.poll(30_000):
                 raise RuntimeError("producer processes did not say hello within 30 s")
@@ -219,7 +221,7 @@ def ceiling_main(endpoint: str, db_path: str | None) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.RCVHWM, 10_000)
-    sock.linger = 0
+    sock.setsockopt(zmq.LINGER, 0)
     sock.bind(endpoint)
     conn = None
     if db_path is not None:
@@ -299,25 +301,28 @@ def _wait_path(path: str, proc: Any, timeout_s: float = 60.0) -> None:
 # ---- standalone sink ---------------------------------------------------------------------
 
 class SinkUnderTest:
-    """The real sink process (`sink.process.run_sink`, spawned as the daemon does)
-    and a control link that plays the supervisor: authorize, stats, and the
-    sink's unsolicited events (counted, or handed to `on_event`)."""
+    """The real sink process (`sink.process.run_sink`, spawned as the daemon does,
+    with a secret control identity) and a control link that plays the
+    supervisor: authorize, stats, and the sink's unsolicited events (counted,
+    or handed to `on_event`)."""
 
     def __init__(self, runtime_dir: str, log_level: str = "WARNING") -> None:
         from sink.process import run_sink
 
         self.endpoints = Endpoints(runtime_dir)
+        identity = b"bench-" + secrets.token_hex(8).encode()
         self.proc = multiprocess.get_context("spawn").Process(
             target=run_sink, name="sink",
-            args=(runtime_dir, os.path.join(runtime_dir, "transcript.db"), log_level),
+            args=(runtime_dir, os.path.join(runtime_dir, "transcript.db"), log_level, identity),
             daemon=True)
         self.proc.start()
         _wait_path(self.endpoints.sink_ctl[len("ipc://"):], self.proc)
         _wait_path(self.endpoints.sink_in[len("ipc://"):], self.proc)
         self.ctl: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        self.ctl.linger = 0
-        self.ctl.rcvhwm = 0
-        self.ctl.sndhwm = 0
+        self.ctl.setsockopt(zmq.LINGER, 0)
+        self.ctl.setsockopt(zmq.RCVHWM, 0)
+        self.ctl.setsockopt(zmq.SNDHWM, 0)
+        self.ctl.setsockopt(zmq.IDENTITY, identity)  # the sink obeys only this peer
         self.ctl.connect(self.endpoints.sink_ctl)
         self.events = 0
         self.on_event: Callable[[list[Any], int], None] | None = None
@@ -327,23 +332,24 @@ class SinkUnderTest:
     def pid(self) -> int:
         return int(self.proc.pid)
 
-    def drain(self, sock: zmq.Socket[bytes] | None = None) -> None:
-        """Take every frame waiting on the control link (events and stray replies)."""
-        recv, unpackb = self.ctl.recv, msgpack.unpackb
+    def drain(self, sock: zmq.Socket[bytes]) -> None:
+        """Take every frame waiting on the control link: events, one E_EVENT or
+        an E_EVENTS batch per commit, are counted (and handed to `on_event`
+        with the receive time); stray replies are dropped."""
+        recv, unpackb, now_ns = self.ctl.recv, msgpack.unpackb, time.monotonic_ns
         handler = self.on_event
         while True:
             try:
                 frame = recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            now = now_ns()
+            msg = unpackb(frame)
+            events = msg[1] if msg[0] == E_EVENTS else [msg] if msg[0] == E_EVENT else []
+            self.events += len(events)
             if handler is not None:
-                now = time.monotonic_ns()
-                msg = unpackb(frame)
-                if msg[0] == E_EVENT:
-                    self.events += 1
-                    handler(msg, now)
-            elif frame[1:2] == bytes([E_EVENT]):  # [E_EVENT, ...]: fixarray, positive fixint
-                self.events += 1
+                for event in events:
+                    handler(event, now)
 
     def request(self, msg: list[Any], timeout_s: float = 30.0) -> list[Any]:
         self._req += 1
@@ -354,8 +360,8 @@ class SinkUnderTest:
             if not self.ctl.poll(100):
                 continue
             reply = msgpack.unpackb(self.ctl.recv())
-            if reply[0] == E_EVENT:
-                self.events += 1
+            if reply[0] in (E_EVENT, E_EVENTS):
+                self.events += len(reply[1]) if reply[0] == E_EVENTS else 1
                 continue
             if reply[1] == req:
                 return list(reply)

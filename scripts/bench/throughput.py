@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import tempfile
 import uuid
+from collections.abc import Callable
 from typing import Any
+
+import zmq
 
 from scripts.bench.common import Section, fmt_rate, log, median, rotated
 from scripts.bench.load import Producers, SinkUnderTest, ceiling
@@ -41,7 +44,7 @@ def _rate(done: list[list[Any]], total: int) -> tuple[float, int]:
 
 def run(quick: bool, rounds: int) -> Section:
     sec = Section("throughput", "2 sink throughput")
-    total = 100_000 if quick else 400_000
+    total = 60_000 if quick else 400_000
     sec.params = {"rounds": rounds, "deltas per run": total, "delta data": repr(DATA)}
     shapes = {"1p": (1, 1), "8p": (8, 1), "8x32": (8, 32)}
     variants = ["ceil-nodb 1p", "ceil-db 1p", "sink 1p", "ceil-nodb 8p", "ceil-db 8p",
@@ -67,7 +70,8 @@ def run(quick: bool, rounds: int) -> Section:
                         if target == "sink":
                             sink.authorize(calls)
                         jobs.append(["blast", targets[target], calls, 1, per_call, DATA])
-                    extra = {sink.ctl: sink.drain} if target == "sink" else None
+                    extra: dict[zmq.Socket[bytes], Callable[[zmq.Socket[bytes]], None]] | None = \
+                        {sink.ctl: sink.drain} if target == "sink" else None
                     done = producers.run(jobs, extra)
                     n = per_call * n_prod * n_calls
                     rate, acked = _rate(done, n)
