@@ -170,19 +170,23 @@ def test_breaker_counts_each_stale_attempt_once_and_fails_fast(
     assert run(client, "brk-other", session_id="other-session")[-1]["status"] == "completed"
 
 
+@pytest.mark.parametrize("after", [0, 2])  # before the first chunk, and mid-stream
 def test_cancel_while_streaming_kills_the_attempt(client: Client, daemon: DaemonProcess,
-                                                  emu: EmulatorClient) -> None:
-    emu.script("cancel-run", [{"fault": "stall", "after": 2, "stall_s": 10.0}])
-    call_id = client.submit("emu", req("cancel-run"))
-    wait_until(lambda: any(r["chunks_sent"] >= 2 for r in emu.log("cancel-run")), 10,
-               "two chunks of the stream")
-    pid = next(w["pid"] for w in client.status()["workers"] if w["call_id"] == call_id)
+                                                  emu: EmulatorClient, after: int) -> None:
+    key = f"cancel-run-{after}"
+    emu.script(key, [{"fault": "stall", "after": after, "stall_s": 10.0}])
+    call_id = client.submit("emu", req(key))
+    wait_until(lambda: any(r["chunks_sent"] >= after for r in emu.log(key)), 10,
+               f"the request, {after} chunk(s) into the stream")
+    pid = wait_until(lambda: next((w["pid"] for w in client.status()["workers"]
+                                   if w["call_id"] == call_id and w["state"] == "busy"), 0),
+                     10, "the call's busy worker")
     assert client.cancel(call_id)["op"] == "cancelling"
     done = list(client.events(call_id, timeout_s=10.0))[-1]
     assert done["status"] == "cancelled", done
     wait_until(lambda: not any(w["pid"] == pid for w in client.status()["workers"]), 5,
                "the cancelled attempt's worker to be reaped")
-    assert len(emu.log("cancel-run")) == 1
+    assert len(emu.log(key)) == 1
 
 
 def test_cancel_during_backoff_is_immediate(client: Client, emu: EmulatorClient) -> None:
