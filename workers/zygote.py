@@ -107,6 +107,12 @@ def warm_up() -> None:
                                   "messages": [{"role": "user", "content": "hi"}]},
                         RecordingOutput(), timeout=5.0)
         aclient.close()
+        from workers.bedrock_converse import make_client as bedrock_client
+
+        # Loads botocore's service model (the costly part) once, for every fork.
+        bedrock_client({"name": "warm", "kind": "bedrock", "endpoint_url": base,
+                        "region": "us-east-1", "aws_credentials": "dummy"},
+                       providers.shared_ssl_context())
     finally:
         server.shutdown()
         server.server_close()
