@@ -39,7 +39,7 @@ from supervisor.config import DaemonConfig
 from supervisor.front import Front
 from supervisor.journal import Journal
 from supervisor.logs import emit_child_record
-from supervisor.pool import Pool
+from supervisor.pool import Pool, WorkerState
 from supervisor.recovery import recover_calls
 from supervisor.sinklink import SinkLink
 from supervisor.state import DaemonState
@@ -243,7 +243,7 @@ class Daemon:
                 if not self._ready_logged and self._zygote_ready:
                     self._ready_logged = True
                     log.info("ready: endpoint=%s, warm workers=%d", self.config.endpoint,
-                             st.pool.count(*_idle_states()))
+                             st.pool.count(WorkerState.IDLE))
             elif msg[0] == W_IDLE:
                 st.pool.on_idle(msg[1])
 
@@ -346,9 +346,3 @@ def _raise_fd_limit(workers_max: int) -> None:
         if new < want:
             log.warning("file descriptor limit %d is low for workers_max=%d; raise the hard "
                         "limit (systemd: LimitNOFILE)", new, workers_max)
-
-
-def _idle_states() -> tuple[Any, ...]:
-    from supervisor.pool import WorkerState
-
-    return (WorkerState.IDLE,)

@@ -78,10 +78,6 @@ class SinkLink:
         self._pending.clear()
         return lost
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._pending)
-
     def drain(self, limit: int = 10_000) -> int:
         """Handle what the sink sent, without blocking. Returns messages handled."""
         n = 0

@@ -5,13 +5,9 @@ closed port, plus constructed transport exceptions, and secret scrubbing."""
 from __future__ import annotations
 
 import email.utils
-import http.server
 import socket
 import ssl
-import sys
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import anthropic
@@ -21,6 +17,8 @@ import openai
 import orjson
 import pytest
 
+from tests.http_stub import Reply as StubReply
+from tests.http_stub import StubServer, stub_server
 from workers.errors import (
     MalformedStreamError,
     classify,
@@ -32,98 +30,33 @@ from workers.errors import (
 MESSAGES: Any = [{"role": "user", "content": "hi"}]
 
 
-@dataclass
-class Reply:
-    body: bytes = b""
-    status: int = 200
-    headers: dict[str, str] = field(default_factory=dict)
-    ctype: str = "application/json"
-    parts: list[bytes] | None = None  # chunked SSE parts
-    end: str = "ok"  # ok | drop | hang
-
-
-class QuietServer(http.server.ThreadingHTTPServer):
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        if not isinstance(sys.exc_info()[1], ConnectionError):  # client hang-ups are expected here
-            super().handle_error(request, client_address)
-
-
-class Server:
-    """Answers every POST with `reply`; SSE replies are sent chunked."""
-
-    def __init__(self) -> None:
-        self.reply = Reply()
-        self.release = threading.Event()
-        owner = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                r = owner.reply
-                self.send_response(r.status)
-                self.send_header("Content-Type", r.ctype)
-                for key, value in r.headers.items():
-                    self.send_header(key, value)
-                if r.parts is None:
-                    self.send_header("Content-Length", str(len(r.body)))
-                    self.end_headers()
-                    self.wfile.write(r.body)
-                    return
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                try:
-                    for part in r.parts:
-                        self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
-                        self.wfile.flush()
-                    if r.end == "hang":
-                        owner.release.wait(30)
-                    if r.end == "ok":
-                        self.wfile.write(b"0\r\n\r\n")
-                    else:
-                        self.close_connection = True
-                except OSError:
-                    self.close_connection = True
-
-        self.server = QuietServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.02,), daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+def Reply(body: bytes = b"", status: int = 200, headers: dict[str, str] | None = None,
+          ctype: str = "application/json", parts: list[bytes] | None = None,
+          end: str = "ok") -> StubReply:
+    """A whole body (default) or, with `parts`, a chunked SSE body."""
+    return StubReply(parts=[body] if parts is None else parts, status=status,
+                     headers=headers or {}, ctype=ctype, end=end)
 
 
 @pytest.fixture
-def server() -> Iterator[Server]:
-    s = Server()
-    s.thread.start()
-    try:
+def server() -> Iterator[StubServer]:
+    with stub_server(StubServer) as s:
         yield s
-    finally:
-        s.release.set()
-        s.server.shutdown()
-        s.server.server_close()
-        s.thread.join(5)
-        assert not s.thread.is_alive()
 
 
 @pytest.fixture
-def oai(server: Server) -> Iterator[openai.OpenAI]:
+def oai(server: StubServer) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=server.url + "/v1", api_key="sk-test-abcdefghijkl", max_retries=0) as c:
         yield c
 
 
 @pytest.fixture
-def claude(server: Server) -> Iterator[anthropic.Anthropic]:
+def claude(server: StubServer) -> Iterator[anthropic.Anthropic]:
     with anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0) as c:
         yield c
 
 
-def openai_error(oai: openai.OpenAI, server: Server, reply: Reply, **kwargs: Any) -> BaseException:
+def openai_error(oai: openai.OpenAI, server: StubServer, reply: StubReply, **kwargs: Any) -> BaseException:
     server.reply = reply
     with pytest.raises(openai.OpenAIError) as info:
         oai.chat.completions.create(model="m", messages=MESSAGES, **kwargs)
@@ -140,7 +73,7 @@ def cc(info: dict[str, Any]) -> tuple[str, str]:
 
 # ---- openai status errors from a real server -------------------------------
 
-def test_429_with_retry_after(oai: openai.OpenAI, server: Server) -> None:
+def test_429_with_retry_after(oai: openai.OpenAI, server: StubServer) -> None:
     exc = openai_error(oai, server, Reply(err_body("Rate limit reached", "requests", "rate_limit_exceeded"),
                                           429, {"Retry-After": "3"}))
     assert isinstance(exc, openai.RateLimitError)
@@ -148,7 +81,7 @@ def test_429_with_retry_after(oai: openai.OpenAI, server: Server) -> None:
     assert cc(info) == ("transient", "rate_limited") and info["status"] == 429 and info["retry_after_s"] == 3.0
 
 
-def test_retry_after_ms_and_http_date(oai: openai.OpenAI, server: Server) -> None:
+def test_retry_after_ms_and_http_date(oai: openai.OpenAI, server: StubServer) -> None:
     exc = openai_error(oai, server, Reply(err_body("slow down"), 503, {"retry-after-ms": "1500"}))
     assert classify(exc)["retry_after_s"] == 1.5
     assert cc(classify(exc)) == ("transient", "unavailable")
@@ -158,19 +91,19 @@ def test_retry_after_ms_and_http_date(oai: openai.OpenAI, server: Server) -> Non
     assert retry_after_from_headers(None) is None
 
 
-def test_context_overflow_400(oai: openai.OpenAI, server: Server) -> None:
+def test_context_overflow_400(oai: openai.OpenAI, server: StubServer) -> None:
     exc = openai_error(oai, server, Reply(err_body(
         "This model's maximum context length is 8192 tokens. However, your messages resulted in 9001 "
         "tokens.", code="context_length_exceeded"), 400))
     assert cc(classify(exc)) == ("context_overflow", "context_overflow")
 
 
-def test_stream_options_400_is_final_with_its_own_code(oai: openai.OpenAI, server: Server) -> None:
+def test_stream_options_400_is_final_with_its_own_code(oai: openai.OpenAI, server: StubServer) -> None:
     exc = openai_error(oai, server, Reply(err_body("Extra inputs are not permitted: stream_options"), 422))
     assert cc(classify(exc)) == ("final", "stream_options_rejected")
 
 
-def test_streaming_unsupported(oai: openai.OpenAI, server: Server) -> None:
+def test_streaming_unsupported(oai: openai.OpenAI, server: StubServer) -> None:
     exc = openai_error(oai, server, Reply(err_body("Streaming is not supported for this model"), 400))
     assert cc(classify(exc)) == ("final", "streaming_unsupported")
 
@@ -180,18 +113,18 @@ def test_streaming_unsupported(oai: openai.OpenAI, server: Server) -> None:
     (404, ("final", "not_found")), (408, ("transient", "request_timeout")), (409, ("transient", "conflict")),
     (413, ("final", "payload_too_large")), (418, ("final", "http_418")), (500, ("transient", "server_error")),
     (502, ("transient", "server_error")), (529, ("transient", "overloaded"))])
-def test_status_classes(oai: openai.OpenAI, server: Server, status: int, expected: tuple[str, str]) -> None:
+def test_status_classes(oai: openai.OpenAI, server: StubServer, status: int, expected: tuple[str, str]) -> None:
     exc = openai_error(oai, server, Reply(err_body("something"), status))
     assert cc(classify(exc)) == expected and classify(exc)["status"] == status
 
 
-def test_insufficient_quota_429_is_final(oai: openai.OpenAI, server: Server) -> None:
+def test_insufficient_quota_429_is_final(oai: openai.OpenAI, server: StubServer) -> None:
     exc = openai_error(oai, server, Reply(err_body("You exceeded your current quota", "insufficient_quota",
                                                    "insufficient_quota"), 429))
     assert cc(classify(exc)) == ("final", "quota_exhausted")
 
 
-def test_auth_error_message_is_scrubbed(oai: openai.OpenAI, server: Server) -> None:
+def test_auth_error_message_is_scrubbed(oai: openai.OpenAI, server: StubServer) -> None:
     exc = openai_error(oai, server, Reply(err_body(
         "Incorrect API key provided: sk-proj-AbCdEf1234567890XyZ. Header was Authorization: Bearer "
         "sk-proj-AbCdEf1234567890XyZ"), 401))
@@ -223,7 +156,7 @@ CHUNK = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "
          "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
 
 
-def test_sdk_stream_drop_mid_body_is_wrapped_and_transient(oai: openai.OpenAI, server: Server) -> None:
+def test_sdk_stream_drop_mid_body_is_wrapped_and_transient(oai: openai.OpenAI, server: StubServer) -> None:
     # Measured: the SDK's own Stream wraps the raw httpx2.RemoteProtocolError.
     server.reply = Reply(parts=sse(CHUNK), ctype="text/event-stream", end="drop")
     with pytest.raises(openai.APIConnectionError) as info, \
@@ -235,7 +168,7 @@ def test_sdk_stream_drop_mid_body_is_wrapped_and_transient(oai: openai.OpenAI, s
     assert cc(result) == ("transient", "connection_error") and "incomplete chunked read" in result["message"]
 
 
-def test_sdk_stream_read_timeout(oai: openai.OpenAI, server: Server) -> None:
+def test_sdk_stream_read_timeout(oai: openai.OpenAI, server: StubServer) -> None:
     server.reply = Reply(parts=sse(CHUNK), ctype="text/event-stream", end="hang")
     with pytest.raises(openai.APITimeoutError) as info, oai.chat.completions.create(
             model="m", messages=MESSAGES, stream=True, timeout=httpx2.Timeout(5.0, read=0.3)) as stream:
@@ -249,7 +182,7 @@ def test_sdk_stream_read_timeout(oai: openai.OpenAI, server: Server) -> None:
     ({"message": "The server is overloaded", "type": "server_error"}, ("transient", "provider_error")),
     ({"message": "Invalid schema for function", "type": "invalid_request_error"}, ("final", "provider_error")),
 ])
-def test_sdk_in_stream_error_event(oai: openai.OpenAI, server: Server, error: dict[str, Any],
+def test_sdk_in_stream_error_event(oai: openai.OpenAI, server: StubServer, error: dict[str, Any],
                                    expected: tuple[str, str]) -> None:
     server.reply = Reply(parts=[*sse(CHUNK), *sse({"error": error})], ctype="text/event-stream")
     with pytest.raises(openai.APIError) as info, \
@@ -262,7 +195,7 @@ def test_sdk_in_stream_error_event(oai: openai.OpenAI, server: Server, error: di
 
 # ---- anthropic, from a real server -----------------------------------------
 
-def anthropic_error(claude: anthropic.Anthropic, server: Server, reply: Reply, stream: bool = False) -> BaseException:
+def anthropic_error(claude: anthropic.Anthropic, server: StubServer, reply: StubReply, stream: bool = False) -> BaseException:
     server.reply = reply
     with pytest.raises(anthropic.AnthropicError) as info:
         if stream:
@@ -278,7 +211,7 @@ def a_err(type_: str, message: str) -> bytes:
     return orjson.dumps({"type": "error", "error": {"type": type_, "message": message}})
 
 
-def test_anthropic_status_errors(claude: anthropic.Anthropic, server: Server) -> None:
+def test_anthropic_status_errors(claude: anthropic.Anthropic, server: StubServer) -> None:
     exc = anthropic_error(claude, server, Reply(a_err("overloaded_error", "Overloaded"), 529, {"retry-after": "2"}))
     assert cc(classify(exc)) == ("transient", "overloaded") and classify(exc)["retry_after_s"] == 2.0
     exc = anthropic_error(claude, server, Reply(a_err("invalid_request_error",
@@ -288,7 +221,7 @@ def test_anthropic_status_errors(claude: anthropic.Anthropic, server: Server) ->
     assert cc(classify(exc)) == ("final", "auth_failed")
 
 
-def test_anthropic_in_stream_error_event(claude: anthropic.Anthropic, server: Server) -> None:
+def test_anthropic_in_stream_error_event(claude: anthropic.Anthropic, server: StubServer) -> None:
     start = {"type": "message_start", "message": {
         "id": "msg_1", "type": "message", "role": "assistant", "model": "c", "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 0}}}

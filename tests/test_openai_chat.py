@@ -5,9 +5,6 @@ HTTP server on 127.0.0.1 (a scripted http.server, started and joined here)."""
 from __future__ import annotations
 
 import gzip
-import http.server
-import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +14,7 @@ import openai
 import orjson
 import pytest
 
+from tests.http_stub import Reply, StubServer, stub_server
 from workers.openai_chat import (
     ChatStreamAssembler,
     MalformedStreamError,
@@ -291,76 +289,15 @@ def test_sse_framing_is_independent_of_read_boundaries() -> None:
 
 # ---- a real HTTP server ------------------------------------------------------
 
-@dataclass
-class Reply:
-    parts: list[bytes] = field(default_factory=list)
-    status: int = 200
-    headers: dict[str, str] = field(default_factory=dict)
-    ctype: str = "text/event-stream"
-    end: str = "ok"  # ok | drop (close mid-body) | hang (until teardown)
-
-
 def sse(*chunks: Any, done: bool = True) -> list[bytes]:
     parts = [b"data: " + orjson.dumps(c) + b"\n\n" if not isinstance(c, bytes) else c for c in chunks]
     return [*parts, b"data: [DONE]\n\n"] if done else parts
 
 
-class QuietServer(http.server.ThreadingHTTPServer):
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        if not isinstance(sys.exc_info()[1], ConnectionError):  # client hang-ups are expected here
-            super().handle_error(request, client_address)
-
-
-class Provider:
-    """A scripted HTTP/1.1 server: each POST gets the next Reply (the last one repeats)."""
-
-    def __init__(self) -> None:
-        self.replies: list[Reply] = []
-        self.requests: list[dict[str, Any]] = []
-        self.release = threading.Event()
-        owner = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                owner.requests.append(orjson.loads(body))
-                reply = owner.replies.pop(0) if len(owner.replies) > 1 else owner.replies[0]
-                self.send_response(reply.status)
-                self.send_header("Content-Type", reply.ctype)
-                for key, value in reply.headers.items():
-                    self.send_header(key, value)
-                if reply.ctype != "text/event-stream":
-                    payload = b"".join(reply.parts)
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
-                    return
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                try:
-                    for part in reply.parts:
-                        self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
-                        self.wfile.flush()
-                    if reply.end == "hang":
-                        owner.release.wait(30)
-                    if reply.end == "ok":
-                        self.wfile.write(b"0\r\n\r\n")
-                    else:
-                        self.close_connection = True
-                except OSError:
-                    self.close_connection = True
-
-        self.server = QuietServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.02,), daemon=True)
-
+class Provider(StubServer):
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        return self.url + "/v1"
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base_url, api_key="test", **{"max_retries": 0, **kwargs})
@@ -368,16 +305,8 @@ class Provider:
 
 @pytest.fixture
 def provider() -> Iterator[Provider]:
-    p = Provider()
-    p.thread.start()
-    try:
-        yield p
-    finally:
-        p.release.set()
-        p.server.shutdown()
-        p.server.server_close()  # joins the handler threads
-        p.thread.join(5)
-        assert not p.thread.is_alive()
+    with stub_server(Provider) as s:
+        yield s
 
 
 @pytest.fixture
