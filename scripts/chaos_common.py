@@ -3,7 +3,7 @@ bounded load of concurrent calls that survive daemon restarts (idempotent
 submits, resubscription from the last seq), and the verdict table.
 
 The verdict is computed from what the calls' subscribers received and from
-the emulator's own record of what it sent (supervisor.verdict), never from
+the emulator's own record of what it sent (streamfence.devtools.verdict), never from
 the daemon's counters. Loopback only; every loop is bounded by a call count
 and a duration, and the whole run by a final deadline.
 """
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from emulator.control import EmulatorClient, EmulatorProcess
-from protocol.client import Client, ClientError
-from supervisor.launcher import DaemonProcess
-from supervisor.verdict import BAD, CallRecord, judge, tally, verdict_ok
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.launcher import DaemonProcess
+from streamfence.devtools.verdict import BAD, CallRecord, judge, tally, verdict_ok
+from streamfence.protocol.client import Client, ClientError
 
 StepMaker = Callable[[random.Random], list[dict[str, Any]]]
 

@@ -20,9 +20,16 @@ from typing import Any
 import msgpack
 import zmq
 
-from protocol.client import Client
-from protocol.internal import C_AUTHORIZE, C_FENCE, C_FINISH, T_DELTA, T_FINAL, Endpoints
 from scripts.chaos_common import ChaosState, chaos_run, parser, run_load, seeded, verdict
+from streamfence.protocol.client import Client
+from streamfence.protocol.internal import (
+    C_AUTHORIZE,
+    C_FENCE,
+    C_FINISH,
+    T_DELTA,
+    T_FINAL,
+    Endpoints,
+)
 
 
 def steps(rng: random.Random) -> list[dict[str, Any]]:

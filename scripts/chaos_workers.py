@@ -18,8 +18,8 @@ import sys
 import threading
 from typing import Any
 
-from protocol.client import Client
 from scripts.chaos_common import ChaosState, chaos_run, parser, run_load, seeded, verdict
+from streamfence.protocol.client import Client
 
 
 def steps(rng: random.Random) -> list[dict[str, Any]]:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psutil
 
-from emulator.control import EmulatorProcess
-from supervisor.launcher import DaemonProcess
+from streamfence.devtools.emulator.control import EmulatorProcess
+from streamfence.devtools.launcher import DaemonProcess
 
 MiB = 1024 * 1024
 

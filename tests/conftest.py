@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from tests.harness import DaemonProcess
 from tests.wires import profile_for
 

@@ -1,6 +1,6 @@
-"""Process-level test harness (re-exported from supervisor.launcher, which
+"""Process-level test harness (re-exported from streamfence.devtools.launcher, which
 the demo and the chaos scripts share)."""
 
-from supervisor.launcher import DaemonProcess, wait_until
+from streamfence.devtools.launcher import DaemonProcess, wait_until
 
 __all__ = ["DaemonProcess", "wait_until"]

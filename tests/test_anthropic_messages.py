@@ -13,8 +13,8 @@ import anthropic
 import httpx2
 import pytest
 
-from emulator.control import EmulatorClient, EmulatorProcess
-from workers.anthropic_messages import (
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.workers.anthropic_messages import (
     MalformedStreamError,
     MessagesStreamAssembler,
     complete_messages,
@@ -23,7 +23,7 @@ from workers.anthropic_messages import (
     run_messages,
     stream_messages,
 )
-from workers.output import RecordingOutput
+from streamfence.workers.output import RecordingOutput
 
 REQUEST: dict[str, Any] = {"max_tokens": 512, "messages": [{"role": "user", "content": "hi"}]}
 FINAL_KEYS = {"ok", "finish_reason", "usage", "model", "provider_response_id",

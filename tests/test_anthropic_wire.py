@@ -23,8 +23,8 @@ import httpx2
 import pytest
 from anthropic.types import RawMessageStreamEvent
 
-from emulator.control import EmulatorClient, EmulatorProcess
-from workers.errors import classify
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.workers.errors import classify
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Say something deterministic."}]
 

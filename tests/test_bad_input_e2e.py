@@ -11,7 +11,7 @@ import msgpack
 import pytest
 import zmq
 
-from emulator.control import EmulatorClient
+from streamfence.devtools.emulator.control import EmulatorClient
 from tests.harness import DaemonProcess
 
 pytestmark = pytest.mark.slow

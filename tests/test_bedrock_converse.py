@@ -18,8 +18,8 @@ import botocore.exceptions
 import pytest
 import urllib3.exceptions
 
-from emulator.control import EmulatorClient, EmulatorProcess
-from workers.bedrock_converse import (
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.workers.bedrock_converse import (
     ConverseStreamAssembler,
     classify_bedrock,
     complete_converse,
@@ -29,7 +29,7 @@ from workers.bedrock_converse import (
     run_converse,
     stream_converse,
 )
-from workers.output import RecordingOutput
+from streamfence.workers.output import RecordingOutput
 
 MESSAGES: list[Any] = [{"role": "user", "content": [{"text": "hi"}]}]
 

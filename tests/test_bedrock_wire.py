@@ -25,8 +25,8 @@ import pytest
 import urllib3.exceptions
 from botocore.config import Config
 
-from emulator import eventstream
-from emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.emulator import eventstream
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 
 MESSAGES: list[Any] = [{"role": "user", "content": [{"text": "Say something deterministic."}]}]
 MODEL = "anthropic.claude-3-5-sonnet-20240620-v1:0"  # a ':' too, as real ids have

@@ -1,4 +1,4 @@
-"""protocol.client against a real ZeroMQ ROUTER peer with scripted replies.
+"""streamfence.protocol.client against a real ZeroMQ ROUTER peer with scripted replies.
 
 The peer runs in a thread on an ipc:// endpoint under tmp_path; it decodes
 each request like the daemon (decode_untrusted; an undecodable frame gets an
@@ -22,11 +22,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from protocol.client import AsyncClient, CallFailed, Client, ClientError
-from protocol.client_router import Router
-from protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted, encode
-from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import (
+from streamfence.protocol.client import AsyncClient, CallFailed, Client, ClientError
+from streamfence.protocol.client_router import Router
+from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted, encode
+from streamfence.protocol.errors import ErrorCode, ProtocolError
+from streamfence.protocol.messages import (
     CallStatus,
     accepted_msg,
     delta_event,

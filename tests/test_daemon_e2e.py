@@ -11,7 +11,7 @@ from typing import Any
 import psutil
 import pytest
 
-from emulator.control import EmulatorClient
+from streamfence.devtools.emulator.control import EmulatorClient
 from tests.harness import DaemonProcess, wait_until
 from tests.wires import WIRES, request_for
 

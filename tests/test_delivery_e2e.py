@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from emulator.control import EmulatorClient, EmulatorProcess
-from protocol.client import Client, ClientError
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.protocol.client import Client, ClientError
 from tests.harness import DaemonProcess, wait_until
 
 pytestmark = pytest.mark.slow

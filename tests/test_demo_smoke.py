@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(180)
 def test_demo_runs_to_a_passing_verdict() -> None:
-    proc = subprocess.run([sys.executable, "-m", "supervisor.cli", "demo", "--wire", "openai"],
+    proc = subprocess.run([sys.executable, "-m", "streamfence.cli", "demo", "--wire", "openai"],
                           capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "PASS" in proc.stdout

@@ -21,8 +21,13 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
-from emulator.control import EmulatorClient, EmulatorError, EmulatorProcess
-from emulator.script import ScriptError, parse_step, split_model_key, split_text
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorError, EmulatorProcess
+from streamfence.devtools.emulator.script import (
+    ScriptError,
+    parse_step,
+    split_model_key,
+    split_text,
+)
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Say something deterministic."}]
 
@@ -398,7 +403,7 @@ def test_process_that_fails_to_start_is_reported_and_reaped() -> None:
 
 
 def test_emulator_exits_when_its_stdin_closes() -> None:
-    cmd = [sys.executable, "-m", "emulator", "--port", "0", "--exit-on-stdin-eof"]
+    cmd = [sys.executable, "-m", "streamfence.devtools.emulator", "--port", "0", "--exit-on-stdin-eof"]
     proc = subprocess.Popen(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
     )

@@ -17,15 +17,15 @@ import openai
 import orjson
 import pytest
 
-from tests.http_stub import Reply as StubReply
-from tests.http_stub import StubServer, stub_server
-from workers.errors import (
+from streamfence.workers.errors import (
     MalformedStreamError,
     classify,
     classify_payload,
     retry_after_from_headers,
     scrub,
 )
+from tests.http_stub import Reply as StubReply
+from tests.http_stub import StubServer, stub_server
 
 MESSAGES: Any = [{"role": "user", "content": "hi"}]
 

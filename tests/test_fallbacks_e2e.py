@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from emulator.control import EmulatorClient
+from streamfence.devtools.emulator.control import EmulatorClient
 from tests.harness import DaemonProcess
 from tests.wires import request_for
 

@@ -14,8 +14,7 @@ import openai
 import orjson
 import pytest
 
-from tests.http_stub import Reply, StubServer, stub_server
-from workers.openai_chat import (
+from streamfence.workers.openai_chat import (
     ChatStreamAssembler,
     MalformedStreamError,
     complete_chat,
@@ -24,7 +23,8 @@ from workers.openai_chat import (
     iter_sse_events,
     stream_chat,
 )
-from workers.output import RecordingOutput
+from streamfence.workers.output import RecordingOutput
+from tests.http_stub import Reply, StubServer, stub_server
 
 REQUEST: dict[str, Any] = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -1,4 +1,4 @@
-"""protocol.codec: one msgpack object per frame, strict limits, one error type."""
+"""streamfence.protocol.codec: one msgpack object per frame, strict limits, one error type."""
 
 from __future__ import annotations
 
@@ -10,8 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.codec import DEFAULT_MAX_FRAME, MAX_CONTAINER_LEN, decode_untrusted, encode
-from protocol.errors import ErrorCode, ProtocolError
+from streamfence.protocol.codec import (
+    DEFAULT_MAX_FRAME,
+    MAX_CONTAINER_LEN,
+    decode_untrusted,
+    encode,
+)
+from streamfence.protocol.errors import ErrorCode, ProtocolError
 
 SUBMIT = {"v": 1, "op": "submit", "ref": "r1",
           "call": {"provider": "openai", "request": {"model": "m", "messages": []},

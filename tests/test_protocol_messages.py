@@ -1,4 +1,4 @@
-"""protocol.messages: parse_request for every op and every way to get it wrong."""
+"""streamfence.protocol.messages: parse_request for every op and every way to get it wrong."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.codec import decode_untrusted, encode
-from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import (
+from streamfence.protocol.codec import decode_untrusted, encode
+from streamfence.protocol.errors import ErrorCode, ProtocolError
+from streamfence.protocol.messages import (
     MAX_REF_LEN,
     VERSION,
     CallOptions,

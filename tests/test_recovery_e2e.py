@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from emulator.control import EmulatorClient
+from streamfence.devtools.emulator.control import EmulatorClient
 from tests.harness import DaemonProcess, wait_until
 
 pytestmark = pytest.mark.slow

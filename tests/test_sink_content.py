@@ -1,4 +1,4 @@
-"""Response assembly (sink.content) and the sink's pre-encoded event pieces (sink.wire)."""
+"""Response assembly (streamfence.sink.content) and the sink's pre-encoded event pieces (streamfence.sink.wire)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from typing import Any
 import msgpack
 import pytest
 
-from protocol.codec import encode
-from protocol.internal import C_AUTHORIZE, C_FENCE, C_FINISH, C_STATS, E_EVENT
-from protocol.messages import CallStatus, DeltaKind, delta_event, empty_response
-from sink.content import Content, check_tool_fragment
-from sink.wire import (
+from streamfence.protocol.codec import encode
+from streamfence.protocol.internal import C_AUTHORIZE, C_FENCE, C_FINISH, C_STATS, E_EVENT
+from streamfence.protocol.messages import CallStatus, DeltaKind, delta_event, empty_response
+from streamfence.sink.content import Content, check_tool_fragment
+from streamfence.sink.wire import (
     KIND_TAIL,
     Authorize,
     BadFrame,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sink.fence import AttemptState, FenceTable, FinalVerdict, Verdict
+from streamfence.sink.fence import AttemptState, FenceTable, FinalVerdict, Verdict
 
 # ---- unit tests ------------------------------------------------------------------
 

@@ -18,8 +18,8 @@ import multiprocess
 import pytest
 import zmq
 
-from protocol.codec import encode
-from protocol.internal import (
+from streamfence.protocol.codec import encode
+from streamfence.protocol.internal import (
     C_AUTHORIZE,
     C_FINISH,
     C_STATS,
@@ -34,8 +34,8 @@ from protocol.internal import (
     T_FINAL_ACK,
     Endpoints,
 )
-from sink.process import run_sink
-from sink.store import TranscriptReader, events_after
+from streamfence.sink.process import run_sink
+from streamfence.sink.store import TranscriptReader, events_after
 
 MP = multiprocess.get_context("spawn")
 START_S = 20.0  # a spawned child imports zmq, msgpack, sqlite3: well under this

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from emulator.control import EmulatorClient
+from streamfence.devtools.emulator.control import EmulatorClient
 from tests.harness import DaemonProcess
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ import multiprocess
 import pytest
 import zmq
 
-from protocol.codec import encode
-from protocol.internal import (
+from streamfence.protocol.codec import encode
+from streamfence.protocol.internal import (
     C_AUTHORIZE,
     C_FENCE,
     C_FINISH,
@@ -26,10 +26,10 @@ from protocol.internal import (
     T_DELTA,
     T_FINAL,
 )
-from sink.fence import Verdict
-from sink.process import run_sink
-from sink.state import SinkState
-from sink.store import TranscriptReader, TranscriptStore
+from streamfence.sink.fence import Verdict
+from streamfence.sink.process import run_sink
+from streamfence.sink.state import SinkState
+from streamfence.sink.store import TranscriptReader, TranscriptStore
 from tests.test_sink_process import (
     MP,
     START_S,

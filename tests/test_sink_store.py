@@ -9,9 +9,9 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from protocol.codec import encode
-from protocol.messages import CallStatus, delta_event, done_event, reset_event
-from sink.store import (
+from streamfence.protocol.codec import encode
+from streamfence.protocol.messages import CallStatus, delta_event, done_event, reset_event
+from streamfence.sink.store import (
     TranscriptReader,
     TranscriptStore,
     events_after,

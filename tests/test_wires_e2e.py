@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from emulator.control import EmulatorClient, EmulatorProcess
-from protocol.client import Client
-from supervisor.launcher import DaemonProcess
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.launcher import DaemonProcess
+from streamfence.protocol.client import Client
 from tests.wires import WIRES, profile_for, request_for
 
 pytestmark = pytest.mark.slow

@@ -1,12 +1,12 @@
-"""The provider wires a process-level test can run on (supervisor.wires,
+"""The provider wires a process-level test can run on (streamfence.protocol.wires,
 shaped for tests: the emulator process and a script key)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from emulator.control import EmulatorProcess
-from supervisor.wires import WIRES, emulator_profile, sample_request
+from streamfence.devtools.emulator.control import EmulatorProcess, emulator_profile
+from streamfence.protocol.wires import WIRES, sample_request
 
 __all__ = ["WIRES", "profile_for", "request_for"]
 

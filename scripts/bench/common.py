@@ -24,8 +24,8 @@ from typing import Any
 
 import psutil
 
-from emulator.control import EmulatorProcess
-from supervisor.launcher import DaemonProcess
+from streamfence.devtools.emulator.control import EmulatorProcess
+from streamfence.devtools.launcher import DaemonProcess
 
 MiB = 1024 * 1024
 
@@ -196,7 +196,7 @@ def daemon(providers: dict[str, dict[str, Any]], settings: dict[str, Any] | None
 
 def wait_idle(proc: DaemonProcess, count: int, timeout_s: float = 300.0) -> float:
     """Wait until `count` workers are idle (the warm pool is complete); returns the wait."""
-    from supervisor.launcher import wait_until
+    from streamfence.devtools.launcher import wait_until
 
     t0 = time.monotonic()
     with proc.client(timeout_s=30.0) as client:
@@ -217,9 +217,9 @@ def daemon_roles(status: dict[str, Any]) -> dict[int, str]:
 
 
 def sink_in_endpoint(proc: DaemonProcess) -> str:
-    """The daemon's worker -> sink ipc endpoint (protocol.internal.Endpoints)."""
-    from protocol.internal import Endpoints
-    from supervisor.config import load_config
+    """The daemon's worker -> sink ipc endpoint (streamfence.protocol.internal.Endpoints)."""
+    from streamfence.protocol.internal import Endpoints
+    from streamfence.supervisor.config import load_config
 
     cfg = load_config(str(proc.config_path), env={})
     return Endpoints(cfg.runtime_dir()).sink_in

@@ -9,7 +9,7 @@ token deltas) is read, per round and in rotated order, by:
                    (`messages.create(stream=True)`, `event.delta.text`);
 - `httpx2-raw`     raw httpx2 + orjson on the OpenAI wire (SPEC §5's reference point);
 - `sf-openai`      streamfence: submit to the real daemon (openai profile) and read the
-                   events with `protocol.client.Client`: CPU of the supervisor, sink,
+                   events with `streamfence.protocol.client.Client`: CPU of the supervisor, sink,
                    zygote and every worker (common.CpuMeter, before/after) plus this
                    process (the subscriber);
 - `sf-anthropic`   the same on an anthropic profile.
@@ -37,8 +37,6 @@ import httpx2
 import openai
 import orjson
 
-from emulator.control import EmulatorClient, EmulatorProcess
-from protocol.client import Client
 from scripts.bench.common import (
     CpuMeter,
     Section,
@@ -53,7 +51,9 @@ from scripts.bench.common import (
     rotated,
     wait_idle,
 )
-from supervisor.launcher import DaemonProcess
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.launcher import DaemonProcess
+from streamfence.protocol.client import Client
 
 VARIANTS = ("openai-sdk", "anthropic-sdk", "httpx2-raw", "sf-openai", "sf-anthropic")
 PROMPT = [{"role": "user", "content": "Write a short paragraph."}]

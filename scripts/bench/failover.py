@@ -30,9 +30,9 @@ import time
 import uuid
 from typing import Any
 
-from protocol.client import Client
 from scripts.bench.common import Section, daemon, emulator, log, median, providers_for
-from supervisor.launcher import DaemonProcess
+from streamfence.devtools.launcher import DaemonProcess
+from streamfence.protocol.client import Client
 
 STALE_S = 0.3
 

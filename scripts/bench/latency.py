@@ -33,10 +33,6 @@ from typing import Any
 import msgpack
 import zmq
 
-from emulator.control import EmulatorProcess
-from protocol.client import Client
-from protocol.client_base import new_ref, submit_msg
-from protocol.codec import encode
 from scripts.bench.common import (
     Section,
     daemon,
@@ -49,7 +45,11 @@ from scripts.bench.common import (
     sink_in_endpoint,
 )
 from scripts.bench.load import Producers, SinkUnderTest
-from supervisor.launcher import DaemonProcess
+from streamfence.devtools.emulator.control import EmulatorProcess
+from streamfence.devtools.launcher import DaemonProcess
+from streamfence.protocol.client import Client
+from streamfence.protocol.client_base import new_ref, submit_msg
+from streamfence.protocol.codec import encode
 
 RATE = 20_000
 VARIANTS = ("hop", "sink", "daemon")

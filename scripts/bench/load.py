@@ -41,7 +41,7 @@ import msgpack
 import multiprocess
 import zmq
 
-from protocol.internal import (
+from streamfence.protocol.internal import (
     C_AUTHORIZE,
     C_STATS,
     E_EVENT,
@@ -301,13 +301,13 @@ def _wait_path(path: str, proc: Any, timeout_s: float = 60.0) -> None:
 # ---- standalone sink ---------------------------------------------------------------------
 
 class SinkUnderTest:
-    """The real sink process (`sink.process.run_sink`, spawned as the daemon does,
+    """The real sink process (`streamfence.sink.process.run_sink`, spawned as the daemon does,
     with a secret control identity) and a control link that plays the
     supervisor: authorize, stats, and the sink's unsolicited events (counted,
     or handed to `on_event`)."""
 
     def __init__(self, runtime_dir: str, log_level: str = "WARNING") -> None:
-        from sink.process import run_sink
+        from streamfence.sink.process import run_sink
 
         self.endpoints = Endpoints(runtime_dir)
         identity = b"bench-" + secrets.token_hex(8).encode()

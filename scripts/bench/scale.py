@@ -33,10 +33,6 @@ import msgpack
 import psutil
 import zmq
 
-from emulator.control import EmulatorProcess
-from protocol.client import Client
-from protocol.client_base import new_ref, submit_msg
-from protocol.codec import encode
 from scripts.bench.common import (
     CpuMeter,
     MiB,
@@ -50,7 +46,11 @@ from scripts.bench.common import (
     raise_fd_limit,
     realistic_text,
 )
-from supervisor.launcher import DaemonProcess, wait_until
+from streamfence.devtools.emulator.control import EmulatorProcess
+from streamfence.devtools.launcher import DaemonProcess, wait_until
+from streamfence.protocol.client import Client
+from streamfence.protocol.client_base import new_ref, submit_msg
+from streamfence.protocol.codec import encode
 
 USS_TARGET_MIB = 16.0
 

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from emulator.control import EmulatorProcess
-from protocol.client import Client
 from scripts.bench.common import Section, emulator, log, median, providers_for, rotated
-from supervisor.launcher import DaemonProcess
+from streamfence.devtools.emulator.control import EmulatorProcess
+from streamfence.devtools.launcher import DaemonProcess
+from streamfence.protocol.client import Client
 
 
 def _first_ts(proc: DaemonProcess, prefix: str) -> float:

@@ -8,7 +8,7 @@ an ack is sent only after the commit that made every delta of its call
 durable, so the figure counts deltas accepted, fence-checked and persisted.
 
 Targets, in rotated order each round:
-- `sink`        the real sink process (`sink.process.run_sink`, spawned), calls
+- `sink`        the real sink process (`streamfence.sink.process.run_sink`, spawned), calls
                 authorized first over its control socket; this process plays
                 the supervisor and drains the sink's E_EVENT frames (one per
                 accepted delta) while the load runs;

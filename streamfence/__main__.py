@@ -1,0 +1,5 @@
+"""`python -m streamfence`: the `streamfence` command."""
+
+from streamfence.cli import main
+
+main()

@@ -1,0 +1,132 @@
+"""The `streamfence` command: serve, submit, status, demo."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from streamfence.supervisor.config import DEFAULT_ENDPOINT, ConfigError, load_config
+
+
+@click.group()
+def main() -> None:
+    """streamfence: LLM streaming calls that can't hang, leak or corrupt a transcript."""
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="TOML configuration file ([daemon] and [providers.NAME] tables).")
+@click.option("--log-json", is_flag=True, default=False, help="Log JSON lines.")
+def serve(config_path: str | None, log_json: bool) -> None:
+    """Run the daemon in the foreground until SIGTERM/SIGINT."""
+    from streamfence.supervisor.daemon import Daemon, StartupError
+    from streamfence.supervisor.logs import setup_logging
+
+    try:
+        cfg = load_config(config_path)
+    except ConfigError as exc:
+        raise click.ClickException(f"invalid configuration: {exc}") from None
+    setup_logging(cfg.log_level, log_json or cfg.log_json)
+    try:
+        code = Daemon(cfg).run()
+    except StartupError as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(code)
+
+
+def _parse_request(wire: str, model: str, prompt: str,
+                   request_json: str | None) -> dict[str, Any]:
+    if request_json:
+        try:
+            request: dict[str, Any] = json.loads(request_json)
+        except json.JSONDecodeError as exc:
+            raise click.BadParameter(f"not JSON: {exc}", param_hint="--request") from None
+        return request
+    from streamfence.protocol.wires import sample_request
+
+    return sample_request(wire, model, prompt)
+
+
+@main.command()
+@click.option("--endpoint", default=DEFAULT_ENDPOINT, show_default=True)
+@click.option("--provider", required=True, help="A provider profile name of the daemon.")
+@click.option("--wire", type=click.Choice(["openai", "anthropic", "bedrock"]), default="openai",
+              show_default=True, help="The profile's kind: shapes the request from --model/PROMPT.")
+@click.option("--model", default="gpt-4o-mini", show_default=True)
+@click.option("--request", "request_json", default=None,
+              help="The provider-native request body as JSON (overrides --model/PROMPT).")
+@click.option("--session", "session_id", default=None)
+@click.option("--stale-timeout", type=float, default=None)
+@click.option("--timeout", type=float, default=600.0, show_default=True,
+              help="Give up waiting for the daemon after this many seconds of silence.")
+@click.argument("prompt", required=False, default="Hello!")
+def submit(endpoint: str, provider: str, wire: str, model: str, request_json: str | None,
+           session_id: str | None, stale_timeout: float | None, timeout: float,
+           prompt: str) -> None:
+    """Submit one call and stream its text live to the terminal."""
+    from streamfence.protocol.client import Client, ClientError
+
+    options = {"stale_timeout_s": stale_timeout} if stale_timeout else None
+    request = _parse_request(wire, model, prompt, request_json)
+    with Client(endpoint) as client:
+        try:
+            call_id = client.submit(provider, request, session_id=session_id, options=options)
+        except ClientError as exc:
+            raise click.ClickException(f"{exc.code}: {exc.message}") from None
+        done: dict[str, Any] = {}
+        for event in client.events(call_id, timeout_s=timeout):
+            op = event.get("op")
+            if op == "delta" and event.get("kind") in ("text", "refusal"):
+                click.echo(event["data"], nl=False)
+            elif op == "delta" and event.get("kind") == "notice":
+                click.echo(f"\n[notice] {event['data']}", err=True)
+            elif op == "reset":
+                click.echo("\n[reset: the answer restarts]", err=True)
+            elif op == "done":
+                done = event
+        click.echo()
+        err = done.get("error") or {}
+        click.echo(f"[{done.get('status')}] call={call_id} attempts={done.get('attempts')}"
+                   + (f" error={err.get('code')}: {err.get('message')}" if err else ""),
+                   err=True)
+        if done.get("status") not in ("completed", "partial"):
+            sys.exit(1)
+
+
+@main.command()
+@click.option("--endpoint", default=DEFAULT_ENDPOINT, show_default=True)
+@click.option("--json", "as_json", is_flag=True, default=False)
+def status(endpoint: str, as_json: bool) -> None:
+    """Show workers (pid, state, attempt), calls, breakers and counters."""
+    from streamfence.protocol.client import Client
+
+    with Client(endpoint, timeout_s=5.0) as client:
+        try:
+            reply = client.status()
+        except TimeoutError:
+            raise click.ClickException(f"no answer from a daemon at {endpoint}") from None
+    if as_json:
+        click.echo(json.dumps(reply, indent=2, default=str))
+        return
+    from streamfence.cli.status_view import render_status
+
+    render_status(reply)
+
+
+@main.command()
+@click.option("--rounds", default=1, show_default=True,
+              help="How many times to run each fault scenario on each wire.")
+@click.option("--wire", "wires", type=click.Choice(["openai", "anthropic", "bedrock", "all"]),
+              default=("all",), show_default=True, multiple=True,
+              help="The provider wire(s) to run the calls on.")
+def demo(rounds: int, wires: tuple[str, ...]) -> None:
+    """Emulator + daemon + a batch of calls with injected faults, live, then a verdict."""
+    from streamfence.devtools.demo import run_demo
+    from streamfence.protocol.wires import WIRES
+
+    chosen = list(WIRES) if "all" in wires else list(dict.fromkeys(wires))
+    sys.exit(0 if run_demo(rounds=rounds, wires=chosen) else 1)
+

@@ -1,0 +1,188 @@
+"""Run the real daemon (`streamfence serve`) as a subprocess, for the demo,
+the chaos scripts and the tests: write its config, wait until it is ready,
+stop it, and kill and reap anything it left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+
+from streamfence.protocol.client import Client
+
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str,
+               interval: float = 0.02) -> T:
+    """Poll `predicate` until it returns something truthy; fail loudly with `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}")
+        time.sleep(interval)
+
+
+class DaemonProcess:
+    """`streamfence serve --config F --log-json` in a subprocess."""
+
+    def __init__(self, state_dir: Path, providers: dict[str, dict[str, Any]],
+                 daemon: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                 log_json: bool = True) -> None:
+        self.state_dir = state_dir
+        # ipc paths must be short: keep the front socket in a short temp dir.
+        self._short = tempfile.mkdtemp(prefix="sft")
+        self.endpoint = f"ipc://{self._short}/front"
+        settings: dict[str, Any] = {"endpoint": self.endpoint, "state_dir": str(state_dir),
+                                    "workers_spare": 2, "workers_max": 16,
+                                    "backoff_base_s": 0.05, "backoff_max_s": 0.2,
+                                    "log_level": "INFO"}
+        settings.update(daemon or {})
+        lines = ["[daemon]"] + [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
+        for name, table in providers.items():
+            lines.append(f"[providers.{name}]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in table.items()]
+        self.config_path = state_dir / "streamfence.toml"
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text("\n".join(lines) + "\n")
+        self.log_path = state_dir / "daemon.log"
+        self._env = env
+        self._log_json = log_json
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_file: Any = None
+        self.descendants: set[int] = set()
+        self.survivors: list[str] = []
+
+    # ---- lifecycle -------------------------------------------------------------
+    def start(self, ready_timeout: float = 60.0) -> DaemonProcess:
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
+        env = dict(os.environ)
+        env.update(self._env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "streamfence.cli", "serve", "--config", str(self.config_path),
+             *(["--log-json"] if self._log_json else [])],
+            # No parent-death signal here: it fires when the *thread* that
+            # started the daemon exits (a chaos restarter thread, say).
+            stdout=self._log_file, stderr=self._log_file, env=env)
+        with self.client(timeout_s=2.0) as client:
+            def ready() -> bool:
+                self._check_alive()
+                try:
+                    status = client.status()
+                except TimeoutError:
+                    return False
+                return any(w["state"] == "idle" for w in status["workers"])
+
+            wait_until(ready, ready_timeout, "the daemon to report an idle worker")
+        self.remember_descendants()
+        return self
+
+    def _check_alive(self) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the daemon exited with {self.proc.returncode}; log tail:\n"
+                                 + self.log_text()[-4000:])
+
+    def remember_descendants(self) -> set[int]:
+        assert self.proc is not None
+        try:
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return self.descendants
+        self.descendants |= {k.pid for k in kids}
+        return self.descendants
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        self.remember_descendants()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        # No child may outlive the daemon (they die with it by parent-death
+        # signal): allow them a moment to go, then kill and report any left.
+        procs = []
+        for pid in self.descendants:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                procs.append(psutil.Process(pid))
+        _, alive = psutil.wait_procs(procs, timeout=2.0)
+        survivors = []
+        for p in alive:
+            try:
+                survivors.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        code = self.proc.returncode
+        self.proc = None
+        self.survivors = survivors
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL the supervisor (its children die with it) and wait for it."""
+        assert self.proc is not None
+        self.remember_descendants()
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def cleanup(self) -> None:
+        """Stop, and remove the short directory of the front socket."""
+        self.stop()
+        shutil.rmtree(self._short, ignore_errors=True)
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    # ---- observation -----------------------------------------------------------
+    def client(self, timeout_s: float = 10.0) -> Client:
+        return Client(self.endpoint, timeout_s=timeout_s)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_records(self) -> Iterator[dict[str, Any]]:
+        for line in self.log_text().splitlines():
+            if line.startswith("{"):
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+
+    def journal_rows(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+        db = sqlite3.connect(f"file:{self.state_dir / 'journal.db'}?mode=ro", uri=True)
+        try:
+            return db.execute(sql, args).fetchall()
+        finally:
+            db.close()
+
+    def transcript_rows(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+        db = sqlite3.connect(f"file:{self.state_dir / 'transcript.db'}?mode=ro", uri=True)
+        try:
+            return db.execute(sql, args).fetchall()
+        finally:
+            db.close()

@@ -1,0 +1,303 @@
+"""The I/O-free heart of the client library: routing what the daemon sends.
+
+`streamfence.protocol.client` and `streamfence.protocol.client_async` own the sockets; `Router` here
+takes every frame the daemon sends and puts it where a caller will look for
+it, without a socket, so it is shared by both flavours and testable alone:
+
+- a message with a string `ref` is a reply. It is kept for the request that
+  is waiting for that ref; a reply whose request gave up (timed out) is
+  discarded. An `error` answering a `subscribe` is kept on that call's stream,
+  so `events()` raises it.
+- an `error` with `ref: nil` is an answer the daemon could not attribute (it
+  could not read the request: `bad_frame`, `too_large`, a missing or invalid
+  ref). It goes to a raw request waiting for exactly that, or else to the only
+  request outstanding, or is logged and discarded.
+- `delta`, `reset` and `done` without a ref are pushed events. They are
+  buffered per call in a heap keyed by `seq` until the caller asks for them,
+  whether or not anyone is reading that call yet; an event already seen
+  (seq at or below the last one handed out, or already buffered) is a
+  duplicate from a replay and is discarded.
+
+Nothing here blocks or reads a clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted
+from streamfence.protocol.errors import ProtocolError
+from streamfence.protocol.messages import Op
+
+log = logging.getLogger("streamfence.client")
+
+BAD_REPLY = "bad_reply"  # client-side code: the daemon broke the protocol
+EVENTS_LOST = "events_lost"  # client-side code: the call ended but its events never came
+_EVENT_OPS = frozenset({Op.DELTA.value, Op.RESET.value, Op.DONE.value})
+_KEEP_FINISHED = 4096  # finished calls remembered to discard late duplicates
+_KEEP_SUBSCRIBE_REFS = 1024  # a subscribe's success has no reply: keep the latest refs only
+
+
+class ClientError(Exception):
+    """The daemon answered with an `error` (or broke the protocol).
+
+    `code` is the wire code (see streamfence.protocol.errors.ErrorCode; a newer daemon may
+    send codes this client does not know, so it is kept as a str). Two codes
+    are raised by the client itself: `bad_reply` (the daemon sent something
+    the protocol does not allow) and `events_lost` (the daemon reports the
+    call done but the events before its `done` never arrived).
+    """
+
+    def __init__(self, code: str, message: str, reply: Mapping[str, Any] | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.reply = dict(reply) if reply is not None else None
+
+
+class CallFailed(ClientError):
+    """A call ended `failed` or `cancelled` (raised by `stream_text`).
+
+    `done` is the call's `done` event; `code`/`message` come from its `error`.
+    """
+
+    def __init__(self, done: Mapping[str, Any]) -> None:
+        err = done.get("error")
+        code = str(err.get("code", "")) if isinstance(err, dict) else ""
+        message = str(err.get("message", "")) if isinstance(err, dict) else ""
+        status = done.get("status")
+        super().__init__(code or str(status), f"call {done.get('call_id')} ended {status}: "
+                         f"{message or 'no error message'}", done)
+        self.done = dict(done)
+
+
+@dataclass
+class CallStream:
+    """The pushed events of one call, in seq order, each handed out once."""
+
+    call_id: str
+    last: int = 0  # highest seq handed to the caller (or skipped by from_seq)
+    heap: list[tuple[int, int, dict[str, Any]]] = field(default_factory=list)
+    buffered: set[int] = field(default_factory=set)
+    error: ClientError | None = None  # the error reply to a subscribe of this call
+    finished: bool = False  # its done event was handed out
+    refill_for: int = -1  # `last` at which a refilling subscribe was already sent
+
+    def push(self, seq: int, event: dict[str, Any], order: int) -> None:
+        if self.finished or seq <= self.last or seq in self.buffered:
+            log.debug("duplicate event seq %d of call %s discarded", seq, self.call_id)
+            return
+        self.buffered.add(seq)
+        heapq.heappush(self.heap, (seq, order, event))
+
+    def pop(self) -> dict[str, Any] | None:
+        if not self.heap or self.heap[0][0] != self.last + 1:
+            return None
+        seq, _, event = heapq.heappop(self.heap)
+        self.buffered.discard(seq)
+        self.last = seq
+        if event.get("op") == Op.DONE:
+            self.finished = True
+            self.heap.clear()
+            self.buffered.clear()
+        return event
+
+    def skip_to(self, seq: int) -> None:
+        """The caller starts after `seq` (subscribe from_seq): drop what precedes it."""
+        if seq <= self.last:
+            return
+        self.last = seq
+        while self.heap and self.heap[0][0] <= seq:
+            self.buffered.discard(heapq.heappop(self.heap)[0])
+
+    def gap(self) -> int | None:
+        """`from_seq` to ask again if a later event came but the next one did not.
+
+        Returned once per position, so a persistent gap costs one subscribe.
+        """
+        if self.heap and self.heap[0][0] > self.last + 1 and self.refill_for != self.last:
+            self.refill_for = self.last
+            return self.last
+        return None
+
+
+class Router:
+    """Routes decoded frames to waiting requests and per-call event buffers."""
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._replies: dict[str, dict[str, Any] | None] = {}  # ref -> reply (None: waiting)
+        self._raw_waiters = 0
+        self._unattributed: deque[dict[str, Any]] = deque(maxlen=64)
+        self._subscribe_refs: OrderedDict[str, str] = OrderedDict()  # subscribe ref -> call_id
+        self._streams: dict[str, CallStream] = {}
+        self._finished: OrderedDict[str, int] = OrderedDict()  # call_id -> seq of its done
+        self._order = itertools.count()
+
+    # ---- requests ---------------------------------------------------------
+
+    def expect(self, ref: str) -> None:
+        self._replies[ref] = None
+
+    def forget(self, ref: str) -> None:
+        """The request gave up: a late reply with this ref will be discarded."""
+        self._replies.pop(ref, None)
+
+    def take_reply(self, ref: str) -> dict[str, Any] | None:
+        reply = self._replies.get(ref)
+        if reply is not None:
+            del self._replies[ref]
+        return reply
+
+    def expect_raw(self) -> None:
+        self._raw_waiters += 1
+
+    def forget_raw(self) -> None:
+        self._raw_waiters = max(0, self._raw_waiters - 1)
+
+    def take_unattributed(self) -> dict[str, Any] | None:
+        if not self._unattributed:
+            return None
+        self._raw_waiters = max(0, self._raw_waiters - 1)
+        return self._unattributed.popleft()
+
+    def subscribing(self, ref: str, call_id: str, from_seq: int) -> None:
+        """A subscribe was sent: its error reply belongs to the call's stream."""
+        self._subscribe_refs[ref] = call_id
+        while len(self._subscribe_refs) > _KEEP_SUBSCRIBE_REFS:
+            self._subscribe_refs.popitem(last=False)
+        self.reading(call_id, from_seq)
+
+    def reading(self, call_id: str, from_seq: int) -> None:
+        """The caller asked for the call's events after `from_seq` (subscribe, or
+        submit with subscribe). For a call whose `done` was handed out already,
+        a from_seq before that done asks for a replay: the call is read afresh."""
+        if self.is_finished(call_id) and from_seq < self.last_seq(call_id):
+            self._streams.pop(call_id, None)
+            self._finished.pop(call_id, None)
+        self.stream(call_id).skip_to(from_seq)
+
+    # ---- events -----------------------------------------------------------
+
+    def stream(self, call_id: str) -> CallStream:
+        s = self._streams.get(call_id)
+        if s is None:
+            s = CallStream(call_id)
+            if call_id in self._finished:
+                s.last = self._finished[call_id]
+                s.finished = True
+            self._streams[call_id] = s
+        return s
+
+    def next_event(self, call_id: str) -> dict[str, Any] | None:
+        """The call's next event in seq order, or None if it has not arrived.
+
+        Raises the ClientError a subscribe of this call was answered with, once
+        no buffered event is left to hand out.
+        """
+        s = self.stream(call_id)
+        event = s.pop()
+        if event is None and s.error is not None:
+            err, s.error = s.error, None
+            raise err
+        if s.finished:
+            self._retire(s)
+        return event
+
+    def gap(self, call_id: str) -> int | None:
+        return self.stream(call_id).gap()
+
+    def deliver(self, event: dict[str, Any]) -> None:
+        """Put an event obtained otherwise (a probe's `done`) into its call's stream."""
+        self._route_event(event)
+
+    def last_seq(self, call_id: str) -> int:
+        """Highest seq of `call_id` handed to the caller: pass it as `from_seq` to resume."""
+        s = self._streams.get(call_id)
+        if s is not None:
+            return s.last
+        return self._finished.get(call_id, 0)
+
+    def is_finished(self, call_id: str) -> bool:
+        s = self._streams.get(call_id)
+        return s.finished if s is not None else call_id in self._finished
+
+    def _retire(self, s: CallStream) -> None:
+        self._streams.pop(s.call_id, None)
+        self._finished[s.call_id] = s.last
+        while len(self._finished) > _KEEP_FINISHED:
+            self._finished.popitem(last=False)
+
+    # ---- routing ----------------------------------------------------------
+
+    def route(self, frames: list[bytes]) -> bool:
+        """Take one message from the daemon; True if it answered a waiting request.
+
+        The caller stops routing there, so the request's caller acts on its
+        reply before the messages behind it are routed (a submit's caller
+        starts reading the call before its replayed events arrive). Raises
+        ClientError(bad_reply) on garbage.
+        """
+        if len(frames) != 1:
+            raise ClientError(BAD_REPLY, f"the daemon sent a message of {len(frames)} frames")
+        try:
+            msg = decode_untrusted(frames[0], self.max_frame)
+        except ProtocolError as exc:
+            raise ClientError(BAD_REPLY, f"the daemon sent an undecodable frame: {exc}") from None
+        if not isinstance(msg, dict):
+            raise ClientError(BAD_REPLY, f"the daemon sent a {type(msg).__name__}, not a map")
+        ref = msg.get("ref")
+        op = msg.get("op")
+        if isinstance(ref, str):
+            return self._route_reply(ref, msg)
+        if ref is None and op == Op.ERROR:
+            return self._route_unattributed(msg)
+        if ref is None and op in _EVENT_OPS:
+            self._route_event(msg)
+        else:
+            log.warning("unexpected message from the daemon discarded: op=%r ref=%r", op, ref)
+        return False
+
+    def _route_reply(self, ref: str, msg: dict[str, Any]) -> bool:
+        if ref in self._replies:
+            self._replies[ref] = msg
+            return True
+        call_id = self._subscribe_refs.pop(ref, None)
+        if call_id is not None:
+            if msg.get("op") == Op.ERROR:
+                self.stream(call_id).error = ClientError(
+                    str(msg.get("code")), f"subscribe to call {call_id}: {msg.get('message')}", msg)
+            return False
+        log.debug("reply op=%r ref=%s to a request that gave up, discarded", msg.get("op"), ref)
+        return False
+
+    def _route_unattributed(self, msg: dict[str, Any]) -> bool:
+        if self._raw_waiters:
+            self._unattributed.append(msg)
+            return True
+        waiting = [ref for ref, reply in self._replies.items() if reply is None]
+        if len(waiting) == 1:
+            self._replies[waiting[0]] = msg
+            return True
+        log.warning("error without ref discarded (%d requests outstanding): %s: %s",
+                    len(waiting), msg.get("code"), msg.get("message"))
+        return False
+
+    def _route_event(self, msg: dict[str, Any]) -> None:
+        call_id, seq = msg.get("call_id"), msg.get("seq")
+        if not isinstance(call_id, str) or not isinstance(seq, int) or isinstance(seq, bool):
+            log.warning("event without a call_id or an integer seq discarded: op=%r call_id=%r "
+                        "seq=%r", msg.get("op"), call_id, seq)
+            return
+        if call_id not in self._streams and call_id in self._finished:
+            log.debug("event seq %d of finished call %s discarded", seq, call_id)
+            return
+        self.stream(call_id).push(seq, msg, next(self._order))
+
+

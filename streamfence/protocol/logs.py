@@ -1,0 +1,95 @@
+"""Log records on the wire: the process log context, and the handler that
+ships a child process's records (workers, sink) to the daemon's one log.
+
+Every record of every process carries `session_id`, `call_id` and `attempt`
+(origin document 000: the one line that explains a failed stream must name
+its session). A worker runs one attempt at a time, so the context is simply
+process-global: it holds for records from any thread and any library (the
+openai SDK's, httpx2's), which a thread-local or contextvar would not.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import msgpack
+import zmq
+
+from streamfence.protocol.internal import L_RECORD
+
+CONTEXT_FIELDS = ("session_id", "call_id", "attempt")
+_context: dict[str, Any] = {"session_id": "-", "call_id": "-", "attempt": 0}
+
+
+def set_context(session_id: str | None, call_id: str | None, attempt: int) -> None:
+    _context["session_id"] = session_id or "-"
+    _context["call_id"] = call_id or "-"
+    _context["attempt"] = attempt
+
+
+def clear_context() -> None:
+    set_context(None, None, 0)
+
+
+class ContextFilter(logging.Filter):
+    """Stamps the process context on every record that does not carry its own
+    (a record logged with extra={"call_id": ...} keeps its own). A filter on
+    the handler, not a record factory, so that `extra` may still set them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for key in CONTEXT_FIELDS:
+            if not hasattr(record, key):
+                setattr(record, key, _context[key])
+        return True
+
+
+class ZmqLogHandler(logging.Handler):
+    """Sends each record as a msgpack map over a PUSH socket to the supervisor.
+
+    The record is flattened to plain fields (message formatted, traceback as
+    text): no pickle on any socket.
+    """
+
+    def __init__(self, socket: zmq.Socket[bytes], process_name: str) -> None:
+        super().__init__()
+        self.addFilter(ContextFilter())
+        self._socket = socket
+        self._process_name = process_name
+        self._lock_send = threading.Lock()
+        self._formatter = logging.Formatter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            exc_text = record.exc_text
+            if record.exc_info and not exc_text:
+                exc_text = self._formatter.formatException(record.exc_info)
+            fields = {
+                "name": record.name,
+                "levelno": record.levelno,
+                "levelname": record.levelname,
+                "msg": record.getMessage(),
+                "exc_text": exc_text,
+                "created": record.created,
+                "process": record.process,
+                "processName": self._process_name,
+            }
+            for key in CONTEXT_FIELDS:
+                fields[key] = getattr(record, key, _context[key])
+            frame = msgpack.packb([L_RECORD, fields], use_bin_type=True, default=str)
+            with self._lock_send:
+                self._socket.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the supervisor is behind: losing a log line beats blocking a stream
+        except Exception:
+            self.handleError(record)
+
+
+def route_logs_to(socket: zmq.Socket[bytes], level: int | str, process_name: str) -> None:
+    """Make `socket` the only destination of this process's records."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.addHandler(ZmqLogHandler(socket, process_name))
+    root.setLevel(level)

@@ -1,0 +1,284 @@
+"""Public protocol v1: the client-facing messages as frozen dataclasses.
+
+`parse_request(obj)` turns a decoded map into one request record or raises
+ProtocolError with a precise code and the offending field named. The replies
+and events a client receives are built by the `*_msg` helpers so their field
+names live in one place. docs/PROTOCOL.md is the prose version of this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from streamfence.protocol.errors import ErrorCode, ProtocolError
+
+VERSION = 1
+MAX_REF_LEN = 256
+
+
+class Op(StrEnum):
+    # client -> daemon
+    SUBMIT = "submit"
+    SUBSCRIBE = "subscribe"
+    RESULT = "result"
+    CANCEL = "cancel"
+    STATUS = "status"
+    # daemon -> client
+    ACCEPTED = "accepted"
+    ERROR = "error"
+    PENDING = "pending"
+    CANCELLING = "cancelling"
+    STATUS_REPLY = "status_reply"
+    DELTA = "delta"
+    RESET = "reset"
+    DONE = "done"
+
+
+class DeltaKind(StrEnum):
+    TEXT = "text"
+    REASONING = "reasoning"
+    TOOL_CALL = "tool_call"
+    REFUSAL = "refusal"
+    NOTICE = "notice"
+
+
+class CallStatus(StrEnum):
+    COMPLETED = "completed"
+    PARTIAL = "partial"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class OnPartial(StrEnum):
+    CONTINUE = "continue"
+    RESTART = "restart"
+
+
+@dataclass(frozen=True, slots=True)
+class CallOptions:
+    stale_timeout_s: float | None = None
+    first_chunk_timeout_s: float | None = None
+    max_attempts: int | None = None
+    deadline_s: float | None = None
+    on_partial: OnPartial = OnPartial.CONTINUE
+
+    def to_map(self) -> dict[str, Any]:
+        return {
+            "stale_timeout_s": self.stale_timeout_s,
+            "first_chunk_timeout_s": self.first_chunk_timeout_s,
+            "max_attempts": self.max_attempts,
+            "deadline_s": self.deadline_s,
+            "on_partial": str(self.on_partial),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class CallSpec:
+    provider: str
+    request: dict[str, Any]
+    session_id: str | None = None
+    idempotency_key: str | None = None
+    options: CallOptions = field(default_factory=CallOptions)
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    ref: str
+    call: CallSpec
+    subscribe: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe:
+    ref: str
+    call_id: str
+    from_seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    ref: str
+    call_id: str
+    wait_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    ref: str
+    call_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    ref: str
+
+
+Request = Submit | Subscribe | Result | Cancel | Status
+
+
+def _bad(field_name: str, what: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_MESSAGE, f"field {field_name!r} {what}")
+
+
+def _get(m: dict[str, Any], key: str, types: type | tuple[type, ...], path: str,
+         required: bool = True) -> Any:
+    if key not in m or m[key] is None:
+        if required:
+            raise _bad(path + key, "is missing")
+        return None
+    value = m[key]
+    # bool is an int in Python; a number field must not accept true/false.
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise _bad(path + key, f"must be {_type_name(types)}, got bool")
+    if not isinstance(value, types):
+        raise _bad(path + key, f"must be {_type_name(types)}, got {type(value).__name__}")
+    return value
+
+
+def _type_name(types: type | tuple[type, ...]) -> str:
+    names = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+             dict: "a map", list: "an array"}
+    if isinstance(types, tuple):
+        return " or ".join(names.get(t, t.__name__) for t in types)
+    return names.get(types, types.__name__)
+
+
+def _ref(m: dict[str, Any]) -> str:
+    ref: str = _get(m, "ref", str, "")
+    if len(ref) > MAX_REF_LEN:
+        raise _bad("ref", f"is longer than {MAX_REF_LEN} characters")
+    return ref
+
+
+def _non_empty(value: str, path: str) -> str:
+    if not value:
+        raise _bad(path, "must not be empty")
+    return value
+
+
+def _options(m: dict[str, Any] | None) -> CallOptions:
+    if m is None:
+        return CallOptions()
+    p = "call.options."
+    known = {"stale_timeout_s", "first_chunk_timeout_s", "max_attempts", "deadline_s", "on_partial"}
+    for key in m:
+        if key not in known:
+            raise _bad(p + str(key), "is not a known option")
+    stale = _get(m, "stale_timeout_s", (int, float), p, required=False)
+    first = _get(m, "first_chunk_timeout_s", (int, float), p, required=False)
+    attempts = _get(m, "max_attempts", int, p, required=False)
+    deadline = _get(m, "deadline_s", (int, float), p, required=False)
+    on_partial = _get(m, "on_partial", str, p, required=False)
+    for name, val in (("stale_timeout_s", stale), ("first_chunk_timeout_s", first),
+                      ("deadline_s", deadline)):
+        if val is not None and not (0 < val < 1e7):
+            raise _bad(p + name, "must be a positive number of seconds")
+    if attempts is not None and not (1 <= attempts <= 100):
+        raise _bad(p + "max_attempts", "must be between 1 and 100")
+    if on_partial is not None and on_partial not in ("continue", "restart"):
+        raise _bad(p + "on_partial", 'must be "continue" or "restart"')
+    return CallOptions(
+        stale_timeout_s=None if stale is None else float(stale),
+        first_chunk_timeout_s=None if first is None else float(first),
+        max_attempts=attempts,
+        deadline_s=None if deadline is None else float(deadline),
+        on_partial=OnPartial(on_partial or "continue"),
+    )
+
+
+def _call(m: dict[str, Any]) -> CallSpec:
+    provider = _non_empty(_get(m, "provider", str, "call."), "call.provider")
+    request = _get(m, "request", dict, "call.")
+    if "stream" in request:
+        raise _bad("call.request.stream", "must not be set: streamfence always streams")
+    for key in request:
+        if not isinstance(key, str):
+            raise _bad("call.request", "must have string keys")
+    session = _get(m, "session_id", str, "call.", required=False)
+    idem = _get(m, "idempotency_key", str, "call.", required=False)
+    for name, val in (("session_id", session), ("idempotency_key", idem)):
+        if val is not None and len(val) > MAX_REF_LEN:
+            raise _bad("call." + name, f"is longer than {MAX_REF_LEN} characters")
+    return CallSpec(provider=provider, request=request, session_id=session,
+                    idempotency_key=idem or None,
+                    options=_options(_get(m, "options", dict, "call.", required=False)))
+
+
+def parse_request(obj: Any) -> Request:
+    """Validate one decoded client message. Raises ProtocolError only."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE,
+                            f"a message must be a map, got {type(obj).__name__}")
+    if "v" not in obj:
+        raise _bad("v", "is missing")
+    if obj["v"] != VERSION or isinstance(obj["v"], bool):
+        raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
+                            f"protocol version {obj['v']!r} is not supported; this daemon speaks v{VERSION}")
+    op = _get(obj, "op", str, "")
+    if op == Op.SUBMIT:
+        subscribe = _get(obj, "subscribe", bool, "", required=False)
+        return Submit(ref=_ref(obj), call=_call(_get(obj, "call", dict, "")),
+                      subscribe=True if subscribe is None else subscribe)
+    if op == Op.SUBSCRIBE:
+        from_seq = _get(obj, "from_seq", int, "", required=False) or 0
+        if from_seq < 0:
+            raise _bad("from_seq", "must not be negative")
+        return Subscribe(ref=_ref(obj), call_id=_get(obj, "call_id", str, ""), from_seq=from_seq)
+    if op == Op.RESULT:
+        wait = _get(obj, "wait_s", (int, float), "", required=False) or 0.0
+        if not (0 <= wait <= 3600):
+            raise _bad("wait_s", "must be between 0 and 3600")
+        return Result(ref=_ref(obj), call_id=_get(obj, "call_id", str, ""), wait_s=float(wait))
+    if op == Op.CANCEL:
+        return Cancel(ref=_ref(obj), call_id=_get(obj, "call_id", str, ""))
+    if op == Op.STATUS:
+        return Status(ref=_ref(obj))
+    raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
+
+
+def ref_of(obj: Any) -> str | None:
+    """Best-effort `ref` of a message that failed validation, to echo in the error."""
+    if isinstance(obj, dict):
+        ref = obj.get("ref")
+        if isinstance(ref, str) and len(ref) <= MAX_REF_LEN:
+            return ref
+    return None
+
+
+# ---- replies and events (daemon -> client) ---------------------------------
+
+def error_msg(ref: str | None, code: ErrorCode, message: str) -> dict[str, Any]:
+    return {"v": VERSION, "op": Op.ERROR.value, "ref": ref, "code": code.value, "message": message}
+
+
+def accepted_msg(ref: str, call_id: str, duplicate: bool = False) -> dict[str, Any]:
+    return {"v": VERSION, "op": Op.ACCEPTED.value, "ref": ref, "call_id": call_id,
+            "duplicate": duplicate}
+
+
+def pending_msg(ref: str, call_id: str) -> dict[str, Any]:
+    return {"v": VERSION, "op": Op.PENDING.value, "ref": ref, "call_id": call_id}
+
+
+def delta_event(call_id: str, attempt: int, seq: int, kind: str, data: Any) -> dict[str, Any]:
+    return {"v": VERSION, "op": Op.DELTA.value, "call_id": call_id, "attempt": attempt,
+            "seq": seq, "kind": kind, "data": data}
+
+
+def reset_event(call_id: str, attempt: int, seq: int) -> dict[str, Any]:
+    return {"v": VERSION, "op": Op.RESET.value, "call_id": call_id, "attempt": attempt, "seq": seq}
+
+
+def done_event(call_id: str, seq: int, status: CallStatus, response: dict[str, Any] | None,
+               error: dict[str, Any] | None, attempts: int) -> dict[str, Any]:
+    return {"v": VERSION, "op": Op.DONE.value, "call_id": call_id, "seq": seq,
+            "status": status.value, "response": response, "error": error, "attempts": attempts}
+
+
+def empty_response() -> dict[str, Any]:
+    """The normalized response shape of SPEC §2, every field present."""
+    return {"content": "", "reasoning": "", "tool_calls": [], "refusal": None,
+            "finish_reason": None, "usage": None, "model": None,
+            "provider_response_id": None, "partial": False, "dropped_tool_names": []}

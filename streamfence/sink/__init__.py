@@ -1,0 +1,17 @@
+"""The sink: one process, the only writer of the transcript.
+
+It accepts a delta only from the attempt currently authorized for its call
+(the fence), persists accepted events to SQLite and forwards them to the
+supervisor. Modules:
+
+- `streamfence.sink.fence`: `FenceTable` and `check(call, attempt, seq) -> Verdict`, the
+  pure single-writer rule (no I/O).
+- `streamfence.sink.content`: per-attempt content and `build_response(meta)`.
+- `streamfence.sink.store`: the transcript (`TranscriptStore` for the sink,
+  `TranscriptReader` / `events_after` / `max_epochs` for other processes).
+- `streamfence.sink.wire`: shape checks of the internal messages and pre-encoded pieces.
+- `streamfence.sink.state`: control ops, finals, drop accounting (no sockets).
+- `streamfence.sink.process`: `run_sink(runtime_dir, db_path, log_level)`, the process
+  entry point: sockets, the loop and the per-delta hot path.
+- `streamfence.sink.lifeline`: parent-death signal.
+"""

@@ -1,0 +1,143 @@
+"""Response assembly: the accepted content of a call's current attempt.
+
+Contract:
+
+- One `Content` per attempt. Every authorize starts a fresh one, so the
+  `done` response holds exactly the winning attempt's content (a retried
+  attempt re-streams reasoning and tool calls from the start; keeping the
+  superseded attempt's would duplicate them). A `reset` event tells
+  subscribers to void what they saw; the content here is already per attempt.
+- Per delta the cost is one list append (`add[kind](data)`); strings are
+  joined and tool-call fragments assembled only in `build_response`.
+- Tool-call fragments carry a slot `index` assigned by the worker (it already
+  opens a new slot when a provider reuses an index with a new id). Per slot,
+  the first non-empty `id` and `name` are kept (assigned, not appended) and
+  `arguments` fragments are joined in arrival order.
+- `notice` deltas are user-visible warnings, kept apart from the content.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from streamfence.protocol.messages import DeltaKind, empty_response
+
+_TOOL_KEYS = frozenset(("index", "id", "name", "arguments"))
+MAX_TOOL_INDEX = 4096
+
+
+def check_tool_fragment(data: Any) -> dict[str, Any]:
+    """Validate one `tool_call` delta payload; raises ValueError naming the field."""
+    if type(data) is not dict:
+        raise ValueError("tool_call data must be a map")
+    for key in data:
+        if key not in _TOOL_KEYS:
+            raise ValueError(f"tool_call data has unknown field {key!r}")
+    index = data.get("index")
+    if type(index) is not int or not 0 <= index <= MAX_TOOL_INDEX:
+        raise ValueError(f"tool_call.index must be an integer in 0..{MAX_TOOL_INDEX}")
+    for key in ("id", "name", "arguments"):
+        value = data.get(key)
+        if value is not None and type(value) is not str:
+            raise ValueError(f"tool_call.{key} must be a string or nil")
+    return data
+
+
+class Content:
+    """Accumulated content of one attempt."""
+
+    __slots__ = ("add", "notices", "reasoning", "refusal", "text", "tools")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.refusal: list[str] = []
+        self.tools: list[dict[str, Any]] = []
+        self.notices: list[str] = []
+        # kind -> bound append: the hot path does one dict lookup and one call.
+        self.add: dict[str, Callable[[Any], None]] = {
+            DeltaKind.TEXT.value: self.text.append,
+            DeltaKind.REASONING.value: self.reasoning.append,
+            DeltaKind.REFUSAL.value: self.refusal.append,
+            DeltaKind.TOOL_CALL.value: self.tools.append,
+            DeltaKind.NOTICE.value: self.notices.append,
+        }
+
+    def visible_chars(self) -> int:
+        """Characters a user has seen (text and refusal, whitespace-trimmed):
+        the supervisor's "visible text delivered" test for on_partial."""
+        return len("".join(self.text).strip()) + len("".join(self.refusal).strip())
+
+    def tool_fragments(self) -> int:
+        return len(self.tools)
+
+    def tool_calls(self, dropped_indexes: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
+        """Assemble the fragments into calls, by slot index, leaving out dropped slots."""
+        slots: dict[int, tuple[list[str | None], list[str]]] = {}
+        for frag in self.tools:
+            index: int = frag["index"]
+            slot = slots.get(index)
+            if slot is None:
+                slot = ([None, None], [])
+                slots[index] = slot
+            ident, args = slot
+            if ident[0] is None and frag.get("id"):
+                ident[0] = frag["id"]
+            if ident[1] is None and frag.get("name"):
+                ident[1] = frag["name"]
+            piece = frag.get("arguments")
+            if piece:
+                args.append(piece)
+        return [
+            {"id": slots[i][0][0], "name": slots[i][0][1], "arguments": "".join(slots[i][1])}
+            for i in sorted(slots)
+            if i not in dropped_indexes
+        ]
+
+    def build_response(self, meta: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The normalized `done` response: this content plus C_FINISH's `meta`.
+
+        Raises ValueError naming the meta field that has the wrong type.
+        """
+        m = _check_meta(meta or {})
+        response = empty_response()
+        response["content"] = "".join(self.text)
+        response["reasoning"] = "".join(self.reasoning)
+        response["refusal"] = "".join(self.refusal) if self.refusal else None
+        response["tool_calls"] = self.tool_calls(frozenset(m.get("dropped_tool_indexes") or ()))
+        for key in ("finish_reason", "usage", "model", "provider_response_id"):
+            if m.get(key) is not None:
+                response[key] = m[key]
+        response["partial"] = bool(m.get("partial", False))
+        response["dropped_tool_names"] = list(m.get("dropped_tool_names") or ())
+        return response
+
+
+# meta field -> (allowed types, description); None is always allowed.
+_META_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "finish_reason": ((str,), "a string"),
+    "usage": ((dict,), "a map"),
+    "model": ((str,), "a string"),
+    "provider_response_id": ((str,), "a string"),
+    "partial": ((bool,), "a boolean"),
+    "dropped_tool_names": ((list,), "an array of strings"),
+    "dropped_tool_indexes": ((list,), "an array of integers"),
+}
+
+
+def _check_meta(meta: Mapping[str, Any]) -> Mapping[str, Any]:
+    # Unknown keys are ignored: the supervisor may carry more than the sink needs.
+    for key, (types, what) in _META_TYPES.items():
+        value = meta.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            raise ValueError(f"meta.{key} must be {what}, got {type(value).__name__}")
+    for name in meta.get("dropped_tool_names") or ():
+        if not isinstance(name, str):
+            raise ValueError("meta.dropped_tool_names must be an array of strings")
+    for index in meta.get("dropped_tool_indexes") or ():
+        if type(index) is not int:
+            raise ValueError("meta.dropped_tool_indexes must be an array of integers")
+    return meta

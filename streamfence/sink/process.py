@@ -1,0 +1,421 @@
+"""The sink process: the only writer of the transcript.
+
+Duties (`run_sink` is the entry point the supervisor starts with
+`multiprocess.get_context("spawn").Process(target=run_sink, ...)`):
+
+- bind ROUTER `sink.in` (workers: T_DELTA, T_FINAL) and ROUTER `sink.ctl`
+  (the supervisor: C_AUTHORIZE, C_FENCE, C_FINISH, C_STATS), see
+  streamfence.protocol.internal;
+- per delta: the fence check (`FenceTable.check`); on ACCEPT assign the call's
+  next public seq, build the public delta event, queue it for the store,
+  accumulate content, and queue `[E_EVENT, call_id, seq, event]` for the
+  supervisor's control peer (the identity that last sent a valid control
+  message; events are buffered while there is none);
+- group commit: when 1000 events are pending, when the input runs dry (at
+  most once per 0.2 ms: tiny commits churn the WAL), or 5 ms after the first
+  pending event; queued events are sent right after the commit that stored
+  them (durable before visible), and authorize / final acks / done events
+  are sent after a commit too;
+- count and sparsely log refused deltas and bad frames; never crash on input;
+- die with the parent (PR_SET_PDEATHSIG) and exit cleanly on SIGTERM after a
+  last commit. SIGINT is ignored: the supervisor owns the shutdown order.
+
+The per-delta path is written out inline in `_drain_in` on purpose: a burst
+loop with locals, one `unpackb`, integer tag test, a dict lookup in the fence,
+list appends and pre-encoded byte pieces.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.backend
+
+from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted, encode
+from streamfence.protocol.errors import ProtocolError
+from streamfence.protocol.internal import E_EVENTS, R_REFUSED, T_DELTA, Endpoints
+from streamfence.protocol.logs import route_logs_to
+from streamfence.sink.content import check_tool_fragment
+from streamfence.sink.fence import Verdict
+from streamfence.sink.lifeline import die_with_parent, expected_parent_pid
+from streamfence.sink.state import COMMIT_AFTER_S, COMMIT_EVERY, IDLE_COMMIT_GAP_S, SinkState, log
+from streamfence.sink.store import TranscriptStore
+from streamfence.sink.wire import KIND_TAIL, TOOL_CALL, BadFrame, parse_control, parse_final
+
+EXIT_OK = 0
+EXIT_PARENT_GONE = 3  # the supervisor died before we could arm the death signal
+
+BACKLOG_MAX = 200_000  # events kept while no supervisor is connected
+CTL_BURST = 100
+IDLE_POLL_MS = 1000
+
+_ACCEPT = Verdict.ACCEPT
+BATCH_MAX = 4096
+_BATCH_TAG = b"\x92" + msgpack.packb(E_EVENTS)  # a 2-array: [E_EVENTS, [...]]
+_raw_send = zmq.backend.Socket.send  # the compiled send, under pyzmq's Python-level one
+_PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException)
+
+
+class Sink(SinkState):
+    """Sockets and the loop around SinkState."""
+
+    def __init__(self, runtime_dir: str, db_path: str,
+                 control_identity: bytes | None = None) -> None:
+        super().__init__(TranscriptStore(db_path))
+        # Only the supervisor may drive the sink and receive its events: its
+        # DEALER carries a secret identity handed to us at spawn (never on a
+        # socket). Without one, the first valid peer is pinned for good.
+        self.control_identity = control_identity
+        ep = Endpoints(runtime_dir)
+        self.ctx = zmq.Context()
+        self.sin = self._router(ep.sink_in)
+        self.ctl = self._router(ep.sink_ctl)
+        self.peer: bytes | None = None
+        self.backlog: list[bytes] = []
+        self._batch_header = msgpack.Packer().pack_array_header
+        self.events_unsent = 0
+        self.acks_unroutable = 0
+        self._signals: list[int] = []
+        self._stopping = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+
+    def _router(self, endpoint: str) -> zmq.Socket[bytes]:
+        s: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
+        # Mandatory: an unknown peer is an error we see, not a silent drop.
+        # No send HWM: the supervisor is our own process and must get every
+        # event (with HWM+mandatory a send could block the loop instead).
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.RCVHWM, 10_000)
+        s.setsockopt(zmq.MAXMSGSIZE, DEFAULT_MAX_FRAME)
+        s.setsockopt(zmq.LINGER, 500)
+        s.bind(endpoint)
+        return s
+
+    # ---- supervisor peer ------------------------------------------------------------
+
+    def _publish(self, frame: bytes) -> None:
+        peer = self.peer
+        if peer is not None:
+            try:
+                self.ctl.send(peer, zmq.SNDMORE)
+                self.ctl.send(frame)
+                return
+            except zmq.ZMQError as exc:
+                self._lose_peer(exc)
+        self._buffer(frame)
+
+    def _buffer(self, frame: bytes) -> None:
+        if len(self.backlog) < BACKLOG_MAX:
+            self.backlog.append(frame)
+        else:
+            self.events_unsent += 1  # still in the store: subscribers can replay
+
+    def _lose_peer(self, exc: zmq.ZMQError) -> None:
+        log.warning("sink: supervisor control peer unreachable (%s); buffering events", exc)
+        self.peer = None
+
+    def _publish_all(self, frames: list[bytes]) -> None:
+        """The E_EVENT frames of one commit, as one E_EVENTS message (in slices
+        of BATCH_MAX): the supervisor then decodes once per batch."""
+        peer = self.peer
+        if peer is None:
+            for frame in frames:
+                self._buffer(frame)
+            return
+        send = _raw_send.__get__(self.ctl)
+        header = self._batch_header
+        for start in range(0, len(frames), BATCH_MAX):
+            part = frames[start:start + BATCH_MAX]
+            body = part[0] if len(part) == 1 else \
+                _BATCH_TAG + header(len(part)) + b"".join(part)
+            try:
+                send(peer, zmq.SNDMORE)
+                send(body)
+            except zmq.ZMQError as exc:
+                self._lose_peer(exc)
+                for rest in frames[start:]:
+                    self._buffer(rest)
+                return
+
+    def _set_peer(self, ident: bytes) -> None:
+        if ident == self.peer:
+            return
+        self.peer = ident
+        backlog, self.backlog = self.backlog, []
+        for frame in backlog:
+            self._publish(frame)
+
+    def stats(self) -> dict[str, object]:
+        out = super().stats()
+        out.update(events_buffered=len(self.backlog), events_unsent=self.events_unsent,
+                   acks_unroutable=self.acks_unroutable)
+        return out
+
+    # ---- loop -------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signals.append(signum)  # only enqueue; the loop acts on it
+
+    def serve(self) -> None:
+        signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        poller = zmq.Poller()
+        poller.register(self.ctl, zmq.POLLIN)
+        poller.register(self.sin, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        wake_fd = self._wake_r.fileno()
+        log.info("sink: serving pid=%s in=%s", os.getpid(), self.sin.getsockopt_string(zmq.LAST_ENDPOINT))
+        idle = True  # the input ran dry in the last drain
+        while not self._stopping:
+            timeout = IDLE_POLL_MS
+            if self.commit_due is not None:
+                due = min(self.commit_due, self.last_commit + IDLE_COMMIT_GAP_S) \
+                    if idle else self.commit_due
+                timeout = max(0, int((due - time.monotonic()) * 1000) + 1)
+            ready = dict(poller.poll(timeout))
+            if wake_fd in ready:  # plain fds come back as their fileno
+                self._drain_signals()
+            if self.ctl in ready:
+                self._drain_ctl()
+            idle = True
+            if self.sin in ready:
+                idle = self._drain_in(max(1, COMMIT_EVERY - self.pending_events))
+            if self.pending_events:
+                now = time.monotonic()
+                if self.commit_due is None:
+                    self.commit_due = now + COMMIT_AFTER_S
+                if (self.pending_events >= COMMIT_EVERY or now >= self.commit_due
+                        or (idle and now >= self.last_commit + IDLE_COMMIT_GAP_S)):
+                    self.commit()
+        log.info("sink: stopping; final commit")
+        self.commit()
+
+    def _drain_signals(self) -> None:
+        try:
+            while self._wake_r.recv(512):
+                pass
+        except BlockingIOError:
+            pass
+        signals, self._signals = self._signals, []
+        for signum in signals:
+            if signum == signal.SIGTERM:
+                self._stopping = True
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(-1)
+        self.sin.close()
+        self.ctl.close()
+        self.ctx.term()
+        self.store.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # ---- sockets ---------------------------------------------------------------------
+
+    def _resync(self, sock: zmq.Socket[bytes]) -> bool:
+        """Drop the rest of a multi-part message; True if there was any."""
+        if not sock.getsockopt(zmq.RCVMORE):
+            return False
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv()
+        return True
+
+    def _drain_ctl(self) -> None:
+        sock = self.ctl
+        for _ in range(CTL_BURST):
+            try:
+                ident = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            frame = sock.recv()
+            if self._resync(sock):
+                self.bad_frame("ctl", "more than one frame")
+                continue
+            if self.control_identity is not None and ident != self.control_identity:
+                self.bad_frame("ctl", "control message from a peer that is not the supervisor")
+                continue
+            try:
+                op = parse_control(decode_untrusted(frame))
+            except ProtocolError as exc:
+                self.bad_frame("ctl", exc.message)
+                continue
+            except BadFrame as exc:
+                self.bad_frame("ctl", exc.reason)
+                if exc.req is not None:  # the sender is waiting on this req: answer it
+                    self._send(sock, ident, encode([R_REFUSED, exc.req, f"bad_message: {exc.reason}"]))
+                continue
+            if self.control_identity is None:
+                self.control_identity = ident  # trust on first use
+            self._set_peer(ident)
+            self._send(sock, ident, self.handle_control(op))
+
+    def _send(self, sock: zmq.Socket[bytes], ident: bytes, frame: bytes) -> bool:
+        try:
+            sock.send(ident, zmq.SNDMORE | zmq.NOBLOCK)
+            sock.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False  # the peer is gone (EHOSTUNREACH): nobody to answer
+
+    def _on_in_other(self, ident: bytes, frame: bytes) -> None:
+        """Anything on sink.in that is not a well-formed delta: a final or garbage."""
+        if self._resync(self.sin):
+            self.bad_frame("in", "more than one frame")
+            return
+        try:
+            final = parse_final(decode_untrusted(frame))
+        except ProtocolError as exc:
+            self.bad_frame("in", exc.message)
+            return
+        except BadFrame as exc:
+            self.bad_frame("in", exc.reason)
+            return
+        ack = self.handle_final(final)
+        if not self._send(self.sin, ident, ack):
+            # The worker exited without waiting for its ack (it will count the
+            # attempt as unfinished); the supervisor has E_ENDED anyway.
+            self.acks_unroutable += 1
+
+    def _drain_in(self, budget: int) -> bool:
+        """The hot path: up to `budget` worker messages. True if the input ran dry.
+
+        Framing: pyzmq's RCVMORE read costs ~1.5 us, more than the fence check
+        itself, so a message is read as [identity, body] and RCVMORE is
+        consulted only when the body is not a well-formed delta (`_resync`).
+        The one case that slips through, a multi-part message whose first body
+        part is a valid delta, misaligns the next read, which then fails to
+        parse and is resynced: at most one other message is lost (its sender
+        sees a gap; its final is refused; the attempt is retried). Workers send
+        single frames, and the fence never depends on the framing.
+        """
+        sock = self.sin
+        recv = sock.recv
+        outbox_append = self.outbox.append
+        unpackb = msgpack.unpackb
+        pack = self.pack
+        check = self.fence.check
+        lives = self.lives
+        tails = KIND_TAIL
+        dirty_append = self.dirty.append
+        noblock = zmq.NOBLOCK
+        n = 0
+        idle = False
+        for _ in range(budget):
+            try:
+                ident = recv(noblock)
+            except zmq.Again:
+                idle = True
+                break
+            try:
+                frame = recv(noblock)  # never block: a message arrives whole
+            except zmq.Again:
+                self.bad_frame("in", "lone frame (a misaligned multi-part message)")
+                idle = True
+                break
+            try:
+                msg = unpackb(frame)
+                tag = msg[0]
+            except _PARSE_ERRORS:
+                self._resync(sock)
+                self.bad_frame("in", "not a msgpack array")
+                continue
+            if tag != T_DELTA or type(tag) is not int:
+                # Out of line (finals, garbage). It may commit: settle the
+                # burst's counters first.
+                self.pending_events += n
+                self.accepted += n
+                n = 0
+                self._on_in_other(ident, frame)
+                continue
+            try:
+                _, call, attempt, seq, kind, data = msg
+                tail = tails[kind]
+                if type(call) is not str or type(attempt) is not int or type(seq) is not int:
+                    raise TypeError
+                if kind == TOOL_CALL:
+                    check_tool_fragment(data)
+                elif type(data) is not str:
+                    raise TypeError
+            except _PARSE_ERRORS:
+                self._resync(sock)
+                self.bad_frame("in", "malformed T_DELTA")
+                continue
+            verdict = check(call, attempt, seq)
+            if verdict is not _ACCEPT:
+                self.drop(call, attempt, seq, verdict)
+                continue
+            live = lives[call]
+            pseq = live.seq + 1
+            live.seq = pseq
+            pseq_b = pack(pseq)
+            event = live.prefix + pseq_b + tail + pack(data)
+            pending = live.pending
+            if not pending:
+                live.pending_seq = pseq
+                dirty_append(live)
+            pending.append(event)
+            live.add[kind](data)
+            n += 1
+            outbox_append(live.head + pseq_b + pack(event))  # sent after its commit
+        self.pending_events += n
+        self.accepted += n
+        return idle
+
+
+def _route_logs(runtime_dir: str, level: str | int) -> zmq.Socket[bytes]:
+    """Ship our records to the supervisor's log socket (one log, one format)."""
+    ctx: Any = zmq.Context.instance()
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.PUSH)
+    sock.linger = 1000
+    sock.sndhwm = 10_000
+    sock.connect(Endpoints(runtime_dir).logs)
+    route_logs_to(sock, level.upper() if isinstance(level, str) else level, "sink")
+    return sock
+
+
+def _setup_logging(level: str | int) -> None:
+    # A spawned child starts with no handlers: give it stderr unless someone
+    # configured logging already.
+    base = logging.getLogger("streamfence")
+    if not logging.getLogger().handlers and not base.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
+        base.addHandler(handler)
+    logging.getLogger("streamfence.sink").setLevel(
+        level.upper() if isinstance(level, str) else level)
+
+
+def run_sink(runtime_dir: str, db_path: str, log_level: str | int = "INFO",
+             control_identity: bytes | None = None, log_to_supervisor: bool = False) -> None:
+    """Process entry point: serve until SIGTERM (or the parent's death).
+
+    `control_identity`: the ZeroMQ identity of the supervisor's control
+    socket; control messages from any other peer are refused and counted."""
+    log_sock = _route_logs(runtime_dir, log_level) if log_to_supervisor else None
+    if log_sock is None:
+        _setup_logging(log_level)
+    if not die_with_parent(expected_parent_pid()):
+        log.error("sink: parent already gone at start; exiting")
+        sys.exit(EXIT_PARENT_GONE)
+    sink = Sink(runtime_dir, db_path, control_identity)
+    try:
+        sink.serve()
+    finally:
+        sink.close()
+        if log_sock is not None:
+            logging.shutdown()
+            log_sock.close()

@@ -1,0 +1,360 @@
+"""The sink's state and its out-of-line operations (no sockets here).
+
+`SinkState` owns the fence table, one `LiveCall` per known call, the
+transcript store and the counters. It implements the control ops
+(authorize / fence / finish / stats), worker finals, drop accounting and
+commits; `process.Sink` adds the sockets, the loop and the per-delta hot path,
+and provides `_publish` (send one frame to the supervisor).
+
+Invariants:
+- every call in the fence table has a LiveCall (created and evicted together);
+- a LiveCall's `pending` holds accepted events not yet handed to the store,
+  and the calls with pending events are listed in `dirty` (the hot path
+  appends; `flush_pending` turns each into one row per call);
+- durable before visible: an accepted event's E_EVENT waits in `outbox` until
+  the commit that stores it, and every ack, reply or event is sent after the
+  commit covering what it reports. So whatever a client has seen survives a
+  kill -9 of the whole daemon, and a restarted sink never re-uses a seq.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import msgpack
+
+from streamfence.protocol.codec import encode
+from streamfence.protocol.internal import (
+    E_ENDED,
+    E_FINAL_REFUSED,
+    R_OK,
+    R_REFUSED,
+    T_FINAL_ACK,
+    attempt_stats,
+)
+from streamfence.protocol.messages import done_event, reset_event
+from streamfence.sink.content import Content
+from streamfence.sink.fence import FenceTable, FinalVerdict, Verdict
+from streamfence.sink.store import TranscriptStore
+from streamfence.sink.wire import (
+    Authorize,
+    ControlOp,
+    Fence,
+    Final,
+    Finish,
+    delta_prefix,
+    event_head,
+)
+
+log = logging.getLogger("streamfence.sink")
+fence_log = logging.getLogger("streamfence.sink.fence")
+
+COMMIT_EVERY = 1000  # events per group commit ...
+COMMIT_AFTER_S = 0.005  # ... or this long after the first uncommitted one ...
+IDLE_COMMIT_GAP_S = 0.0002  # ... or when the input runs dry, at most once per this
+FINISHED_KEEP = 10_000  # finished calls kept in memory (late drops stay attributed)
+UNKNOWN_DROP_KEYS = 4096  # (call, attempt) pairs of unknown calls tracked for logging
+WARN_EVERY_S = 10.0  # bad frames: at most one WARNING per socket per interval
+
+# One grep-able prefix for every refusal: "fence: dropped delta".
+_DROP_WHY = {
+    Verdict.STALE_ATTEMPT: "from superseded attempt",
+    Verdict.FUTURE_ATTEMPT: "from unauthorized attempt",
+    Verdict.UNKNOWN_CALL: "for unknown call",
+    Verdict.CLOSED: "from closed attempt",
+    Verdict.GAP: "with seq gap",
+    Verdict.DUPLICATE: "with duplicate seq",
+}
+_SEQ_VERDICTS = (Verdict.GAP, Verdict.DUPLICATE)
+
+
+class LiveCall:
+    """Per-call runtime state beside the fence entry."""
+
+    __slots__ = ("add", "attempt", "call_id", "content", "drops", "head", "model",
+                 "pending", "pending_seq", "prefix", "seq")
+
+    def __init__(self, call_id: str, last_seq: int) -> None:
+        self.call_id = call_id
+        self.seq = last_seq  # last public event seq of the call (across attempts)
+        self.attempt = 0  # attempt whose content is held (0: none yet)
+        self.content = Content()
+        self.add = self.content.add
+        self.prefix = b""  # encoded delta event up to "seq" for (call, attempt)
+        self.head = event_head(call_id)
+        self.pending: list[bytes] = []
+        self.pending_seq = 0  # public seq of pending[0]
+        self.drops: dict[int, int] = {}  # attempt -> refused deltas carrying it
+        self.model: str | None = None
+
+    def start_attempt(self, attempt: int, model: str | None) -> None:
+        self.attempt = attempt
+        self.content = Content()
+        self.add = self.content.add
+        self.prefix = delta_prefix(self.call_id, attempt)
+        self.model = model
+
+    def stats(self, closed: bool) -> dict[str, Any]:
+        c = self.content
+        # One list entry per accepted delta, and seqs are contiguous from 1.
+        accepted = len(c.text) + len(c.reasoning) + len(c.refusal) + len(c.tools) + len(c.notices)
+        return attempt_stats(self.attempt, accepted, self.drops.get(self.attempt, 0),
+                             c.visible_chars(), c.tool_fragments(), accepted, closed)
+
+
+class SinkState:
+    def __init__(self, store: TranscriptStore) -> None:
+        self.store = store
+        self.fence = FenceTable()
+        self.lives: dict[str, LiveCall] = {}
+        self.dirty: list[LiveCall] = []
+        self.pending_events = 0
+        self.commit_due: float | None = None
+        self.last_commit = 0.0
+        self.outbox: list[bytes] = []  # E_EVENT frames waiting for their commit
+        self.finished: deque[str] = deque()
+        self.pack = msgpack.Packer(use_bin_type=True, datetime=False).pack
+        self.accepted = 0
+        self.dropped = 0
+        self.dropped_by: dict[Verdict, int] = {v: 0 for v in Verdict if v is not Verdict.ACCEPT}
+        self.unknown_drops: dict[tuple[str, int], int] = {}
+        self.bad_frames = {"in": 0, "ctl": 0}
+        self._bad_warned = {"in": -WARN_EVERY_S, "ctl": -WARN_EVERY_S}
+        self.finals_accepted = 0
+        self.finals_refused = 0
+        for row in store.unfinished_calls():
+            # Closed until the supervisor authorizes a higher epoch.
+            self.fence.seed(row.call_id, row.max_epoch)
+            live = self.lives[row.call_id] = LiveCall(row.call_id, row.last_seq)
+            self._restore_content(live, row.max_epoch)
+        if self.lives:
+            log.info("sink: rebuilt %d unfinished calls from %s", len(self.lives), store.path)
+
+    def _publish(self, frame: bytes) -> None:
+        raise NotImplementedError
+
+    def _publish_all(self, frames: list[bytes]) -> None:
+        for frame in frames:
+            self._publish(frame)
+
+    def _restore_content(self, live: LiveCall, epoch: int) -> None:
+        """Reload the latest attempt's content from the store after a restart, so
+        its stats (visible_chars above all) tell the supervisor what was delivered."""
+        if epoch < 1:
+            return
+        live.start_attempt(epoch, None)
+        for body in self.store.events_after(live.call_id, 0):
+            event = msgpack.unpackb(body)
+            if event["op"] == "delta" and event["attempt"] == epoch:
+                live.add[event["kind"]](event["data"])
+
+    # ---- calls -------------------------------------------------------------------
+
+    def _live(self, call_id: str) -> LiveCall:
+        """The call's LiveCall, reloaded from the store or created when unknown."""
+        live = self.lives.get(call_id)
+        if live is None:
+            row = self.store.call_row(call_id)
+            live = LiveCall(call_id, row.last_seq if row else 0)
+            self.lives[call_id] = live
+            if row is not None:
+                finished = row.status is not None
+                self.fence.seed(call_id, row.max_epoch, finished)
+                if finished:
+                    self._remember_finished(call_id)
+        return live
+
+    def _remember_finished(self, call_id: str) -> None:
+        self.finished.append(call_id)
+        while len(self.finished) > FINISHED_KEEP:
+            old = self.finished.popleft()
+            self.fence.evict(old)
+            self.lives.pop(old, None)
+
+    # ---- commits -------------------------------------------------------------------
+
+    def flush_pending(self) -> None:
+        for live in self.dirty:
+            if live.pending:
+                self.store.add_run(live.call_id, live.pending_seq, live.attempt, live.pending)
+                live.pending = []
+        self.dirty.clear()
+
+    def commit(self) -> None:
+        """Store everything accepted so far, then publish its events."""
+        self.flush_pending()
+        self.store.commit()
+        self.pending_events = 0
+        self.commit_due = None
+        self.last_commit = time.monotonic()
+        if self.outbox:
+            self._publish_all(self.outbox)
+            self.outbox.clear()  # in place: the hot path holds a bound append
+
+    # ---- control ops ---------------------------------------------------------------
+
+    def handle_control(self, op: ControlOp) -> bytes:
+        """Run one control op; returns the encoded reply."""
+        # Commit (and so publish) what is accepted first: a reply never
+        # overtakes the events it reports on.
+        self.commit()
+        if isinstance(op, Authorize):
+            return self._authorize(op)
+        if isinstance(op, Fence):
+            return self._fence(op)
+        if isinstance(op, Finish):
+            return self._finish(op)
+        return encode([R_OK, op.req, self.stats()])
+
+    def _authorize(self, op: Authorize) -> bytes:
+        live = self._live(op.call_id)
+        prev = live.stats(closed=True)
+        reason = self.fence.authorize(op.call_id, op.attempt)
+        if reason is not None:
+            log.info("sink: authorize refused call=%s attempt=%d: %s", op.call_id, op.attempt, reason)
+            return encode([R_REFUSED, op.req, reason])
+        self.flush_pending()  # the old attempt's pending run keeps its attempt number
+        live.start_attempt(op.attempt, op.model)
+        self.store.set_epoch(op.call_id, op.attempt)
+        out = None
+        if op.reset:
+            live.seq += 1
+            body = encode(reset_event(op.call_id, op.attempt, live.seq))
+            self.store.add(op.call_id, live.seq, live.seq, op.attempt, "reset", body)
+            out = live.head + self.pack(live.seq) + self.pack(body)
+        # Durable before the ack: after a restart no epoch may be handed out twice.
+        self.commit()
+        if out is not None:
+            self._publish(out)
+        log.debug("sink: authorized call=%s attempt=%d reset=%s", op.call_id, op.attempt, op.reset)
+        return encode([R_OK, op.req, prev])
+
+    def _fence(self, op: Fence) -> bytes:
+        live = self._live(op.call_id)
+        prev = live.stats(closed=True)
+        view = self.fence.view(op.call_id)
+        raised = view is None or op.attempt > view.epoch
+        self.fence.fence(op.call_id, op.attempt)
+        if raised:
+            self.store.set_epoch(op.call_id, op.attempt)
+            self.commit()
+        log.debug("sink: fenced call=%s attempt=%d", op.call_id, op.attempt)
+        return encode([R_OK, op.req, prev])
+
+    def _finish(self, op: Finish) -> bytes:
+        live = self._live(op.call_id)
+        view = self.fence.view(op.call_id)
+        if view is not None and view.finished:
+            # Idempotent: a repeated finish gets the stored done event, nothing new.
+            body = self.store.done_event(op.call_id)
+            if body is None:
+                return encode([R_REFUSED, op.req, "call_finished: no done event stored"])
+            return encode([R_OK, op.req, msgpack.unpackb(body)])
+        try:
+            response = live.content.build_response(op.meta)
+        except ValueError as exc:
+            return encode([R_REFUSED, op.req, f"bad_meta: {exc}"])
+        self.fence.finish(op.call_id)  # nothing more is accepted for this call
+        self.flush_pending()
+        live.seq += 1
+        epoch = view.epoch if view is not None else 0
+        done = done_event(op.call_id, live.seq, op.status, response, op.error, op.attempts)
+        body = encode(done)
+        self.store.add(op.call_id, live.seq, live.seq, epoch, "done", body)
+        self.store.set_done(op.call_id, epoch, op.status.value, live.seq)
+        self.commit()  # committed before anyone can see it
+        self._publish(live.head + self.pack(live.seq) + self.pack(body))
+        live.content = Content()  # free the text; the store has it
+        live.add = live.content.add
+        self._remember_finished(op.call_id)
+        log.debug("sink: done call=%s status=%s seq=%d", op.call_id, op.status.value, live.seq)
+        return encode([R_OK, op.req, done])
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "accepted": self.accepted,
+            "dropped": self.dropped,
+            "dropped_by_verdict": {v.value: n for v, n in self.dropped_by.items()},
+            "dropped_by_call": {c: sum(lv.drops.values())
+                                for c, lv in self.lives.items() if lv.drops},
+            "bad_frames": dict(self.bad_frames),
+            "finals_accepted": self.finals_accepted,
+            "finals_refused": self.finals_refused,
+            "calls_in_memory": len(self.lives),
+            "calls_open": sum(1 for c in self.fence if (v := self.fence.view(c)) and v.open),
+            "db_rows": self.store.rows_written,
+            "commits": self.store.commits,
+            "pending_events": self.pending_events,
+        }
+
+    # ---- worker finals -------------------------------------------------------------
+
+    def handle_final(self, f: Final) -> bytes:
+        """An attempt's final message; returns the encoded ack for the worker."""
+        # Every delta up to last_seq is durable (and its event sent) before the
+        # ack, and before E_ENDED / E_FINAL_REFUSED.
+        self.commit()
+        verdict = self.fence.close_on_final(f.call_id, f.attempt, f.last_seq)
+        if verdict is FinalVerdict.ACCEPT:
+            self.finals_accepted += 1
+            stats = self.lives[f.call_id].stats(closed=True)
+            self._publish(encode([E_ENDED, f.call_id, f.attempt, stats, f.final]))
+            return encode([T_FINAL_ACK, f.call_id, f.attempt, True, ""])
+        if verdict is FinalVerdict.REPEATED:
+            return encode([T_FINAL_ACK, f.call_id, f.attempt, True, "repeated"])
+        view = self.fence.view(f.call_id)
+        if view is None:
+            reason = f"{verdict.value}: call {f.call_id} is not known to the sink"
+        else:
+            reason = (f"{verdict.value}: current epoch {view.epoch} ({view.state.value}), "
+                      f"last accepted seq {view.last_seq}, final says {f.last_seq}")
+        self.finals_refused += 1
+        log.warning("sink: final refused call=%s attempt=%d reason=%s",
+                    f.call_id, f.attempt, reason)
+        self._publish(encode([E_FINAL_REFUSED, f.call_id, f.attempt, reason]))
+        return encode([T_FINAL_ACK, f.call_id, f.attempt, False, reason])
+
+    # ---- refusals ------------------------------------------------------------------
+
+    def drop(self, call_id: str, attempt: int, seq: int, verdict: Verdict) -> None:
+        """Count a refused delta; the first of a (call, attempt) is logged at WARNING."""
+        self.dropped += 1
+        self.dropped_by[verdict] += 1
+        live = self.lives.get(call_id)
+        if live is not None:
+            n = live.drops.get(attempt, 0) + 1
+            live.drops[attempt] = n
+            per_call = sum(live.drops.values())
+            model = live.model
+        else:
+            key = (call_id, attempt)
+            n = self.unknown_drops.get(key, 0) + 1
+            if n > 1 or len(self.unknown_drops) < UNKNOWN_DROP_KEYS:
+                self.unknown_drops[key] = n
+            else:
+                n = 2  # table full: a flood of forged ids is logged at DEBUG only
+            per_call, model = n, None
+        level = logging.WARNING if n == 1 else logging.DEBUG
+        if fence_log.isEnabledFor(level):
+            view = self.fence.view(call_id)
+            expected = view.last_seq + 1 if view and verdict in _SEQ_VERDICTS else "-"
+            fence_log.log(
+                level,
+                "fence: dropped delta %s call=%s attempt=%d current=%s seq=%d "
+                "expected=%s verdict=%s dropped=%d dropped_call=%d model=%s",
+                _DROP_WHY[verdict], call_id, attempt, view.epoch if view else "-", seq,
+                expected, verdict.value, n, per_call, model or "-",
+            )
+
+    def bad_frame(self, where: str, reason: str) -> None:
+        self.bad_frames[where] += 1
+        now = time.monotonic()
+        if now - self._bad_warned[where] >= WARN_EVERY_S:
+            self._bad_warned[where] = now
+            log.warning("sink: bad frame on sink.%s (%d so far): %s",
+                        where, self.bad_frames[where], reason)
+        else:
+            log.debug("sink: bad frame on sink.%s: %s", where, reason)

@@ -1,0 +1,70 @@
+"""Recovery at start: every call the journal holds as accepted and not
+finished runs again, under a new epoch (with a reset first if an earlier
+attempt published anything); a call whose done event the sink had already
+stored (the daemon died between the sink's commit and the journal's) is
+finished in the journal from the transcript instead."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import msgpack
+
+from streamfence.protocol.messages import CallOptions, CallSpec, OnPartial
+from streamfence.sink.store import TranscriptReader, events_after
+from streamfence.supervisor.calls import Call
+from streamfence.supervisor.state import DaemonState
+from streamfence.supervisor.timeouts import attempt_timeouts
+
+log = logging.getLogger("streamfence.supervisor")
+
+
+def recover_calls(st: DaemonState, transcript_path: str) -> None:
+    """Calls accepted but not finished before a restart run again, under new
+    epochs; a call whose done event the sink had already stored (we died
+    between its commit and ours) is finished in the journal from it."""
+    reader = TranscriptReader(transcript_path) if os.path.exists(
+        transcript_path) else None
+    for jc in st.journal.unfinished():
+        stored = reader.done_event(jc.call_id) if reader is not None else None
+        if stored is not None:
+            done = msgpack.unpackb(stored, raw=False)
+            st.journal.finish_call(jc.call_id, str(done.get("status")), done)
+            log.info("call %s had finished before the restart (%s)", jc.call_id,
+                     done.get("status"))
+            continue
+        profile = st.config.providers.get(jc.provider)
+        if profile is None:
+            log.error("journaled call %s names unknown provider %r; left as is",
+                      jc.call_id, jc.provider)
+            continue
+        o = jc.options
+        options = CallOptions(stale_timeout_s=o.get("stale_timeout_s"),
+                              first_chunk_timeout_s=o.get("first_chunk_timeout_s"),
+                              max_attempts=o.get("max_attempts"),
+                              deadline_s=o.get("deadline_s"),
+                              on_partial=OnPartial(o.get("on_partial") or "continue"))
+        spec = CallSpec(provider=jc.provider, request=jc.request, session_id=jc.session_id,
+                        idempotency_key=jc.idempotency_key, options=options)
+        max_attempts = options.max_attempts or profile.max_attempts
+        deadline = None
+        if options.deadline_s is not None:
+            # The deadline counts from acceptance, across restarts.
+            left = jc.created + options.deadline_s - time.time()
+            deadline = time.monotonic() + max(0.0, left)
+        call = Call(call_id=jc.call_id, spec=spec, profile=profile,
+                    timeouts=attempt_timeouts(options, profile, jc.request),
+                    max_attempts=max_attempts, deadline=deadline, epoch=jc.epoch,
+                    # Attempts spent before the restart count, but the call
+                    # always gets at least one more (the crash was ours).
+                    attempts=min(jc.attempts, max_attempts - 1))
+        call.delivered = jc.epoch > 0  # the transcript may hold an earlier attempt's text
+        st.calls[jc.call_id] = call
+        # Subscribers that come back resume from what the transcript holds.
+        st.events[jc.call_id] = events_after(transcript_path, jc.call_id, 0)
+        st.queue.append(jc.call_id)
+        log.info("recovered unfinished call %s (last epoch %d)", jc.call_id, jc.epoch)
+    if reader is not None:
+        reader.close()
