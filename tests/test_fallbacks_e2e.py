@@ -1,4 +1,4 @@
-"""Streaming fall-backs (SPEC §3) through the real daemon: Bedrock's IAM
+"""Streaming fall-backs (docs/ARCHITECTURE.md §4.7) through the real daemon: Bedrock's IAM
 denial of the streaming action, keep-alive-only streams, the non-streaming
 probe after a 5xx, and the stream_options rejection."""
 

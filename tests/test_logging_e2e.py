@@ -1,4 +1,4 @@
-"""Logging through the real worker path (origin document 000): every record
+"""Logging through the real worker path (docs/ARCHITECTURE.md §4.9): every record
 a worker emits, the SDK's and httpx2's own included, reaches the daemon's log
 carrying the call's session_id, call_id and attempt; a failure before
 delivery is logged at ERROR with its traceback."""

@@ -1,7 +1,7 @@
 """`python -m scripts.bench [--quick] [--only NAME ...] [--write-docs]`.
 
 Runs the sections (see scripts/bench/__init__.py) in order, prints the table
-of results beside their targets and SPEC §5's reference figures, and with
+of results beside their targets and the reference figures of docs/ARCHITECTURE.md §6, and with
 `--write-docs` puts it into docs/PERFORMANCE.md with the command, the date,
 the machine and the parameters. A section that fails is reported as such
 and the others still run; the exit status is 1 if any failed (never because

@@ -7,7 +7,7 @@ token deltas) is read, per round and in rotated order, by:
                    (`chat.completions.create(stream=True)`, `chunk.choices[0].delta.content`);
 - `anthropic-sdk`  the bare anthropic SDK loop in this process
                    (`messages.create(stream=True)`, `event.delta.text`);
-- `httpx2-raw`     raw httpx2 + orjson on the OpenAI wire (SPEC §5's reference point);
+- `httpx2-raw`     raw httpx2 + orjson on the OpenAI wire (the reference point of docs/ARCHITECTURE.md §6);
 - `sf-openai`      streamfence: submit to the real daemon (openai profile) and read the
                    events with `streamfence.protocol.client.Client`: CPU of the supervisor, sink,
                    zygote and every worker (common.CpuMeter, before/after) plus this
@@ -258,8 +258,8 @@ def _report(sec: Section, pace: str, deltas: int, delay: float,
         return median([r["cpu"] for r in results[v]]) / deltas
 
     label = f"{pace}, {deltas} chunks" + (f" @ {1 / delay:.0f}/s each" if delay else "")
-    ref = {"openai-sdk": "SPEC: ~160 µs (paced)", "anthropic-sdk": "SPEC: ~80–110 µs (paced)",
-           "httpx2-raw": "SPEC: raw httpx+json ~60 µs"}
+    ref = {"openai-sdk": "ref: ~160 µs (paced)", "anthropic-sdk": "ref: ~80–110 µs (paced)",
+           "httpx2-raw": "ref: raw httpx+json ~60 µs"}
     for v in results:
         sec.row(f"{v} ({label})", fmt_us(per_delta(v)) + "/delta", reference=ref.get(v, ""))
     for ours, theirs, name in PAIRS:

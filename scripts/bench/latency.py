@@ -208,9 +208,9 @@ def _report(sec: Section, results: dict[str, list[tuple[float, float, float, int
         text = f"p50 {p50 * 1e6:.0f} µs, p99 {p99 * 1e6:.0f} µs, max {worst * 1e3:.2f} ms"
         if variant == "daemon":
             sec.row(f"{names[variant]} @ {RATE // 1000}k/s", text, "p99 ≤ 1 ms",
-                    "SPEC: one hop p50 ~40–60 µs, p99 ~90–175 µs", p99 <= TARGET_P99_S)
+                    "ref: one hop p50 ~40–60 µs, p99 ~90–175 µs", p99 <= TARGET_P99_S)
         else:
             sec.row(f"{names[variant]} @ {RATE // 1000}k/s", text, "",
-                    "SPEC: one hop p50 ~40–60 µs, p99 ~90–175 µs")
+                    "ref: one hop p50 ~40–60 µs, p99 ~90–175 µs")
         sec.note(f"- {names[variant]}: per-round p99 " + ", ".join(
             f"{x[1] * 1e6:.0f}" for x in runs) + f" µs over {runs[0][3]:,} samples each")

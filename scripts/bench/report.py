@@ -19,7 +19,7 @@ _MARK = {True: "met", False: "**MISSED**", None: ""}
 
 
 def table(sections: Sequence[Section]) -> list[str]:
-    lines = ["| section | measure | result | target | verdict | SPEC §5 reference |",
+    lines = ["| section | measure | result | target | verdict | reference (ARCHITECTURE §6) |",
              "|---|---|---|---|---|---|"]
     for sec in sections:
         for row in sec.rows:

@@ -252,7 +252,7 @@ def _report(sec: Section, res: dict[str, Any], chunks: int) -> None:
             f"{(res['cpu_daemon'] + res['cpu_own']) / max(1, res['deltas']) * 1e6:.0f} µs/delta")
     sec.row(f"{n} streams: USS per worker", f"median {uss_med:.1f} MiB (max {uss_max:.1f}), "
             f"PSS {median(mem['pss']):.1f} MiB", f"≤ {USS_TARGET_MIB:.0f} MiB",
-            "SPEC: ~16 MiB zygote child", uss_max <= USS_TARGET_MIB)
+            "ref: ~16 MiB zygote child", uss_max <= USS_TARGET_MIB)
     roles = ", ".join(f"{k} {v / wall:.2f}" for k, v in sorted(res["cpu_by_role"].items()))
     parts = res["ttft_parts"]
     split = ", ".join(

@@ -85,9 +85,9 @@ def _report(sec: Section, results: dict[str, list[dict[str, Any]]]) -> None:
             return median([r[key] for r in runs])
 
         sec.row(f"start → ready (first warm worker), pool {variant}", f"{med('ready'):.2f} s",
-                "", "SPEC: imports ~1.9 s per process")
+                "", "ref: imports ~1.9 s per process")
         sec.row(f"start → warm pool of {variant} ready", f"{med('pool'):.2f} s", "",
-                "SPEC: 50 spawned workers ~52 s" if variant == "50" else "")
+                "ref: 50 spawned workers ~52 s" if variant == "50" else "")
         sec.note(f"- pool {variant}: supervisor up {med('up'):.2f} s, zygote ready "
                  f"{med('zygote'):.2f} s, first worker ready {med('ready'):.2f} s, all "
                  f"{variant} ready {med('pool'):.2f} s after start (medians of {len(runs)}); "

@@ -92,8 +92,8 @@ def run(quick: bool, rounds: int) -> Section:
 
 
 def _report(sec: Section, results: dict[str, list[float]], stats: dict[str, Any]) -> None:
-    ref = {"ceil-nodb": "SPEC: ~570k–790k/s (with fence check)",
-           "ceil-db": "SPEC: ~320k–370k/s", "sink": "SPEC: ~320k–370k/s (group commit)"}
+    ref = {"ceil-nodb": "ref: ~570k–790k/s (with fence check)",
+           "ceil-db": "ref: ~320k–370k/s", "sink": "ref: ~320k–370k/s (group commit)"}
     for variant, rates in results.items():
         target, shape = variant.split()
         label = {"1p": "1 producer", "8p": "8 producers", "8x32": "8 producers × 32 calls"}[shape]
