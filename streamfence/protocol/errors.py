@@ -20,6 +20,7 @@ class ErrorCode(StrEnum):
     BREAKER_OPEN = "breaker_open"
     DEADLINE_EXCEEDED = "deadline_exceeded"
     OVERLOADED = "overloaded"
+    LIMIT_EXCEEDED = "limit_exceeded"  # a field over the submitter's cap (e.g. max_tokens)
     CANCELLED = "cancelled"
     SHUTTING_DOWN = "shutting_down"
     # Outcomes of a call, carried in the `error` of a `done` event.
