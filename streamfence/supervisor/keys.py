@@ -1,0 +1,180 @@
+"""The daemon's CURVE keys and the registry of client keys it accepts.
+
+Layout, all under `<state_dir>/keys/` (0700; every file 0600):
+
+    server.key, server.key_secret      the daemon's key pair (ZeroMQ cert files)
+    clients/NAME.key                   a registered client's public key: the allow-list
+    NAME.credentials                   that client's credentials file, to hand over
+
+`KeyStore` owns that directory: it creates the daemon's pair on first use,
+registers and revokes clients (`streamfence keys new|revoke|list`, with or
+without a running daemon), and answers "which identity has this public key?"
+from the allow-list, re-read whenever the `clients/` folder changes, so a
+revocation takes effect on the next handshake and on the next message
+(docs/SECURITY.md).
+
+`ZapAuthenticator` is pyzmq's own ZAP authenticator thread, asked to accept a
+CURVE client only if its key is registered, and to name the connection's
+User-Id after the identity, which the front reads on every message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+from streamfence.protocol.credentials import Credentials, write_credentials
+
+log = logging.getLogger("streamfence.auth")
+
+ZAP_DOMAIN = "streamfence"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class KeyStoreError(Exception):
+    """A key operation that cannot be done (bad name, unknown or duplicate identity)."""
+
+
+def _private_dir(path: Path) -> None:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def _private_files(*paths: Path) -> None:
+    for p in paths:
+        os.chmod(p, 0o600)
+
+
+class KeyStore:
+    """Owns `<state_dir>/keys/`: the daemon's key pair and the client allow-list."""
+
+    def __init__(self, keys_dir: str | os.PathLike[str]) -> None:
+        self.dir = Path(keys_dir)
+        self.clients_dir = self.dir / "clients"
+        self._lock = threading.Lock()  # the ZAP thread reads, the loop may reload
+        self._seen_mtime_ns = -1
+        self._by_key: dict[bytes, str] = {}
+
+    # ---- the daemon's pair ------------------------------------------------------
+
+    def server_keys(self) -> tuple[bytes, bytes]:
+        """(public, secret) of the daemon, created on first use."""
+        _private_dir(self.dir)
+        _private_dir(self.clients_dir)
+        secret_file = self.dir / "server.key_secret"
+        if not secret_file.exists():
+            zmq.auth.create_certificates(str(self.dir), "server")
+            _private_files(self.dir / "server.key", secret_file)
+        public, secret = zmq.auth.load_certificate(str(secret_file))
+        if secret is None:
+            raise KeyStoreError(f"{secret_file} holds no secret key; remove both server.key "
+                                f"files to make a new pair (every client then needs new credentials)")
+        return public, secret
+
+    # ---- clients --------------------------------------------------------------
+
+    def credentials_path(self, name: str) -> Path:
+        return self.dir / f"{name}.credentials"
+
+    def register(self, name: str, endpoint: str, *, replace: bool = False) -> Credentials:
+        """Create a key pair for identity `name`, add its public key to the
+        allow-list and write its credentials file. `replace`: rotate an
+        existing identity's key (the old key stops working)."""
+        if not NAME_RE.match(name):
+            raise KeyStoreError(f"identity name {name!r}: use letters, digits, '_', '.', '-' "
+                            f"(at most 64, starting with a letter or digit)")
+        public_file = self.clients_dir / f"{name}.key"
+        if public_file.exists() and not replace:
+            raise KeyStoreError(f"identity {name!r} already has a key ({public_file}); "
+                            f"`streamfence keys rotate {name}` replaces it")
+        server_public, _ = self.server_keys()
+        client_public, client_secret = zmq.curve_keypair()
+        creds = Credentials(name, endpoint, server_public, client_public, client_secret)
+        write_credentials(self.credentials_path(name), creds)
+        tmp = self.clients_dir / f".{name}.key.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(f"# streamfence client {name}\ncurve\n"
+                    f'    public-key = "{client_public.decode()}"\n')
+        os.replace(tmp, public_file)
+        return creds
+
+    def revoke(self, name: str) -> None:
+        public_file = self.clients_dir / f"{name}.key"
+        if not public_file.exists():
+            raise KeyStoreError(f"no identity {name!r} in {self.clients_dir}")
+        public_file.unlink()
+        self.credentials_path(name).unlink(missing_ok=True)
+
+    def names(self) -> list[str]:
+        return sorted(p.stem for p in self.clients_dir.glob("*.key"))
+
+    def identity_of(self, public_key_z85: bytes) -> str | None:
+        """The registered identity with this public key, or None (re-reads the
+        allow-list when `clients/` changed since the last look)."""
+        with self._lock:
+            try:
+                mtime = self.clients_dir.stat().st_mtime_ns
+            except FileNotFoundError:
+                return None
+            if mtime != self._seen_mtime_ns:
+                self._by_key = self._read_allow_list()
+                self._seen_mtime_ns = mtime
+            return self._by_key.get(public_key_z85)
+
+    def _read_allow_list(self) -> dict[bytes, str]:
+        by_key: dict[bytes, str] = {}
+        for path in sorted(self.clients_dir.glob("*.key")):
+            try:
+                public, _ = zmq.auth.load_certificate(str(path))
+            except (OSError, ValueError) as exc:
+                log.warning("unreadable client key %s (%s); ignored", path, exc)
+                continue
+            by_key[public] = path.stem
+        return by_key
+
+
+class _Authenticator(ThreadAuthenticator):
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], store: KeyStore) -> None:
+        super().__init__(context, log=logging.getLogger("streamfence.auth.zap"))
+        self._store = store
+        self.refused = 0  # handshakes refused (read by the loop for `status`)
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        name = self._store.identity_of(z85.encode(client_public_key))
+        return name or ""
+
+    # pyzmq calls this with the Z85 key: the credentials-provider protocol.
+    def callback(self, domain: str, key: bytes) -> bool:
+        if self._store.identity_of(key) is not None:
+            return True
+        self.refused += 1
+        log.warning("refused a CURVE client with an unregistered key")
+        return False
+
+
+def start_authenticator(context: zmq.Context[zmq.Socket[bytes]],
+                        store: KeyStore) -> _Authenticator:
+    """Start ZAP for `context`: CURVE clients of ZAP_DOMAIN are accepted only
+    with a registered key. Stop it with `.stop()`."""
+    auth = _Authenticator(context, store)
+    auth.start()
+    auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=auth)
+    return auth
+
+
+def make_curve_server(sock: zmq.Socket[bytes], store: KeyStore) -> None:
+    """Make `sock` (before bind) a CURVE server authenticated through ZAP."""
+    public, secret = store.server_keys()
+    sock.curve_server = True
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
+    sock.zap_domain = ZAP_DOMAIN.encode()
