@@ -1,10 +1,9 @@
 """workers/anthropic_messages.py: the event assembler on dicts, then
-stream_messages / complete_messages driven by the real anthropic SDK against
-the emulator's Anthropic wire (a real HTTP server in a subprocess)."""
+stream_messages / complete_messages / ADAPTER driven by the real anthropic SDK
+against the emulator's Anthropic wire (a real HTTP server in a subprocess)."""
 
 from __future__ import annotations
 
-import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,20 +13,22 @@ import httpx2
 import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.protocol.internal import AttemptDiag, AttemptOutcome, AttemptSettings
 from streamfence.workers.anthropic_messages import (
-    MalformedStreamError,
+    ADAPTER,
     MessagesStreamAssembler,
     complete_messages,
-    final_from_exception,
-    make_client,
-    run_messages,
     stream_messages,
 )
+from streamfence.workers.errors import MalformedStreamError
 from streamfence.workers.output import RecordingOutput
 
 REQUEST: dict[str, Any] = {"max_tokens": 512, "messages": [{"role": "user", "content": "hi"}]}
-FINAL_KEYS = {"ok", "finish_reason", "usage", "model", "provider_response_id",
-              "dropped_tool_names", "dropped_tool_indexes", "error", "diag"}
+
+
+def code_of(final: AttemptOutcome) -> tuple[str, str]:
+    assert final.ok is False and final.error is not None
+    return final.error.error_class, final.error.code
 
 
 # ---- event builders ----------------------------------------------------------
@@ -79,7 +80,7 @@ def frag(index: int, args: str, id: str | None = None, name: str | None = None) 
     return ("tool_call", {"index": index, "id": id, "name": name, "arguments": args})
 
 
-def run(events: list[tuple[str, dict[str, Any]]]) -> tuple[RecordingOutput, dict[str, Any]]:
+def run(events: list[tuple[str, dict[str, Any]]]) -> tuple[RecordingOutput, AttemptOutcome]:
     out = RecordingOutput()
     asm = MessagesStreamAssembler(out)
     for event_type, data in events:
@@ -104,7 +105,7 @@ CASES: dict[str, Case] = {
         final={"finish_reason": "stop", "model": "claude-t", "provider_response_id": "msg_1",
                "usage": {"input_tokens": 10, "output_tokens": 5, "prompt_tokens": 10,
                          "completion_tokens": 5, "total_tokens": 15},
-               "dropped_tool_names": [], "dropped_tool_indexes": [], "diag": {}}),
+               "dropped_tool_names": [], "dropped_tool_indexes": [], "diag": AttemptDiag()}),
     "thinking_is_reasoning_signature_is_nothing": Case(
         [start(), block(0, "thinking", thinking="", signature=""),
          delta(0, "thinking_delta", "hmm "), delta(0, "thinking_delta", "ok"),
@@ -213,16 +214,15 @@ CASES: dict[str, Case] = {
 def test_assembler(name: str) -> None:
     case = CASES[name]
     out, final = run(case.events)
-    assert set(final) == FINAL_KEYS
     if case.deltas is not None:
         assert out.deltas == case.deltas
     for key, value in case.final.items():
-        assert final[key] == value, key
+        got = getattr(final, key)
+        assert (list(got) if isinstance(got, tuple) else got) == value, key
     if case.error is None:
-        assert final["error"] is None and final["ok"] is True
+        assert final.error is None and final.ok is True
     else:
-        assert final["ok"] is False
-        assert (final["error"]["class"], final["error"]["code"]) == case.error, final["error"]
+        assert code_of(final) == case.error, final.error
     if case.tool_calls is not None:
         assert out.tool_calls() == case.tool_calls
 
@@ -259,7 +259,7 @@ def test_output_errors_are_not_mistaken_for_malformed_events() -> None:
 def test_pings_only_is_empty_sse_frames() -> None:
     asm = MessagesStreamAssembler(RecordingOutput())
     asm.keepalives = 4
-    assert asm.finish()["error"]["code"] == "empty_sse_frames"
+    assert code_of(asm.finish()) == ("transient", "empty_sse_frames")
 
 
 # ---- over HTTP: the emulator and the real SDK --------------------------------------
@@ -287,15 +287,15 @@ def test_stream_tool_call_and_thinking(emu: EmulatorClient, client: anthropic.An
     out = RecordingOutput()
     final = stream_messages(client, req("tool"), out)
     record = only(emu, "tool")
-    assert final["ok"] and final["finish_reason"] == "tool_calls" and final["error"] is None
+    assert final.ok and final.finish_reason == "tool_calls" and final.error is None
     assert out.reasoning == record["reasoning_text"] and out.text == "Checking." == record["sent_text"]
     assert out.tool_calls() == [{"id": record["tool_call"]["id"], "name": "get_weather",
                                  "arguments": record["tool_call"]["arguments"]}]
     assert sum(1 for k, _ in out.deltas if k == "tool_call") == 26  # header + 25 pieces
     assert len(out.chunks) == record["chunks_sent"]
-    assert final["model"] == "claude-emu" and final["provider_response_id"] == f"msg_emu{record['n']}"
-    usage = final["usage"]
-    assert usage["completion_tokens"] == usage["output_tokens"] > 0
+    assert final.model == "claude-emu" and final.provider_response_id == f"msg_emu{record['n']}"
+    usage = final.usage
+    assert usage is not None and usage["completion_tokens"] == usage["output_tokens"] > 0
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert record["request"]["stream"] is True
 
@@ -305,20 +305,20 @@ def test_drop_mid_tool_call_names_the_tool(emu: EmulatorClient, client: anthropi
                          "tool_call": {"name": "search", "arguments": {"q": "cats"}}}])
     out = RecordingOutput()
     final = stream_messages(client, req("drop"), out)
-    assert final["ok"] is False and final["error"]["code"] == "no_finish_reason"
-    assert final["dropped_tool_names"] == ["search"] and final["dropped_tool_indexes"] == [0]
-    assert out.text == "Let me look." and final["finish_reason"] is None
+    assert code_of(final) == ("transient", "no_finish_reason")
+    assert final.dropped_tool_names == ("search",) and final.dropped_tool_indexes == (0,)
+    assert out.text == "Let me look." and final.finish_reason is None and out.exc is None
 
 
 def test_disconnect_mid_tool_call_keeps_partial_state(emu: EmulatorClient,
                                                       client: anthropic.Anthropic) -> None:
     emu.script("cut", [{"fault": "disconnect", "after": 5,
                         "tool_call": {"name": "search", "arguments": {"q": "cats"}}}])
-    with pytest.raises(httpx2.RemoteProtocolError) as info:
-        stream_messages(client, req("cut"), RecordingOutput())
-    final = final_from_exception(info.value)
-    assert (final["error"]["class"], final["error"]["code"]) == ("transient", "connection_error")
-    assert final["dropped_tool_names"] == ["search"] and final["model"] == "claude-emu"
+    out = RecordingOutput()
+    final = stream_messages(client, req("cut"), out)
+    assert isinstance(out.exc, httpx2.RemoteProtocolError)
+    assert code_of(final) == ("transient", "connection_error")
+    assert final.dropped_tool_names == ("search",) and final.model == "claude-emu"
 
 
 def test_no_message_stop_after_text(emu: EmulatorClient, client: anthropic.Anthropic) -> None:
@@ -326,8 +326,7 @@ def test_no_message_stop_after_text(emu: EmulatorClient, client: anthropic.Anthr
     out = RecordingOutput()
     final = stream_messages(client, req("nofin"), out)
     assert out.text == only(emu, "nofin")["text"]
-    assert (final["error"]["class"], final["error"]["code"]) == ("transient", "no_finish_reason")
-    assert final["finish_reason"] is None and final["ok"] is False
+    assert code_of(final) == ("transient", "no_finish_reason") and final.finish_reason is None
 
 
 def test_empty_stream(emu: EmulatorClient, client: anthropic.Anthropic) -> None:
@@ -335,7 +334,8 @@ def test_empty_stream(emu: EmulatorClient, client: anthropic.Anthropic) -> None:
     out = RecordingOutput()
     final = stream_messages(client, req("empty"), out)
     assert out.chunks == [] and out.deltas == []
-    assert final["error"]["code"] == "empty_stream" and "empty stream" in final["error"]["message"]
+    assert code_of(final)[1] == "empty_stream"
+    assert final.error is not None and "empty stream" in final.error.message
 
 
 @pytest.mark.parametrize(("step", "expected"), [
@@ -350,7 +350,7 @@ def test_error_event_in_the_stream(emu: EmulatorClient, client: anthropic.Anthro
     emu.script("evt", [{"fault": "error_event", "after": 4, **step}])
     out = RecordingOutput()
     final = stream_messages(client, req("evt"), out)
-    assert (final["error"]["class"], final["error"]["code"]) == expected
+    assert code_of(final) == expected
     assert out.text == only(emu, "evt")["sent_text"] != ""
     assert len(out.chunks) == 5  # 4 events + the error event
 
@@ -358,11 +358,11 @@ def test_error_event_in_the_stream(emu: EmulatorClient, client: anthropic.Anthro
 def test_rate_limit_is_transient_with_retry_after(emu: EmulatorClient,
                                                   client: anthropic.Anthropic) -> None:
     emu.script("429", [{"fault": "status", "status": 429, "retry_after": 2}])
-    with pytest.raises(anthropic.RateLimitError) as info:
-        stream_messages(client, req("429"), RecordingOutput())
-    error = final_from_exception(info.value, extra_secrets=["test-key"])["error"]
-    assert (error["class"], error["code"], error["status"]) == ("transient", "rate_limited", 429)
-    assert error["retry_after_s"] == 2.0
+    out = RecordingOutput()
+    final = stream_messages(client, req("429"), out, secrets=["test-key"])
+    assert isinstance(out.exc, anthropic.RateLimitError)
+    assert code_of(final) == ("transient", "rate_limited")
+    assert final.error is not None and final.error.status == 429 and final.error.retry_after_s == 2.0
 
 
 def test_pings_are_not_chunks(emu: EmulatorClient, client: anthropic.Anthropic) -> None:
@@ -370,24 +370,23 @@ def test_pings_are_not_chunks(emu: EmulatorClient, client: anthropic.Anthropic) 
     out = RecordingOutput()
     final = stream_messages(client, req("ka"), out)
     record = only(emu, "ka")
-    assert final["ok"] and record["keepalives_sent"] >= 3
+    assert final.ok and record["keepalives_sent"] >= 3
     assert len(out.chunks) == record["chunks_sent"] == 13
 
 
 def test_malformed_event(emu: EmulatorClient, client: anthropic.Anthropic) -> None:
     emu.script("bad", [{"fault": "malformed", "after": 3}])
-    with pytest.raises(MalformedStreamError) as info:
-        stream_messages(client, req("bad"), RecordingOutput())
-    error = final_from_exception(info.value)["error"]
-    assert (error["class"], error["code"]) == ("transient", "malformed_stream")
+    out = RecordingOutput()
+    final = stream_messages(client, req("bad"), out)
+    assert isinstance(out.exc, MalformedStreamError)
+    assert code_of(final) == ("transient", "malformed_stream")
 
 
 def test_read_timeout_mid_stream(emu: EmulatorClient, client: anthropic.Anthropic) -> None:
     emu.script("stall", [{"fault": "stall", "after": 3, "stall_s": 1.0}])
-    with pytest.raises(httpx2.ReadTimeout) as info:
-        stream_messages(client, req("stall"), RecordingOutput(),
-                        timeout=anthropic.Timeout(5.0, read=0.2))
-    assert final_from_exception(info.value)["error"]["code"] == "read_timeout"
+    final = stream_messages(client, req("stall"), RecordingOutput(),
+                            timeout=anthropic.Timeout(5.0, read=0.2))
+    assert code_of(final) == ("transient", "read_timeout")
 
 
 def test_non_streaming_fall_back_delivers_deltas(emu: EmulatorClient,
@@ -397,12 +396,13 @@ def test_non_streaming_fall_back_delivers_deltas(emu: EmulatorClient,
     out = RecordingOutput()
     final = complete_messages(client, req("whole", stream=True, temperature=0.5), out)
     record = only(emu, "whole")
-    assert final["ok"] and final["finish_reason"] == "tool_calls" and len(out.chunks) == 1
+    assert final.ok and final.finish_reason == "tool_calls" and len(out.chunks) == 1
     assert out.reasoning == "plan" and out.text == "Sure."
     assert out.tool_calls() == [{"id": record["tool_call"]["id"], "name": "f", "arguments": '{"x":2}'}]
     assert record["stream"] is False and "stream" not in record["request"]
     assert record["request"]["temperature"] == 0.5  # an unnamed SDK parameter, via extra_body
-    assert final["usage"]["completion_tokens"] == final["usage"]["output_tokens"] > 0
+    assert final.usage is not None
+    assert final.usage["completion_tokens"] == final.usage["output_tokens"] > 0
 
 
 @pytest.mark.parametrize(("fault", "expected"), [
@@ -413,34 +413,32 @@ def test_non_streaming_fall_back_delivers_deltas(emu: EmulatorClient,
 def test_non_streaming_faults(emu: EmulatorClient, client: anthropic.Anthropic, fault: str,
                               expected: tuple[str, str]) -> None:
     emu.script("wf", [{"fault": fault, "tool_call": {"name": "f", "arguments": "{}"}}])
-    try:
-        final = complete_messages(client, req("wf"), RecordingOutput())
-    except MalformedStreamError as exc:
-        final = final_from_exception(exc)
-    assert (final["error"]["class"], final["error"]["code"]) == expected
+    assert code_of(complete_messages(client, req("wf"), RecordingOutput())) == expected
 
 
-def test_make_client_and_run_messages(emu: EmulatorClient, emulator: EmulatorProcess,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_adapter_make_client_and_run(emu: EmulatorClient, emulator: EmulatorProcess,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SF_TEST_ANTHROPIC_KEY", "sk-ant-test-123456")
     profile = {"name": "ant", "kind": "anthropic", "base_url": emulator.base_url + "/v1",
                "api_key_env": "SF_TEST_ANTHROPIC_KEY"}
-    settings = {"connect_timeout_s": 5.0, "read_timeout_s": 5.0}
-    with make_client(profile, ssl.create_default_context()) as made:
+    settings = AttemptSettings(connect_timeout_s=5.0, read_timeout_s=5.0)
+    with ADAPTER.make_client(profile) as made:
         assert made.max_retries == 0 and str(made.base_url).rstrip("/") == emulator.base_url
         out = RecordingOutput()
-        final = run_messages(made, req("made"), out, settings)
-        whole = run_messages(made, req("made"), RecordingOutput(), {**settings, "streaming": False})
-    assert final["ok"] and whole["ok"] and out.text == emu.log("made")[0]["text"]
+        final = ADAPTER.run(made, req("made"), out, settings, ())
+        whole = ADAPTER.run(made, req("made"), RecordingOutput(),
+                            AttemptSettings(streaming=False), ())
+    assert final.ok and whole.ok and out.text == emu.log("made")[0]["text"]
     assert [r["stream"] for r in emu.log("made")] == [True, False]
     assert all(r["auth_present"] for r in emu.log("made"))
 
 
 def test_sdk_retries_are_disabled(emu: EmulatorClient, emulator: EmulatorProcess) -> None:
     emu.script("500", [{"fault": "status", "status": 500}] * 3)
-    with anthropic.Anthropic(base_url=emulator.base_url, api_key="k", max_retries=3) as retrying, \
-            pytest.raises(anthropic.InternalServerError):
-        stream_messages(retrying, req("500"), RecordingOutput())
+    out = RecordingOutput()
+    with anthropic.Anthropic(base_url=emulator.base_url, api_key="k", max_retries=3) as retrying:
+        final = stream_messages(retrying, req("500"), out)
+    assert isinstance(out.exc, anthropic.InternalServerError) and code_of(final)[0] == "transient"
     assert len(emu.log("500")) == 1
 
 
@@ -448,7 +446,5 @@ def test_streaming_rejection_is_named_for_the_fall_back(emu: EmulatorClient,
                                                         client: anthropic.Anthropic) -> None:
     emu.script("nostream", [{"fault": "status", "status": 400,
                              "message": "stream: streaming is not supported for this model"}])
-    with pytest.raises(anthropic.BadRequestError) as info:
-        stream_messages(client, req("nostream"), RecordingOutput())
-    error = final_from_exception(info.value)["error"]
-    assert (error["class"], error["code"]) == ("final", "streaming_unsupported")
+    final = stream_messages(client, req("nostream"), RecordingOutput())
+    assert code_of(final) == ("final", "streaming_unsupported")

@@ -131,9 +131,9 @@ def test_status_fault_raises_the_sdk_error(emu: EmulatorClient, client: anthropi
     assert isinstance(err.body, dict) and err.body["type"] == "error"
     assert err.response.headers["retry-after"] == "3"
     assert err.request_id == f"req_emu_{only(emu, 'st')['n']}"
-    info_map = classify(err)
-    assert info_map["class"] == ("final" if status == 400 else "transient")
-    assert info_map["retry_after_s"] == 3.0
+    classified = classify(err)
+    assert classified.error_class == ("final" if status == 400 else "transient")
+    assert classified.retry_after_s == 3.0
 
 
 def test_error_event_is_an_api_status_error_on_a_200(emu: EmulatorClient,
@@ -145,7 +145,7 @@ def test_error_event_is_an_api_status_error_on_a_200(emu: EmulatorClient,
         received.extend(stream)
     assert len(received) == 3 == only(emu, "evt")["chunks_sent"]
     assert info.value.status_code == 200 and info.value.type == "overloaded_error"
-    assert classify(info.value)["class"] == "transient"
+    assert classify(info.value).error_class == "transient"
 
 
 def test_disconnect_raises_raw_httpx2_mid_body(emu: EmulatorClient, client: anthropic.Anthropic) -> None:

@@ -1,5 +1,5 @@
 """workers/bedrock_converse.py: the event assembler on dicts, and stream_converse /
-complete_converse / run_converse driven by a real botocore client against the real
+complete_converse / ADAPTER.run driven by a real botocore client against the real
 emulator (a subprocess on 127.0.0.1 speaking Bedrock's binary event stream).
 
 Also the measured facts the design rests on: what botocore raises for each fault,
@@ -19,19 +19,25 @@ import pytest
 import urllib3.exceptions
 
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.protocol.internal import AttemptDiag, AttemptOutcome, AttemptSettings
+from streamfence.workers.assembly import failed_outcome
 from streamfence.workers.bedrock_converse import (
+    ADAPTER,
     ConverseStreamAssembler,
     classify_bedrock,
     complete_converse,
-    final_from_exception,
     is_streaming_denied,
     make_client,
-    run_converse,
     stream_converse,
 )
 from streamfence.workers.output import RecordingOutput
 
 MESSAGES: list[Any] = [{"role": "user", "content": [{"text": "hi"}]}]
+
+
+def code_of(final: AttemptOutcome) -> tuple[str, str]:
+    assert final.ok is False and final.error is not None
+    return final.error.error_class, final.error.code
 
 
 # ---- event builders --------------------------------------------------------
@@ -90,7 +96,7 @@ CASES: dict[str, Case] = {
         [start(), text(0, "Hel"), text(0, "lo"), stop_block(0), stop("end_turn"), META],
         deltas=[("text", "Hel"), ("text", "lo")],
         final={"ok": True, "finish_reason": "stop", "usage": USAGE, "dropped_tool_names": [],
-               "dropped_tool_indexes": [], "error": None, "diag": {}}),
+               "dropped_tool_indexes": [], "error": None, "diag": AttemptDiag()}),
     "reasoning_then_text_signature_ignored": Case(
         [start(), think(0, "hmm "), think(0, "ok"),
          {"contentBlockDelta": {"contentBlockIndex": 0,
@@ -166,12 +172,12 @@ def test_assembler(name: str) -> None:
     if case.deltas is not None:
         assert out.deltas == case.deltas
     for key, value in case.final.items():
-        assert final[key] == value, (key, final)
+        got = getattr(final, key)
+        assert (list(got) if isinstance(got, tuple) else got) == value, (key, final)
     if case.error is None:
-        assert final["error"] is None and final["ok"] is True
+        assert final.error is None and final.ok is True
     else:
-        assert final["ok"] is False
-        assert (final["error"]["class"], final["error"]["code"]) == case.error
+        assert code_of(final) == case.error
     if case.tool_calls is not None:
         assert out.tool_calls() == case.tool_calls
 
@@ -209,7 +215,7 @@ def clients(emulator: EmulatorProcess) -> Iterator[Client]:
 
     def make(**profile: Any) -> Any:
         client = make_client({"name": "emu", "kind": "bedrock", "endpoint_url": emulator.base_url,
-                              "region": "us-east-1", "aws_credentials": "dummy", **profile}, None)
+                              "region": "us-east-1", "aws_credentials": "dummy", **profile})
         made.append(client)
         return client
 
@@ -223,12 +229,13 @@ def request(key: str) -> dict[str, Any]:
             "inferenceConfig": {"maxTokens": 64}}
 
 
-def run_stream(client: Any, key: str) -> tuple[TimedOutput, dict[str, Any]]:
+def run_stream(client: Any, key: str) -> tuple[TimedOutput, AttemptOutcome]:
+    """stream_converse, and what the registry makes of an error opening the stream."""
     out = TimedOutput()
     try:
         final = stream_converse(client, request(key), out)
     except Exception as exc:
-        final = final_from_exception(exc)
+        final = failed_outcome(classify_bedrock(exc))
     return out, final
 
 
@@ -241,10 +248,10 @@ def test_tool_call_assembled_across_many_deltas(emu: EmulatorClient, clients: Cl
     assert len(fragments) == 31  # the opening fragment + 30 input pieces
     assert out.tool_calls() == [{"id": record["tool_call"]["id"], "name": "read_file",
                                  "arguments": record["tool_call"]["arguments"]}]
-    assert final["ok"] and final["finish_reason"] == "tool_calls"
-    assert final["usage"]["completion_tokens"] == 30
-    assert final["model"] == "anthropic.claude-emu#tool"
-    assert final["provider_response_id"] == f"emu-{record['n']}"
+    assert final.ok and final.finish_reason == "tool_calls"
+    assert final.usage is not None and final.usage["completion_tokens"] == 30
+    assert final.model == "anthropic.claude-emu#tool"
+    assert final.provider_response_id == f"emu-{record['n']}"
     assert len(out.chunks) == record["chunks_sent"] and all(n > 1 for n in out.chunks)
 
 
@@ -253,7 +260,7 @@ def test_reasoning_deltas(emu: EmulatorClient, clients: Client) -> None:
     out, final = run_stream(clients(), "think")
     record = emu.log("think")[0]
     assert out.reasoning == record["reasoning_text"]
-    assert out.text == record["text"] and final["finish_reason"] == "stop"
+    assert out.text == record["text"] and final.finish_reason == "stop"
     kinds = [k for k, _ in out.deltas]
     assert kinds == ["reasoning"] * 5 + ["text"] * 5
 
@@ -262,12 +269,10 @@ def test_drop_mid_tool_call_is_named(emu: EmulatorClient, clients: Client) -> No
     emu.script("drop", [{"fault": "disconnect", "after": 6, "text": "Let me check.", "chunks": 3,
                          "tool_call": {"name": "delete_branch", "arguments": {"name": "main"}}}])
     out = TimedOutput()
-    with pytest.raises(urllib3.exceptions.ProtocolError) as info:
-        stream_converse(clients(), request("drop"), out)
-    final = final_from_exception(info.value)
-    assert final["ok"] is False
-    assert (final["error"]["class"], final["error"]["code"]) == ("transient", "connection_error")
-    assert final["dropped_tool_names"] == ["delete_branch"] and final["dropped_tool_indexes"] == [0]
+    final = stream_converse(clients(), request("drop"), out)
+    assert isinstance(out.exc, urllib3.exceptions.ProtocolError)
+    assert code_of(final) == ("transient", "connection_error")
+    assert final.dropped_tool_names == ("delete_branch",) and final.dropped_tool_indexes == (0,)
     assert out.text == "Let me check."
     assert len(out.chunks) == 6
 
@@ -276,15 +281,14 @@ def test_no_message_stop_after_text(emu: EmulatorClient, clients: Client) -> Non
     emu.script("nofin", [{"fault": "no_finish"}])
     out, final = run_stream(clients(), "nofin")
     assert out.text == emu.log("nofin")[0]["text"]
-    assert final["ok"] is False and final["finish_reason"] is None
-    assert (final["error"]["class"], final["error"]["code"]) == ("transient", "no_finish_reason")
+    assert code_of(final) == ("transient", "no_finish_reason") and final.finish_reason is None
 
 
 def test_empty_stream(emu: EmulatorClient, clients: Client) -> None:
     emu.script("empty", [{"fault": "empty"}])
     out, final = run_stream(clients(), "empty")
     assert out.deltas == [] and out.chunks == []
-    assert (final["error"]["class"], final["error"]["code"]) == ("transient", "empty_stream")
+    assert code_of(final) == ("transient", "empty_stream")
 
 
 @pytest.mark.parametrize(("exc_type", "message", "expected"), [
@@ -305,15 +309,14 @@ def test_in_stream_exception(emu: EmulatorClient, clients: Client, exc_type: str
     emu.script("exc", [{"fault": "error_event", "after": 3, "error_type": exc_type,
                         "message": message}])
     out, final = run_stream(clients(), "exc")
-    assert final["ok"] is False
-    assert (final["error"]["class"], final["error"]["code"]) == expected
+    assert code_of(final) == expected and out.exc is None  # an in-stream error
     assert len(out.chunks) == 4  # three events and the exception message
 
 
 def test_malformed_frame_is_transient(emu: EmulatorClient, clients: Client) -> None:
     emu.script("bad", [{"fault": "malformed", "after": 2}])
     _, final = run_stream(clients(), "bad")
-    assert (final["error"]["class"], final["error"]["code"]) == ("transient", "malformed_stream")
+    assert code_of(final) == ("transient", "malformed_stream")
 
 
 @pytest.mark.parametrize(("status", "message", "expected"), [
@@ -329,9 +332,8 @@ def test_status_before_the_stream(emu: EmulatorClient, clients: Client, status: 
     emu.script("slow", [{"fault": "status", "status": status, "retry_after": 3,
                          "message": message}])
     out, final = run_stream(clients(), "slow")
-    error = final["error"]
-    assert (error["class"], error["code"]) == expected
-    assert (error["status"], error["retry_after_s"]) == (status, 3.0)
+    assert code_of(final) == expected and final.error is not None
+    assert (final.error.status, final.error.retry_after_s) == (status, 3.0)
     assert out.chunks == [] and len(emu.log("slow")) == 1  # no SDK retry
 
 
@@ -343,14 +345,15 @@ def test_access_denied_falls_back_to_converse(emu: EmulatorClient, clients: Clie
     with pytest.raises(botocore.exceptions.ClientError) as info:
         stream_converse(client, request("iam"), RecordingOutput())
     assert is_streaming_denied(info.value)
-    assert (classify_bedrock(info.value)["code"]) == "streaming_unsupported"
+    assert classify_bedrock(info.value).code == "streaming_unsupported"
     emu.script("iam", [{"fault": "access_denied"},
                        {"text": "From converse.", "reasoning": "thought",
                         "tool_call": {"name": "f", "arguments": {"x": 1}}}])
     out = RecordingOutput()
-    final = run_converse(client, request("iam"), out, {})
-    assert final["ok"] and final["streaming_denied"] is True
-    assert final["finish_reason"] == "tool_calls" and final["usage"]["total_tokens"] > 0
+    final = ADAPTER.run(client, request("iam"), out, AttemptSettings(), ())
+    assert final.ok and final.streaming_denied is True
+    assert final.finish_reason == "tool_calls"
+    assert final.usage is not None and final.usage["total_tokens"] > 0
     assert out.deltas[0][0] == "notice" and "InvokeModelWithResponseStream" in out.deltas[0][1]
     assert out.text == "From converse." and out.reasoning == "thought"
     assert out.tool_calls()[0]["name"] == "f" and out.tool_calls()[0]["arguments"] == '{"x":1}'
@@ -378,19 +381,19 @@ def test_complete_converse_whole_body_faults(emu: EmulatorClient, clients: Clien
     client = clients()
     out = RecordingOutput()
     final = complete_converse(client, request("w"), out)
-    assert final["ok"] and final["finish_reason"] == "stop" and out.text == "whole"
+    assert final.ok and final.finish_reason == "stop" and out.text == "whole"
     final = complete_converse(client, request("w"), RecordingOutput())
-    assert (final["error"]["class"], final["error"]["code"]) == ("transient", "empty_response")
+    assert code_of(final) == ("transient", "empty_response")
     with pytest.raises(botocore.exceptions.ClientError) as info:
         complete_converse(client, request("w"), RecordingOutput())
-    assert classify_bedrock(info.value)["class"] == "transient"
+    assert classify_bedrock(info.value).error_class == "transient"
 
 
 def test_settings_can_skip_streaming(emu: EmulatorClient, clients: Client) -> None:
     emu.script("plain", [{"text": "not streamed"}])
     out = RecordingOutput()
-    final = run_converse(clients(), request("plain"), out, {"streaming": False})
-    assert final["ok"] and "streaming_denied" not in final and out.text == "not streamed"
+    final = ADAPTER.run(clients(), request("plain"), out, AttemptSettings(streaming=False), ())
+    assert final.ok and not final.streaming_denied and out.text == "not streamed"
     assert emu.log("plain")[0]["stream"] is False
 
 
@@ -410,10 +413,11 @@ def test_read_timeout_does_fire_on_a_silent_event_stream(emu: EmulatorClient,
     out, final = run_stream(clients(read_timeout_s=0.5), "wedged")
     waited = time.monotonic() - began
     assert 0.4 < waited < 1.8  # the socket timeout, not the end of the stall
-    assert (final["error"]["class"], final["error"]["code"]) == ("transient", "read_timeout")
+    assert code_of(final) == ("transient", "read_timeout")
     assert len(out.chunks) == 3
 
 
+@pytest.mark.slow
 def test_frames_boto3_drops_keep_the_socket_alive_without_events(
     emu: EmulatorClient, clients: Client
 ) -> None:
@@ -424,5 +428,5 @@ def test_frames_boto3_drops_keep_the_socket_alive_without_events(
                             "keepalive_every_s": 0.2}])
     out, final = run_stream(clients(read_timeout_s=0.5), "trickle")
     gaps = [b - a for a, b in itertools.pairwise(out.chunk_times)]
-    assert final["ok"] and max(gaps) >= 1.1
+    assert final.ok and max(gaps) >= 1.1
     assert emu.log("trickle")[0]["keepalives_sent"] >= 5

@@ -1,7 +1,7 @@
-"""Delivery semantics (SPEC §3), each rule driven through the real daemon
-against the emulator: partial output, retries that deliver nothing twice,
-notices, restart policy, breaker, cancel, idempotency, deadline, reconnect
-with from_seq, and per-attempt diagnostics."""
+"""Delivery semantics (docs/ARCHITECTURE.md, "Behaviour rules"), each rule
+driven through the real daemon against the emulator: partial output, retries
+that deliver nothing twice, notices, restart policy, breaker, cancel,
+idempotency, deadline, reconnect with from_seq, and per-attempt diagnostics."""
 
 from __future__ import annotations
 

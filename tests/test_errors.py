@@ -17,6 +17,7 @@ import openai
 import orjson
 import pytest
 
+from streamfence.protocol.internal import AttemptError, ErrorClass
 from streamfence.workers.errors import (
     MalformedStreamError,
     classify,
@@ -67,8 +68,8 @@ def err_body(message: str, type_: str = "invalid_request_error", code: str | Non
     return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
 
 
-def cc(info: dict[str, Any]) -> tuple[str, str]:
-    return info["class"], info["code"]
+def cc(info: AttemptError) -> tuple[str, str]:
+    return info.error_class, info.code
 
 
 # ---- openai status errors from a real server -------------------------------
@@ -78,12 +79,12 @@ def test_429_with_retry_after(oai: openai.OpenAI, server: StubServer) -> None:
                                           429, {"Retry-After": "3"}))
     assert isinstance(exc, openai.RateLimitError)
     info = classify(exc)
-    assert cc(info) == ("transient", "rate_limited") and info["status"] == 429 and info["retry_after_s"] == 3.0
+    assert cc(info) == ("transient", "rate_limited") and info.status == 429 and info.retry_after_s == 3.0
 
 
 def test_retry_after_ms_and_http_date(oai: openai.OpenAI, server: StubServer) -> None:
     exc = openai_error(oai, server, Reply(err_body("slow down"), 503, {"retry-after-ms": "1500"}))
-    assert classify(exc)["retry_after_s"] == 1.5
+    assert classify(exc).retry_after_s == 1.5
     assert cc(classify(exc)) == ("transient", "unavailable")
     when = email.utils.formatdate(1_000_000 + 120, usegmt=True)
     assert retry_after_from_headers({"retry-after": when}, now=1_000_000) == 120.0
@@ -115,7 +116,7 @@ def test_streaming_unsupported(oai: openai.OpenAI, server: StubServer) -> None:
     (502, ("transient", "server_error")), (529, ("transient", "overloaded"))])
 def test_status_classes(oai: openai.OpenAI, server: StubServer, status: int, expected: tuple[str, str]) -> None:
     exc = openai_error(oai, server, Reply(err_body("something"), status))
-    assert cc(classify(exc)) == expected and classify(exc)["status"] == status
+    assert cc(classify(exc)) == expected and classify(exc).status == status
 
 
 def test_insufficient_quota_429_is_final(oai: openai.OpenAI, server: StubServer) -> None:
@@ -129,7 +130,7 @@ def test_auth_error_message_is_scrubbed(oai: openai.OpenAI, server: StubServer) 
         "Incorrect API key provided: sk-proj-AbCdEf1234567890XyZ. Header was Authorization: Bearer "
         "sk-proj-AbCdEf1234567890XyZ"), 401))
     info = classify(exc, extra_secrets=["sk-test-abcdefghijkl"])
-    assert "AbCdEf1234567890" not in info["message"] and "Incorrect API key" in info["message"]
+    assert "AbCdEf1234567890" not in info.message and "Incorrect API key" in info.message
 
 
 # ---- openai transport errors -----------------------------------------------
@@ -145,7 +146,7 @@ def test_refused_connection() -> None:
             pytest.raises(openai.APIConnectionError) as info:
         c.chat.completions.create(model="m", messages=MESSAGES)
     result = classify(info.value)
-    assert cc(result) == ("transient", "connect_error") and "ConnectError" in result["message"]
+    assert cc(result) == ("transient", "connect_error") and "ConnectError" in result.message
 
 
 def sse(*objs: Any) -> list[bytes]:
@@ -165,7 +166,7 @@ def test_sdk_stream_drop_mid_body_is_wrapped_and_transient(oai: openai.OpenAI, s
             pass
     assert isinstance(info.value.__cause__, httpx2.RemoteProtocolError)
     result = classify(info.value)
-    assert cc(result) == ("transient", "connection_error") and "incomplete chunked read" in result["message"]
+    assert cc(result) == ("transient", "connection_error") and "incomplete chunked read" in result.message
 
 
 def test_sdk_stream_read_timeout(oai: openai.OpenAI, server: StubServer) -> None:
@@ -213,7 +214,7 @@ def a_err(type_: str, message: str) -> bytes:
 
 def test_anthropic_status_errors(claude: anthropic.Anthropic, server: StubServer) -> None:
     exc = anthropic_error(claude, server, Reply(a_err("overloaded_error", "Overloaded"), 529, {"retry-after": "2"}))
-    assert cc(classify(exc)) == ("transient", "overloaded") and classify(exc)["retry_after_s"] == 2.0
+    assert cc(classify(exc)) == ("transient", "overloaded") and classify(exc).retry_after_s == 2.0
     exc = anthropic_error(claude, server, Reply(a_err("invalid_request_error",
                                                       "prompt is too long: 210000 tokens > 200000 maximum"), 400))
     assert cc(classify(exc)) == ("context_overflow", "context_overflow")
@@ -229,7 +230,7 @@ def test_anthropic_in_stream_error_event(claude: anthropic.Anthropic, server: St
              b"event: error\ndata: " + a_err("overloaded_error", "Overloaded") + b"\n\n"]
     exc = anthropic_error(claude, server, Reply(parts=parts, ctype="text/event-stream"), stream=True)
     assert isinstance(exc, anthropic.APIStatusError) and exc.status_code == 200  # measured
-    assert classify(exc)["class"] == "transient"
+    assert classify(exc).error_class == "transient"
 
 
 def test_anthropic_refused_connection() -> None:
@@ -288,7 +289,7 @@ def test_botocore_errors(exc: BaseException, expected: tuple[str, str]) -> None:
 
 def test_botocore_throttling_keeps_status_and_retry_after() -> None:
     info = classify(client_error("ThrottlingException", "slow", 429, botocore.exceptions.ClientError))
-    assert info["status"] == 429 and info["retry_after_s"] == 4.0
+    assert info.status == 429 and info.retry_after_s == 4.0
 
 
 # ---- constructed transport exceptions and the rest --------------------------
@@ -319,8 +320,9 @@ REQ = httpx2.Request("POST", "http://127.0.0.1/v1/chat/completions")
 ])
 def test_constructed(exc: BaseException, expected: tuple[str, str]) -> None:
     info = classify(exc)
+    assert isinstance(info, AttemptError) and isinstance(info.error_class, ErrorClass)
     assert cc(info) == expected
-    assert info["status"] is None and info["retry_after_s"] is None
+    assert info.status is None and info.retry_after_s is None
 
 
 def test_classify_never_raises() -> None:
@@ -328,7 +330,7 @@ def test_classify_never_raises() -> None:
         def __str__(self) -> str:
             raise RuntimeError("no")
 
-    assert classify(Evil())["code"] == "unclassified"
+    assert classify(Evil()).code == "unclassified"
 
 
 def test_classify_payload_status_in_error_code() -> None:

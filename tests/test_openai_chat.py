@@ -1,6 +1,6 @@
 """workers/openai_chat.py: the chunk assembler on dicts, the SSE framer on bytes,
-and stream_chat/complete_chat driven by the real openai SDK against a real
-HTTP server on 127.0.0.1 (a scripted http.server, started and joined here)."""
+and stream_chat/complete_chat/ADAPTER driven by the real openai SDK against a
+real HTTP server on 127.0.0.1 (a scripted http.server, started and joined here)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,17 @@ import openai
 import orjson
 import pytest
 
+from streamfence.protocol.internal import AttemptDiag, AttemptError, AttemptOutcome, AttemptSettings
+from streamfence.workers.errors import MalformedStreamError
 from streamfence.workers.openai_chat import (
+    ADAPTER,
     ChatStreamAssembler,
-    MalformedStreamError,
     complete_chat,
-    final_from_exception,
     is_stream_options_rejection,
-    iter_sse_events,
     stream_chat,
 )
 from streamfence.workers.output import RecordingOutput
+from streamfence.workers.sse import iter_sse_events
 from tests.http_stub import Reply, StubServer, stub_server
 
 REQUEST: dict[str, Any] = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
@@ -56,7 +57,7 @@ def frag(index: int, args: str, id: str | None = None, name: str | None = None) 
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 
 
-def run(chunks: list[dict[str, Any]]) -> tuple[RecordingOutput, dict[str, Any]]:
+def run(chunks: list[dict[str, Any]]) -> tuple[RecordingOutput, AttemptOutcome]:
     out = RecordingOutput()
     asm = ChatStreamAssembler(out)
     for chunk in chunks:
@@ -70,7 +71,7 @@ def run(chunks: list[dict[str, Any]]) -> tuple[RecordingOutput, dict[str, Any]]:
 class Case:
     chunks: list[dict[str, Any]]
     deltas: list[tuple[str, Any]] | None = None  # exact delta list, when given
-    final: dict[str, Any] = field(default_factory=dict)  # expected FinalInfo subset
+    final: dict[str, Any] = field(default_factory=dict)  # expected outcome fields
     error: tuple[str, str] | None = None  # (class, code)
     tool_calls: list[dict[str, Any]] | None = None  # as the sink assembles them
 
@@ -82,7 +83,7 @@ CASES: dict[str, Case] = {
         deltas=[("text", "Hel"), ("text", "lo")],
         final={"ok": True, "finish_reason": "stop", "usage": USAGE, "model": "gpt-test",
                "provider_response_id": "chatcmpl-1", "dropped_tool_names": [],
-               "dropped_tool_indexes": [], "error": None, "diag": {}}),
+               "dropped_tool_indexes": [], "error": None, "diag": AttemptDiag()}),
     "index_reused_with_new_id_opens_slot": Case(
         [tools(tc(0, "call_a", "read", "")), tools(tc(0, None, None, '{"p":')),
          tools(tc(0, None, None, '"x"}')), tools(tc(0, "call_b", "write", '{"q":1}')),
@@ -212,18 +213,17 @@ def test_assembler(name: str) -> None:
     if case.deltas is not None:
         assert out.deltas == case.deltas
     for key, value in case.final.items():
-        assert final[key] == value, key
+        got = getattr(final, key)
+        assert (list(got) if isinstance(got, tuple) else got) == value, key
     if case.error is None:
-        assert final["error"] is None and final["ok"] is True
+        assert final.error is None and final.ok is True
     else:
-        assert final["ok"] is False
-        assert (final["error"]["class"], final["error"]["code"]) == case.error, final["error"]
-        assert set(final["error"]) == {"class", "code", "message", "status", "retry_after_s"}
-        assert "sk-abc" not in final["error"]["message"]
+        assert final.ok is False and final.error is not None
+        assert (final.error.error_class, final.error.code) == case.error, final.error
+        assert "sk-abc" not in final.error.message
     if case.tool_calls is not None:
         assert out.tool_calls() == case.tool_calls
-    assert set(final) == {"ok", "finish_reason", "usage", "model", "provider_response_id",
-                          "dropped_tool_names", "dropped_tool_indexes", "error", "diag"}
+    assert out.exc is None  # nothing raised
 
 
 def test_visible_chars_count_text_and_refusal_only() -> None:
@@ -234,8 +234,8 @@ def test_visible_chars_count_text_and_refusal_only() -> None:
 def test_keepalive_only_stream() -> None:
     asm = ChatStreamAssembler(RecordingOutput())
     asm.keepalives = 3
-    error = asm.finish()["error"]
-    assert (error["class"], error["code"]) == ("transient", "empty_sse_frames")
+    error = asm.finish().error
+    assert error is not None and (error.error_class, error.code) == ("transient", "empty_sse_frames")
 
 
 @pytest.mark.parametrize("chunk", [
@@ -323,7 +323,7 @@ def test_stream_chat_over_http(provider: Provider, client: openai.OpenAI) -> Non
         {"id": "chatcmpl-1", "choices": [], "usage": USAGE}))]
     out = RecordingOutput()
     final = stream_chat(client, {**REQUEST, "stream_options": {"x": 1}}, out)
-    assert final["ok"] and final["finish_reason"] == "tool_calls" and final["usage"] == USAGE
+    assert final.ok and final.finish_reason == "tool_calls" and final.usage == USAGE
     assert out.text == "Hi there"
     assert out.tool_calls() == [{"id": "call_1", "name": "f", "arguments": '{"a":1}'}]
     assert len(out.chunks) == 7  # comments and [DONE] are not chunks
@@ -335,40 +335,52 @@ def test_compressed_stream(provider: Provider, client: openai.OpenAI) -> None:
     body = gzip.compress(b"".join(sse(ch({"content": "zipped"}), ch(finish="stop"))))
     provider.replies = [Reply([body[:10], body[10:]], headers={"Content-Encoding": "gzip"})]
     out = RecordingOutput()
-    assert stream_chat(client, REQUEST, out)["ok"] and out.text == "zipped"
+    assert stream_chat(client, REQUEST, out).ok and out.text == "zipped"
 
 
 def test_stream_chat_without_stream_options(provider: Provider, client: openai.OpenAI) -> None:
     provider.replies = [Reply(sse(ch({"content": "x"}), ch(finish="stop")))]
     final = stream_chat(client, {**REQUEST, "stream_options": {"include_usage": True}},
                         RecordingOutput(), include_usage=False)
-    assert final["ok"] and "stream_options" not in provider.requests[0]
+    assert final.ok and "stream_options" not in provider.requests[0]
 
 
-def test_stream_options_rejection(provider: Provider, client: openai.OpenAI) -> None:
+def code_of(final: AttemptOutcome) -> tuple[str, str]:
+    assert final.ok is False and final.error is not None
+    return final.error.error_class, final.error.code
+
+
+def test_stream_options_rejection_is_retried_without_them(provider: Provider,
+                                                          client: openai.OpenAI) -> None:
     body = orjson.dumps({"error": {"message": "Unrecognized request argument supplied: stream_options",
                                    "type": "invalid_request_error"}})
+    provider.replies = [Reply([body], status=400, ctype="application/json"),
+                        Reply(sse(ch({"content": "x"}), ch(finish="stop")))]
+    out = RecordingOutput()
+    final = stream_chat(client, REQUEST, out)
+    assert final.ok and final.stream_options_rejected and out.text == "x" and out.exc is None
+    assert "stream_options" in provider.requests[0] and "stream_options" not in provider.requests[1]
+    # Without include_usage the same 400 is the attempt's (final) error.
     provider.replies = [Reply([body], status=400, ctype="application/json")]
-    with pytest.raises(openai.BadRequestError) as info:
-        stream_chat(client, REQUEST, RecordingOutput())
-    assert is_stream_options_rejection(info.value)
-    assert final_from_exception(info.value)["error"]["code"] == "stream_options_rejected"
+    out = RecordingOutput()
+    final = stream_chat(client, REQUEST, out, include_usage=False)
+    assert code_of(final) == ("final", "stream_options_rejected") and not final.stream_options_rejected
+    assert isinstance(out.exc, openai.BadRequestError) and is_stream_options_rejection(out.exc)
     assert not is_stream_options_rejection(ValueError("stream_options"))
 
 
-def test_malformed_data_raises(provider: Provider, client: openai.OpenAI) -> None:
+def test_malformed_data(provider: Provider, client: openai.OpenAI) -> None:
     provider.replies = [Reply(sse(ch({"content": "x"}), b"data: {not json\n\n"))]
-    with pytest.raises(MalformedStreamError) as info:
-        stream_chat(client, REQUEST, RecordingOutput())
-    error = final_from_exception(info.value)["error"]
-    assert (error["class"], error["code"]) == ("transient", "malformed_stream")
+    out = RecordingOutput()
+    assert code_of(stream_chat(client, REQUEST, out)) == ("transient", "malformed_stream")
+    assert isinstance(out.exc, MalformedStreamError)
 
 
 def test_empty_data_frames_are_keepalives(provider: Provider, client: openai.OpenAI) -> None:
     provider.replies = [Reply([b"data:\n\n", b"event: ping\n\n", b"data: \n\n"])]
     out = RecordingOutput()
     final = stream_chat(client, REQUEST, out)
-    assert out.chunks == [] and final["error"]["code"] == "empty_sse_frames"
+    assert out.chunks == [] and code_of(final) == ("transient", "empty_sse_frames")
 
 
 def test_error_event(provider: Provider, client: openai.OpenAI) -> None:
@@ -376,41 +388,44 @@ def test_error_event(provider: Provider, client: openai.OpenAI) -> None:
                                   ch({"content": "never"})))]
     out = RecordingOutput()
     final = stream_chat(client, REQUEST, out)
-    assert out.text == "x" and (final["error"]["class"], final["error"]["code"]) == ("transient", "provider_error")
+    assert out.text == "x" and code_of(final) == ("transient", "provider_error")
+    assert out.exc is None  # an in-stream error, not an exception
 
 
-def test_drop_mid_body_raises_raw_httpx2_and_keeps_partial_state(provider: Provider, client: openai.OpenAI) -> None:
+def test_drop_mid_body_keeps_partial_state(provider: Provider, client: openai.OpenAI) -> None:
     provider.replies = [Reply(sse(ch({"content": "Looking"}), tools(tc(0, "c", "search", '{"q"')), done=False),
                               end="drop")]
     out = RecordingOutput()
-    with pytest.raises(httpx2.RemoteProtocolError) as info:
-        stream_chat(client, REQUEST, out)
-    final = final_from_exception(info.value)
-    assert final["ok"] is False and final["error"]["class"] == "transient"
-    assert final["dropped_tool_names"] == ["search"] and final["dropped_tool_indexes"] == [0]
-    assert out.text == "Looking"
+    final = stream_chat(client, REQUEST, out)
+    assert isinstance(out.exc, httpx2.RemoteProtocolError)  # raw: the wrapper does not wrap it
+    assert code_of(final) == ("transient", "connection_error")
+    assert final.dropped_tool_names == ("search",) and final.dropped_tool_indexes == (0,)
+    assert final.model == "gpt-test" and out.text == "Looking"
 
 
 def test_drop_after_finish_chunk_is_success(provider: Provider, client: openai.OpenAI) -> None:
     provider.replies = [Reply(sse(ch({"content": "done"}), ch(finish="stop"), done=False), end="drop")]
-    final = stream_chat(client, REQUEST, RecordingOutput())
-    assert final["ok"] and final["finish_reason"] == "stop"
+    out = RecordingOutput()
+    final = stream_chat(client, REQUEST, out)
+    assert final.ok and final.finish_reason == "stop" and out.exc is None
 
 
 def test_read_timeout_mid_stream(provider: Provider, client: openai.OpenAI) -> None:
     provider.replies = [Reply(sse(ch({"content": "x"}), done=False), end="hang")]
-    with pytest.raises(httpx2.ReadTimeout) as info:
-        stream_chat(client, REQUEST, RecordingOutput(), timeout=httpx2.Timeout(5.0, read=0.3))
-    error = final_from_exception(info.value)["error"]
-    assert (error["class"], error["code"]) == ("transient", "read_timeout")
+    out = RecordingOutput()
+    final = stream_chat(client, REQUEST, out, timeout=httpx2.Timeout(5.0, read=0.3))
+    assert code_of(final) == ("transient", "read_timeout") and isinstance(out.exc, httpx2.ReadTimeout)
 
 
 def test_sdk_retries_are_disabled(provider: Provider) -> None:
     provider.replies = [Reply([b'{"error": {"message": "boom", "type": "server_error"}}'], status=500,
                               ctype="application/json")]
-    with provider.client(max_retries=3) as retrying, pytest.raises(openai.InternalServerError):
-        stream_chat(retrying, REQUEST, RecordingOutput())
-    assert len(provider.requests) == 1
+    out = RecordingOutput()
+    with provider.client(max_retries=3) as retrying:
+        final = stream_chat(retrying, REQUEST, out)
+    assert code_of(final) == ("transient", "server_error")
+    assert final.error is not None and final.error.status == 500
+    assert isinstance(out.exc, openai.InternalServerError) and len(provider.requests) == 1
 
 
 def test_json_answer_to_a_stream_request(provider: Provider, client: openai.OpenAI) -> None:
@@ -419,7 +434,7 @@ def test_json_answer_to_a_stream_request(provider: Provider, client: openai.Open
     provider.replies = [Reply([orjson.dumps(completion)], ctype="application/json")]
     out = RecordingOutput()
     final = stream_chat(client, REQUEST, out)
-    assert out.text == "whole" and final["ok"] and final["provider_response_id"] == "chatcmpl-9"
+    assert out.text == "whole" and final.ok and final.provider_response_id == "chatcmpl-9"
 
 
 def test_complete_chat(provider: Provider, client: openai.OpenAI) -> None:
@@ -431,7 +446,7 @@ def test_complete_chat(provider: Provider, client: openai.OpenAI) -> None:
     provider.replies = [Reply([orjson.dumps(completion)], ctype="application/json")]
     out = RecordingOutput()
     final = complete_chat(client, {**REQUEST, "stream_options": {"include_usage": True}}, out)
-    assert final["ok"] and final["finish_reason"] == "tool_calls" and final["usage"] == USAGE
+    assert final.ok and final.finish_reason == "tool_calls" and final.usage == USAGE
     assert out.reasoning == "plan" and out.text == "Sure." and len(out.chunks) == 1
     assert out.tool_calls() == [{"id": "a", "name": "f", "arguments": "{}"},
                                 {"id": "b", "name": "g", "arguments": '{"x":2}'}]
@@ -441,5 +456,39 @@ def test_complete_chat(provider: Provider, client: openai.OpenAI) -> None:
 def test_complete_chat_error_body(provider: Provider, client: openai.OpenAI) -> None:
     provider.replies = [Reply([b'{"error": {"message": "overloaded", "type": "server_error"}}'],
                               ctype="application/json")]
-    final = complete_chat(client, REQUEST, RecordingOutput())
-    assert final["error"]["class"] == "transient"
+    assert code_of(complete_chat(client, REQUEST, RecordingOutput()))[0] == "transient"
+
+
+def test_complete_chat_status_error(provider: Provider, client: openai.OpenAI) -> None:
+    provider.replies = [Reply([b'{"error": {"message": "no such model", "type": "invalid_request_error"}}'],
+                              status=404, ctype="application/json")]
+    out = RecordingOutput()
+    assert code_of(complete_chat(client, REQUEST, out)) == ("final", "not_found")
+    assert isinstance(out.exc, openai.NotFoundError)
+
+
+def test_adapter_runs_with_the_settings(provider: Provider, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SF_TEST_OPENAI_KEY", "plainsecret98765")
+    profile = {"name": "p", "kind": "openai", "base_url": provider.base_url,
+               "api_key_env": "SF_TEST_OPENAI_KEY"}
+    provider.replies = [Reply(sse(ch({"content": "streamed"}), ch(finish="stop"))),
+                        Reply([orjson.dumps({"id": "c", "choices": [{"index": 0, "finish_reason": "stop",
+                              "message": {"role": "assistant", "content": "whole"}}]})],
+                              ctype="application/json"),
+                        Reply([b'{"error": {"message": "bad key plainsecret98765"}}'],
+                              status=401, ctype="application/json")]
+    client = ADAPTER.make_client(profile)
+    try:
+        out = RecordingOutput()
+        final = ADAPTER.run(client, REQUEST, out, AttemptSettings(include_usage=False), ())
+        assert final.ok and out.text == "streamed" and "stream_options" not in provider.requests[0]
+        out = RecordingOutput()
+        final = ADAPTER.run(client, REQUEST, out, AttemptSettings(streaming=False), ())
+        assert final.ok and out.text == "whole" and "stream" not in provider.requests[1]
+        final = ADAPTER.run(client, REQUEST, RecordingOutput(), AttemptSettings(),
+                            ["plainsecret98765"])
+        assert code_of(final) == ("final", "auth_failed")
+        assert isinstance(final.error, AttemptError)
+        assert "bad key" in final.error.message and "plainsecret" not in final.error.message
+    finally:
+        client.close()

@@ -343,6 +343,7 @@ keys = st.sampled_from(["v", "op", "ref", "call", "call_id", "from_seq", "wait_s
                         "deadline_s", "first_chunk_timeout_s"]) | st.text(max_size=6)
 
 
+@pytest.mark.slow
 @settings(max_examples=400)
 @given(st.dictionaries(keys | st.integers() | st.binary(max_size=4), values, max_size=8))
 def test_arbitrary_maps_raise_only_protocol_error(obj: dict[Any, Any]) -> None:
@@ -357,6 +358,7 @@ PATHS = ["v", "op", "ref", "call", "call.provider", "call.request", "call.reques
          "call.options.x", "subscribe", "call_id", "from_seq", "wait_s"]
 
 
+@pytest.mark.slow
 @settings(max_examples=600)
 @given(st.sampled_from(list(VALID)), st.lists(st.tuples(st.sampled_from(PATHS), values),
                                              max_size=3))

@@ -1,4 +1,5 @@
-"""Response assembly (streamfence.sink.content) and the sink's pre-encoded event pieces (streamfence.sink.wire)."""
+"""Response assembly (streamfence.sink.content), the sink's pre-encoded event pieces
+(streamfence.sink.wire) and the shape checks of the messages it is sent."""
 
 from __future__ import annotations
 
@@ -8,20 +9,30 @@ import msgpack
 import pytest
 
 from streamfence.protocol.codec import encode
-from streamfence.protocol.internal import C_AUTHORIZE, C_FENCE, C_FINISH, C_STATS, E_EVENT
-from streamfence.protocol.messages import CallStatus, DeltaKind, delta_event, empty_response
-from streamfence.sink.content import Content, check_tool_fragment
-from streamfence.sink.wire import (
-    KIND_TAIL,
+from streamfence.protocol.internal import (
+    C_AUTHORIZE,
+    C_FENCE,
+    C_FINISH,
+    C_STATS,
+    E_EVENT,
+    AttemptOutcome,
     Authorize,
     BadFrame,
+    Fence,
     Finish,
+    FinishMeta,
     Stats,
-    delta_prefix,
+    encode_control,
     event_head,
+    meta_from_wire,
+    outcome_to_wire,
     parse_control,
-    parse_final,
 )
+from streamfence.protocol.messages import CallStatus, DeltaKind, delta_event, empty_response
+from streamfence.sink.content import Content, check_tool_fragment
+from streamfence.sink.wire import KIND_TAIL, delta_prefix, parse_final
+
+OK = outcome_to_wire(AttemptOutcome(ok=True, finish_reason="stop"))
 
 
 def feed(content: Content, deltas: list[tuple[str, Any]]) -> None:
@@ -35,7 +46,7 @@ def test_text_reasoning_refusal_are_joined() -> None:
     c = Content()
     feed(c, [("reasoning", "think "), ("text", "Hel"), ("reasoning", "more"), ("text", "lo"),
              ("notice", "reconnected"), ("refusal", "I can"), ("refusal", "not")])
-    r = c.build_response({"finish_reason": "stop", "model": "m1"})
+    r = c.build_response(meta_from_wire({"finish_reason": "stop", "model": "m1"}))
     assert r["content"] == "Hello"
     assert r["reasoning"] == "think more"
     assert r["refusal"] == "I cannot"
@@ -44,7 +55,7 @@ def test_text_reasoning_refusal_are_joined() -> None:
 
 
 def test_empty_content_gives_the_full_empty_shape() -> None:
-    r = Content().build_response(None)
+    r = Content().build_response(FinishMeta())
     assert r == empty_response()
     assert set(r) == set(empty_response())
 
@@ -58,7 +69,7 @@ def test_tool_call_fragments_assemble_by_slot() -> None:
         ("tool_call", {"index": 0, "id": None, "name": None, "arguments": "\"Paris\"}"}),
         ("tool_call", {"index": 1, "name": "ignored_later_name", "arguments": ": \"UTC\"}"}),
     ])
-    r = c.build_response({})
+    r = c.build_response(meta_from_wire({}))
     assert r["tool_calls"] == [
         {"id": "call_a", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
         {"id": "call_b", "name": "get_time", "arguments": "{\"tz\": \"UTC\"}"},
@@ -78,8 +89,8 @@ def test_dropped_tool_indexes_and_names() -> None:
     c = Content()
     feed(c, [("tool_call", {"index": 0, "id": "a", "name": "f", "arguments": "{}"}),
              ("tool_call", {"index": 1, "id": "b", "name": "g", "arguments": "{\"trunc"})])
-    r = c.build_response({"dropped_tool_indexes": [1], "dropped_tool_names": ["g"],
-                          "partial": True, "finish_reason": "length"})
+    r = c.build_response(FinishMeta(finish_reason="length", partial=True,
+                                    dropped_tool_names=("g",), dropped_tool_indexes=(1,)))
     assert r["tool_calls"] == [{"id": "a", "name": "f", "arguments": "{}"}]
     assert r["dropped_tool_names"] == ["g"]
     assert r["partial"] is True
@@ -91,7 +102,7 @@ def test_a_new_content_per_attempt_voids_the_old_one() -> None:
     feed(first, [("text", "attempt one")])
     second = Content()
     feed(second, [("text", "attempt two")])
-    assert second.build_response({})["content"] == "attempt two"
+    assert second.build_response(meta_from_wire({}))["content"] == "attempt two"
 
 
 def test_visible_chars_ignores_whitespace_and_reasoning() -> None:
@@ -100,6 +111,8 @@ def test_visible_chars_ignores_whitespace_and_reasoning() -> None:
     assert c.visible_chars() == 0
     feed(c, [("text", "Hi ")])
     assert c.visible_chars() == 2
+    feed(c, [("refusal", " no"), ("text", "  ")])
+    assert c.visible_chars() == 4  # per delta: protocol.messages.visible_chars
 
 
 @pytest.mark.parametrize("data", [
@@ -117,14 +130,15 @@ def test_bad_tool_fragments_are_refused(data: Any) -> None:
     ({"dropped_tool_names": [1]}, "dropped_tool_names"), ({"model": True}, "model"),
 ])
 def test_bad_meta_names_the_field(meta: dict[str, Any], field: str) -> None:
-    with pytest.raises(ValueError, match=field):
-        Content().build_response(meta)
+    with pytest.raises(BadFrame, match=field):
+        meta_from_wire(meta)
 
 
 def test_meta_passes_usage_and_ids_through() -> None:
     usage = {"prompt_tokens": 3, "completion_tokens": 5}
-    r = Content().build_response({"usage": usage, "provider_response_id": "resp_1",
-                                  "unknown_key": "ignored"})
+    meta = meta_from_wire({"usage": usage, "provider_response_id": "resp_1",
+                           "unknown_key": "ignored"})
+    r = Content().build_response(meta)
     assert r["usage"] == usage and r["provider_response_id"] == "resp_1"
 
 
@@ -149,9 +163,18 @@ def test_fast_delta_event_bytes_equal_the_reference(kind: str, call_id: str, att
 def test_parse_control_records() -> None:
     assert parse_control([C_STATS, 7]) == Stats(7)
     assert parse_control([C_AUTHORIZE, "r1", "c", 2, True]) == Authorize("r1", "c", 2, True)
-    assert parse_control([C_AUTHORIZE, 1, "c", 2, False, "gpt"]).model == "gpt"
+    assert parse_control([C_AUTHORIZE, 1, "c", 2, False, "gpt"]) == Authorize(1, "c", 2, False, "gpt")
     op = parse_control([C_FINISH, 1, "c", "partial", None, 2, {"partial": True}])
-    assert isinstance(op, Finish) and op.status is CallStatus.PARTIAL
+    assert isinstance(op, Finish) and op.status is CallStatus.PARTIAL and op.meta.partial
+
+
+@pytest.mark.parametrize("op", [
+    Stats(3), Fence(1, "c", 2), Authorize("r", "c", 2, True, "gpt"), Authorize(1, "c", 1, False),
+    Finish(4, "c", CallStatus.PARTIAL, {"code": "x", "message": "y"}, 2,
+           FinishMeta("length", {"total_tokens": 1}, "m", "r1", True, ("f",), (1,))),
+])
+def test_control_builder_and_parser_agree(op: Any) -> None:
+    assert parse_control(msgpack.unpackb(encode_control(op))) == op
 
 
 @pytest.mark.parametrize("msg,has_req", [
@@ -160,6 +183,7 @@ def test_parse_control_records() -> None:
     ([C_AUTHORIZE, 1, "", 1, False], True), ([C_AUTHORIZE, 1, "c", 1, 1], True),
     ([C_FENCE, 1, "c"], True), ([C_FINISH, 1, "c", "done", None, 1, None], True),
     ([C_FINISH, 1, "c", "failed", "boom", 1, None], True),
+    ([C_FINISH, 1, "c", "failed", None, 1, {"partial": 1}], True),
 ])
 def test_parse_control_refuses_bad_shapes(msg: Any, has_req: bool) -> None:
     with pytest.raises(BadFrame) as info:
@@ -168,9 +192,14 @@ def test_parse_control_refuses_bad_shapes(msg: Any, has_req: bool) -> None:
 
 
 @pytest.mark.parametrize("msg", [
-    [1, "c", 1, 2], [1, "c", 1, 2, []], [1, 5, 1, 2, {}], [1, "c", 0, 2, {}], [1, "c", 1, -1, {}],
-    [True, "c", 1, 2, {}],
+    [1, "c", 1, 2], [1, "c", 1, 2, []], [1, 5, 1, 2, OK], [1, "c", 0, 2, OK], [1, "c", 1, -1, OK],
+    [True, "c", 1, 2, OK], [1, "c", 1, 2, {"ok": True}], [1, "c", 1, 2, OK[:-1]],
 ])
 def test_parse_final_refuses_bad_shapes(msg: Any) -> None:
     with pytest.raises(BadFrame):
         parse_final(msg)
+
+
+def test_parse_final_parses_the_outcome_once() -> None:
+    final = parse_final([1, "c", 1, 2, OK])
+    assert final.outcome == AttemptOutcome(ok=True, finish_reason="stop")

@@ -32,7 +32,12 @@ from streamfence.protocol.internal import (
     T_DELTA,
     T_FINAL,
     T_FINAL_ACK,
+    AttemptOutcome,
+    AttemptStats,
     Endpoints,
+    outcome_from_wire,
+    outcome_to_wire,
+    stats_from_wire,
 )
 from streamfence.sink.process import run_sink
 from streamfence.sink.store import TranscriptReader, events_after
@@ -47,10 +52,8 @@ def delta(call: str, attempt: int, seq: int, data: Any = "x", kind: str = "text"
 
 
 def final(call: str, attempt: int, last_seq: int, ok: bool = True) -> bytes:
-    return encode([T_FINAL, call, attempt, last_seq,
-                   {"ok": ok, "finish_reason": "stop", "model": "m", "usage": None,
-                    "provider_response_id": None, "dropped_tool_names": [],
-                    "dropped_tool_indexes": [], "error": None, "diag": {}}])
+    outcome = AttemptOutcome(ok=ok, finish_reason="stop", model="m")
+    return encode([T_FINAL, call, attempt, last_seq, outcome_to_wire(outcome)])
 
 
 class Supervisor:
@@ -95,12 +98,16 @@ class Supervisor:
         stats: dict[str, Any] = self.ok(C_STATS)
         return stats
 
+    def attempt_stats(self, tag: int, *args: Any) -> AttemptStats:
+        """The reply to C_AUTHORIZE / C_FENCE: the previous attempt's stats."""
+        return stats_from_wire(self.ok(tag, *args))
+
     def wait(self, tag: int, call: str, what: str, timeout: float = WAIT_S) -> list[Any]:
         return self._recv_until(lambda m: m[0] == tag and m[1] == call, what, timeout)
 
     def events(self, call: str, count: int, timeout: float = WAIT_S) -> list[dict[str, Any]]:
         """The next `count` E_EVENTs of `call`, decoded, checking the frame's seq."""
-        out = []
+        out: list[dict[str, Any]] = []
         for _ in range(count):
             msg = self.wait(E_EVENT, call, f"event #{len(out) + 1} of {count} for {call}",
                             timeout)
@@ -244,6 +251,7 @@ def hasty_writer(ep_in: str, call: str, n: int) -> None:
 
 # ---- the two-writer test (acceptance) -------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reset", [False, True])
 def test_two_writers_only_the_authorized_attempt_reaches_the_transcript(
         sink: SinkUnderTest, reset: bool) -> None:
@@ -258,9 +266,10 @@ def test_two_writers_only_the_authorized_attempt_reaches_the_transcript(
     before = sup.events(call, k)
     assert [e["data"] for e in before] == [f"a1-{s};" for s in range(1, k + 1)]
 
-    prev = sup.ok(C_AUTHORIZE, call, 2, reset)
-    assert prev["attempt"] == 1 and prev["accepted"] == k and prev["last_seq"] == k
-    assert prev["closed"] is True and prev["dropped"] == 0
+    prev = sup.attempt_stats(C_AUTHORIZE, call, 2, reset)
+    assert prev == AttemptStats(attempt=1, accepted=k, dropped=0, visible_chars=prev.visible_chars,
+                                tool_fragments=0, last_seq=k, closed=True)
+    assert prev.visible_chars > 0
     resume.set()
     go.set()  # both writers now stream at the same time
 
@@ -290,13 +299,15 @@ def test_two_writers_only_the_authorized_attempt_reaches_the_transcript(
     assert w2.exitcode == 0, "attempt 2's final was not acknowledged as accepted"
     assert w1.exitcode == 0, "attempt 1's final after the switch was not refused"
     ended = sup.wait(E_ENDED, call, "E_ENDED of attempt 2")
-    assert ended[2] == 2 and ended[3]["accepted"] == n and ended[3]["dropped"] == 0
+    ended_stats = stats_from_wire(ended[3])
+    assert ended[2] == 2 and ended_stats.accepted == n and ended_stats.dropped == 0
     refused = sup.wait(E_FINAL_REFUSED, call, "E_FINAL_REFUSED of attempt 1")
     assert refused[2] == 1 and refused[3].startswith("stale_attempt")
 
 
 # ---- finals ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_worker_that_exits_right_after_its_final_loses_nothing(sink: SinkUnderTest) -> None:
     call, n = "hasty", 5000
     sink.sup.ok(C_AUTHORIZE, call, 1, False)
@@ -307,7 +318,9 @@ def test_worker_that_exits_right_after_its_final_loses_nothing(sink: SinkUnderTe
     # E_ENDED is sent after the commit: the store already holds every seq.
     seqs = [e["seq"] for e in sink.transcript(call)]
     assert seqs == list(range(1, n + 1))
-    assert ended[3]["accepted"] == n and ended[3]["last_seq"] == n and ended[4]["ok"] is True
+    stats = stats_from_wire(ended[3])
+    assert stats.accepted == n and stats.last_seq == n
+    assert outcome_from_wire(ended[4]) == AttemptOutcome(ok=True, finish_reason="stop", model="m")
     w.join(WAIT_S)
     assert w.exitcode == 0
 
@@ -328,7 +341,7 @@ def test_final_with_wrong_last_seq_is_refused_and_reported(sink: SinkUnderTest) 
     # Nothing changed: the right final is still accepted, and acked again if repeated.
     worker.send(final(call, 1, 10))
     assert recv_ack(worker)[3] is True
-    assert sink.sup.wait(E_ENDED, call, "E_ENDED")[3]["closed"] is True
+    assert stats_from_wire(sink.sup.wait(E_ENDED, call, "E_ENDED")[3]).closed is True
     worker.send(final(call, 1, 10))
     assert recv_ack(worker)[3:] == [True, "repeated"]
     assert sink.sup.stats()["finals_refused"] == 1

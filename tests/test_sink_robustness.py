@@ -25,6 +25,7 @@ from streamfence.protocol.internal import (
     R_REFUSED,
     T_DELTA,
     T_FINAL,
+    stats_from_wire,
 )
 from streamfence.sink.fence import Verdict
 from streamfence.sink.process import run_sink
@@ -91,6 +92,7 @@ GARBAGE_IN: list[list[bytes]] = [
     [msgpack.packb(msgpack.ExtType(5, b"abc"))], [encode([T_FINAL, "c"])], [encode([77, 1])],
     [b"\xdd\xff\xff\xff\xff"], [b"\x01junk", b"second part", b"third part"],
     [encode([T_FINAL, "c", 1, 0, {}]), b"extra part"],
+    [encode([T_FINAL, "c", 1, 0, {"ok": True}])], [encode([T_FINAL, "c", 1, 0, [True, None]])],
 ]
 GARBAGE_CTL: list[list[bytes]] = [
     [b"\xc1"], [encode("stats")], [encode([C_STATS])], [encode([C_STATS, 1.5])],
@@ -156,8 +158,8 @@ def test_restart_keeps_epochs_and_seqs(sink: SinkUnderTest) -> None:
         assert reply[0] == R_REFUSED and "stale_epoch" in reply[2], reply
     # The new sink knows what attempt 3 delivered (from the store), for the
     # supervisor's partial/retry decision.
-    stats = sup.ok(C_FENCE, "c", 3)
-    assert (stats["attempt"], stats["accepted"], stats["visible_chars"]) == (3, 2, 2)
+    stats = stats_from_wire(sup.ok(C_FENCE, "c", 3))
+    assert (stats.attempt, stats.accepted, stats.visible_chars) == (3, 2, 2)
     worker.send(delta("c", 3, 3))  # the old writer, still alive: closed
     sup.wait_stats(lambda s: s["dropped_by_verdict"]["closed"] == 1, "the old writer's drop")
     sup.ok(C_AUTHORIZE, "c", 4, True)
@@ -166,6 +168,7 @@ def test_restart_keeps_epochs_and_seqs(sink: SinkUnderTest) -> None:
     assert (reset["op"], reset["seq"]) == ("reset", 3) and (new["seq"], new["data"]) == (4, "new")
 
 
+@pytest.mark.slow
 def test_sink_dies_with_its_parent(sink: SinkUnderTest, tmp_path: Path) -> None:
     runtime = tmp_path / "p"
     runtime.mkdir()
@@ -193,10 +196,23 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+class NoPeer:
+    """A Publisher that drops everything (the test reads the state directly)."""
+
+    def publish(self, frame: bytes) -> None:
+        pass
+
+    def publish_all(self, frames: list[bytes]) -> None:
+        pass
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+
 def test_drop_log_line_is_greppable_and_sparse(tmp_path: Path,
                                                caplog: pytest.LogCaptureFixture) -> None:
     """First drop of a (call, attempt) at WARNING with the counts, the rest at DEBUG."""
-    state = SinkState(TranscriptStore(str(tmp_path / "t.db")))
+    state = SinkState(TranscriptStore(str(tmp_path / "t.db")), NoPeer())
     try:
         assert state.fence.authorize("c", 1) is None
         state._live("c").start_attempt(1, "gpt-test")

@@ -44,6 +44,17 @@ class DeltaKind(StrEnum):
     NOTICE = "notice"
 
 
+# What a user has seen of an answer: text and refusal deltas, whitespace aside.
+# "Visible text delivered" decides partial vs retry (on_partial) and is defined
+# here only: the sink counts it per attempt, the worker per delta for its logs.
+VISIBLE_KINDS = frozenset({DeltaKind.TEXT.value, DeltaKind.REFUSAL.value})
+
+
+def visible_chars(kind: str, data: object) -> int:
+    """The visible characters one delta adds (0 for any other kind)."""
+    return len(data.strip()) if kind in VISIBLE_KINDS and isinstance(data, str) else 0
+
+
 class CallStatus(StrEnum):
     COMPLETED = "completed"
     PARTIAL = "partial"
@@ -278,7 +289,7 @@ def done_event(call_id: str, seq: int, status: CallStatus, response: dict[str, A
 
 
 def empty_response() -> dict[str, Any]:
-    """The normalized response shape of SPEC §2, every field present."""
+    """The normalized response of a `done` event (docs/PROTOCOL.md §6), every field present."""
     return {"content": "", "reasoning": "", "tool_calls": [], "refusal": None,
             "finish_reason": None, "usage": None, "model": None,
             "provider_response_id": None, "partial": False, "dropped_tool_names": []}

@@ -9,9 +9,11 @@ supervisor. Modules:
 - `streamfence.sink.content`: per-attempt content and `build_response(meta)`.
 - `streamfence.sink.store`: the transcript (`TranscriptStore` for the sink,
   `TranscriptReader` / `events_after` / `max_epochs` for other processes).
-- `streamfence.sink.wire`: shape checks of the internal messages and pre-encoded pieces.
-- `streamfence.sink.state`: control ops, finals, drop accounting (no sockets).
+- `streamfence.sink.wire`: T_FINAL's shape check and the per-delta pre-encoded pieces
+  (control messages: `streamfence.protocol.internal`).
+- `streamfence.sink.state`: control ops, finals, drop accounting, commits (no sockets).
+- `streamfence.sink.peer`: the supervisor as the sink's peer (who may drive it,
+  where events go, the backlog while it is away).
 - `streamfence.sink.process`: `run_sink(runtime_dir, db_path, log_level)`, the process
   entry point: sockets, the loop and the per-delta hot path.
-- `streamfence.sink.lifeline`: parent-death signal.
 """

@@ -18,10 +18,14 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from streamfence.protocol.messages import DeltaKind, empty_response
+from streamfence.protocol.internal import FinishMeta
+from streamfence.protocol.messages import DeltaKind, empty_response, visible_chars
+
+TEXT = DeltaKind.TEXT.value
+REFUSAL = DeltaKind.REFUSAL.value
 
 _TOOL_KEYS = frozenset(("index", "id", "name", "arguments"))
 MAX_TOOL_INDEX = 4096
@@ -65,9 +69,10 @@ class Content:
         }
 
     def visible_chars(self) -> int:
-        """Characters a user has seen (text and refusal, whitespace-trimmed):
-        the supervisor's "visible text delivered" test for on_partial."""
-        return len("".join(self.text).strip()) + len("".join(self.refusal).strip())
+        """What a user has seen of this attempt (`protocol.messages.visible_chars`,
+        per accepted delta): the supervisor's "visible text delivered" test."""
+        return (sum(visible_chars(TEXT, d) for d in self.text)
+                + sum(visible_chars(REFUSAL, d) for d in self.refusal))
 
     def tool_fragments(self) -> int:
         return len(self.tools)
@@ -95,49 +100,17 @@ class Content:
             if i not in dropped_indexes
         ]
 
-    def build_response(self, meta: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The normalized `done` response: this content plus C_FINISH's `meta`.
-
-        Raises ValueError naming the meta field that has the wrong type.
-        """
-        m = _check_meta(meta or {})
+    def build_response(self, meta: FinishMeta) -> dict[str, Any]:
+        """The normalized `done` response: this content plus C_FINISH's `meta`."""
         response = empty_response()
         response["content"] = "".join(self.text)
         response["reasoning"] = "".join(self.reasoning)
         response["refusal"] = "".join(self.refusal) if self.refusal else None
-        response["tool_calls"] = self.tool_calls(frozenset(m.get("dropped_tool_indexes") or ()))
+        response["tool_calls"] = self.tool_calls(frozenset(meta.dropped_tool_indexes))
         for key in ("finish_reason", "usage", "model", "provider_response_id"):
-            if m.get(key) is not None:
-                response[key] = m[key]
-        response["partial"] = bool(m.get("partial", False))
-        response["dropped_tool_names"] = list(m.get("dropped_tool_names") or ())
+            value = getattr(meta, key)
+            if value is not None:
+                response[key] = value
+        response["partial"] = meta.partial
+        response["dropped_tool_names"] = list(meta.dropped_tool_names)
         return response
-
-
-# meta field -> (allowed types, description); None is always allowed.
-_META_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
-    "finish_reason": ((str,), "a string"),
-    "usage": ((dict,), "a map"),
-    "model": ((str,), "a string"),
-    "provider_response_id": ((str,), "a string"),
-    "partial": ((bool,), "a boolean"),
-    "dropped_tool_names": ((list,), "an array of strings"),
-    "dropped_tool_indexes": ((list,), "an array of integers"),
-}
-
-
-def _check_meta(meta: Mapping[str, Any]) -> Mapping[str, Any]:
-    # Unknown keys are ignored: the supervisor may carry more than the sink needs.
-    for key, (types, what) in _META_TYPES.items():
-        value = meta.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
-            raise ValueError(f"meta.{key} must be {what}, got {type(value).__name__}")
-    for name in meta.get("dropped_tool_names") or ():
-        if not isinstance(name, str):
-            raise ValueError("meta.dropped_tool_names must be an array of strings")
-    for index in meta.get("dropped_tool_indexes") or ():
-        if type(index) is not int:
-            raise ValueError("meta.dropped_tool_indexes must be an array of integers")
-    return meta

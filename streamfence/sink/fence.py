@@ -47,6 +47,14 @@ class FinalVerdict(Enum):
     SEQ_MISMATCH = "seq_mismatch"  # last_seq is not the last accepted seq
 
 
+class AuthorizeRefusal(Enum):
+    """Why `authorize` refused an attempt (the sink's R_REFUSED reason starts with it)."""
+
+    BAD_ATTEMPT = "bad_attempt"  # attempt numbers start at 1
+    CALL_FINISHED = "call_finished"  # the call has its done event
+    STALE_EPOCH = "stale_epoch"  # not above the call's epoch
+
+
 class AttemptState(Enum):
     """State of a call's current epoch."""
 
@@ -129,20 +137,20 @@ class FenceTable:
         if call_id not in self._calls:
             self._calls[call_id] = _Entry(epoch, _FENCED, 1, finished)
 
-    def authorize(self, call_id: str, attempt: int) -> str | None:
+    def authorize(self, call_id: str, attempt: int) -> AuthorizeRefusal | None:
         """Make `attempt` the only writer of `call_id`. Returns None, or why not."""
         if attempt < 1:
-            return f"bad_attempt: attempt {attempt} must be at least 1"
+            return AuthorizeRefusal.BAD_ATTEMPT
         e = self._calls.get(call_id)
         if e is None:
             self._calls[call_id] = _Entry(attempt, _OPEN, 1)
             return None
         if e.finished:
-            return f"call_finished: call {call_id} already has its done event"
+            return AuthorizeRefusal.CALL_FINISHED
         if attempt <= e.epoch:
             # Equal is refused too: re-opening an epoch would let a worker that
             # was fenced out (and may still be alive) write again.
-            return f"stale_epoch: attempt {attempt} is not above epoch {e.epoch}"
+            return AuthorizeRefusal.STALE_EPOCH
         e.epoch = attempt
         e.state = _OPEN
         e.next_seq = 1

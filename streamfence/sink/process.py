@@ -9,8 +9,7 @@ Duties (`run_sink` is the entry point the supervisor starts with
 - per delta: the fence check (`FenceTable.check`); on ACCEPT assign the call's
   next public seq, build the public delta event, queue it for the store,
   accumulate content, and queue `[E_EVENT, call_id, seq, event]` for the
-  supervisor's control peer (the identity that last sent a valid control
-  message; events are buffered while there is none);
+  supervisor (`peer.SupervisorPeer`, which keeps events while it is away);
 - group commit: when 1000 events are pending, when the input runs dry (at
   most once per 0.2 ms: tiny commits churn the WAL), or 5 ms after the first
   pending event; queued events are sent right after the commit that stored
@@ -38,52 +37,45 @@ from typing import Any
 
 import msgpack
 import zmq
-import zmq.backend
 
-from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted, encode
+from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted
 from streamfence.protocol.errors import ProtocolError
-from streamfence.protocol.internal import E_EVENTS, R_REFUSED, T_DELTA, Endpoints
+from streamfence.protocol.internal import (
+    T_DELTA,
+    BadFrame,
+    Endpoints,
+    encode_refused,
+    parse_control,
+)
+from streamfence.protocol.lifecycle import ExitCode, die_with_parent, expected_parent_pid
 from streamfence.protocol.logs import route_logs_to
 from streamfence.sink.content import check_tool_fragment
 from streamfence.sink.fence import Verdict
-from streamfence.sink.lifeline import die_with_parent, expected_parent_pid
+from streamfence.sink.peer import SupervisorPeer
 from streamfence.sink.state import COMMIT_AFTER_S, COMMIT_EVERY, IDLE_COMMIT_GAP_S, SinkState, log
 from streamfence.sink.store import TranscriptStore
-from streamfence.sink.wire import KIND_TAIL, TOOL_CALL, BadFrame, parse_control, parse_final
+from streamfence.sink.wire import KIND_TAIL, TOOL_CALL, parse_final
 
-EXIT_OK = 0
-EXIT_PARENT_GONE = 3  # the supervisor died before we could arm the death signal
-
-BACKLOG_MAX = 200_000  # events kept while no supervisor is connected
 CTL_BURST = 100
 IDLE_POLL_MS = 1000
 
 _ACCEPT = Verdict.ACCEPT
-BATCH_MAX = 4096
-_BATCH_TAG = b"\x92" + msgpack.packb(E_EVENTS)  # a 2-array: [E_EVENTS, [...]]
-_raw_send = zmq.backend.Socket.send  # the compiled send, under pyzmq's Python-level one
 _PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException)
 
 
-class Sink(SinkState):
-    """Sockets and the loop around SinkState."""
+class Sink:
+    """Owns the two ROUTER sockets, the loop, signal handling and the per-delta
+    hot path; `state` (SinkState) owns the fence, the calls, the store and the
+    counters, `peer` (SupervisorPeer) who gets the events."""
 
     def __init__(self, runtime_dir: str, db_path: str,
                  control_identity: bytes | None = None) -> None:
-        super().__init__(TranscriptStore(db_path))
-        # Only the supervisor may drive the sink and receive its events: its
-        # DEALER carries a secret identity handed to us at spawn (never on a
-        # socket). Without one, the first valid peer is pinned for good.
-        self.control_identity = control_identity
         ep = Endpoints(runtime_dir)
         self.ctx = zmq.Context()
         self.sin = self._router(ep.sink_in)
         self.ctl = self._router(ep.sink_ctl)
-        self.peer: bytes | None = None
-        self.backlog: list[bytes] = []
-        self._batch_header = msgpack.Packer().pack_array_header
-        self.events_unsent = 0
-        self.acks_unroutable = 0
+        self.peer = SupervisorPeer(self.ctl, control_identity)
+        self.state = SinkState(TranscriptStore(db_path), self.peer)
         self._signals: list[int] = []
         self._stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
@@ -103,66 +95,6 @@ class Sink(SinkState):
         s.bind(endpoint)
         return s
 
-    # ---- supervisor peer ------------------------------------------------------------
-
-    def _publish(self, frame: bytes) -> None:
-        peer = self.peer
-        if peer is not None:
-            try:
-                self.ctl.send(peer, zmq.SNDMORE)
-                self.ctl.send(frame)
-                return
-            except zmq.ZMQError as exc:
-                self._lose_peer(exc)
-        self._buffer(frame)
-
-    def _buffer(self, frame: bytes) -> None:
-        if len(self.backlog) < BACKLOG_MAX:
-            self.backlog.append(frame)
-        else:
-            self.events_unsent += 1  # still in the store: subscribers can replay
-
-    def _lose_peer(self, exc: zmq.ZMQError) -> None:
-        log.warning("sink: supervisor control peer unreachable (%s); buffering events", exc)
-        self.peer = None
-
-    def _publish_all(self, frames: list[bytes]) -> None:
-        """The E_EVENT frames of one commit, as one E_EVENTS message (in slices
-        of BATCH_MAX): the supervisor then decodes once per batch."""
-        peer = self.peer
-        if peer is None:
-            for frame in frames:
-                self._buffer(frame)
-            return
-        send = _raw_send.__get__(self.ctl)
-        header = self._batch_header
-        for start in range(0, len(frames), BATCH_MAX):
-            part = frames[start:start + BATCH_MAX]
-            body = part[0] if len(part) == 1 else \
-                _BATCH_TAG + header(len(part)) + b"".join(part)
-            try:
-                send(peer, zmq.SNDMORE)
-                send(body)
-            except zmq.ZMQError as exc:
-                self._lose_peer(exc)
-                for rest in frames[start:]:
-                    self._buffer(rest)
-                return
-
-    def _set_peer(self, ident: bytes) -> None:
-        if ident == self.peer:
-            return
-        self.peer = ident
-        backlog, self.backlog = self.backlog, []
-        for frame in backlog:
-            self._publish(frame)
-
-    def stats(self) -> dict[str, object]:
-        out = super().stats()
-        out.update(events_buffered=len(self.backlog), events_unsent=self.events_unsent,
-                   acks_unroutable=self.acks_unroutable)
-        return out
-
     # ---- loop -------------------------------------------------------------------------
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -178,12 +110,13 @@ class Sink(SinkState):
         poller.register(self._wake_r, zmq.POLLIN)
         wake_fd = self._wake_r.fileno()
         log.info("sink: serving pid=%s in=%s", os.getpid(), self.sin.getsockopt_string(zmq.LAST_ENDPOINT))
+        state = self.state
         idle = True  # the input ran dry in the last drain
         while not self._stopping:
             timeout = IDLE_POLL_MS
-            if self.commit_due is not None:
-                due = min(self.commit_due, self.last_commit + IDLE_COMMIT_GAP_S) \
-                    if idle else self.commit_due
+            if state.commit_due is not None:
+                due = min(state.commit_due, state.last_commit + IDLE_COMMIT_GAP_S) \
+                    if idle else state.commit_due
                 timeout = max(0, int((due - time.monotonic()) * 1000) + 1)
             ready = dict(poller.poll(timeout))
             if wake_fd in ready:  # plain fds come back as their fileno
@@ -192,16 +125,16 @@ class Sink(SinkState):
                 self._drain_ctl()
             idle = True
             if self.sin in ready:
-                idle = self._drain_in(max(1, COMMIT_EVERY - self.pending_events))
-            if self.pending_events:
+                idle = self._drain_in(max(1, COMMIT_EVERY - state.pending_events))
+            if state.pending_events:
                 now = time.monotonic()
-                if self.commit_due is None:
-                    self.commit_due = now + COMMIT_AFTER_S
-                if (self.pending_events >= COMMIT_EVERY or now >= self.commit_due
-                        or (idle and now >= self.last_commit + IDLE_COMMIT_GAP_S)):
-                    self.commit()
+                if state.commit_due is None:
+                    state.commit_due = now + COMMIT_AFTER_S
+                if (state.pending_events >= COMMIT_EVERY or now >= state.commit_due
+                        or (idle and now >= state.last_commit + IDLE_COMMIT_GAP_S)):
+                    state.commit()
         log.info("sink: stopping; final commit")
-        self.commit()
+        state.commit()
 
     def _drain_signals(self) -> None:
         try:
@@ -219,7 +152,7 @@ class Sink(SinkState):
         self.sin.close()
         self.ctl.close()
         self.ctx.term()
-        self.store.close()
+        self.state.store.close()
         self._wake_r.close()
         self._wake_w.close()
 
@@ -241,26 +174,25 @@ class Sink(SinkState):
             except zmq.Again:
                 return
             frame = sock.recv()
+            state = self.state
             if self._resync(sock):
-                self.bad_frame("ctl", "more than one frame")
+                state.bad_frame("ctl", "more than one frame")
                 continue
-            if self.control_identity is not None and ident != self.control_identity:
-                self.bad_frame("ctl", "control message from a peer that is not the supervisor")
+            if not self.peer.admits(ident):
+                state.bad_frame("ctl", "control message from a peer that is not the supervisor")
                 continue
             try:
                 op = parse_control(decode_untrusted(frame))
             except ProtocolError as exc:
-                self.bad_frame("ctl", exc.message)
+                state.bad_frame("ctl", exc.message)
                 continue
             except BadFrame as exc:
-                self.bad_frame("ctl", exc.reason)
+                state.bad_frame("ctl", exc.reason)
                 if exc.req is not None:  # the sender is waiting on this req: answer it
-                    self._send(sock, ident, encode([R_REFUSED, exc.req, f"bad_message: {exc.reason}"]))
+                    self._send(sock, ident, encode_refused(exc.req, f"bad_message: {exc.reason}"))
                 continue
-            if self.control_identity is None:
-                self.control_identity = ident  # trust on first use
-            self._set_peer(ident)
-            self._send(sock, ident, self.handle_control(op))
+            self.peer.heard_from(ident)
+            self._send(sock, ident, state.handle_control(op))
 
     def _send(self, sock: zmq.Socket[bytes], ident: bytes, frame: bytes) -> bool:
         try:
@@ -272,22 +204,22 @@ class Sink(SinkState):
 
     def _on_in_other(self, ident: bytes, frame: bytes) -> None:
         """Anything on sink.in that is not a well-formed delta: a final or garbage."""
+        state = self.state
         if self._resync(self.sin):
-            self.bad_frame("in", "more than one frame")
+            state.bad_frame("in", "more than one frame")
             return
         try:
             final = parse_final(decode_untrusted(frame))
         except ProtocolError as exc:
-            self.bad_frame("in", exc.message)
+            state.bad_frame("in", exc.message)
             return
         except BadFrame as exc:
-            self.bad_frame("in", exc.reason)
+            state.bad_frame("in", exc.reason)
             return
-        ack = self.handle_final(final)
-        if not self._send(self.sin, ident, ack):
+        if not self._send(self.sin, ident, state.handle_final(final)):
             # The worker exited without waiting for its ack (it will count the
             # attempt as unfinished); the supervisor has E_ENDED anyway.
-            self.acks_unroutable += 1
+            state.acks_unroutable += 1
 
     def _drain_in(self, budget: int) -> bool:
         """The hot path: up to `budget` worker messages. True if the input ran dry.
@@ -302,14 +234,16 @@ class Sink(SinkState):
         single frames, and the fence never depends on the framing.
         """
         sock = self.sin
+        state = self.state
         recv = sock.recv
-        outbox_append = self.outbox.append
+        outbox_append = state.outbox.append
         unpackb = msgpack.unpackb
-        pack = self.pack
-        check = self.fence.check
-        lives = self.lives
+        pack = state.pack
+        check = state.fence.check
+        lives = state.lives
         tails = KIND_TAIL
-        dirty_append = self.dirty.append
+        dirty_append = state.dirty.append
+        bad_frame = state.bad_frame
         noblock = zmq.NOBLOCK
         n = 0
         idle = False
@@ -322,7 +256,7 @@ class Sink(SinkState):
             try:
                 frame = recv(noblock)  # never block: a message arrives whole
             except zmq.Again:
-                self.bad_frame("in", "lone frame (a misaligned multi-part message)")
+                bad_frame("in", "lone frame (a misaligned multi-part message)")
                 idle = True
                 break
             try:
@@ -330,13 +264,13 @@ class Sink(SinkState):
                 tag = msg[0]
             except _PARSE_ERRORS:
                 self._resync(sock)
-                self.bad_frame("in", "not a msgpack array")
+                bad_frame("in", "not a msgpack array")
                 continue
             if tag != T_DELTA or type(tag) is not int:
                 # Out of line (finals, garbage). It may commit: settle the
                 # burst's counters first.
-                self.pending_events += n
-                self.accepted += n
+                state.pending_events += n
+                state.accepted += n
                 n = 0
                 self._on_in_other(ident, frame)
                 continue
@@ -351,11 +285,11 @@ class Sink(SinkState):
                     raise TypeError
             except _PARSE_ERRORS:
                 self._resync(sock)
-                self.bad_frame("in", "malformed T_DELTA")
+                bad_frame("in", "malformed T_DELTA")
                 continue
             verdict = check(call, attempt, seq)
             if verdict is not _ACCEPT:
-                self.drop(call, attempt, seq, verdict)
+                state.drop(call, attempt, seq, verdict)
                 continue
             live = lives[call]
             pseq = live.seq + 1
@@ -370,8 +304,8 @@ class Sink(SinkState):
             live.add[kind](data)
             n += 1
             outbox_append(live.head + pseq_b + pack(event))  # sent after its commit
-        self.pending_events += n
-        self.accepted += n
+        state.pending_events += n
+        state.accepted += n
         return idle
 
 
@@ -410,7 +344,7 @@ def run_sink(runtime_dir: str, db_path: str, log_level: str | int = "INFO",
         _setup_logging(log_level)
     if not die_with_parent(expected_parent_pid()):
         log.error("sink: parent already gone at start; exiting")
-        sys.exit(EXIT_PARENT_GONE)
+        sys.exit(ExitCode.PARENT_GONE)
     sink = Sink(runtime_dir, db_path, control_identity)
     try:
         sink.serve()

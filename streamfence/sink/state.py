@@ -1,10 +1,11 @@
 """The sink's state and its out-of-line operations (no sockets here).
 
 `SinkState` owns the fence table, one `LiveCall` per known call, the
-transcript store and the counters. It implements the control ops
-(authorize / fence / finish / stats), worker finals, drop accounting and
-commits; `process.Sink` adds the sockets, the loop and the per-delta hot path,
-and provides `_publish` (send one frame to the supervisor).
+transcript store, the commit schedule and the counters. It implements the
+control ops (authorize / fence / finish / stats), worker finals, drop
+accounting and commits, and publishes through the `Publisher` it is given
+(`peer.SupervisorPeer`); `process.Sink` owns the sockets, the loop and the
+per-delta hot path.
 
 Invariants:
 - every call in the fence table has a LiveCall (created and evicted together);
@@ -22,32 +23,31 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 
 from streamfence.protocol.codec import encode
 from streamfence.protocol.internal import (
-    E_ENDED,
-    E_FINAL_REFUSED,
-    R_OK,
-    R_REFUSED,
     T_FINAL_ACK,
-    attempt_stats,
-)
-from streamfence.protocol.messages import done_event, reset_event
-from streamfence.sink.content import Content
-from streamfence.sink.fence import FenceTable, FinalVerdict, Verdict
-from streamfence.sink.store import TranscriptStore
-from streamfence.sink.wire import (
+    AttemptStats,
     Authorize,
     ControlOp,
     Fence,
-    Final,
     Finish,
-    delta_prefix,
+    encode_ended,
+    encode_event,
+    encode_final_refused,
+    encode_ok,
+    encode_refused,
     event_head,
+    stats_to_wire,
 )
+from streamfence.protocol.messages import done_event, reset_event
+from streamfence.sink.content import Content
+from streamfence.sink.fence import AuthorizeRefusal, FenceTable, FinalVerdict, Verdict
+from streamfence.sink.store import TranscriptStore
+from streamfence.sink.wire import Final, delta_prefix
 
 log = logging.getLogger("streamfence.sink")
 fence_log = logging.getLogger("streamfence.sink.fence")
@@ -71,8 +71,19 @@ _DROP_WHY = {
 _SEQ_VERDICTS = (Verdict.GAP, Verdict.DUPLICATE)
 
 
+class Publisher(Protocol):
+    """Where the sink's messages to the supervisor go (`peer.SupervisorPeer`)."""
+
+    def publish(self, frame: bytes) -> None: ...
+
+    def publish_all(self, frames: list[bytes]) -> None: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+
 class LiveCall:
-    """Per-call runtime state beside the fence entry."""
+    """One call's runtime state beside its fence entry: public seq, the current
+    attempt's content, events accepted but not yet stored, drops per attempt."""
 
     __slots__ = ("add", "attempt", "call_id", "content", "drops", "head", "model",
                  "pending", "pending_seq", "prefix", "seq")
@@ -97,17 +108,22 @@ class LiveCall:
         self.prefix = delta_prefix(self.call_id, attempt)
         self.model = model
 
-    def stats(self, closed: bool) -> dict[str, Any]:
+    def stats(self, closed: bool) -> AttemptStats:
         c = self.content
         # One list entry per accepted delta, and seqs are contiguous from 1.
         accepted = len(c.text) + len(c.reasoning) + len(c.refusal) + len(c.tools) + len(c.notices)
-        return attempt_stats(self.attempt, accepted, self.drops.get(self.attempt, 0),
-                             c.visible_chars(), c.tool_fragments(), accepted, closed)
+        return AttemptStats(self.attempt, accepted, self.drops.get(self.attempt, 0),
+                            c.visible_chars(), c.tool_fragments(), accepted, closed)
 
 
 class SinkState:
-    def __init__(self, store: TranscriptStore) -> None:
+    """Owns the fence table, the LiveCalls, the transcript store, the commit
+    schedule (`pending_events`, `commit_due`, `last_commit`, `outbox`) and the
+    counters. The hot path in process.py works on these directly, by design."""
+
+    def __init__(self, store: TranscriptStore, peer: Publisher) -> None:
         self.store = store
+        self.peer = peer
         self.fence = FenceTable()
         self.lives: dict[str, LiveCall] = {}
         self.dirty: list[LiveCall] = []
@@ -125,6 +141,7 @@ class SinkState:
         self._bad_warned = {"in": -WARN_EVERY_S, "ctl": -WARN_EVERY_S}
         self.finals_accepted = 0
         self.finals_refused = 0
+        self.acks_unroutable = 0  # finals whose worker left before its ack
         for row in store.unfinished_calls():
             # Closed until the supervisor authorizes a higher epoch.
             self.fence.seed(row.call_id, row.max_epoch)
@@ -132,13 +149,6 @@ class SinkState:
             self._restore_content(live, row.max_epoch)
         if self.lives:
             log.info("sink: rebuilt %d unfinished calls from %s", len(self.lives), store.path)
-
-    def _publish(self, frame: bytes) -> None:
-        raise NotImplementedError
-
-    def _publish_all(self, frames: list[bytes]) -> None:
-        for frame in frames:
-            self._publish(frame)
 
     def _restore_content(self, live: LiveCall, epoch: int) -> None:
         """Reload the latest attempt's content from the store after a restart, so
@@ -191,7 +201,7 @@ class SinkState:
         self.commit_due = None
         self.last_commit = time.monotonic()
         if self.outbox:
-            self._publish_all(self.outbox)
+            self.peer.publish_all(self.outbox)
             self.outbox.clear()  # in place: the hot path holds a bound append
 
     # ---- control ops ---------------------------------------------------------------
@@ -207,15 +217,16 @@ class SinkState:
             return self._fence(op)
         if isinstance(op, Finish):
             return self._finish(op)
-        return encode([R_OK, op.req, self.stats()])
+        return encode_ok(op.req, self.stats())
 
     def _authorize(self, op: Authorize) -> bytes:
         live = self._live(op.call_id)
         prev = live.stats(closed=True)
-        reason = self.fence.authorize(op.call_id, op.attempt)
-        if reason is not None:
+        refusal = self.fence.authorize(op.call_id, op.attempt)
+        if refusal is not None:
+            reason = self._refusal_reason(refusal, op)
             log.info("sink: authorize refused call=%s attempt=%d: %s", op.call_id, op.attempt, reason)
-            return encode([R_REFUSED, op.req, reason])
+            return encode_refused(op.req, reason)
         self.flush_pending()  # the old attempt's pending run keeps its attempt number
         live.start_attempt(op.attempt, op.model)
         self.store.set_epoch(op.call_id, op.attempt)
@@ -224,13 +235,23 @@ class SinkState:
             live.seq += 1
             body = encode(reset_event(op.call_id, op.attempt, live.seq))
             self.store.add(op.call_id, live.seq, live.seq, op.attempt, "reset", body)
-            out = live.head + self.pack(live.seq) + self.pack(body)
+            out = encode_event(op.call_id, live.seq, body)
         # Durable before the ack: after a restart no epoch may be handed out twice.
         self.commit()
         if out is not None:
-            self._publish(out)
+            self.peer.publish(out)
         log.debug("sink: authorized call=%s attempt=%d reset=%s", op.call_id, op.attempt, op.reset)
-        return encode([R_OK, op.req, prev])
+        return encode_ok(op.req, stats_to_wire(prev))
+
+    def _refusal_reason(self, refusal: AuthorizeRefusal, op: Authorize) -> str:
+        view = self.fence.view(op.call_id)
+        if refusal is AuthorizeRefusal.BAD_ATTEMPT:
+            detail = f"attempt {op.attempt} must be at least 1"
+        elif refusal is AuthorizeRefusal.CALL_FINISHED:
+            detail = f"call {op.call_id} already has its done event"
+        else:
+            detail = f"attempt {op.attempt} is not above epoch {view.epoch if view else 0}"
+        return f"{refusal.value}: {detail}"
 
     def _fence(self, op: Fence) -> bytes:
         live = self._live(op.call_id)
@@ -242,7 +263,7 @@ class SinkState:
             self.store.set_epoch(op.call_id, op.attempt)
             self.commit()
         log.debug("sink: fenced call=%s attempt=%d", op.call_id, op.attempt)
-        return encode([R_OK, op.req, prev])
+        return encode_ok(op.req, stats_to_wire(prev))
 
     def _finish(self, op: Finish) -> bytes:
         live = self._live(op.call_id)
@@ -251,12 +272,9 @@ class SinkState:
             # Idempotent: a repeated finish gets the stored done event, nothing new.
             body = self.store.done_event(op.call_id)
             if body is None:
-                return encode([R_REFUSED, op.req, "call_finished: no done event stored"])
-            return encode([R_OK, op.req, msgpack.unpackb(body)])
-        try:
-            response = live.content.build_response(op.meta)
-        except ValueError as exc:
-            return encode([R_REFUSED, op.req, f"bad_meta: {exc}"])
+                return encode_refused(op.req, "call_finished: no done event stored")
+            return encode_ok(op.req, msgpack.unpackb(body))
+        response = live.content.build_response(op.meta)
         self.fence.finish(op.call_id)  # nothing more is accepted for this call
         self.flush_pending()
         live.seq += 1
@@ -266,12 +284,12 @@ class SinkState:
         self.store.add(op.call_id, live.seq, live.seq, epoch, "done", body)
         self.store.set_done(op.call_id, epoch, op.status.value, live.seq)
         self.commit()  # committed before anyone can see it
-        self._publish(live.head + self.pack(live.seq) + self.pack(body))
+        self.peer.publish(encode_event(op.call_id, live.seq, body))
         live.content = Content()  # free the text; the store has it
         live.add = live.content.add
         self._remember_finished(op.call_id)
         log.debug("sink: done call=%s status=%s seq=%d", op.call_id, op.status.value, live.seq)
-        return encode([R_OK, op.req, done])
+        return encode_ok(op.req, done)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -288,6 +306,8 @@ class SinkState:
             "db_rows": self.store.rows_written,
             "commits": self.store.commits,
             "pending_events": self.pending_events,
+            "acks_unroutable": self.acks_unroutable,
+            **self.peer.stats(),
         }
 
     # ---- worker finals -------------------------------------------------------------
@@ -301,7 +321,7 @@ class SinkState:
         if verdict is FinalVerdict.ACCEPT:
             self.finals_accepted += 1
             stats = self.lives[f.call_id].stats(closed=True)
-            self._publish(encode([E_ENDED, f.call_id, f.attempt, stats, f.final]))
+            self.peer.publish(encode_ended(f.call_id, f.attempt, stats, f.outcome))
             return encode([T_FINAL_ACK, f.call_id, f.attempt, True, ""])
         if verdict is FinalVerdict.REPEATED:
             return encode([T_FINAL_ACK, f.call_id, f.attempt, True, "repeated"])
@@ -314,7 +334,7 @@ class SinkState:
         self.finals_refused += 1
         log.warning("sink: final refused call=%s attempt=%d reason=%s",
                     f.call_id, f.attempt, reason)
-        self._publish(encode([E_FINAL_REFUSED, f.call_id, f.attempt, reason]))
+        self.peer.publish(encode_final_refused(f.call_id, f.attempt, reason))
         return encode([T_FINAL_ACK, f.call_id, f.attempt, False, reason])
 
     # ---- refusals ------------------------------------------------------------------

@@ -7,25 +7,56 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
 import time
+from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
-import zmq
 
 from streamfence.protocol.errors import ErrorCode
-from streamfence.protocol.internal import W_RUN
-from streamfence.protocol.messages import CallStatus
-from streamfence.supervisor.calls import Call, CallState, Finish, decide
-from streamfence.supervisor.state import DaemonState
+from streamfence.protocol.internal import (
+    AttemptError,
+    AttemptOutcome,
+    AttemptSettings,
+    AttemptStats,
+    Ended,
+    FinalRefused,
+    FinishMeta,
+    RunAttempt,
+)
+from streamfence.protocol.messages import CallStatus, DeltaKind, visible_chars
+from streamfence.supervisor.breaker import Breakers
+from streamfence.supervisor.calls import (
+    BUSY_STATES,
+    Call,
+    CallEvent,
+    CallState,
+    FenceReason,
+    Finish,
+    call_error,
+    decide,
+    fence_error,
+)
+from streamfence.supervisor.clients import Clients
+from streamfence.supervisor.config import DaemonConfig
+from streamfence.supervisor.fallbacks import Fallbacks
+from streamfence.supervisor.journal import Journal
+from streamfence.supervisor.pool import Pool, exit_text
+from streamfence.supervisor.sinklink import (
+    SINK_LOST,
+    DoneReply,
+    SinkLink,
+    SinkLost,
+    StatsReply,
+    why,
+)
 from streamfence.supervisor.timeouts import backoff_delay
 
 log = logging.getLogger("streamfence.attempts")
 
-# Error codes that mean "this provider will not stream for this profile".
-NON_STREAMING_CODES = frozenset({"streaming_unsupported", "empty_sse_frames"})
-PROBE_WINDOW_S = 60.0
-SINK_LOST = "the sink died before answering"
+FINAL_ACK_TIMEOUT_S = 30.0
 
 
 def _ctx(call: Call) -> dict[str, Any]:
@@ -38,117 +69,165 @@ def _breaker_key(call: Call) -> tuple[str, str]:
 
 
 class AttemptDriver:
-    def __init__(self, st: DaemonState) -> None:
-        self.st = st
+    """Owns the live calls (`Call`: state machine, epochs, the decision being
+    written), the run queue, the reservation tokens and the per-profile
+    fall-backs; counts retries and calls by status. Talks to the sink through
+    the SinkLink, to workers through the Pool, records in the Journal, and
+    tells Clients `on_call_done` when a call's done event is stored.
+    """
+
+    def __init__(self, config: DaemonConfig, journal: Journal, pool: Pool, sink: SinkLink,
+                 clients: Clients, breakers: Breakers, counters: Counter[str],
+                 clock: Callable[[], float], rng: random.Random) -> None:
+        self._config = config
+        self._journal = journal
+        self._pool = pool
+        self._sink = sink
+        self._clients = clients
+        self._breakers = breakers
+        self._clock = clock
+        self._rng = rng
+        self._fallbacks = Fallbacks(clock)
+        self._calls: dict[str, Call] = {}
+        self._queue: deque[str] = deque()
+        self._next_token = 1
+        self._counters = counters
+
+    # ---- what the front and recovery ask -------------------------------------------
+    def enqueue(self, call: Call) -> None:
+        """A new (or recovered) call, to run when a worker is free."""
+        self._calls[call.call_id] = call
+        self._queue.append(call.call_id)
+
+    def has_call(self, call_id: str) -> bool:
+        return call_id in self._calls
+
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def busy(self) -> int:
+        """Calls with an attempt in flight (queued and backing-off ones wait in the journal)."""
+        return sum(1 for c in self._calls.values() if c.state in BUSY_STATES)
+
+    def cancel(self, call_id: str) -> None:
+        """Cancel a live call, whatever its state (docs/ARCHITECTURE.md, "Cancel")."""
+        call = self._calls[call_id]
+        if call.cancel_requested:
+            return
+        call.cancel_requested = True
+        if call.state in (CallState.QUEUED, CallState.BACKOFF):
+            self.finish(call, Finish(CallStatus.CANCELLED, call_error(
+                ErrorCode.CANCELLED, "cancelled by the client"), FinishMeta()))
+        elif call.state is CallState.RUNNING:
+            self.fence(call, FenceReason.CANCELLED)
+        # AUTHORIZING / FENCING: the pending reply sees cancel_requested.
+
+    def status(self) -> dict[str, Any]:
+        by_state: dict[str, int] = {}
+        for call in self._calls.values():
+            by_state[call.state.value] = by_state.get(call.state.value, 0) + 1
+        return {"active": len(self._calls), "queued": len(self._queue), "by_state": by_state,
+                "running": [{"call_id": c.call_id, "state": c.state.value, "attempt": c.epoch,
+                             "session_id": c.spec.session_id, "provider": c.profile.name}
+                            for c in list(self._calls.values())[:100]]}
 
     # ---- scheduling ----------------------------------------------------------
     def schedule(self) -> None:
         """Start queued calls while warm workers are free."""
-        st = self.st
         started: list[Call] = []
-        while st.queue:
-            call = st.calls.get(st.queue[0])
+        queue = self._queue
+        while queue:
+            call = self._calls.get(queue[0])
             if call is None or call.state is not CallState.QUEUED:
-                st.queue.popleft()
+                queue.popleft()
                 continue
-            if call.deadline is not None and st.clock() >= call.deadline:
-                st.queue.popleft()
-                self.finish(call, Finish(CallStatus.FAILED, {
-                    "code": ErrorCode.DEADLINE_EXCEEDED.value,
-                    "message": "the call's deadline passed before an attempt could start"}, {}))
+            if call.deadline is not None and self._clock() >= call.deadline:
+                queue.popleft()
+                self.finish(call, Finish(CallStatus.FAILED, call_error(
+                    ErrorCode.DEADLINE_EXCEEDED,
+                    "the call's deadline passed before an attempt could start"), FinishMeta()))
                 continue
-            token = st.next_token
-            worker = st.pool.reserve(call.call_id, call.epoch + 1, token)
+            token = self._next_token
+            worker = self._pool.reserve(call.call_id, call.epoch + 1, token)
             if worker is None:
                 break
-            st.next_token += 1
-            st.queue.popleft()
+            self._next_token += 1
+            queue.popleft()
             call.epoch += 1
             call.attempts += 1
             call.token = token
             call.worker_id = worker.worker_id
             call.fence_reason = None
             call.ended = None
-            call.to("start")
-            st.journal.start_attempt(call.call_id, call.epoch)
+            call.to(CallEvent.START)
+            self._journal.start_attempt(call.call_id, call.epoch)
             started.append(call)
         if started:
             # Epochs are durable before the sink hears of them.
-            st.journal.commit()
+            self._journal.commit()
             for call in started:
                 reset = call.delivered  # only under on_partial=restart can this hold here
                 model = str(call.spec.request.get("model") or call.spec.request.get("modelId")
                             or "-")
-                st.sink.authorize(call.call_id, call.epoch, reset, model,
-                                  functools.partial(self._authorized, call))
-        st.pool.maintain(demand=sum(1 for cid in st.queue if cid in st.calls))
+                self._sink.authorize(call.call_id, call.epoch, reset, model,
+                                     functools.partial(self._authorized, call))
+        self._pool.maintain(demand=sum(1 for cid in queue if cid in self._calls))
 
-    def _authorized(self, call: Call, ok: bool, payload: Any) -> None:
-        st = self.st
-        worker = st.pool.workers.get(call.worker_id or -1)
-        if not ok:
+    def _authorized(self, call: Call, reply: StatsReply) -> None:
+        worker = self._pool.get(call.worker_id)
+        if not isinstance(reply, AttemptStats):
             if worker is not None:
-                st.pool.release(worker)
-            call.to("refused")
-            if payload == SINK_LOST:
-                st.queue.appendleft(call.call_id)  # the restarted sink will answer
+                self._pool.release(worker)
+            call.to(CallEvent.REFUSED)
+            if reply is SINK_LOST:
+                self._queue.appendleft(call.call_id)  # the restarted sink will answer
                 return
             # The sink knows better (e.g. an epoch it has seen, set after a
             # crash): never spin on it; fail the call with what it said.
-            log.error("sink refused to authorize attempt: %s", payload, extra=_ctx(call))
-            self.finish(call, Finish(CallStatus.FAILED, {
-                "code": ErrorCode.INTERNAL.value,
-                "message": f"the sink refused the attempt: {payload}"}, {}))
+            log.error("sink refused to authorize attempt: %s", why(reply), extra=_ctx(call))
+            self.finish(call, Finish(CallStatus.FAILED, call_error(
+                ErrorCode.INTERNAL, f"the sink refused the attempt: {why(reply)}"), FinishMeta()))
             return
         if call.delivered:
             call.delivered = False  # the reset voided it
+        call.to(CallEvent.AUTHORIZED)
         if call.cancel_requested or worker is None or worker.token != call.token:
             # Cancelled while authorizing, or the reserved worker died: fence
             # the (never started) attempt, then decide.
             if worker is not None:
-                st.pool.release(worker)
-            call.to("authorized")
-            self.fence(call, "cancelled" if call.cancel_requested else "worker_died")
+                self._pool.release(worker)
+            self.fence(call, FenceReason.CANCELLED if call.cancel_requested
+                       else FenceReason.WORKER_DIED)
             return
-        call.to("authorized")
-        worker.to("run")
         call.dispatched_ns = time.monotonic_ns()
-        st.journal.set_attempt_pid(call.call_id, call.epoch, worker.pid)
-        profile = call.profile
-        streaming = profile.name not in st.no_streaming and not call.probe_next
+        self._journal.set_attempt_pid(call.call_id, call.epoch, worker.pid)
+        profile = call.profile.name
+        settings = AttemptSettings(
+            streaming=self._fallbacks.streaming(profile) and not call.probe_next,
+            include_usage=self._fallbacks.include_usage(profile),
+            connect_timeout_s=call.timeouts.connect_s, read_timeout_s=call.timeouts.read_s,
+            final_ack_timeout_s=FINAL_ACK_TIMEOUT_S, notice=call.notice)
         call.probe_next = False
-        settings = {"streaming": streaming,
-                    "connect_timeout_s": call.timeouts.connect_s,
-                    "read_timeout_s": call.timeouts.read_s,
-                    "include_usage": profile.name not in st.no_stream_options,
-                    "final_ack_timeout_s": 30.0, "notice": call.notice}
         call.notice = None
-        try:
-            st.workers_sock.send_multipart([worker.identity, msgpack.packb(
-                [W_RUN, call.token, call.call_id, call.epoch, call.spec.session_id,
-                 profile.to_map(), call.spec.request, settings], use_bin_type=True)])
-        except zmq.ZMQError as exc:
-            # Killed after it reported idle, before the zygote reported its
-            # exit: the attempt never started; fence it and retry elsewhere.
-            log.warning("worker %d unreachable (%s); fencing the attempt", worker.worker_id, exc,
-                        extra=_ctx(call))
-            st.pool.kill(worker)
-            self.fence(call, "worker_died")
+        run = RunAttempt(call.token, call.call_id, call.epoch, call.spec.session_id or "-",
+                         call.profile.to_map(), call.spec.request, settings)
+        if not self._pool.dispatch(worker, run):
+            self.fence(call, FenceReason.WORKER_DIED)
             return
         log.debug("attempt dispatched to worker %d (pid %d)", worker.worker_id, worker.pid,
                   extra=_ctx(call))
 
     # ---- liveness ----------------------------------------------------------
     def check_stale(self) -> None:
-        st = self.st
+        """The stale watchdog (docs/ARCHITECTURE.md, "Liveness and the stale watchdog")."""
         now_ns = time.monotonic_ns()
-        for call in list(st.calls.values()):
+        for call in list(self._calls.values()):
             if call.state is not CallState.RUNNING:
                 continue
-            worker = st.pool.workers.get(call.worker_id or -1)
+            worker = self._pool.get(call.worker_id)
             if worker is None:
                 continue
-            token, last_ns, chunks, _ = st.live.read(worker.slot)
+            token, last_ns, chunks, _ = self._pool.liveness(worker)
             if token == call.token and chunks > 0:
                 since, limit = last_ns, call.timeouts.stale_s
             else:
@@ -157,208 +236,163 @@ class AttemptDriver:
                 log.warning("stale attempt: no chunk for %.1fs (limit %.1fs, chunks so far %d)",
                             (now_ns - since) / 1e9, limit, chunks if token == call.token else 0,
                             extra=_ctx(call))
-                self.fence(call, "stale")
-            elif call.deadline is not None and st.clock() >= call.deadline:
-                self.fence(call, "deadline")
+                self.fence(call, FenceReason.STALE)
+            elif call.deadline is not None and self._clock() >= call.deadline:
+                self.fence(call, FenceReason.DEADLINE)
 
     # ---- ending an attempt ----------------------------------------------------
-    def fence(self, call: Call, reason: str) -> None:
+    def fence(self, call: Call, reason: FenceReason) -> None:
         """Close the attempt at the sink; once acknowledged, kill its worker."""
         call.fence_reason = reason
-        call.to("fence")
-        self.st.sink.fence(call.call_id, call.epoch,
-                           functools.partial(self._fenced, call, call.epoch))
+        call.to(CallEvent.FENCE)
+        self._sink.fence(call.call_id, call.epoch,
+                         functools.partial(self._fenced, call, call.epoch))
 
-    def _fenced(self, call: Call, epoch: int, ok: bool, stats: Any) -> None:
-        st = self.st
+    def _fenced(self, call: Call, epoch: int, reply: StatsReply) -> None:
         if call.state is not CallState.FENCING or call.epoch != epoch:
             return
-        if not ok or not isinstance(stats, dict):
-            stats = self._stats_from_events(call)  # the sink died: what subscribers saw
-        worker = st.pool.workers.get(call.worker_id or -1)
         if call.ended is not None:
             # The sink accepted the attempt's final before the fence: it finished.
-            ended_stats, final = call.ended
-            self._decide(call, ended_stats, final, final.get("error"))
+            ended_stats, outcome = call.ended
+            self._decide(call, ended_stats, outcome, outcome.error)
             return
-        if call.fence_reason == "stale":
-            st.breakers.on_stale(_breaker_key(call))  # once per attempt: fenced once
+        # Without the sink's answer: what subscribers saw of the attempt.
+        stats = reply if isinstance(reply, AttemptStats) else self._stats_from_events(call)
+        reason = call.fence_reason
+        assert reason is not None, "fenced without a reason"
+        if reason is FenceReason.STALE:
+            self._breakers.on_stale(_breaker_key(call))  # once per attempt: fenced once
+        worker = self._pool.get(call.worker_id)
         if worker is not None and worker.token == call.token:
-            st.pool.kill(worker)  # fenced first, so the kill cannot lose an accepted delta
-            st.pool.maintain()
-        reason = call.fence_reason or "fenced"
-        messages = {
-            "stale": ("stream_stalled", f"no chunk within the stale timeout "
-                                        f"({call.timeouts.stale_s:g}s)"),
-            "worker_died": ("worker_died", "the worker process died mid-attempt"),
-            "final_refused": ("final_refused", "the sink refused the attempt's final message"),
-            "deadline": ("deadline_exceeded", "the call's deadline passed"),
-            "sink_restarted": ("sink_restarted", "the sink restarted mid-attempt"),
-            "cancelled": ("cancelled", "cancelled by the client"),
-        }
-        code, message = messages.get(reason, (reason, reason))
-        error = {"class": "transient", "code": code, "message": message,
-                 "retry_after_s": None}
-        self._end_attempt(call, reason, None)
-        self._decide(call, stats if isinstance(stats, dict) else {}, None, error)
+            self._pool.kill(worker)  # fenced first, so the kill cannot lose an accepted delta
+            self._pool.maintain()
+        self._journal.end_attempt(call.call_id, call.epoch, reason.value, None)
+        self._decide(call, stats, None, fence_error(reason, call.timeouts.stale_s))
 
-    def on_ended(self, call_id: str, attempt: int, stats: dict[str, Any],
-                 final: dict[str, Any]) -> None:
-        call = self.st.calls.get(call_id)
-        if call is None or call.epoch != attempt:
+    def on_ended(self, ended: Ended) -> None:
+        """The sink accepted an attempt's final message."""
+        call = self._calls.get(ended.call_id)
+        if call is None or call.epoch != ended.attempt:
             return
-        if final.get("stream_options_rejected"):
-            self.st.no_stream_options.add(call.profile.name)
-        if final.get("streaming_denied"):
-            self.st.no_streaming.add(call.profile.name)
+        self._fallbacks.learn(call.profile.name, ended.outcome)
         if call.state is CallState.FENCING:
-            call.ended = (stats, final)  # decided when the fence reply arrives
+            call.ended = (ended.stats, ended.outcome)  # decided when the fence reply arrives
             return
         if call.state is not CallState.RUNNING:
             return
-        self._end_attempt(call, "ended", final)
-        self._decide(call, stats, final, final.get("error"))
+        self._journal.end_attempt(call.call_id, call.epoch, "ended", ended.outcome)
+        self._decide(call, ended.stats, ended.outcome, ended.outcome.error)
 
-    def on_final_refused(self, call_id: str, attempt: int, reason: str) -> None:
-        call = self.st.calls.get(call_id)
-        if call is not None and call.epoch == attempt and call.state is CallState.RUNNING:
-            log.warning("final message refused by the sink: %s", reason, extra=_ctx(call))
-            self.fence(call, "final_refused")
+    def on_final_refused(self, refused: FinalRefused) -> None:
+        call = self._calls.get(refused.call_id)
+        if call is not None and call.epoch == refused.attempt and call.state is CallState.RUNNING:
+            log.warning("final message refused by the sink: %s", refused.reason, extra=_ctx(call))
+            self.fence(call, FenceReason.FINAL_REFUSED)
 
     def on_worker_exit(self, call_id: str | None, token: int, returncode: int) -> None:
-        call = self.st.calls.get(call_id or "")
+        call = self._calls.get(call_id or "")
         if call is None or call.token != token:
             return
         if call.state is CallState.RUNNING:
-            log.warning("worker died mid-attempt (exit %d)", returncode, extra=_ctx(call))
-            self.fence(call, "worker_died")
+            log.warning("worker died mid-attempt (exit %s)", exit_text(returncode),
+                        extra=_ctx(call))
+            self.fence(call, FenceReason.WORKER_DIED)
 
-    def _end_attempt(self, call: Call, how: str, final: dict[str, Any] | None) -> None:
-        self.st.journal.end_attempt(call.call_id, call.epoch, how, final)
-
-    def _decide(self, call: Call, stats: dict[str, Any], final: dict[str, Any] | None,
-                error: dict[str, Any] | None) -> None:
-        st = self.st
-        if error is not None:
-            call.last_error = error
-        if int(stats.get("visible_chars", 0)) > 0:
+    def _decide(self, call: Call, stats: AttemptStats, outcome: AttemptOutcome | None,
+                error: AttemptError | None) -> None:
+        if stats.visible_chars > 0:
             call.delivered = True
-        error = self._streaming_fallbacks(call, stats, error)
-        decision = decide(call, stats, final, error, st.clock())
-        if error is None and final is not None:
-            st.breakers.on_success(_breaker_key(call))
-        elif call.fence_reason != "stale":
-            st.breakers.on_probe_ended(_breaker_key(call))
+        if error is not None:
+            adjusted = self._fallbacks.adjust(call.profile.name, error, stats.accepted, _ctx(call))
+            error = adjusted.error
+            if adjusted.probe_next:
+                call.probe_next = True
+        decision = decide(call, stats, outcome, error, self._clock())
+        if error is None and outcome is not None:
+            self._breakers.on_success(_breaker_key(call))
+        elif call.fence_reason is not FenceReason.STALE:
+            self._breakers.on_probe_ended(_breaker_key(call))
         if isinstance(decision, Finish):
             self.finish(call, decision)
             return
-        delay = backoff_delay(call.attempts, st.config.backoff_base_s, st.config.backoff_max_s,
-                              decision.retry_after_s, st.rng)
-        now = st.clock()
+        cfg = self._config
+        delay = backoff_delay(call.attempts, cfg.backoff_base_s, cfg.backoff_max_s,
+                              decision.retry_after_s, self._rng)
+        now = self._clock()
         if call.deadline is not None and now + delay >= call.deadline:
-            self.finish(call, Finish(CallStatus.FAILED, {
-                "code": ErrorCode.DEADLINE_EXCEEDED.value,
-                "message": "the deadline leaves no time for the next attempt's backoff"}, {}))
+            self.finish(call, Finish(CallStatus.FAILED, call_error(
+                ErrorCode.DEADLINE_EXCEEDED,
+                "the deadline leaves no time for the next attempt's backoff"), FinishMeta()))
             return
-        if int(stats.get("tool_fragments", 0)) > 0:
+        message = error.message if error is not None else None
+        if stats.tool_fragments > 0:
             call.notice = (f"The connection dropped in the middle of a tool call "
-                           f"({(error or {}).get('message')}); the request is retried "
+                           f"({message}); the request is retried "
                            f"and the tool call starts over.")
-        log.info("retrying after %.2fs: %s", delay, (error or {}).get("message"), extra=_ctx(call))
+        log.info("retrying after %.2fs: %s", delay, message, extra=_ctx(call))
         call.retry_at = now + delay
-        call.to("retry")
-        st.counters["retries"] += 1
-
-    def _streaming_fallbacks(self, call: Call, stats: dict[str, Any],
-                             error: dict[str, Any] | None) -> dict[str, Any] | None:
-        """SPEC §3 streaming fall-backs. Returns the error `decide` should see."""
-        st = self.st
-        if error is None:
-            return None
-        name = call.profile.name
-        if error.get("code") in NON_STREAMING_CODES and name not in st.no_streaming:
-            # The provider will not stream for this profile: switch it to
-            # non-streaming (delivered as deltas) and try again at once.
-            log.warning("profile %s switched to non-streaming: %s", name, error.get("message"),
-                        extra=_ctx(call))
-            st.no_streaming.add(name)
-            return dict(error, **{"class": "transient", "retry_after_s": 0.0})
-        status = error.get("status") or 0
-        now = st.clock()
-        if (status >= 500 and int(stats.get("accepted", 0)) == 0 and name not in st.no_streaming
-                and now - st.last_probe.get(name, -PROBE_WINDOW_S) >= PROBE_WINDOW_S):
-            # A 5xx killed the stream before any delta: one non-streaming probe
-            # per window, whose 4xx (if any) replaces the opaque 5xx.
-            st.last_probe[name] = now
-            call.probe_next = True
-        return error
+        call.to(CallEvent.RETRY)
+        self._counters["retries"] += 1
 
     def tick_backoffs(self) -> None:
-        now = self.st.clock()
-        for call in self.st.calls.values():
+        now = self._clock()
+        for call in self._calls.values():
             if call.state is CallState.BACKOFF and now >= call.retry_at:
-                call.to("backoff_over")
-                self.st.queue.appendleft(call.call_id)
+                call.to(CallEvent.BACKOFF_OVER)
+                self._queue.appendleft(call.call_id)
 
     # ---- finishing -----------------------------------------------------------
     def finish(self, call: Call, decision: Finish) -> None:
-        call.to("finish")
+        call.to(CallEvent.FINISH)
         call.finishing = decision
         self._send_finish(call, decision)
 
     def _send_finish(self, call: Call, decision: Finish) -> None:
-        self.st.sink.finish(call.call_id, decision.status.value, decision.error, call.attempts,
-                            decision.meta, functools.partial(self._finished, call))
+        self._sink.finish(call.call_id, decision.status, decision.error, call.attempts,
+                          decision.meta, functools.partial(self._finished, call))
+
+    def _finished(self, call: Call, reply: DoneReply) -> None:
+        if isinstance(reply, SinkLost) and call.finishing is not None:
+            # Ask the restarted sink again (a repeated finish is idempotent there).
+            self._send_finish(call, call.finishing)
+            return
+        if not isinstance(reply, dict):
+            log.error("sink refused to finish the call: %s", why(reply), extra=_ctx(call))
+            return
+        done = reply
+        call.to(CallEvent.FINISHED)
+        status = str(done.get("status"))
+        self._journal.finish_call(call.call_id, status, done)
+        self._counters["calls_" + status] += 1
+        log.info("call %s after %d attempt(s)", status, call.attempts, extra=_ctx(call))
+        self._clients.on_call_done(call.call_id, done,
+                                   functools.partial(self._journal.attempts_of, call.call_id))
+        del self._calls[call.call_id]
 
     # ---- the sink died ---------------------------------------------------------
     def on_sink_restart(self) -> None:
         """Fail the requests the dead sink never answered, then fence every
         attempt still running: its worker streams to a sink that no longer
         knows where it was."""
-        for callback in self.st.sink.forget_pending():
-            callback(False, SINK_LOST)
-        for call in list(self.st.calls.values()):
+        self._sink.fail_pending()
+        for call in list(self._calls.values()):
             if call.state is CallState.RUNNING:
-                call.fence_reason = "sink_restarted"
-                call.to("fence")
-                self._fenced(call, call.epoch, False, SINK_LOST)
+                call.fence_reason = FenceReason.SINK_RESTARTED
+                call.to(CallEvent.FENCE)
+                self._fenced(call, call.epoch, SINK_LOST)
 
-    def _stats_from_events(self, call: Call) -> dict[str, Any]:
+    def _stats_from_events(self, call: Call) -> AttemptStats:
         """The current attempt's stats as subscribers saw them (every published
         event was committed first, so this is what the transcript holds)."""
         visible = fragments = accepted = 0
-        for frame in self.st.events.get(call.call_id, []):
+        for frame in self._clients.published(call.call_id):
             event = msgpack.unpackb(frame, raw=False)
             if event.get("op") == "reset":
                 visible = fragments = accepted = 0
             elif event.get("op") == "delta" and event.get("attempt") == call.epoch:
                 accepted += 1
-                if event["kind"] in ("text", "refusal"):
-                    visible += len(str(event["data"]).strip())
-                elif event["kind"] == "tool_call":
+                visible += visible_chars(event["kind"], event["data"])
+                if event["kind"] == DeltaKind.TOOL_CALL:
                     fragments += 1
-        return {"attempt": call.epoch, "accepted": accepted, "visible_chars": visible,
-                "tool_fragments": fragments}
-
-    def _finished(self, call: Call, ok: bool, done: Any) -> None:
-        st = self.st
-        if not ok:
-            if done == SINK_LOST and call.finishing is not None:
-                # Ask the restarted sink again (a repeated finish is idempotent there).
-                self._send_finish(call, call.finishing)
-                return
-            log.error("sink refused to finish the call: %s", done, extra=_ctx(call))
-            return
-        call.to("finished")
-        st.journal.finish_call(call.call_id, str(done.get("status")), done)
-        st.counters["calls_" + str(done.get("status"))] += 1
-        log.info("call %s after %d attempt(s)", done.get("status"), call.attempts,
-                 extra=_ctx(call))
-        if call.waiters:
-            reply = dict(done, diagnostics=st.journal.attempts_of(call.call_id))
-            for identity, ref, _ in call.waiters:
-                st.front.send_multipart([identity, msgpack.packb(dict(reply, ref=ref))])
-        call.waiters.clear()
-        st.subscribers.pop(call.call_id, None)
-        st.events.pop(call.call_id, None)
-        del st.calls[call.call_id]
+        return AttemptStats(call.epoch, accepted=accepted, visible_chars=visible,
+                            tool_fragments=fragments)

@@ -34,6 +34,9 @@ Key = tuple[str, str]  # (session_id or "-", profile name)
 
 
 class Breakers:
+    """Owns one breaker per (session, profile) pair with a stale streak. The Front
+    asks `admit`; the AttemptDriver reports stale, success and probe ends."""
+
     def __init__(self, threshold: int, cooldown_s: float, clock: Callable[[], float]) -> None:
         self.threshold = threshold
         self.cooldown_s = cooldown_s

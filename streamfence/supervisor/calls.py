@@ -1,24 +1,32 @@
-"""Calls and their attempts: the explicit state machine, and the pure
-decision taken when an attempt ends.
+"""Calls and their attempts: the explicit state machine, why an attempt is
+fenced, and the pure decision taken when an attempt ends.
 
-    QUEUED ──start──► AUTHORIZING ──authorized──► RUNNING ──ended──► (decide)
+    QUEUED ──START──► AUTHORIZING ──AUTHORIZED──► RUNNING ──(ended)──► decide
        ▲                                            │ stale / worker died /
-       └──────backoff over── BACKOFF ◄──retry──┐    ▼ cancel / deadline
-                                              FENCING ──fenced──► (decide)
-    (decide) ──finish──► FINISHING ──finished──► DONE
+       └──────BACKOFF_OVER── BACKOFF ◄──RETRY──┐    ▼ cancel / deadline
+                                              FENCING ──(fenced)──► decide
+    decide ──FINISH──► FINISHING ──FINISHED──► DONE
 
 The sink is told "attempt N is the writer" before any worker gets attempt N
 (AUTHORIZING), and an attempt that must stop is fenced at the sink before its
-process is killed (FENCING). `decide` applies the delivery rules of SPEC §3.
+process is killed (FENCING): docs/ARCHITECTURE.md, "Invariants". `decide`
+applies the rules of "Retries and error classes" and "Partial delivery".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
 from streamfence.protocol.errors import ErrorCode
+from streamfence.protocol.internal import (
+    AttemptError,
+    AttemptOutcome,
+    AttemptStats,
+    ErrorClass,
+    FinishMeta,
+)
 from streamfence.protocol.messages import CallSpec, CallStatus, OnPartial
 from streamfence.supervisor.config import ProviderProfile
 from streamfence.supervisor.timeouts import AttemptTimeouts
@@ -34,25 +42,72 @@ class CallState(Enum):
     DONE = "done"
 
 
-_TRANSITIONS: dict[CallState, dict[str, CallState]] = {
-    CallState.QUEUED: {"start": CallState.AUTHORIZING, "finish": CallState.FINISHING},
-    CallState.AUTHORIZING: {"authorized": CallState.RUNNING, "fence": CallState.FENCING,
-                            "refused": CallState.QUEUED},
-    CallState.RUNNING: {"fence": CallState.FENCING, "retry": CallState.BACKOFF,
-                        "finish": CallState.FINISHING},
-    CallState.FENCING: {"retry": CallState.BACKOFF, "finish": CallState.FINISHING},
-    CallState.BACKOFF: {"backoff_over": CallState.QUEUED, "finish": CallState.FINISHING},
-    CallState.FINISHING: {"finished": CallState.DONE},
+class CallEvent(Enum):
+    START = "start"  # a worker is reserved; the sink is asked to authorize
+    AUTHORIZED = "authorized"  # the sink's answer (then dispatched, or fenced at once)
+    REFUSED = "refused"  # the sink refused or died: back to the queue
+    FENCE = "fence"  # the attempt must stop
+    RETRY = "retry"
+    BACKOFF_OVER = "backoff_over"
+    FINISH = "finish"  # the decision is sent to the sink
+    FINISHED = "finished"  # the sink stored the done event
+
+
+_TRANSITIONS: dict[CallState, dict[CallEvent, CallState]] = {
+    CallState.QUEUED: {CallEvent.START: CallState.AUTHORIZING,
+                       CallEvent.FINISH: CallState.FINISHING},
+    CallState.AUTHORIZING: {CallEvent.AUTHORIZED: CallState.RUNNING,
+                            CallEvent.FENCE: CallState.FENCING,
+                            CallEvent.REFUSED: CallState.QUEUED},
+    CallState.RUNNING: {CallEvent.FENCE: CallState.FENCING, CallEvent.RETRY: CallState.BACKOFF,
+                        CallEvent.FINISH: CallState.FINISHING},
+    CallState.FENCING: {CallEvent.RETRY: CallState.BACKOFF, CallEvent.FINISH: CallState.FINISHING},
+    CallState.BACKOFF: {CallEvent.BACKOFF_OVER: CallState.QUEUED,
+                        CallEvent.FINISH: CallState.FINISHING},
+    CallState.FINISHING: {CallEvent.FINISHED: CallState.DONE},
     CallState.DONE: {},
 }
+
+# Calls with an attempt (or the done event) in flight at the sink.
+BUSY_STATES = frozenset({CallState.AUTHORIZING, CallState.RUNNING, CallState.FENCING,
+                         CallState.FINISHING})
 
 
 class InvalidTransition(Exception):
     pass
 
 
+class FenceReason(Enum):
+    """Why the supervisor fenced an attempt (journaled as the attempt's `how`)."""
+
+    STALE = "stale"
+    WORKER_DIED = "worker_died"
+    FINAL_REFUSED = "final_refused"
+    DEADLINE = "deadline"
+    SINK_RESTARTED = "sink_restarted"
+    CANCELLED = "cancelled"
+
+
+_FENCE_ERRORS: dict[FenceReason, tuple[str, str]] = {
+    FenceReason.STALE: ("stream_stalled", "no chunk within the stale timeout ({stale_s:g}s)"),
+    FenceReason.WORKER_DIED: ("worker_died", "the worker process died mid-attempt"),
+    FenceReason.FINAL_REFUSED: ("final_refused", "the sink refused the attempt's final message"),
+    FenceReason.DEADLINE: ("deadline_exceeded", "the call's deadline passed"),
+    FenceReason.SINK_RESTARTED: ("sink_restarted", "the sink restarted mid-attempt"),
+    FenceReason.CANCELLED: ("cancelled", "cancelled by the client"),
+}
+
+
+def fence_error(reason: FenceReason, stale_s: float) -> AttemptError:
+    """The (transient) error of an attempt the supervisor fenced."""
+    code, message = _FENCE_ERRORS[reason]
+    return AttemptError(ErrorClass.TRANSIENT, code, message.format(stale_s=stale_s))
+
+
 @dataclass(slots=True)
 class Call:
+    """One accepted call, owned by the AttemptDriver (Front and recovery build it)."""
+
     call_id: str
     spec: CallSpec
     profile: ProviderProfile
@@ -65,84 +120,79 @@ class Call:
     worker_id: int | None = None
     token: int = 0
     dispatched_ns: int = 0
-    fence_reason: str | None = None
-    ended: tuple[dict[str, Any], dict[str, Any]] | None = None  # (stats, final) from the sink
+    fence_reason: FenceReason | None = None
+    ended: tuple[AttemptStats, AttemptOutcome] | None = None  # an accepted final, while fencing
     retry_at: float = 0.0
     cancel_requested: bool = False
     delivered: bool = False  # visible text of some attempt stands in the transcript
-    last_error: dict[str, Any] | None = None
     notice: str | None = None  # the next attempt's first delta (a user-visible warning)
     finishing: Finish | None = None  # the decision being written by the sink
     probe_next: bool = False  # run the next attempt non-streaming, to learn a clear error
-    waiters: list[tuple[bytes, str, float]] = field(default_factory=list)
 
-    def to(self, event: str) -> None:
+    def to(self, event: CallEvent) -> None:
         nxt = _TRANSITIONS[self.state].get(event)
         if nxt is None:
             raise InvalidTransition(f"call {self.call_id} in state {self.state.value} "
-                                    f"got event {event!r}")
+                                    f"got event {event.value!r}")
         self.state = nxt
 
 
 @dataclass(frozen=True, slots=True)
 class Retry:
-    retry_after_s: float | None
-    reset: bool  # the next attempt must void what this one delivered
+    retry_after_s: float | None  # a provider's Retry-After, if it gave one
 
 
 @dataclass(frozen=True, slots=True)
 class Finish:
     status: CallStatus
-    error: dict[str, Any] | None
-    meta: dict[str, Any]
+    error: dict[str, Any] | None  # the public `done` error: {"code", "message"}
+    meta: FinishMeta
 
 
-def _meta(final: dict[str, Any] | None) -> dict[str, Any]:
-    final = final or {}
-    return {"finish_reason": final.get("finish_reason"), "usage": final.get("usage"),
-            "model": final.get("model"),
-            "provider_response_id": final.get("provider_response_id"),
-            "dropped_tool_names": list(final.get("dropped_tool_names") or []),
-            "dropped_tool_indexes": list(final.get("dropped_tool_indexes") or []),
-            "partial": False}
+def call_error(code: ErrorCode, message: str) -> dict[str, Any]:
+    return {"code": code.value, "message": message}
 
 
-def _error(code: ErrorCode | str, message: str) -> dict[str, Any]:
-    return {"code": str(code), "message": message}
+def meta_of(outcome: AttemptOutcome | None) -> FinishMeta:
+    if outcome is None:
+        return FinishMeta()
+    return FinishMeta(outcome.finish_reason, outcome.usage, outcome.model,
+                      outcome.provider_response_id, False, outcome.dropped_tool_names,
+                      outcome.dropped_tool_indexes)
 
 
-def decide(call: Call, stats: dict[str, Any], final: dict[str, Any] | None,
-           error: dict[str, Any] | None, now: float) -> Retry | Finish:
-    """What to do after attempt `call.epoch` ended, by the delivery rules.
+def decide(call: Call, stats: AttemptStats, outcome: AttemptOutcome | None,
+           error: AttemptError | None, now: float) -> Retry | Finish:
+    """What to do after attempt `call.epoch` ended.
 
-    `stats` is the sink's view of the attempt (what it accepted), `final` the
-    worker's final message if the sink accepted one, `error` the attempt's
-    error (class/code/message) or None for a clean end.
+    `stats` is the sink's view of the attempt (what it accepted), `outcome` the
+    worker's, if the sink accepted its final; `error` the attempt's error (the
+    outcome's, or the fence's) or None for a clean end.
     """
-    meta = _meta(final)
+    meta = meta_of(outcome)
     if call.cancel_requested:
-        return Finish(CallStatus.CANCELLED, _error(ErrorCode.CANCELLED, "cancelled by the client"),
-                      meta)
+        return Finish(CallStatus.CANCELLED,
+                      call_error(ErrorCode.CANCELLED, "cancelled by the client"), meta)
     if error is None:
         return Finish(CallStatus.COMPLETED, None, meta)
-    visible = int(stats.get("visible_chars", 0)) > 0
+    visible = stats.visible_chars > 0
     restart = call.spec.options.on_partial is OnPartial.RESTART
-    if error.get("class") == "context_overflow":
-        return Finish(CallStatus.FAILED, _error(ErrorCode.CONTEXT_OVERFLOW, error["message"]),
+    if error.error_class is ErrorClass.CONTEXT_OVERFLOW:
+        return Finish(CallStatus.FAILED, call_error(ErrorCode.CONTEXT_OVERFLOW, error.message),
                       meta)
     if visible and not restart:
         # Retrying would duplicate text the caller already has: end partial,
         # finish_reason "length", so the caller can ask for a continuation.
-        meta.update(partial=True, finish_reason="length")
-        return Finish(CallStatus.PARTIAL, None, meta)
-    if error.get("class") != "transient":
-        return Finish(CallStatus.FAILED, _error(ErrorCode.PROVIDER_ERROR, error["message"]), meta)
+        return Finish(CallStatus.PARTIAL, None, replace(meta, partial=True, finish_reason="length"))
+    if error.error_class is not ErrorClass.TRANSIENT:
+        return Finish(CallStatus.FAILED, call_error(ErrorCode.PROVIDER_ERROR, error.message), meta)
     out_of_time = call.deadline is not None and now >= call.deadline
     if call.attempts >= call.max_attempts or out_of_time:
         code = (ErrorCode.DEADLINE_EXCEEDED if out_of_time
-                else ErrorCode.STREAM_STALLED if error.get("code") == "stream_stalled"
+                else ErrorCode.STREAM_STALLED if error.code == "stream_stalled"
                 else ErrorCode.RETRIES_EXHAUSTED)
-        return Finish(CallStatus.FAILED,
-                      _error(code, f"{call.attempts} attempt(s) failed; last: {error['message']}"),
-                      meta)
-    return Retry(retry_after_s=error.get("retry_after_s"), reset=visible and restart)
+        return Finish(CallStatus.FAILED, call_error(
+            code, f"{call.attempts} attempt(s) failed; last: {error.message}"), meta)
+    # Under on_partial="restart" the next attempt voids this one's text
+    # (`call.delivered` makes its authorize a reset).
+    return Retry(retry_after_s=error.retry_after_s)

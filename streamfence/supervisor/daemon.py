@@ -1,22 +1,24 @@
 """The supervisor: the daemon's main process.
 
 Duties:
-1. Own the client-facing ROUTER socket; journal each call durably before
-   acknowledging it (streamfence.supervisor.front).
+1. Answer clients (streamfence.supervisor.front, .clients); journal each call
+   durably before acknowledging it.
 2. Start and watch the sink (the only writer of the transcript) and the
    zygote (which forks the warm workers); every child dies with us
-   (parent-death signal), and a dead zygote is restarted.
+   (parent-death signal), and a dead sink or zygote is restarted.
 3. Drive each call's attempts (streamfence.supervisor.attempts): authorize at the sink,
    dispatch to a warm worker, watch liveness, fence then kill, retry.
 4. Fan accepted events out to subscribers; re-emit every child's log records.
 
-Signal handlers only set a flag; the loop turns it into the same stop a
-client could ask for.
+Each piece of state has one owner (see `Parts`); the loop here only moves
+messages to their owner. Signal handlers only set a flag; the loop turns it
+into the same stop a client could ask for.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -24,25 +26,38 @@ import resource
 import secrets
 import signal
 import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import multiprocess
 import zmq
 
-from streamfence.protocol.internal import L_RECORD, W_HELLO, W_IDLE, Endpoints
+from streamfence.protocol.internal import (
+    L_RECORD,
+    Endpoints,
+    StopZygote,
+    WorkerExited,
+    WorkerSpawned,
+    ZygoteCommand,
+    ZygoteLog,
+    ZygoteReady,
+    decode_zygote_event,
+    encode_zygote,
+)
 from streamfence.sink.process import run_sink
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.breaker import Breakers
-from streamfence.supervisor.calls import CallState
+from streamfence.supervisor.clients import Clients
 from streamfence.supervisor.config import DaemonConfig
 from streamfence.supervisor.front import Front
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.logs import emit_child_record
-from streamfence.supervisor.pool import Pool, WorkerState
+from streamfence.supervisor.pool import Pool, WorkerState, exit_text
 from streamfence.supervisor.recovery import recover_calls
 from streamfence.supervisor.sinklink import SinkLink
-from streamfence.supervisor.state import DaemonState
 from streamfence.workers.liveness import LivenessTable
 from streamfence.workers.zygote import zygote_main
 
@@ -57,7 +72,30 @@ class StartupError(Exception):
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """The supervisor's owners, built in dependency order by `Daemon._build`:
+    journal (journal.db), pool (workers, the `workers` socket, liveness),
+    clients (the client socket's sends, subscribers, event buffers, waiters),
+    sink (SinkLink: requests in flight on `sink.ctl`), breakers, driver (calls,
+    queue, fall-backs), front (request handling). `counters` are tallies each
+    incremented by one owner (the daemon's: sink restarts), read by `status`."""
+
+    journal: Journal
+    pool: Pool
+    clients: Clients
+    sink: SinkLink
+    breakers: Breakers
+    driver: AttemptDriver
+    front: Front
+    counters: Counter[str]
+    logs: zmq.Socket[bytes]
+
+
 class Daemon:
+    """Owns the child processes (sink, zygote) and their restarts, the sockets'
+    lifetimes, and the loop."""
+
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         os.makedirs(config.state_dir, exist_ok=True)
@@ -95,57 +133,65 @@ class Daemon:
         self._zygote_conn = parent_conn
         self._zygote_ready = False
 
-    def _to_zygote(self, msg: list[Any]) -> None:
-        self._zygote_conn.send_bytes(msgpack.packb(msg))
+    def _to_zygote(self, cmd: ZygoteCommand) -> None:
+        self._zygote_conn.send_bytes(encode_zygote(cmd))
+
+    def _pids(self) -> dict[str, int]:
+        return {"supervisor": os.getpid(), "sink": self._sink.pid, "zygote": self._zygote.pid}
 
     # ---- set-up --------------------------------------------------------------
-    def _setup(self) -> DaemonState:
+    def _socket(self, kind: int, **options: int | bytes) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self.ctx.socket(kind)
+        sock.linger = 0
+        for name, value in options.items():
+            sock.setsockopt(getattr(zmq, name), value)
+        return sock
+
+    def _build(self) -> Parts:
+        """Every owner, each built after what it needs; then the children start."""
         cfg = self.config
         for name in ("sink.in", "sink.ctl", "workers", "logs"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.runtime_dir, name))
         live = LivenessTable(self.endpoints.liveness_file, cfg.workers_max, create=True)
-        workers_sock = self.ctx.socket(zmq.ROUTER)
-        workers_sock.linger = 0
-        workers_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        workers_sock = self._socket(zmq.ROUTER, ROUTER_MANDATORY=1)
         workers_sock.bind(self.endpoints.workers)
-        self.logs_sock = self.ctx.socket(zmq.PULL)
-        self.logs_sock.linger = 0
-        self.logs_sock.bind(self.endpoints.logs)
-        front = self.ctx.socket(zmq.ROUTER)
-        front.linger = 0
+        logs_sock = self._socket(zmq.PULL)
+        logs_sock.bind(self.endpoints.logs)
         # Refuse absurd frames at the transport (the peer is cut off), but let
         # moderately oversized ones through so they get a `too_large` reply.
-        front.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes * 4)
-        front.sndhwm = 100_000
+        front_sock = self._socket(zmq.ROUTER, MAXMSGSIZE=cfg.max_frame_bytes * 4,
+                                  SNDHWM=100_000)
         try:
-            front.bind(cfg.endpoint)
+            front_sock.bind(cfg.endpoint)
         except zmq.ZMQError as exc:
             raise StartupError(f"cannot bind {cfg.endpoint}: {exc}") from None
-        sink_sock = self.ctx.socket(zmq.DEALER)
-        sink_sock.setsockopt(zmq.IDENTITY, self._control_identity)
-        sink_sock.linger = 0
-        sink_sock.sndhwm = 0
-        sink_sock.rcvhwm = 0
+        sink_sock = self._socket(zmq.DEALER, IDENTITY=self._control_identity, SNDHWM=0,
+                                 RCVHWM=0)
         sink_sock.connect(self.endpoints.sink_ctl)
+
+        clock = time.monotonic
+        counters: Counter[str] = Counter()
         journal = Journal(os.path.join(cfg.state_dir, "journal.db"))
-        pool = Pool(self._to_zygote, slots=cfg.workers_max, spare=cfg.workers_spare,
-                    max_workers=cfg.workers_max)
-        st = DaemonState(config=cfg, journal=journal, pool=pool, sink=None,  # type: ignore[arg-type]
-                         live=live, front=front, workers_sock=workers_sock,
-                         clock=time.monotonic, rng=random.Random(),
-                         breakers=Breakers(cfg.breaker_threshold, cfg.breaker_cooldown_s,
-                                           time.monotonic))
-        self.driver = AttemptDriver(st)
-        self.front = Front(st, self.driver, self.transcript_path)
-        st.sink = SinkLink(sink_sock, self.front.on_event, self.driver.on_ended,
-                           self.driver.on_final_refused)
+        pool = Pool(self._to_zygote, workers_sock, live, slots=cfg.workers_max,
+                    spare=cfg.workers_spare, max_workers=cfg.workers_max)
+        clients = Clients(front_sock)
+        sink = SinkLink(sink_sock, clients.on_event)
+        breakers = Breakers(cfg.breaker_threshold, cfg.breaker_cooldown_s, clock)
+        driver = AttemptDriver(cfg, journal, pool, sink, clients, breakers, counters, clock,
+                               random.Random())
+        status = functools.partial(status_of, pool, driver, breakers, sink, counters, self._pids)
+        front = Front(cfg, journal, driver, clients, breakers, counters, clock,
+                      self.transcript_path, status)
+        parts = Parts(journal, pool, clients, sink, breakers, driver, front, counters, logs_sock)
+
         self._start_sink()
         self._start_zygote()
-        st.processes.update(supervisor=os.getpid(), sink=self._sink.pid, zygote=self._zygote.pid)
-        recover_calls(st, self.transcript_path)
+        for call, events in recover_calls(journal, cfg.providers, self.transcript_path):
+            clients.open(call.call_id, events)
+            driver.enqueue(call)
         pool.maintain()
-        return st
+        return parts
 
     # ---- the loop -------------------------------------------------------------
     def request_stop(self, signum: int = 0, frame: Any = None) -> None:
@@ -153,16 +199,15 @@ class Daemon:
 
     def run(self) -> int:
         _raise_fd_limit(self.config.workers_max)
-        st = self._setup()
+        p = self._build()
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
+        front_sock, sink_sock, workers_sock = p.clients.socket, p.sink.socket, p.pool.socket
         poller = zmq.Poller()
-        poller.register(st.front, zmq.POLLIN)
-        poller.register(st.sink.socket, zmq.POLLIN)
-        poller.register(st.workers_sock, zmq.POLLIN)
-        poller.register(self.logs_sock, zmq.POLLIN)
-        poller.register(self._zygote_conn.fileno(), zmq.POLLIN)
+        for sock in (front_sock, sink_sock, workers_sock, p.logs):
+            poller.register(sock, zmq.POLLIN)
         zygote_fd = self._zygote_conn.fileno()
+        poller.register(zygote_fd, zmq.POLLIN)
         sink_fd = self._sink.sentinel
         poller.register(sink_fd, zmq.POLLIN)
         last_stats = 0.0
@@ -174,113 +219,101 @@ class Daemon:
             while True:
                 if self._stop and drain_until is None:
                     drain_until = time.monotonic() + self.config.stop_grace_s
-                    self.front.accepting = False
+                    p.front.accepting = False
                     log.info("stop requested: no new calls; letting %d running attempt(s) "
-                             "finish within %.0fs", self._busy_calls(st), self.config.stop_grace_s)
-                if drain_until is not None and (self._busy_calls(st) == 0
+                             "finish within %.0fs", p.driver.busy(), self.config.stop_grace_s)
+                if drain_until is not None and (p.driver.busy() == 0
                                                 or time.monotonic() >= drain_until):
                     break
                 ready = dict(poller.poll(int(TICK_S * 1000)))
-                if st.front in ready:
-                    self._drain_front(st)
-                if st.sink.socket in ready:
-                    st.sink.drain()
-                if st.workers_sock in ready:
-                    self._drain_workers(st)
-                if self.logs_sock in ready:
-                    self._drain_logs()
+                if front_sock in ready:
+                    self._drain_front(p)
+                if sink_sock in ready:
+                    p.sink.drain(p.driver)
+                if workers_sock in ready and p.pool.drain():
+                    self._log_ready(p.pool)
+                if p.logs in ready:
+                    self._drain_logs(p.logs)
                 if sink_fd in ready:
                     poller.unregister(sink_fd)
-                    if not self._restart_sink(st):
+                    if not self._restart_sink(p):
                         code = 1
                         break
                     sink_fd = self._sink.sentinel
                     poller.register(sink_fd, zmq.POLLIN)
-                if zygote_fd in ready and not self._drain_zygote(st):
+                if zygote_fd in ready and not self._drain_zygote(p):
                     poller.unregister(zygote_fd)
-                    self._restart_zygote(st)
+                    self._restart_zygote(p)
                     zygote_fd = self._zygote_conn.fileno()
                     poller.register(zygote_fd, zmq.POLLIN)
-                self.front.flush_accepts()
-                self.driver.tick_backoffs()
-                self.driver.check_stale()
+                p.front.flush_accepts()
+                p.driver.tick_backoffs()
+                p.driver.check_stale()
                 if drain_until is None:
-                    self.driver.schedule()
-                self.front.expire_waiters()
-                st.journal.commit()
+                    p.driver.schedule()
+                p.clients.expire_waiters(time.monotonic())
+                p.journal.commit()
                 now = time.monotonic()
                 if now - last_stats > 1.0:
                     last_stats = now
-                    st.sink.refresh_stats()
+                    p.sink.refresh_stats()
         finally:
-            self._shutdown(st)
+            self._shutdown(p)
         return code
 
-    @staticmethod
-    def _busy_calls(st: DaemonState) -> int:
-        """Calls with an attempt in flight (queued and backing-off ones wait in the journal)."""
-        return sum(1 for c in st.calls.values()
-                   if c.state in (CallState.AUTHORIZING, CallState.RUNNING, CallState.FENCING,
-                                  CallState.FINISHING))
-
-    def _drain_front(self, st: DaemonState) -> None:
+    def _drain_front(self, p: Parts) -> None:
         for _ in range(1000):
             try:
-                frames = st.front.recv_multipart(zmq.NOBLOCK)
+                frames = p.clients.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.front.handle(frames)
+            p.front.handle(frames)
 
-    def _drain_workers(self, st: DaemonState) -> None:
+    def _log_ready(self, pool: Pool) -> None:
+        if not self._ready_logged and self._zygote_ready:
+            self._ready_logged = True
+            log.info("ready: endpoint=%s, warm workers=%d", self.config.endpoint,
+                     pool.count(WorkerState.IDLE))
+
+    @staticmethod
+    def _drain_logs(logs: zmq.Socket[bytes]) -> None:
         while True:
             try:
-                _identity, frame = st.workers_sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            msg = msgpack.unpackb(frame, raw=False)
-            if msg[0] == W_HELLO:
-                st.pool.on_hello(msg[1], msg[2])
-                if not self._ready_logged and self._zygote_ready:
-                    self._ready_logged = True
-                    log.info("ready: endpoint=%s, warm workers=%d", self.config.endpoint,
-                             st.pool.count(WorkerState.IDLE))
-            elif msg[0] == W_IDLE:
-                st.pool.on_idle(msg[1])
-
-    def _drain_logs(self) -> None:
-        while True:
-            try:
-                frame = self.logs_sock.recv(zmq.NOBLOCK)
+                frame = logs.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             msg = msgpack.unpackb(frame, raw=False)
             if msg and msg[0] == L_RECORD:
                 emit_child_record(msg[1])
 
-    def _drain_zygote(self, st: DaemonState) -> bool:
+    def _drain_zygote(self, p: Parts) -> bool:
         conn = self._zygote_conn
         while conn.poll():
             try:
-                msg = msgpack.unpackb(conn.recv_bytes(), raw=False)
+                frame = conn.recv_bytes()
             except (EOFError, OSError):
                 return False
-            kind = msg[0]
-            if kind == "log":
-                emit_child_record(msg[1])
-            elif kind == "ready":
+            try:
+                event = decode_zygote_event(frame)
+            except ValueError as exc:
+                log.error("%s", exc)
+                continue
+            if isinstance(event, ZygoteLog):
+                emit_child_record(event.fields)
+            elif isinstance(event, ZygoteReady):
                 self._zygote_ready = True
-            elif kind == "spawned":
-                st.pool.on_spawned(msg[1], msg[2])
-            elif kind == "exited":
-                worker = st.pool.on_exited(msg[1], msg[2], msg[3])
+            elif isinstance(event, WorkerSpawned):
+                p.pool.on_spawned(event.worker_id, event.pid)
+            elif isinstance(event, WorkerExited):
+                worker = p.pool.on_exited(event.worker_id, event.pid, event.returncode)
                 if worker is not None:
-                    log.debug("worker %d (pid %d) exited with %d", worker.worker_id,
-                              worker.pid, msg[3])
-                    self.driver.on_worker_exit(worker.call_id, worker.token, msg[3])
-                st.pool.maintain()
+                    log.debug("worker %d (pid %d) exited with %s", worker.worker_id,
+                              worker.pid, exit_text(event.returncode))
+                    p.driver.on_worker_exit(worker.call_id, worker.token, event.returncode)
+                p.pool.maintain()
         return True
 
-    def _restart_sink(self, st: DaemonState) -> bool:
+    def _restart_sink(self, p: Parts) -> bool:
         """The sink died: start a new one on the same store, and fence every
         attempt in flight (the new sink rebuilds its epochs and each call's
         last content from the store; what it had not committed was never
@@ -295,28 +328,25 @@ class Daemon:
                          SINK_RESTART_WINDOW_S)
             return False
         log.error("the sink exited (code %s); restarting it and retrying the attempts in "
-                  "flight", self._sink.exitcode)
+                  "flight", exit_text(self._sink.exitcode))
         self._start_sink()
-        st.processes["sink"] = self._sink.pid
-        st.counters["sink_restarts"] += 1
-        self.driver.on_sink_restart()
+        p.counters["sink_restarts"] += 1
+        p.driver.on_sink_restart()
         return True
 
-    def _restart_zygote(self, st: DaemonState) -> None:
+    def _restart_zygote(self, p: Parts) -> None:
         log.error("the zygote exited (code %s); its workers die with it; restarting it",
-                  self._zygote.exitcode)
+                  exit_text(self._zygote.exitcode))
         self._zygote.join(timeout=1.0)
-        for worker in list(st.pool.workers.values()):
-            st.pool.on_exited(worker.worker_id, worker.pid, -9)
-            self.driver.on_worker_exit(worker.call_id, worker.token, -9)
+        for worker in p.pool.on_zygote_lost():
+            p.driver.on_worker_exit(worker.call_id, worker.token, -signal.SIGKILL)
         self._start_zygote()
-        st.processes["zygote"] = self._zygote.pid
-        st.pool.maintain()
+        p.pool.maintain()
 
-    def _shutdown(self, st: DaemonState) -> None:
+    def _shutdown(self, p: Parts) -> None:
         log.info("stopping")
         with contextlib.suppress(Exception):
-            self._to_zygote(["stop"])
+            self._to_zygote(StopZygote())
         for proc in (self._zygote, self._sink):
             if proc is not None and proc.is_alive():
                 proc.terminate()
@@ -326,12 +356,25 @@ class Daemon:
                 if proc.is_alive():
                     proc.kill()
                     proc.join(timeout=1.0)
-        st.journal.close()
-        for sock in (st.front, st.sink.socket, st.workers_sock, self.logs_sock):
+        p.journal.close()
+        for sock in (p.clients.socket, p.sink.socket, p.pool.socket, p.logs):
             sock.close(linger=0)
         self.ctx.term()
-        st.live.close()
+        p.pool.close()
         log.info("stopped")
+
+
+def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers, sink: SinkLink,
+              counters: Counter[str], pids: Callable[[], dict[str, int]]) -> dict[str, Any]:
+    """The body of a `status_reply`: each owner's own view."""
+    return {"processes": pids(),
+            "workers": pool.snapshot(),
+            "pool": {"spare": pool.spare, "max": pool.max_workers,
+                     "spawned_total": pool.spawned_total, "killed_total": pool.killed_total},
+            "calls": driver.status(),
+            "breakers": breakers.snapshot(),
+            "counters": dict(counters),
+            "sink": sink.stats}
 
 
 def _raise_fd_limit(workers_max: int) -> None:

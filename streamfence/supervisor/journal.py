@@ -20,6 +20,8 @@ from typing import Any
 
 import msgpack
 
+from streamfence.protocol.internal import AttemptOutcome
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
     call_id TEXT PRIMARY KEY,
@@ -70,6 +72,9 @@ class JournaledCall:
 
 
 class Journal:
+    """Owns journal.db: every accepted call, each attempt's epoch and end, each
+    finished call's done event. Writes are grouped until `commit`."""
+
     def __init__(self, path: str) -> None:
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -114,18 +119,22 @@ class Journal:
                          (pid, call_id, attempt))
 
     def end_attempt(self, call_id: str, attempt: int, how: str,
-                    final: dict[str, Any] | None) -> None:
-        final = final or {}
-        err = final.get("error") or {}
-        diag = final.get("diag") or {}
+                    outcome: AttemptOutcome | None) -> None:
+        """`how`: "ended" (its final was accepted) or why it was fenced."""
+        finish_reason = error_class = error_code = None
+        diag: tuple[float | None, int | None, int | None, int | None] = (None, None, None, None)
+        if outcome is not None:
+            finish_reason = outcome.finish_reason
+            if outcome.error is not None:
+                error_class, error_code = outcome.error.error_class.value, outcome.error.code
+            d = outcome.diag
+            diag = (d.first_chunk_ms, d.chunks, d.bytes, d.deltas)
         self._begin()
         self._db.execute(
             "UPDATE attempts SET ended = ?, how = ?, finish_reason = ?, error_class = ?, "
             "error_code = ?, first_chunk_ms = ?, chunks = ?, bytes = ?, deltas = ? "
             "WHERE call_id = ? AND attempt = ?",
-            (time.time(), how, final.get("finish_reason"), err.get("class"), err.get("code"),
-             diag.get("first_chunk_ms"), diag.get("chunks"), diag.get("bytes"),
-             diag.get("deltas"), call_id, attempt))
+            (time.time(), how, finish_reason, error_class, error_code, *diag, call_id, attempt))
 
     def finish_call(self, call_id: str, status: str, done: dict[str, Any]) -> None:
         self._begin()

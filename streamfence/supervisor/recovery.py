@@ -1,8 +1,8 @@
-"""Recovery at start: every call the journal holds as accepted and not
-finished runs again, under a new epoch (with a reset first if an earlier
-attempt published anything); a call whose done event the sink had already
-stored (the daemon died between the sink's commit and the journal's) is
-finished in the journal from the transcript instead."""
+"""Recovery at start (docs/ARCHITECTURE.md, "Recovery"): every call the journal
+holds as accepted and not finished runs again, under a new epoch (with a reset
+first if an earlier attempt published anything); a call whose done event the
+sink had already stored (the daemon died between the sink's commit and the
+journal's) is finished in the journal from the transcript instead."""
 
 from __future__ import annotations
 
@@ -15,27 +15,29 @@ import msgpack
 from streamfence.protocol.messages import CallOptions, CallSpec, OnPartial
 from streamfence.sink.store import TranscriptReader, events_after
 from streamfence.supervisor.calls import Call
-from streamfence.supervisor.state import DaemonState
+from streamfence.supervisor.config import ProviderProfile
+from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.timeouts import attempt_timeouts
 
 log = logging.getLogger("streamfence.supervisor")
 
 
-def recover_calls(st: DaemonState, transcript_path: str) -> None:
-    """Calls accepted but not finished before a restart run again, under new
-    epochs; a call whose done event the sink had already stored (we died
-    between its commit and ours) is finished in the journal from it."""
+def recover_calls(journal: Journal, providers: dict[str, ProviderProfile],
+                  transcript_path: str) -> list[tuple[Call, list[bytes]]]:
+    """The calls to run again, each with the events it published already
+    (subscribers that come back resume from what the transcript holds)."""
     reader = TranscriptReader(transcript_path) if os.path.exists(
         transcript_path) else None
-    for jc in st.journal.unfinished():
+    recovered: list[tuple[Call, list[bytes]]] = []
+    for jc in journal.unfinished():
         stored = reader.done_event(jc.call_id) if reader is not None else None
         if stored is not None:
             done = msgpack.unpackb(stored, raw=False)
-            st.journal.finish_call(jc.call_id, str(done.get("status")), done)
+            journal.finish_call(jc.call_id, str(done.get("status")), done)
             log.info("call %s had finished before the restart (%s)", jc.call_id,
                      done.get("status"))
             continue
-        profile = st.config.providers.get(jc.provider)
+        profile = providers.get(jc.provider)
         if profile is None:
             log.error("journaled call %s names unknown provider %r; left as is",
                       jc.call_id, jc.provider)
@@ -61,10 +63,8 @@ def recover_calls(st: DaemonState, transcript_path: str) -> None:
                     # always gets at least one more (the crash was ours).
                     attempts=min(jc.attempts, max_attempts - 1))
         call.delivered = jc.epoch > 0  # the transcript may hold an earlier attempt's text
-        st.calls[jc.call_id] = call
-        # Subscribers that come back resume from what the transcript holds.
-        st.events[jc.call_id] = events_after(transcript_path, jc.call_id, 0)
-        st.queue.append(jc.call_id)
+        recovered.append((call, events_after(transcript_path, jc.call_id, 0)))
         log.info("recovered unfinished call %s (last epoch %d)", jc.call_id, jc.epoch)
     if reader is not None:
         reader.close()
+    return recovered

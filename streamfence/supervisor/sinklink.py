@@ -1,5 +1,4 @@
-"""The supervisor's end of the sink's control socket: requests with callbacks
-matched by request id, and the sink's unsolicited events handed to handlers.
+"""The supervisor's end of the sink's control socket.
 
 Replies and events share one socket, so their order is the sink's order: an
 attempt's E_ENDED that the sink produced before a fence arrives before that
@@ -10,101 +9,166 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol, TypeVar
 
 import msgpack
 import zmq
 
 from streamfence.protocol.internal import (
-    C_AUTHORIZE,
-    C_FENCE,
-    C_FINISH,
-    C_STATS,
-    E_ENDED,
     E_EVENT,
     E_EVENTS,
-    E_FINAL_REFUSED,
-    R_OK,
-    R_REFUSED,
+    AttemptStats,
+    Authorize,
+    BadFrame,
+    BadOutcome,
+    ControlOp,
+    Ended,
+    Fence,
+    FinalRefused,
+    Finish,
+    FinishMeta,
+    Reply,
+    Stats,
+    encode_control,
+    parse_from_sink,
+    stats_from_wire,
 )
+from streamfence.protocol.messages import CallStatus
 
 log = logging.getLogger("streamfence.sinklink")
 
-Reply = Callable[[bool, Any], None]
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The sink refused a request (R_REFUSED)."""
+
+    reason: str
+
+
+class SinkLost(Enum):
+    """The sink died before answering (a restarted sink never will)."""
+
+    SINK_LOST = "the sink died before answering"
+
+
+SINK_LOST = SinkLost.SINK_LOST
+T = TypeVar("T")
+# What a request's callback gets: the parsed payload, or why there is none.
+StatsReply = AttemptStats | Refused | SinkLost
+DoneReply = dict[str, Any] | Refused | SinkLost
+
+
+def why(reply: Refused | SinkLost) -> str:
+    return reply.reason if isinstance(reply, Refused) else reply.value
+
+
+class AttemptEvents(Protocol):
+    """Who hears of attempts ending at the sink (the AttemptDriver)."""
+
+    def on_ended(self, ended: Ended) -> None: ...
+
+    def on_final_refused(self, refused: FinalRefused) -> None: ...
 
 
 class SinkLink:
+    """Owns the supervisor's end of `sink.ctl`: request ids, the callbacks of
+    requests in flight, and the sink's last counters (for `status`). Accepted
+    events go to `on_event` (the client fan-out); attempt endings to the
+    AttemptEvents given to `drain`."""
+
     def __init__(self, socket: zmq.Socket[bytes],
-                 on_event: Callable[[str, int, bytes], None],
-                 on_ended: Callable[[str, int, dict[str, Any], dict[str, Any]], None],
-                 on_final_refused: Callable[[str, int, str], None]) -> None:
+                 on_event: Callable[[str, int, bytes], None]) -> None:
         self.socket = socket
         self._on_event = on_event
-        self._on_ended = on_ended
-        self._on_final_refused = on_final_refused
         self._next_req = 1
-        self._pending: dict[int, Reply] = {}
+        self._pending: dict[int, Callable[[Reply | SinkLost], None]] = {}
         self.stats: dict[str, Any] = {}
 
-    def _request(self, msg: list[Any], reply: Reply) -> None:
+    def _request(self, op: Callable[[int], ControlOp], parse: Callable[[Any], T],
+                 reply: Callable[[T | Refused | SinkLost], None]) -> None:
         req = self._next_req
         self._next_req += 1
-        msg.insert(1, req)
-        self._pending[req] = reply
-        self.socket.send(msgpack.packb(msg, use_bin_type=True))
+
+        def deliver(r: Reply | SinkLost) -> None:
+            if isinstance(r, SinkLost):
+                reply(r)
+            else:
+                reply(parse(r.payload) if r.ok else Refused(str(r.payload)))
+
+        self._pending[req] = deliver
+        self.socket.send(encode_control(op(req)))
 
     def authorize(self, call_id: str, attempt: int, reset: bool, model: str,
-                  reply: Reply) -> None:
-        self._request([C_AUTHORIZE, call_id, attempt, reset, model], reply)
+                  reply: Callable[[StatsReply], None]) -> None:
+        """The reply carries the stats of the attempt that was current before."""
+        self._request(lambda req: Authorize(req, call_id, attempt, reset, model),
+                      stats_from_wire, reply)
 
-    def fence(self, call_id: str, attempt: int, reply: Reply) -> None:
-        self._request([C_FENCE, call_id, attempt], reply)
+    def fence(self, call_id: str, attempt: int, reply: Callable[[StatsReply], None]) -> None:
+        """The reply carries the fenced attempt's stats."""
+        self._request(lambda req: Fence(req, call_id, attempt), stats_from_wire, reply)
 
-    def finish(self, call_id: str, status: str, error: dict[str, Any] | None, attempts: int,
-               meta: dict[str, Any], reply: Reply) -> None:
-        self._request([C_FINISH, call_id, status, error, attempts, meta], reply)
+    def finish(self, call_id: str, status: CallStatus, error: dict[str, Any] | None,
+               attempts: int, meta: FinishMeta, reply: Callable[[DoneReply], None]) -> None:
+        """The reply carries the done event (the same one again if repeated)."""
+        self._request(lambda req: Finish(req, call_id, status, error, attempts, meta),
+                      _as_map, reply)
 
     def refresh_stats(self) -> None:
-        self._request([C_STATS], self._store_stats)
+        self._request(Stats, _as_map, self._store_stats)
 
-    def _store_stats(self, ok: bool, payload: Any) -> None:
-        if ok and isinstance(payload, dict):
-            self.stats = payload
+    def _store_stats(self, reply: DoneReply) -> None:
+        if isinstance(reply, dict):
+            self.stats = reply
 
-    def forget_pending(self) -> list[Reply]:
-        """The sink died: its replies will never come. Hands back the waiting
-        callbacks (the caller fails each one) and starts afresh."""
+    def fail_pending(self) -> None:
+        """The sink died: its replies will never come. Each waiting callback gets
+        SINK_LOST (in request order)."""
         lost = list(self._pending.values())
         self._pending.clear()
-        return lost
+        for deliver in lost:
+            deliver(SINK_LOST)
 
-    def drain(self, limit: int = 10_000) -> int:
+    def drain(self, attempts: AttemptEvents, limit: int = 10_000) -> int:
         """Handle what the sink sent, without blocking. Returns messages handled."""
         n = 0
+        on_event = self._on_event
+        unpackb = msgpack.unpackb
         while n < limit:
             try:
                 frame = self.socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             n += 1
-            msg = msgpack.unpackb(frame, raw=False)
-            tag = msg[0]
+            raw = unpackb(frame, raw=False)
+            tag = raw[0]
+            # The hot path: one E_EVENTS per sink commit, E_EVENT when it held one event.
             if tag == E_EVENTS:
-                on_event = self._on_event
-                for event in msg[1]:
-                    on_event(event[1], event[2], event[3])
-            elif tag == E_EVENT:
-                self._on_event(msg[1], msg[2], msg[3])
-            elif tag in (R_OK, R_REFUSED):
-                callback = self._pending.pop(msg[1], None)
-                if callback is None:
-                    log.warning("sink reply to unknown request %r", msg[1])
+                for _, call_id, seq, event in raw[1]:
+                    on_event(call_id, seq, event)
+                continue
+            if tag == E_EVENT:
+                on_event(raw[1], raw[2], raw[3])
+                continue
+            try:
+                msg = parse_from_sink(raw)
+            except (BadFrame, BadOutcome) as exc:
+                log.warning("bad message from the sink: %s", exc)
+                continue
+            if isinstance(msg, Reply):
+                deliver = self._pending.pop(msg.req, None)
+                if deliver is None:
+                    log.warning("sink reply to unknown request %r", msg.req)
                 else:
-                    callback(tag == R_OK, msg[2])
-            elif tag == E_ENDED:
-                self._on_ended(msg[1], msg[2], msg[3], msg[4])
-            elif tag == E_FINAL_REFUSED:
-                self._on_final_refused(msg[1], msg[2], msg[3])
-            else:
-                log.warning("unexpected message tag %r from the sink", tag)
+                    deliver(msg)
+            elif isinstance(msg, Ended):
+                attempts.on_ended(msg)
+            elif isinstance(msg, FinalRefused):
+                attempts.on_final_refused(msg)
         return n
+
+
+def _as_map(payload: Any) -> dict[str, Any]:
+    return payload if isinstance(payload, dict) else {}

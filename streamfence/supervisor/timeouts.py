@@ -1,4 +1,5 @@
-"""Timeouts and backoff, as pure functions (SPEC §3).
+"""Timeouts and backoff, as pure functions (docs/ARCHITECTURE.md, "Liveness and
+the stale watchdog", "Socket timeouts", "Retries and error classes").
 
 Stale timeout precedence: the call's option, then the profile's setting, then
 the implicit default: 180 s, raised for large contexts (>50k tokens: 240 s,

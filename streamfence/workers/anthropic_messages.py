@@ -1,26 +1,25 @@
-"""Anthropic Messages adapter: raw SSE bytes -> protocol deltas + FinalInfo.
+"""Anthropic Messages adapter: raw SSE bytes -> protocol deltas + AttemptOutcome.
 
 Contract:
+- `ADAPTER`: this wire's `Adapter` (workers/adapter.py) for profile kind "anthropic".
 - `MessagesStreamAssembler(out)`: `feed(event_type, data)` per decoded event (its
   `type`: message_start, content_block_start/delta/stop, message_delta, message_stop,
-  error), then `finish()` -> the FinalInfo map of protocol/internal.py (`diag` left {}).
-  Pure, dict lookups only; a bad event shape raises MalformedStreamError. Slot
-  bookkeeping and the FinalInfo come from `streamfence.workers.assembly.ToolSlots`.
+  error), then `finish()` -> the AttemptOutcome. Pure, dict lookups only; a bad event
+  shape raises MalformedStreamError. Slot bookkeeping and the outcome come from
+  `streamfence.workers.assembly.ToolSlots`.
 - `stream_messages(client, request, out)`: the SDK sends the request (auth, headers,
   typed status errors raised on entering); we frame the body ourselves
-  (`streamfence.workers.sse.iter_sse_events` + orjson) and stop reading at `message_stop`. Transport
-  errors mid-body propagate raw (httpx2.*). `ping` events, SSE comments and data-less
-  frames are not chunks: `out.chunk` is called once per other event.
+  (`streamfence.workers.sse.iter_sse_events` + orjson) and stop reading at
+  `message_stop`. Whatever ends the attempt (a status error, a transport error mid-body)
+  is classified into the returned outcome, with the partial state kept. `ping` events,
+  SSE comments and data-less frames are not chunks: `out.chunk` is called once per
+  other event.
 - `complete_messages(client, request, out)`: the non-streaming fall-back; the whole
   message is replayed through the same assembler as synthetic events.
-- `final_from_exception(exc)`: classified error plus the partial state kept on `exc`
-  (works for the OpenAI assembler too: anything with `finish(error)`).
-- `make_client(profile, ssl_context)`, `run_messages(client, request, out, settings)`:
-  what workers/providers.py registers for kind "anthropic".
 - `request` is the Messages body without `stream`: the SDK's named parameters go as
   keyword arguments, every other key (temperature, top_p, ...) in `extra_body`.
 
-Rules (origin 002, `_call_anthropic` / `_check_anthropic_message`; SPEC §3):
+Rules (docs/ARCHITECTURE.md §4.6):
 - text_delta -> text; thinking_delta -> reasoning; signature/citations deltas and
   redacted_thinking / server-tool blocks carry nothing to deliver.
 - tool_use block -> a tool_call slot (slots 0, 1, 2 … in order of opening); its first
@@ -43,33 +42,23 @@ Rules (origin 002, `_call_anthropic` / `_check_anthropic_message`; SPEC §3):
 from __future__ import annotations
 
 import inspect
-import ssl
+from collections.abc import Sequence
 from typing import Any
 
 import anthropic
-import httpx2
 import orjson
 
+from streamfence.protocol.internal import AttemptError, AttemptOutcome, AttemptSettings, ErrorClass
+from streamfence.workers.adapter import Adapter, api_key_of, http_client, no_sdk_retries
 from streamfence.workers.assembly import (
-    FinalInfo,
     ToolSlots,
     complete_body,
     json_body,
-    keep_partial,
-    no_sdk_retries,
     raised_here,
     sse_events,
 )
-from streamfence.workers.errors import (
-    TRANSIENT,
-    MalformedStreamError,
-    error_info,
-    final_from_exception,
-)
+from streamfence.workers.errors import MalformedStreamError, attempt_error, classify
 from streamfence.workers.output import REASONING, REFUSAL, TEXT, TOOL_CALL, AttemptOutput
-
-__all__ = ["MalformedStreamError", "MessagesStreamAssembler", "complete_messages",
-           "final_from_exception", "make_client", "run_messages", "stream_messages"]
 
 _STOP_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
                  "model_context_window_exceeded": "length", "tool_use": "tool_calls",
@@ -80,12 +69,13 @@ _SHAPE_ERRORS = (AttributeError, TypeError, KeyError, IndexError, ValueError)
 _USAGE_IN = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
 
 
-def _transient(code: str, message: str) -> dict[str, Any]:
-    return error_info(TRANSIENT, code, message)
+def _transient(code: str, message: str) -> AttemptError:
+    return attempt_error(ErrorClass.TRANSIENT, code, message)
 
 
 class MessagesStreamAssembler(ToolSlots):
-    """Turns Messages stream events into deltas; see the module docstring."""
+    """Owns one Messages stream's assembly: events in, deltas to `out`, and its stop
+    reason, usage and open tool_use blocks; see the module docstring."""
 
     __slots__ = (*ToolSlots.SLOTS, "_open", "_usage", "chunks", "keepalives", "stop_details",
                  "stop_reason", "stopped")
@@ -212,8 +202,8 @@ class MessagesStreamAssembler(ToolSlots):
         return {**raw, "prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    def finish(self, error: dict[str, Any] | None = None) -> FinalInfo:
-        """The FinalInfo. `error`: the classified exception that ended the attempt."""
+    def finish(self, error: AttemptError | None = None) -> AttemptOutcome:
+        """The outcome. `error`: the classified exception that ended the attempt."""
         error = error or self.error
         reason = self.stop_reason
         finish = _STOP_REASONS.get(reason, reason) if reason else None
@@ -273,8 +263,8 @@ def _create_kwargs(request: dict[str, Any], timeout: Any) -> dict[str, Any]:
 
 
 def stream_messages(client: anthropic.Anthropic, request: dict[str, Any], out: AttemptOutput,
-                    *, timeout: Any = None) -> dict[str, Any]:
-    """Run one streaming attempt; return its FinalInfo. See the module docstring."""
+                    *, timeout: Any = None, secrets: Sequence[str] = ()) -> AttemptOutcome:
+    """Run one streaming attempt; return its outcome. See the module docstring."""
     kwargs = _create_kwargs(request, timeout)
     kwargs["stream"] = True
     asm = MessagesStreamAssembler(out)
@@ -319,8 +309,7 @@ def stream_messages(client: anthropic.Anthropic, request: dict[str, Any], out: A
                 if asm.done:
                     break
     except Exception as exc:
-        keep_partial(exc, asm)
-        raise
+        return asm.raised(exc, classify(exc, secrets))
     return asm.finish()
 
 
@@ -345,13 +334,13 @@ def _feed_message(asm: MessagesStreamAssembler, body: bytes) -> None:
 
 
 def complete_messages(client: anthropic.Anthropic, request: dict[str, Any], out: AttemptOutput,
-                      *, timeout: Any = None) -> dict[str, Any]:
-    """Non-streaming fall-back: one message, delivered as deltas; its FinalInfo."""
+                      *, timeout: Any = None, secrets: Sequence[str] = ()) -> AttemptOutcome:
+    """Non-streaming fall-back: one message, delivered as deltas; its outcome."""
     # An explicit timeout also keeps the SDK from refusing a large max_tokens unstreamed.
     kwargs = _create_kwargs(request, timeout if timeout is not None else client.timeout)
     return complete_body(
         lambda: no_sdk_retries(client).messages.with_streaming_response.create(**kwargs),
-        out, MessagesStreamAssembler(out), _feed_message)
+        out, MessagesStreamAssembler(out), _feed_message, lambda exc: classify(exc, secrets))
 
 
 def _base_url(profile: dict[str, Any]) -> str:
@@ -360,28 +349,21 @@ def _base_url(profile: dict[str, Any]) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
-def make_client(profile: dict[str, Any], ssl_context: ssl.SSLContext) -> anthropic.Anthropic:
+def make_client(profile: dict[str, Any]) -> anthropic.Anthropic:
     """The profile's client: shared SSL context, no env proxies, no SDK retries."""
-    from streamfence.workers.providers import api_key_of  # lazy: providers imports this module
-
-    http = httpx2.Client(verify=ssl_context, trust_env=False,
-                         limits=httpx2.Limits(max_connections=8, max_keepalive_connections=2))
     # An explicit api_key (and base_url) keeps the SDK from reading ANTHROPIC_* credentials.
     return anthropic.Anthropic(base_url=_base_url(profile), api_key=api_key_of(profile),
-                               http_client=http, max_retries=0)
+                               http_client=http_client(), max_retries=0)
 
 
-def run_messages(client: anthropic.Anthropic, request: dict[str, Any], out: AttemptOutput,
-                 settings: dict[str, Any]) -> dict[str, Any]:
-    """The providers.py Runner: one attempt with the worker's socket timeouts.
+def run(client: anthropic.Anthropic, request: dict[str, Any], out: AttemptOutput,
+        settings: AttemptSettings, secrets: Sequence[str]) -> AttemptOutcome:
+    """One attempt with the worker's socket timeouts, streamed unless the profile fell back."""
+    timeout = anthropic.Timeout(connect=settings.connect_timeout_s, read=settings.read_timeout_s,
+                                write=settings.write_timeout_s, pool=settings.connect_timeout_s)
+    if not settings.streaming:
+        return complete_messages(client, request, out, timeout=timeout, secrets=secrets)
+    return stream_messages(client, request, out, timeout=timeout, secrets=secrets)
 
-    `settings["streaming"] is False` (the profile switched to non-streaming) runs
-    `complete_messages` instead.
-    """
-    timeout = anthropic.Timeout(connect=settings["connect_timeout_s"],
-                                read=settings["read_timeout_s"],
-                                write=settings.get("write_timeout_s", 600.0),
-                                pool=settings["connect_timeout_s"])
-    if settings.get("streaming") is False:
-        return complete_messages(client, request, out, timeout=timeout)
-    return stream_messages(client, request, out, timeout=timeout)
+
+ADAPTER = Adapter(kind="anthropic", make_client=make_client, run=run, classify=classify)

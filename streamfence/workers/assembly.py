@@ -1,4 +1,4 @@
-"""What the three provider adapters share: tool-call slots, the FinalInfo, SDK plumbing.
+"""What the three provider adapters share to turn a stream into an AttemptOutcome.
 
 Contract:
 - `ToolSlots(out)`: the base of the adapters' assemblers (ChatStreamAssembler,
@@ -6,15 +6,16 @@ Contract:
   (0, 1, 2 …): its name (None until known), id and argument pieces; `_slot_by` maps the
   provider's index or block to it. It also keeps what every attempt reports (model,
   response id, in-stream error, `done`, `saw_content`). `fail`, `fail_payload` and
-  `fail_text` end the attempt on an in-stream error. At the end, `_settle` drops the
-  calls that are not `kept` (all of them after an error; a drop turns the finish into
-  "length" unless it is content_filter) and `_final` builds the FinalInfo map of
-  protocol/internal.py (`diag` left {}). Each subclass keeps its own per-chunk path
-  inline: the base adds no call per chunk.
+  `fail_text` end the attempt on an in-stream error; `raised(exc, error)` ends it on an
+  exception, keeping the partial state. At the end, `_settle` drops the calls that are
+  not `kept` (all of them after an error; a drop turns the finish into "length" unless
+  it is content_filter) and `_final` builds the AttemptOutcome (`diag` left empty: the
+  worker fills it). Each subclass keeps its own per-chunk path inline: the base adds no
+  call per chunk.
+- `failed_outcome(error)`: the outcome of an attempt that raised before any assembler
+  existed.
 - `raised_here(exc, module_file)`: did a shape error start in the adapter's code (its
   module or this one) rather than in `out`? Only then is it the provider's bad chunk.
-- `keep_partial(exc, asm)`: attach the assembler to an exception, for
-  `errors.final_from_exception`. `no_sdk_retries(client)`: the supervisor owns retries.
 - `sse_events(http)`, `json_body(body, what)`, `complete_body(...)`: the SSE adapters'
   shared framing of a streamed body, a whole JSON body and the non-streaming fall-back.
 """
@@ -23,38 +24,40 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx2
 import orjson
 
+from streamfence.protocol.internal import AttemptError, AttemptOutcome
 from streamfence.workers.errors import MalformedStreamError, classify_payload
 from streamfence.workers.output import TOOL_CALL, AttemptOutput
 from streamfence.workers.sse import iter_sse_events
 
-FinalInfo = dict[str, Any]
 UNNAMED = "unknown"  # a dropped call that never got a name
 
 
 class ToolSlots:
-    """Tool-call slots and the end-of-attempt bookkeeping; see the module docstring."""
+    """Owns one attempt's tool-call slots and what every attempt reports (model, response
+    id, in-stream error); builds its AttemptOutcome. See the module docstring."""
 
     # Each subclass puts SLOTS in its own __slots__: declared on this base, the same slots
     # measured 1.5-3% slower per chunk (CPython 3.11). mypy is shown them here, where the
     # methods that use them are.
-    SLOTS = ("_args", "_delta", "_ids", "_names", "_slot_by", "done", "error", "model",
-             "response_id", "saw_content")
+    SLOTS = ("_args", "_delta", "_failed", "_ids", "_names", "_slot_by", "done", "error",
+             "model", "response_id", "saw_content")
     __slots__ = SLOTS if TYPE_CHECKING else ()
 
     def __init__(self, out: AttemptOutput) -> None:
         self._delta = out.delta
+        self._failed = out.failed
         self._names: list[str | None] = []  # a slot is open towards `out` once named
         self._ids: list[str | None] = []
         self._args: list[list[str]] = []
         self._slot_by: dict[Any, int] = {}
         self.model: str | None = None
         self.response_id: str | None = None
-        self.error: dict[str, Any] | None = None
+        self.error: AttemptError | None = None
         self.done = False  # the attempt is over (an in-stream error, or its end): stop reading
         self.saw_content = False
 
@@ -72,7 +75,7 @@ class ToolSlots:
         self._delta(TOOL_CALL, {"index": slot, "id": self._ids[slot], "name": name,
                                 "arguments": "".join(self._args[slot])})
 
-    def fail(self, error: dict[str, Any]) -> None:
+    def fail(self, error: AttemptError) -> None:
         """An in-stream provider error (or a chunk we cannot read) ends the attempt."""
         self.error = error
         self.done = True
@@ -99,7 +102,16 @@ class ToolSlots:
         """The OpenAI and Bedrock rule: keep a call that got a name and JSON arguments."""
         return self._names[slot] is not None and self._args_ok(slot)
 
-    def _settle(self, error: dict[str, Any] | None, finish: str | None,
+    def finish(self, error: AttemptError | None = None) -> AttemptOutcome:
+        """The outcome. `error`: the classified exception that ended the attempt."""
+        raise NotImplementedError
+
+    def raised(self, exc: BaseException, error: AttemptError) -> AttemptOutcome:
+        """`exc` (classified as `error`) ended the attempt: report it, keep the partial state."""
+        self._failed(exc)
+        return self.finish(error)
+
+    def _settle(self, error: AttemptError | None, finish: str | None,
                 kept: Callable[[int], bool]) -> tuple[list[int], str | None]:
         """(dropped slots, finish reason): every call after an error, else those not kept."""
         slots = range(len(self._names))
@@ -110,12 +122,18 @@ class ToolSlots:
             finish = "length"  # truncated arguments
         return dropped, finish
 
-    def _final(self, error: dict[str, Any] | None, finish: str | None,
-               usage: dict[str, Any] | None, dropped: list[int]) -> FinalInfo:
-        return {"ok": error is None, "finish_reason": finish, "usage": usage,
-                "model": self.model, "provider_response_id": self.response_id,
-                "dropped_tool_names": [self._names[s] or UNNAMED for s in dropped],
-                "dropped_tool_indexes": dropped, "error": error, "diag": {}}
+    def _final(self, error: AttemptError | None, finish: str | None,
+               usage: dict[str, Any] | None, dropped: list[int]) -> AttemptOutcome:
+        return AttemptOutcome(
+            ok=error is None, finish_reason=finish, usage=usage, model=self.model,
+            provider_response_id=self.response_id,
+            dropped_tool_names=tuple(self._names[s] or UNNAMED for s in dropped),
+            dropped_tool_indexes=tuple(dropped), error=error)
+
+
+def failed_outcome(error: AttemptError) -> AttemptOutcome:
+    """The outcome of an attempt that raised before any assembler existed."""
+    return AttemptOutcome(ok=False, error=error)
 
 
 def raised_here(exc: BaseException, module_file: str) -> bool:
@@ -124,26 +142,6 @@ def raised_here(exc: BaseException, module_file: str) -> bool:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     return tb is not None and tb.tb_frame.f_code.co_filename in (module_file, __file__)
-
-
-def keep_partial(exc: BaseException, asm: object) -> None:
-    with contextlib.suppress(AttributeError):  # read back by final_from_exception
-        exc.streamfence_partial = asm  # type: ignore[attr-defined]
-
-
-class _SDKClient(Protocol):
-    @property
-    def max_retries(self) -> int: ...
-
-    def with_options(self, *, max_retries: int) -> Self: ...
-
-
-Client = TypeVar("Client", bound=_SDKClient)
-
-
-def no_sdk_retries(client: Client) -> Client:
-    # The supervisor owns retries and backoff; SDK retries would sleep inside an attempt.
-    return client if client.max_retries == 0 else client.with_options(max_retries=0)
 
 
 def sse_events(http: httpx2.Response) -> Iterator[tuple[bytes | None, bytes | None]] | None:
@@ -167,16 +165,13 @@ def json_body(body: bytes, what: str) -> dict[str, Any]:
     return obj
 
 
-class _Assembler(Protocol):
-    def finish(self, error: dict[str, Any] | None = None) -> FinalInfo: ...
 
-
-Asm = TypeVar("Asm", bound=_Assembler)
+Asm = TypeVar("Asm", bound=ToolSlots)
 
 
 def complete_body(open_response: Callable[[], contextlib.AbstractContextManager[Any]],
-                  out: AttemptOutput, asm: Asm, feed_body: Callable[[Asm, bytes], None]
-                  ) -> FinalInfo:
+                  out: AttemptOutput, asm: Asm, feed_body: Callable[[Asm, bytes], None],
+                  classify: Callable[[BaseException], AttemptError]) -> AttemptOutcome:
     """The non-streaming fall-back: read the whole body, one chunk, fed through `asm`."""
     try:
         with open_response() as resp:
@@ -184,6 +179,5 @@ def complete_body(open_response: Callable[[], contextlib.AbstractContextManager[
         out.chunk(len(body))
         feed_body(asm, body)
     except Exception as exc:
-        keep_partial(exc, asm)
-        raise
+        return asm.raised(exc, classify(exc))
     return asm.finish()

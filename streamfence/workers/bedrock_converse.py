@@ -1,43 +1,46 @@
-"""Bedrock Converse adapter: boto3 ``converse_stream`` events -> protocol deltas + FinalInfo.
+"""Bedrock Converse adapter: boto3 ``converse_stream`` events -> protocol deltas + AttemptOutcome.
 
 Contract:
-- `make_client(profile, ssl_context)`: a ``bedrock-runtime`` client from one shared botocore
-  session per `aws_profile` (the session's first client costs ~75 ms, later ones ~2.5 ms).
-  Profile keys: `region`, `endpoint_url`, `aws_credentials` ("chain", the default: the AWS
+- `ADAPTER`: this wire's `Adapter` (workers/adapter.py) for profile kind "bedrock"; its
+  `classify` is `classify_bedrock`.
+- `make_client(profile)`: a ``bedrock-runtime`` client from one shared botocore session per
+  `aws_profile` (the session's first client costs ~75 ms, later ones ~2.5 ms). Profile
+  keys: `region`, `endpoint_url`, `aws_credentials` ("chain", the default: the AWS
   credential chain; "dummy": static test credentials, only with an `endpoint_url`),
   `aws_profile`, `connect_timeout_s` (30), `read_timeout_s` (120). SDK retries are off:
   `total_max_attempts: 1` (botocore's `max_attempts: 1` means one *retry*; measured).
-  botocore has no hook for a prebuilt SSLContext, so `ssl_context` is unused.
+  botocore has no hook for a prebuilt SSLContext, so the shared one is not used.
 - `ConverseStreamAssembler(out)`: `feed(event)` per parsed event dict, `finish()` -> the
-  FinalInfo of protocol/internal.py (`diag` left {}). Pure dict lookups; slot bookkeeping
-  and the FinalInfo come from `streamfence.workers.assembly.ToolSlots`.
+  AttemptOutcome. Pure dict lookups; slot bookkeeping and the outcome come from
+  `streamfence.workers.assembly.ToolSlots`.
 - `stream_converse(client, request, out)`: every event is a real chunk (`out.chunk`). Errors
   opening the stream (ClientError) propagate untouched; an in-stream exception message
   (EventStreamError) ends the attempt as a classified error; transport errors mid-stream
-  (urllib3 ReadTimeoutError/ProtocolError, botocore's eventstream ParserError) propagate with
-  the partial state attached, for `final_from_exception` (which uses `classify_bedrock`).
+  (urllib3 ReadTimeoutError/ProtocolError, botocore's eventstream ParserError) are
+  classified into the returned outcome, with the partial state kept.
 - `complete_converse`: the non-streaming fall-back, fed to the same assembler as synthesized
   events. `is_streaming_denied(exc)`: AccessDeniedException from ConverseStream (IAM lacks
-  bedrock:InvokeModelWithResponseStream). `run_converse(client, request, out, settings)`
-  streams and falls back on that denial (or skips streaming when `settings["streaming"]` is
-  False); its final then says `streaming_denied: True` so the supervisor can remember.
+  bedrock:InvokeModelWithResponseStream). `run` streams and falls back on that denial (or
+  skips streaming when `settings.streaming` is False); its outcome then says
+  `streaming_denied` so the supervisor can remember.
 - Liveness: botocore's read timeout is a per-recv socket timeout, so it *does* fire inside
   the event loop on a silent socket (measured); but frames boto3 parses to nothing (unknown
   event types) keep the socket busy while no event reaches us. The supervisor's stale
   watchdog plus the process kill is the only guard that always ends a wedged stream.
 
-Rules (SPEC §3, origin 002 `_BedrockStream`): text -> `text`; reasoningContent.text ->
-`reasoning` (signatures, redacted content: no delta); contentBlockStart toolUse opens a slot
-(0, 1, 2 … by opening order) with id+name, each input piece is a fragment. `messageStop` is
-required: without it the attempt is incomplete (`no_finish_reason`; `empty_stream` with no
-content) and every tool call is dropped. With it, a call without a name or with non-JSON input
-is dropped and the finish becomes "length" (unless content_filter).
+Rules (docs/ARCHITECTURE.md §4.6): text -> `text`; reasoningContent.text -> `reasoning`
+(signatures, redacted content: no delta); contentBlockStart toolUse opens a slot (0, 1, 2 …
+by opening order) with id+name, each input piece is a fragment. `messageStop` is required:
+without it the attempt is incomplete (`no_finish_reason`; `empty_stream` with no content)
+and every tool call is dropped. With it, a call without a name or with non-JSON input is
+dropped and the finish becomes "length" (unless content_filter).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import botocore.session
@@ -46,14 +49,11 @@ from botocore.config import Config
 from botocore.eventstream import ParserError
 from botocore.exceptions import ClientError, EventStreamError
 
-from streamfence.workers import errors
-from streamfence.workers.assembly import FinalInfo, ToolSlots, keep_partial, raised_here
-from streamfence.workers.errors import FINAL, TRANSIENT, classify, error_info
+from streamfence.protocol.internal import AttemptError, AttemptOutcome, AttemptSettings, ErrorClass
+from streamfence.workers.adapter import Adapter
+from streamfence.workers.assembly import ToolSlots, raised_here
+from streamfence.workers.errors import attempt_error, classify
 from streamfence.workers.output import NOTICE, REASONING, TEXT, TOOL_CALL, AttemptOutput
-
-__all__ = ["ConverseStreamAssembler", "classify_bedrock", "complete_converse",
-           "final_from_exception", "is_streaming_denied", "make_client", "run_converse",
-           "stream_converse"]
 
 log = logging.getLogger("streamfence.bedrock")
 
@@ -78,9 +78,8 @@ def _session(aws_profile: str | None) -> Any:
     return _sessions[aws_profile]
 
 
-def make_client(profile: dict[str, Any], ssl_context: Any = None) -> Any:
+def make_client(profile: dict[str, Any]) -> Any:
     """A bedrock-runtime client for `profile`; see the module docstring for its keys."""
-    del ssl_context  # botocore builds its own per connection pool; no public hook
     mode = profile.get("aws_credentials") or "chain"
     endpoint_url = profile.get("endpoint_url") or None
     session = _session(profile.get("aws_profile") or None)
@@ -116,7 +115,8 @@ def _usage(raw: Any) -> dict[str, Any] | None:
 
 
 class ConverseStreamAssembler(ToolSlots):
-    """Turns parsed ConverseStream event dicts into deltas; see the module docstring."""
+    """Owns one ConverseStream's assembly: parsed event dicts in, deltas to `out`, and
+    its stop reason and usage; see the module docstring."""
 
     __slots__ = (*ToolSlots.SLOTS, "events", "finish_reason", "stop_reason", "usage")
 
@@ -150,7 +150,7 @@ class ConverseStreamAssembler(ToolSlots):
         except _SHAPE_ERRORS as exc:
             if not raised_here(exc, __file__):
                 raise  # from `out`, not a bad event
-            self.fail(error_info(TRANSIENT, "malformed_stream", f"unexpected event shape "
+            self.fail(_transient("malformed_stream", f"unexpected event shape "
                                  f"({type(exc).__name__}: {exc}): {str(event)[:200]}"))
 
     def _block_delta(self, body: dict[str, Any]) -> None:
@@ -194,17 +194,17 @@ class ConverseStreamAssembler(ToolSlots):
         if name:
             self._name_slot(slot, name)
 
-    def finish(self, error: dict[str, Any] | None = None) -> FinalInfo:
-        """The FinalInfo. `error`: the classified exception that ended the attempt."""
+    def finish(self, error: AttemptError | None = None) -> AttemptOutcome:
+        """The outcome. `error`: the classified exception that ended the attempt."""
         error = error or self.error
         finish = self.finish_reason
         if error is None and self.stop_reason in _MALFORMED_STOPS:
-            error = error_info(TRANSIENT, "malformed_model_output", "Bedrock ended the message "
+            error = _transient("malformed_model_output", "Bedrock ended the message "
                                f"with stopReason {self.stop_reason!r}")
         elif error is None and self.stop_reason is None:
-            error = (error_info(TRANSIENT, "no_finish_reason", "the stream ended without "
+            error = (_transient("no_finish_reason", "the stream ended without "
                                 "messageStop (incomplete response)") if self.saw_content else
-                     error_info(TRANSIENT, "empty_stream", "Bedrock returned an empty stream "
+                     _transient("empty_stream", "Bedrock returned an empty stream "
                                 "(no content, tool call or messageStop)"))
         dropped, finish = self._settle(error, finish, self._named_json)
         return self._final(error, finish, self.usage, dropped)
@@ -215,8 +215,9 @@ def _request_id(response: dict[str, Any]) -> str | None:
     return rid if isinstance(rid, str) and rid else None
 
 
-def stream_converse(client: Any, request: dict[str, Any], out: AttemptOutput) -> FinalInfo:
-    """Run one streaming attempt; return its FinalInfo. See the module docstring."""
+def stream_converse(client: Any, request: dict[str, Any], out: AttemptOutput,
+                    secrets: Sequence[str] = ()) -> AttemptOutcome:
+    """Run one streaming attempt; return its outcome. See the module docstring."""
     asm = ConverseStreamAssembler(out)
     asm.model = request.get("modelId")
     response = client.converse_stream(**request)
@@ -231,13 +232,13 @@ def stream_converse(client: Any, request: dict[str, Any], out: AttemptOutput) ->
                 break
     except EventStreamError as exc:  # an exception message inside the stream
         chunk(1)
-        asm.fail(classify_bedrock(exc))
+        asm.fail(classify_bedrock(exc, secrets))
     except Exception as exc:
+        error = classify_bedrock(exc, secrets)
         if asm.stop_reason is not None and asm.error is None \
-                and classify_bedrock(exc)["class"] == TRANSIENT:
+                and error.error_class is ErrorClass.TRANSIENT:
             return asm.finish()  # messageStop is proof enough; only the metadata was lost
-        keep_partial(exc, asm)
-        raise
+        return asm.raised(exc, error)
     finally:
         events.close()
     return asm.finish()
@@ -279,8 +280,9 @@ def _events_of(response: dict[str, Any]) -> list[dict[str, Any]]:
     return events
 
 
-def complete_converse(client: Any, request: dict[str, Any], out: AttemptOutput) -> FinalInfo:
-    """Non-streaming fall-back: one `converse` call, delivered as deltas; its FinalInfo."""
+def complete_converse(client: Any, request: dict[str, Any], out: AttemptOutput) -> AttemptOutcome:
+    """Non-streaming fall-back: one `converse` call, delivered as deltas; its outcome.
+    An exception from the call itself propagates (nothing partial to keep)."""
     asm = ConverseStreamAssembler(out)
     asm.model = request.get("modelId")
     response = client.converse(**request)
@@ -289,7 +291,7 @@ def complete_converse(client: Any, request: dict[str, Any], out: AttemptOutput) 
     if not events:
         # botocore turns an empty or undecodable 200 body into {} (measured).
         out.chunk(1)
-        return asm.finish(error_info(TRANSIENT, "empty_response", "Bedrock's converse answer "
+        return asm.finish(_transient("empty_response", "Bedrock's converse answer "
                                      "held no output message"))
     out.chunk(len(orjson.dumps({k: v for k, v in response.items() if k != "ResponseMetadata"},
                                default=str)))
@@ -306,25 +308,23 @@ def is_streaming_denied(exc: BaseException) -> bool:
     return code == "AccessDeniedException" and exc.operation_name == "ConverseStream"
 
 
-def run_converse(client: Any, request: dict[str, Any], out: AttemptOutput,
-                 settings: dict[str, Any]) -> FinalInfo:
-    """One attempt: stream, or converse when `settings["streaming"]` is False or IAM denies it."""
-    if settings.get("streaming", True) is False:
+def run(client: Any, request: dict[str, Any], out: AttemptOutput, settings: AttemptSettings,
+        secrets: Sequence[str]) -> AttemptOutcome:
+    """One attempt: stream, or converse when `settings.streaming` is False or IAM denies it."""
+    if not settings.streaming:
         return complete_converse(client, request, out)
     try:
-        return stream_converse(client, request, out)
+        return stream_converse(client, request, out, secrets)
     except ClientError as exc:
         if not is_streaming_denied(exc):
             raise
         log.warning("converse_stream denied by IAM (%s); falling back to converse",
                     exc.response.get("Error", {}).get("Message", ""))
     out.delta(NOTICE, _DENIED_NOTICE)
-    final = complete_converse(client, request, out)
-    final["streaming_denied"] = True
-    return final
+    return replace(complete_converse(client, request, out), streaming_denied=True)
 
 
-def classify_bedrock(exc: BaseException, extra_secrets: Iterable[str] = ()) -> dict[str, Any]:
+def classify_bedrock(exc: BaseException, extra_secrets: Iterable[str] = ()) -> AttemptError:
     """`errors.classify`, plus what it does not know about Bedrock:
     - botocore's event-stream decoding errors (a bad CRC or length) are malformed stream
       data: transient `malformed_stream`;
@@ -334,22 +334,24 @@ def classify_bedrock(exc: BaseException, extra_secrets: Iterable[str] = ()) -> d
     - an in-stream exception of a type the service model does not name (EventStreamError
       with an empty code) is final."""
     if isinstance(exc, ParserError):
-        return error_info(TRANSIENT, "malformed_stream", f"{type(exc).__name__}: {exc}",
-                          extra_secrets=extra_secrets)
+        return attempt_error(ErrorClass.TRANSIENT, "malformed_stream",
+                             f"{type(exc).__name__}: {exc}", extra_secrets=extra_secrets)
     info = classify(exc, extra_secrets)
     if not isinstance(exc, ClientError):
         return info
     code = str((exc.response.get("Error") or {}).get("Code") or "").lower()
     if not code and isinstance(exc, EventStreamError):
-        return error_info(FINAL, "provider_error", "Bedrock sent an in-stream exception of an "
-                          "unknown type", extra_secrets=extra_secrets)
+        return attempt_error(ErrorClass.FINAL, "provider_error", "Bedrock sent an in-stream "
+                             "exception of an unknown type", extra_secrets=extra_secrets)
     if code == "throttlingexception":
-        info["class"], info["code"] = TRANSIENT, "rate_limited"
-    elif code in _SERVICE_SIDE and info["class"] != TRANSIENT:
-        info["class"], info["code"] = TRANSIENT, "provider_error"
+        return replace(info, error_class=ErrorClass.TRANSIENT, code="rate_limited")
+    if code in _SERVICE_SIDE and info.error_class is not ErrorClass.TRANSIENT:
+        return replace(info, error_class=ErrorClass.TRANSIENT, code="provider_error")
     return info
 
 
-def final_from_exception(exc: BaseException, extra_secrets: Iterable[str] = ()) -> FinalInfo:
-    """FinalInfo for an attempt that raised, classified the Bedrock way."""
-    return errors.final_from_exception(exc, extra_secrets, classifier=classify_bedrock)
+def _transient(code: str, message: str) -> AttemptError:
+    return attempt_error(ErrorClass.TRANSIENT, code, message)
+
+
+ADAPTER = Adapter(kind="bedrock", make_client=make_client, run=run, classify=classify_bedrock)

@@ -1,14 +1,14 @@
-"""Turn any exception an attempt can die of into the FinalInfo `error` map.
+"""Turn any exception an attempt can die of into an `AttemptError`.
 
-Contract: `classify(exc)` never raises and returns
-    {"class": "transient"|"final"|"context_overflow", "code": str,
-     "message": str, "status": int|None, "retry_after_s": float|None}
-The supervisor decides retries from `class` alone and reads `code` for the
-special cases it handles (`stream_options_rejected`, `streaming_unsupported`,
-`empty_sse_frames`, ...). `message` is scrubbed of anything that looks like a
-credential and truncated, because it reaches logs, the journal and clients.
+Contract: `classify(exc)` never raises and returns an `AttemptError`
+(protocol/internal.py). The supervisor decides retries from its `error_class`
+alone and reads `code` for the special cases it handles
+(`stream_options_rejected`, `streaming_unsupported`, `empty_sse_frames`, ...).
+`message` is scrubbed of anything that looks like a credential and truncated,
+because it reaches logs, the journal and clients; `attempt_error` is the one
+place that builds an AttemptError, so the one place that scrubs.
 
-Rules (from the origin's stream error handling, SPEC §3):
+Rules (docs/ARCHITECTURE.md §4.3):
 - transient: timeouts; connection drops (httpx2 connect/read/protocol errors
   raised raw while a body is read, the SDKs' APIConnectionError/APITimeoutError,
   botocore connection/read-timeout errors); SSE error texts such as "connection
@@ -31,22 +31,22 @@ import re
 import ssl
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import httpx2
 import openai
 
-TRANSIENT = "transient"
-FINAL = "final"
-CONTEXT_OVERFLOW = "context_overflow"
+from streamfence.protocol.internal import AttemptError, ErrorClass
+
 MESSAGE_LIMIT = 2000
 
 
 class StreamFailure(Exception):
     """A failure detected by our own stream decoding; carries its class and code."""
 
-    error_class = TRANSIENT
+    error_class = ErrorClass.TRANSIENT
     code = "stream_failure"
 
 
@@ -86,11 +86,11 @@ def scrub(text: str, extra_secrets: Iterable[str] = ()) -> str:
     return text
 
 
-def error_info(error_class: str, code: str, message: str, status: int | None = None,
-               retry_after_s: float | None = None, extra_secrets: Iterable[str] = ()) -> dict[str, Any]:
-    """Build the FinalInfo `error` map; the single place messages get scrubbed."""
-    return {"class": error_class, "code": code, "message": scrub(message, extra_secrets),
-            "status": status, "retry_after_s": retry_after_s}
+def attempt_error(error_class: ErrorClass, code: str, message: str, status: int | None = None,
+                  retry_after_s: float | None = None, extra_secrets: Iterable[str] = ()
+                  ) -> AttemptError:
+    """Build an AttemptError; the single place messages get scrubbed."""
+    return AttemptError(error_class, code, scrub(message, extra_secrets), status, retry_after_s)
 
 
 # ---- text patterns ---------------------------------------------------------
@@ -102,7 +102,7 @@ _CONTEXT_RE = re.compile(
     r"|reduce the length of the messages|input length and `?max_tokens`? exceed"
     r"|maximum input length|prompt (?:length|tokens?) exceeds?", re.IGNORECASE)
 
-# From the origin: proxies report an upstream drop as an SSE error event, not a status.
+# Proxies report an upstream drop as an SSE error event, not a status.
 _CONN_PHRASES = ("connection lost", "connection reset", "connection closed", "connection terminated",
                  "connection aborted", "connection refused", "network error", "network connection",
                  "terminated", "peer closed", "broken pipe", "upstream connect error",
@@ -184,28 +184,28 @@ def status_from_value(value: Any) -> int | None:
 
 
 def classify_status(status: int, text: str, *, retry_after_s: float | None = None,
-                    provider_type: str = "", extra_secrets: Iterable[str] = ()) -> dict[str, Any]:
+                    provider_type: str = "", extra_secrets: Iterable[str] = ()) -> AttemptError:
     """An HTTP status with the provider's message (and error type, if known)."""
-    def make(cls: str, code: str) -> dict[str, Any]:
-        return error_info(cls, code, text, status, retry_after_s, extra_secrets)
+    def make(cls: ErrorClass, code: str) -> AttemptError:
+        return attempt_error(cls, code, text, status, retry_after_s, extra_secrets)
 
     low_type = provider_type.lower()
     if status in (400, 413, 422) and is_context_overflow_text(text + " " + low_type):
-        return make(CONTEXT_OVERFLOW, "context_overflow")
+        return make(ErrorClass.CONTEXT_OVERFLOW, "context_overflow")
     if names_stream_options(status, text):
-        return make(FINAL, "stream_options_rejected")
+        return make(ErrorClass.FINAL, "stream_options_rejected")
     if _rejects_streaming(status, text):
-        return make(FINAL, "streaming_unsupported")
+        return make(ErrorClass.FINAL, "streaming_unsupported")
     if status == 429 and ("insufficient_quota" in text + low_type or "billing" in text.lower()):
         # OpenAI's quota exhaustion is a 429 that no retry can fix.
-        return make(FINAL, "quota_exhausted")
+        return make(ErrorClass.FINAL, "quota_exhausted")
     if status in (408, 409, 425, 429) or status >= 500:
-        return make(TRANSIENT, _STATUS_CODES.get(status, "server_error" if status >= 500 else f"http_{status}"))
-    return make(FINAL, _STATUS_CODES.get(status, f"http_{status}"))
+        return make(ErrorClass.TRANSIENT, _STATUS_CODES.get(status, "server_error" if status >= 500 else f"http_{status}"))
+    return make(ErrorClass.FINAL, _STATUS_CODES.get(status, f"http_{status}"))
 
 
 def classify_payload(payload: Any, *, status: int | None = None, text: str | None = None,
-                     extra_secrets: Iterable[str] = ()) -> dict[str, Any]:
+                     extra_secrets: Iterable[str] = ()) -> AttemptError:
     """A provider error object (in-stream `{"error": {...}}`, an error event, a body)."""
     err = payload.get("error") if isinstance(payload, Mapping) else None
     if not isinstance(err, Mapping):
@@ -227,13 +227,13 @@ def classify_payload(payload: Any, *, status: int | None = None, text: str | Non
         return classify_status(status, message, provider_type=etype, extra_secrets=extra_secrets)
     low = (etype + " " + message).lower()
     if is_context_overflow_text(low):
-        return error_info(CONTEXT_OVERFLOW, "context_overflow", message, status, None, extra_secrets)
+        return attempt_error(ErrorClass.CONTEXT_OVERFLOW, "context_overflow", message, status, None, extra_secrets)
     if any(t in etype.lower() for t in _TRANSIENT_TYPES) or has_connection_phrase(message):
-        return error_info(TRANSIENT, "provider_error", message, status, None, extra_secrets)
-    return error_info(FINAL, "provider_error", message, status, None, extra_secrets)
+        return attempt_error(ErrorClass.TRANSIENT, "provider_error", message, status, None, extra_secrets)
+    return attempt_error(ErrorClass.FINAL, "provider_error", message, status, None, extra_secrets)
 
 
-def classify_error_text(text: str) -> dict[str, Any]:
+def classify_error_text(text: str) -> AttemptError:
     """Error text streamed as content with finish_reason "error": SSE fields or JSON."""
     status, data = None, []
     for line in text.splitlines():
@@ -306,7 +306,7 @@ def _transport_code(exc: BaseException) -> str | None:
     return None
 
 
-def _classify_botocore(exc: BaseException, extra: Iterable[str]) -> dict[str, Any]:
+def _classify_botocore(exc: BaseException, extra: Iterable[str]) -> AttemptError:
     response = getattr(exc, "response", None)
     response = response if isinstance(response, Mapping) else {}
     err = response.get("Error") or {}
@@ -317,19 +317,17 @@ def _classify_botocore(exc: BaseException, extra: Iterable[str]) -> dict[str, An
     headers = meta.get("HTTPHeaders")
     low = code.lower()
     if "accessdenied" in low and ("stream" in message.lower()):
-        return error_info(FINAL, "streaming_unsupported", message, status, None, extra)
+        return attempt_error(ErrorClass.FINAL, "streaming_unsupported", message, status, None, extra)
     if status is not None and status >= 400 and not any(t in low for t in _TRANSIENT_TYPES):
         return classify_status(status, message, provider_type=code,
                                retry_after_s=retry_after_from_headers(headers), extra_secrets=extra)
     result = classify_payload({"error": {"type": code, "message": str(err.get("Message") or exc)}},
                               status=None, extra_secrets=extra)
-    result["status"] = status
-    result["retry_after_s"] = retry_after_from_headers(headers)
-    return result
+    return replace(result, status=status, retry_after_s=retry_after_from_headers(headers))
 
 
-def classify(exc: BaseException, extra_secrets: Iterable[str] = ()) -> dict[str, Any]:
-    """The FinalInfo `error` map for `exc`. Never raises.
+def classify(exc: BaseException, extra_secrets: Iterable[str] = ()) -> AttemptError:
+    """The AttemptError for `exc`. Never raises.
 
     `extra_secrets`: literal values (the profile's API key) to scrub as well.
     """
@@ -337,13 +335,13 @@ def classify(exc: BaseException, extra_secrets: Iterable[str] = ()) -> dict[str,
     try:
         return _classify(exc, extra)
     except Exception as inner:  # a classifier bug (or a str() that raises) must not hide the failure
-        return error_info(FINAL, "unclassified", f"{type(exc).__name__} [classifier: {type(inner).__name__}]",
+        return attempt_error(ErrorClass.FINAL, "unclassified", f"{type(exc).__name__} [classifier: {type(inner).__name__}]",
                           extra_secrets=extra)
 
 
-def _classify(exc: BaseException, extra: tuple[str, ...]) -> dict[str, Any]:
+def _classify(exc: BaseException, extra: tuple[str, ...]) -> AttemptError:
     if isinstance(exc, StreamFailure):
-        return error_info(exc.error_class, exc.code, str(exc), extra_secrets=extra)
+        return attempt_error(exc.error_class, exc.code, str(exc), extra_secrets=extra)
     status = getattr(exc, "status_code", None)
     response = getattr(exc, "response", None)
     if isinstance(exc, httpx2.HTTPStatusError):
@@ -358,16 +356,15 @@ def _classify(exc: BaseException, extra: tuple[str, ...]) -> dict[str, Any]:
             etype = f"{getattr(exc, 'type', None) or ''} {getattr(exc, 'code', None) or ''}"
             info = classify_status(status, str(exc), provider_type=etype,
                                    retry_after_s=retry_after_from_headers(headers), extra_secrets=extra)
-        info["status"] = status
-        return info
+        return replace(info, status=status)
     if isinstance(exc, _types("botocore.exceptions", "ClientError")):
         return _classify_botocore(exc, extra)
     text = _describe(exc)
     if "certificate verify failed" in text.lower():
-        return error_info(FINAL, "tls_verify_failed", text, extra_secrets=extra)
+        return attempt_error(ErrorClass.FINAL, "tls_verify_failed", text, extra_secrets=extra)
     code = _transport_code(exc)
     if code is not None:
-        return error_info(TRANSIENT, code, text, extra_secrets=extra)
+        return attempt_error(ErrorClass.TRANSIENT, code, text, extra_secrets=extra)
     if isinstance(exc, (openai.APIError, *_types("anthropic", "APIError"))):
         # An SSE error event the SDK raised without a status (e.g. OpenRouter's
         # {"error": {"message": "Network connection lost."}}).
@@ -375,21 +372,6 @@ def _classify(exc: BaseException, extra: tuple[str, ...]) -> dict[str, Any]:
         return classify_payload(body if isinstance(body, Mapping) else {"error": {"message": str(exc)}},
                                 text=str(exc), extra_secrets=extra)
     if has_connection_phrase(str(exc)):
-        return error_info(TRANSIENT, "connection_error", text, extra_secrets=extra)
-    return error_info(FINAL, "unexpected_error", text, extra_secrets=extra)
+        return attempt_error(ErrorClass.TRANSIENT, "connection_error", text, extra_secrets=extra)
+    return attempt_error(ErrorClass.FINAL, "unexpected_error", text, extra_secrets=extra)
 
-
-def final_from_exception(exc: BaseException, extra_secrets: Iterable[str] = (),
-                         classifier: Callable[[BaseException, Iterable[str]], dict[str, Any]]
-                         = classify) -> dict[str, Any]:
-    """FinalInfo for an attempt that raised: the classified error plus the partial
-    state of whichever assembler raised (adapters attach it to the exception as
-    `streamfence_partial`, an object with `finish(error) -> FinalInfo`)."""
-    error = classifier(exc, extra_secrets)
-    finish = getattr(getattr(exc, "streamfence_partial", None), "finish", None)
-    if callable(finish):
-        final: dict[str, Any] = finish(error)
-        return final
-    return {"ok": False, "finish_reason": None, "usage": None, "model": None,
-            "provider_response_id": None, "dropped_tool_names": [], "dropped_tool_indexes": [],
-            "error": error, "diag": {}}

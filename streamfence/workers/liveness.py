@@ -23,6 +23,8 @@ _ITEM = 8
 
 
 class LivenessTable:
+    """Owns the mapping of the shared liveness file: one row per worker slot."""
+
     def __init__(self, path: str, slots: int, create: bool = False) -> None:
         size = slots * FIELDS * _ITEM
         flags = os.O_RDWR | (os.O_CREAT if create else 0)

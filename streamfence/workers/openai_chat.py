@@ -1,72 +1,73 @@
-"""OpenAI chat-completions adapter: raw SSE bytes -> protocol deltas + FinalInfo.
+"""OpenAI chat-completions adapter: raw SSE bytes -> protocol deltas + AttemptOutcome.
 
 Contract:
+- `ADAPTER`: this wire's `Adapter` (workers/adapter.py) for profile kind "openai".
 - `ChatStreamAssembler(out)`: `feed(chunk_dict)` per decoded chunk, then `finish()`
-  -> the FinalInfo map of protocol/internal.py (`diag` left {}). Pure, dict lookups only;
-  slot bookkeeping and the FinalInfo come from `streamfence.workers.assembly.ToolSlots`.
+  -> the AttemptOutcome. Pure, dict lookups only; slot bookkeeping and the outcome
+  come from `streamfence.workers.assembly.ToolSlots`.
 - `stream_chat(client, request, out)`: the SDK sends the request (auth; typed status
   errors raised on entering); we frame the body ourselves (`iter_sse_events` + orjson),
-  skipping the SDK's per-chunk model construction. Transport errors mid-body propagate
-  raw (httpx2.*: the streaming-response wrapper does not wrap them); a bad payload raises
-  MalformedStreamError. `final_from_exception(exc)` turns whatever either function
-  raised into a FinalInfo that keeps the partial state (dropped tool calls).
+  skipping the SDK's per-chunk model construction. Whatever ends the attempt (a status
+  error, a transport error mid-body, MalformedStreamError for a bad payload) is
+  classified into the returned outcome, with the partial state (dropped tool calls)
+  kept. A 400/422 naming `stream_options` is retried once without it, inside the same
+  attempt, and the outcome says `stream_options_rejected`.
 - `complete_chat(client, request, out)`: the non-streaming fall-back, fed through the
   same assembler as one chunk.
 
-Rules (origin 002, `_call_chat_completions` / `_finish_chat_stream`):
+Rules (docs/ARCHITECTURE.md §4.6):
 - Tool calls: a provider index reused with a new id opens a new slot; slots are numbered
   0, 1, 2 … in order of opening; integer ids are stringified; names are assigned, never
   appended; a slot is opened towards `out` once its name is known, with the arguments
   buffered so far.
 - No finish_reason: nothing received -> `empty_stream`; the include_usage chunk arrived
-  (the provider's own end-of-response accounting, the origin's rule) -> finished;
-  otherwise `no_finish_reason`. Any error drops every tool call.
+  (the provider's own end-of-response accounting) -> finished; otherwise
+  `no_finish_reason`. Any error drops every tool call.
 - finish_reason set but a call's arguments are not JSON (or it never got a name): the
-  call is dropped and finish_reason becomes "length" (the origin's truncated-arguments
-  rule) unless it is content_filter. No repair: fragments already left for the sink.
+  call is dropped and finish_reason becomes "length" (truncated arguments) unless it is
+  content_filter. No repair: fragments already left for the sink.
 - finish_reason "error": the streamed text is the provider's error. Text that could be an
   SSE block or a JSON error is held back until judged, so it never counts as delivered.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import openai
 import orjson
 
+from streamfence.protocol.internal import AttemptError, AttemptOutcome, AttemptSettings, ErrorClass
+from streamfence.workers.adapter import Adapter, api_key_of, http_client, no_sdk_retries
 from streamfence.workers.assembly import (
-    FinalInfo,
     ToolSlots,
     complete_body,
     json_body,
-    keep_partial,
-    no_sdk_retries,
     raised_here,
     sse_events,
 )
 from streamfence.workers.errors import (
-    TRANSIENT,
     MalformedStreamError,
+    attempt_error,
     classify,
     classify_error_text,
-    error_info,
-    final_from_exception,
     names_stream_options,
 )
 from streamfence.workers.output import REASONING, REFUSAL, TEXT, TOOL_CALL, AttemptOutput
-from streamfence.workers.sse import iter_sse_events
 
-__all__ = ["ChatStreamAssembler", "MalformedStreamError", "complete_chat", "final_from_exception",
-           "is_stream_options_rejection", "iter_sse_events", "stream_chat"]
-
-HOLD_LIMIT = 4096  # the origin's cap on provider error text
+HOLD_LIMIT = 4096  # provider error text is held up to this many characters
 _ERROR_FINISH = frozenset({"error", "error_finish"})
 _FINISH_ALIASES = {"end_turn": "stop", "stop_sequence": "stop", "eos": "stop", "max_tokens": "length",
                    "tool_use": "tool_calls", "function_call": "tool_calls", "safety": "content_filter"}
 _SSE_FIELDS = ("event", "data", "id", "retry")
 _ERROR_JSON = '{"error"'
 _SHAPE_ERRORS = (AttributeError, TypeError, KeyError, IndexError, ValueError)
+
+
+def _transient(code: str, message: str) -> AttemptError:
+    return attempt_error(ErrorClass.TRANSIENT, code, message)
 
 
 def _may_be_error_block(text: str) -> bool:
@@ -92,7 +93,8 @@ def _may_be_error_block(text: str) -> bool:
 
 
 class ChatStreamAssembler(ToolSlots):
-    """Turns chat.completion.chunk dicts into deltas; see the module docstring."""
+    """Owns one chat-completions stream's assembly: chunk dicts in, deltas to `out`,
+    and its finish reason, usage and held-back error text; see the module docstring."""
 
     __slots__ = (*ToolSlots.SLOTS, "_held", "_last_id_by_raw", "_text_head", "_text_sent",
                  "chunks", "finish_reason", "keepalives", "usage")
@@ -238,23 +240,23 @@ class ChatStreamAssembler(ToolSlots):
         if name:
             self._name_slot(slot, name)
 
-    def finish(self, error: dict[str, Any] | None = None) -> FinalInfo:
-        """The FinalInfo. `error`: the classified exception that ended the attempt."""
+    def finish(self, error: AttemptError | None = None) -> AttemptOutcome:
+        """The outcome. `error`: the classified exception that ended the attempt."""
         error = error or self.error
         finish = self.finish_reason
         if error is None and finish in _ERROR_FINISH:
             error = classify_error_text(self._held or self._text_head)
         elif error is None and finish is None:
             if not self.saw_content:
-                error = (error_info(TRANSIENT, "empty_sse_frames", "the stream carried only "
-                                    f"{self.keepalives} contentless SSE frames", None)
+                error = (_transient("empty_sse_frames", "the stream carried only "
+                                    f"{self.keepalives} contentless SSE frames")
                          if self.keepalives and not self.chunks else
-                         error_info(TRANSIENT, "empty_stream", "the provider returned an empty "
+                         _transient("empty_stream", "the provider returned an empty "
                                     "stream (no content, tool call or finish_reason)"))
             elif self.usage is not None:
                 finish = "tool_calls" if self._names else "stop"
             else:
-                error = error_info(TRANSIENT, "no_finish_reason", "the stream ended without a "
+                error = _transient("no_finish_reason", "the stream ended without a "
                                    "finish_reason (incomplete response)")
         dropped, finish = self._settle(error, finish, self._named_json)
         if error is None and self._held:
@@ -265,8 +267,9 @@ class ChatStreamAssembler(ToolSlots):
 
 
 def stream_chat(client: openai.OpenAI, request: dict[str, Any], out: AttemptOutput, *,
-                include_usage: bool = True, timeout: Any = None) -> dict[str, Any]:
-    """Run one streaming attempt; return its FinalInfo. See the module docstring."""
+                include_usage: bool = True, timeout: Any = None, secrets: Sequence[str] = ()
+                ) -> AttemptOutcome:
+    """Run one streaming attempt; return its outcome. See the module docstring."""
     kwargs = dict(request)
     kwargs.pop("stream_options", None)
     if include_usage:
@@ -311,10 +314,17 @@ def stream_chat(client: openai.OpenAI, request: dict[str, Any], out: AttemptOutp
                 if asm.done:
                     break
     except Exception as exc:
-        if asm.finish_reason is not None and asm.error is None and classify(exc)["class"] == TRANSIENT:
+        if include_usage and is_stream_options_rejection(exc):
+            # Retried once without it, inside the same attempt (it does not spend the
+            # retry budget); the supervisor remembers it for the profile.
+            return replace(stream_chat(client, request, out, include_usage=False,
+                                       timeout=timeout, secrets=secrets),
+                           stream_options_rejected=True)
+        error = classify(exc, secrets)
+        if asm.finish_reason is not None and asm.error is None \
+                and error.error_class is ErrorClass.TRANSIENT:
             return asm.finish()  # the finish chunk is proof enough; only the trailer was lost
-        keep_partial(exc, asm)
-        raise
+        return asm.raised(exc, error)
     return asm.finish()
 
 
@@ -338,17 +348,38 @@ def _feed_completion(asm: ChatStreamAssembler, body: bytes) -> None:
 
 
 def complete_chat(client: openai.OpenAI, request: dict[str, Any], out: AttemptOutput, *,
-                  timeout: Any = None) -> dict[str, Any]:
-    """Non-streaming fall-back: one completion, delivered as deltas; its FinalInfo."""
+                  timeout: Any = None, secrets: Sequence[str] = ()) -> AttemptOutcome:
+    """Non-streaming fall-back: one completion, delivered as deltas; its outcome."""
     kwargs = {k: v for k, v in request.items() if k not in ("stream", "stream_options")}
     if timeout is not None:
         kwargs["timeout"] = timeout
     return complete_body(
         lambda: no_sdk_retries(client).chat.completions.with_streaming_response.create(**kwargs),
-        out, ChatStreamAssembler(out), _feed_completion)
+        out, ChatStreamAssembler(out), _feed_completion, lambda exc: classify(exc, secrets))
 
 
 def is_stream_options_rejection(exc: BaseException) -> bool:
     """A 400/422 naming stream_options: retry once without it (not a spent attempt)."""
-    status = getattr(exc, "status_code", None)
-    return names_stream_options(status, f"{exc} {getattr(exc, 'body', '') or ''}")
+    if not isinstance(exc, openai.APIStatusError):
+        return False
+    return names_stream_options(exc.status_code, f"{exc} {exc.body or ''}")
+
+
+def make_client(profile: dict[str, Any]) -> openai.OpenAI:
+    """The profile's client: shared SSL context, no env proxies, no SDK retries."""
+    return openai.OpenAI(base_url=profile.get("base_url") or None, api_key=api_key_of(profile),
+                         http_client=http_client(), max_retries=0)
+
+
+def run(client: openai.OpenAI, request: dict[str, Any], out: AttemptOutput,
+        settings: AttemptSettings, secrets: Sequence[str]) -> AttemptOutcome:
+    """One attempt with the worker's socket timeouts, streamed unless the profile fell back."""
+    timeout = openai.Timeout(connect=settings.connect_timeout_s, read=settings.read_timeout_s,
+                             write=settings.write_timeout_s, pool=settings.connect_timeout_s)
+    if not settings.streaming:
+        return complete_chat(client, request, out, timeout=timeout, secrets=secrets)
+    return stream_chat(client, request, out, include_usage=settings.include_usage,
+                       timeout=timeout, secrets=secrets)
+
+
+ADAPTER = Adapter(kind="openai", make_client=make_client, run=run, classify=classify)

@@ -9,17 +9,19 @@ where `index` is a slot number the adapter assigns (0, 1, 2 … in order of
 opening). The first fragment of a slot carries its `id` and `name` (the
 receiver assigns them); later fragments carry `id=None, name=None` and the
 next piece of `arguments` (the receiver appends). So a receiver only ever
-assigns or appends; all provider quirks are the adapter's business.
+assigns or appends; all provider quirks are the adapter's business. When an
+exception ends the attempt, the adapter reports it once with `failed(exc)` (for
+the log's traceback) and returns the outcome it classified it into.
 
-The worker main loop implements this and pushes to the sink; RecordingOutput
-keeps everything in memory (tests, and the lead's reuse).
+The worker implements this and pushes to the sink; RecordingOutput keeps
+everything in memory (tests, and the zygote's warm-up).
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from streamfence.protocol.messages import DeltaKind
+from streamfence.protocol.messages import DeltaKind, visible_chars
 
 TEXT = DeltaKind.TEXT.value
 REASONING = DeltaKind.REASONING.value
@@ -29,11 +31,16 @@ NOTICE = DeltaKind.NOTICE.value
 
 
 class AttemptOutput(Protocol):
+    """Where an adapter writes one attempt's output (see the module docstring)."""
+
     def chunk(self, nbytes: int) -> None:
         """A real provider chunk of `nbytes` payload bytes arrived."""
 
     def delta(self, kind: str, data: Any) -> None:
         """One protocol delta (see the module docstring for `data`)."""
+
+    def failed(self, exc: BaseException) -> None:
+        """`exc` ended the attempt (its outcome carries the classified error)."""
 
 
 class RecordingOutput:
@@ -42,15 +49,18 @@ class RecordingOutput:
     def __init__(self) -> None:
         self.chunks: list[int] = []
         self.deltas: list[tuple[str, Any]] = []
-        self.visible_chars = 0  # text + refusal, what the sink counts as delivered
+        self.visible_chars = 0  # what the sink counts as delivered
+        self.exc: BaseException | None = None  # the exception that ended the attempt
 
     def chunk(self, nbytes: int) -> None:
         self.chunks.append(nbytes)
 
     def delta(self, kind: str, data: Any) -> None:
         self.deltas.append((kind, data))
-        if kind in (TEXT, REFUSAL):
-            self.visible_chars += len(data)
+        self.visible_chars += visible_chars(kind, data)
+
+    def failed(self, exc: BaseException) -> None:
+        self.exc = exc
 
     def joined(self, kind: str) -> str:
         return "".join(d for k, d in self.deltas if k == kind)

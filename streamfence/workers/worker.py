@@ -3,9 +3,9 @@ sink, and ends every attempt with an explicit final message.
 
 Duties:
 1. Say hello to the supervisor, then wait for a W_RUN.
-2. Stamp the attempt on every log record (streamfence.protocol.logs), open the provider
-   stream through the SDK, and push each delta to the sink as
-   (call, attempt, seq, kind, data) with seq contiguous from 1.
+2. Stamp the attempt on every log record (streamfence.protocol.logs), run the attempt
+   through its profile's adapter (workers/registry.py), and push each delta to the
+   sink as (call, attempt, seq, kind, data) with seq contiguous from 1.
 3. Touch the liveness row on every real chunk (streamfence.workers.liveness).
 4. Send T_FINAL with the last seq and the outcome, and count the attempt done
    only when the sink acknowledges it (a stream's end proves nothing; a PUSH
@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Any, NoReturn
 
 import msgpack
@@ -35,24 +36,29 @@ from streamfence.protocol.internal import (
     W_HELLO,
     W_IDLE,
     W_RUN,
+    AttemptDiag,
     Endpoints,
+    RunAttempt,
+    decode_run,
+    outcome_to_wire,
 )
+from streamfence.protocol.lifecycle import ExitCode
 from streamfence.protocol.logs import clear_context, route_logs_to, set_context
-from streamfence.protocol.messages import DeltaKind
-from streamfence.workers.lifecycle import ExitCode
+from streamfence.protocol.messages import DeltaKind, visible_chars
 from streamfence.workers.liveness import LivenessTable
-from streamfence.workers.providers import final_from_exception, run_attempt
+from streamfence.workers.registry import run_attempt
 
 log = logging.getLogger("streamfence.worker")
 
-_VISIBLE = (DeltaKind.TEXT.value, DeltaKind.REFUSAL.value)
+NOTICE = DeltaKind.NOTICE.value
 
 
 class SinkOutput:
-    """AttemptOutput that pushes deltas to the sink (the per-delta hot path)."""
+    """The AttemptOutput of one attempt: owns its seq counter and pushes each delta
+    to the sink (the per-delta hot path); touches the liveness row per chunk."""
 
-    __slots__ = ("_attempt", "_call_id", "_live", "_pack", "_send", "_slot",
-                 "first_chunk_ns", "seq", "visible_chars")
+    __slots__ = ("_attempt", "_call_id", "_live", "_pack", "_send", "_slot", "exc",
+                 "first_chunk_ns", "seq", "visible")
 
     def __init__(self, sink: zmq.Socket[bytes], call_id: str, attempt: int,
                  live: LivenessTable, slot: int) -> None:
@@ -63,8 +69,9 @@ class SinkOutput:
         self._live = live
         self._slot = slot
         self.seq = 0
-        self.visible_chars = 0
+        self.visible = False  # any visible text yet (decides the failure's log level)
         self.first_chunk_ns = 0
+        self.exc: BaseException | None = None
 
     def chunk(self, nbytes: int) -> None:
         if not self.first_chunk_ns:
@@ -73,59 +80,50 @@ class SinkOutput:
 
     def delta(self, kind: str, data: Any) -> None:
         self.seq += 1
-        if kind in _VISIBLE:
-            self.visible_chars += len(data)
+        if not self.visible and visible_chars(kind, data):
+            self.visible = True
         self._send(self._pack([T_DELTA, self._call_id, self._attempt, self.seq, kind, data]))
 
+    def failed(self, exc: BaseException) -> None:
+        self.exc = exc
 
-def _run_one(msg: list[Any], sink: zmq.Socket[bytes], live: LivenessTable,
-             slot: int) -> bool:
-    _, token, call_id, attempt, session_id, profile, request, settings = msg
-    set_context(session_id, call_id, attempt)
-    live.begin(slot, token)
-    out = SinkOutput(sink, call_id, attempt, live, slot)
+
+def _run_one(run: RunAttempt, sink: zmq.Socket[bytes], live: LivenessTable, slot: int) -> bool:
+    settings = run.settings
+    set_context(run.session_id, run.call_id, run.attempt)
+    live.begin(slot, run.token)
+    out = SinkOutput(sink, run.call_id, run.attempt, live, slot)
     started = time.monotonic_ns()
-    log.info("attempt started: provider=%s model=%s", profile.get("name"), request.get("model"))
-    if settings.get("notice"):
-        out.delta(DeltaKind.NOTICE.value, settings["notice"])
-    try:
-        final = run_attempt(profile, request, out, settings)
-    except Exception as exc:
-        final = final_from_exception(profile, exc)
-        error = final["error"]
-        if out.visible_chars == 0:
-            # The one line that explains a failed stream: ERROR, with traceback.
-            log.exception("stream failed before delivery: %s (%s, %s)",
-                          error["message"], error["class"], error["code"])
-        else:
-            log.warning("stream failed after %d visible chars: %s (%s, %s)",
-                        out.visible_chars, error["message"], error["class"], error["code"],
-                        exc_info=True)
-    else:
-        if final.get("error"):
-            err = final["error"]
-            level = logging.ERROR if out.visible_chars == 0 else logging.WARNING
-            log.log(level, "stream ended with error: %s (%s, %s)",
-                    err.get("message"), err.get("class"), err.get("code"))
-    if final.get("dropped_tool_names"):
-        names = ", ".join(final["dropped_tool_names"])
+    log.info("attempt started: provider=%s model=%s", run.profile.get("name"),
+             run.request.get("model"))
+    if settings.notice:
+        out.delta(NOTICE, settings.notice)
+    outcome = run_attempt(run.profile, run.request, out, settings)
+    error = outcome.error
+    if error is not None:
+        # The one line that explains a failed stream: ERROR (with the traceback of the
+        # exception that ended it, if one did) unless visible text was delivered.
+        log.log(logging.WARNING if out.visible else logging.ERROR, "stream failed %s: %s (%s, %s)",
+                "after visible text" if out.visible else "before delivery", error.message,
+                error.error_class.value, error.code, exc_info=out.exc)
+    if outcome.dropped_tool_names:
+        names = ", ".join(outcome.dropped_tool_names)
         log.warning("tool call(s) dropped, never executed: %s", names)
-        out.delta(DeltaKind.NOTICE.value,
-                  f"The stream ended before these tool calls were complete; they were "
-                  f"dropped and not executed: {names}.")
-    if final.get("finish_reason") == "content_filter":
-        out.delta(DeltaKind.NOTICE.value, "The provider stopped this answer with its content "
-                                          "filter (finish_reason content_filter).")
+        out.delta(NOTICE, f"The stream ended before these tool calls were complete; they were "
+                          f"dropped and not executed: {names}.")
+    if outcome.finish_reason == "content_filter":
+        out.delta(NOTICE, "The provider stopped this answer with its content "
+                          "filter (finish_reason content_filter).")
     _, _, chunks, nbytes = live.read(slot)
-    final["diag"] = {
-        "first_chunk_ms": (out.first_chunk_ns - started) / 1e6 if out.first_chunk_ns else None,
-        "chunks": chunks, "bytes": nbytes, "deltas": out.seq,
-        "duration_ms": (time.monotonic_ns() - started) / 1e6,
-    }
-    sink.send(msgpack.packb([T_FINAL, call_id, attempt, out.seq, final], use_bin_type=True))
-    accepted = _wait_final_ack(sink, call_id, attempt, settings.get("final_ack_timeout_s", 30.0))
+    outcome = replace(outcome, diag=AttemptDiag(
+        first_chunk_ms=(out.first_chunk_ns - started) / 1e6 if out.first_chunk_ns else None,
+        chunks=chunks, bytes=nbytes, deltas=out.seq,
+        duration_ms=(time.monotonic_ns() - started) / 1e6))
+    sink.send(msgpack.packb([T_FINAL, run.call_id, run.attempt, out.seq,
+                             outcome_to_wire(outcome)], use_bin_type=True))
+    accepted = _wait_final_ack(sink, run.call_id, run.attempt, settings.final_ack_timeout_s)
     log.info("attempt ended: finish_reason=%s deltas=%d final_accepted=%s",
-             final.get("finish_reason"), out.seq, accepted)
+             outcome.finish_reason, out.seq, accepted)
     return accepted
 
 
@@ -175,12 +173,13 @@ def worker_main(worker_id: int, slot: int, runtime_dir: str, slots: int,
             if msg[0] != W_RUN:
                 log.warning("unexpected message tag %r from the supervisor", msg[0])
                 continue
-            accepted = _run_one(msg, sink, live, slot)
-            ctl.send(msgpack.packb([W_IDLE, worker_id, msg[1], accepted]))
+            run = decode_run(msg)
+            accepted = _run_one(run, sink, live, slot)
+            ctl.send(msgpack.packb([W_IDLE, worker_id, run.token, accepted]))
             clear_context()
     except Exception:
         log.exception("worker crashed")
-        code = ExitCode.BOOT_FAILED
+        code = ExitCode.CRASHED
     finally:
         logging.shutdown()
         for s in (ctl, sink, logs):

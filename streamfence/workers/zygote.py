@@ -8,10 +8,10 @@ and caches are hot), then `gc.collect(); gc.freeze()` so the children's
 garbage collector never touches (and so never copies) the inherited pages.
 
 The zygote owns no ZeroMQ context: a context must not cross a fork. It talks
-to the supervisor over a pipe (msgpack frames), forks on ["spawn", id, slot],
-answers ["spawned", id, pid], and reaps its children, reporting
-["exited", id, pid, returncode] (negative: killed by that signal). Its own log
-records travel the same pipe as ["log", fields].
+to the supervisor over a pipe (the zygote-pipe messages of protocol/internal.py):
+it forks on SpawnWorker, answers WorkerSpawned, and reaps its children,
+reporting WorkerExited (negative return code: killed by that signal). Its own
+log records travel the same pipe as ZygoteLog.
 """
 
 from __future__ import annotations
@@ -27,9 +27,18 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import msgpack
-
-from streamfence.workers.lifecycle import ExitCode, die_with_parent
+from streamfence.protocol.internal import (
+    AttemptSettings,
+    SpawnWorker,
+    StopZygote,
+    WorkerExited,
+    WorkerSpawned,
+    ZygoteLog,
+    ZygoteReady,
+    decode_zygote_command,
+    encode_zygote,
+)
+from streamfence.protocol.lifecycle import ExitCode, die_with_parent
 
 log = logging.getLogger("streamfence.zygote")
 
@@ -64,6 +73,8 @@ _ANTHROPIC_STUB_BODY = b"".join(
 
 
 class _StubHandler(BaseHTTPRequestHandler):
+    """The warm-up's provider: one canned stream per wire."""
+
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", "0")))
         body = _ANTHROPIC_STUB_BODY if self.path.endswith("/messages") else _STUB_BODY
@@ -77,42 +88,42 @@ class _StubHandler(BaseHTTPRequestHandler):
         pass
 
 
+HELLO = {"role": "user", "content": "hi"}
+
+
 def warm_up() -> None:
-    """Import everything and run each SDK's streaming path once, locally."""
-    import anthropic  # noqa: F401  (imported for its pages, used by workers)
-    import boto3  # noqa: F401
-    import openai
+    """Import everything and run each SDK's streaming path once, locally, through
+    the adapters' public interface."""
+    import boto3  # noqa: F401  (imported for its pages, used by workers)
     import zmq  # noqa: F401
 
-    from streamfence.workers import providers, worker  # noqa: F401
-    from streamfence.workers.openai_chat import stream_chat
+    from streamfence.workers import worker  # noqa: F401
+    from streamfence.workers.adapter import shared_ssl_context
     from streamfence.workers.output import RecordingOutput
+    from streamfence.workers.registry import ADAPTERS
 
-    providers.shared_ssl_context()
+    shared_ssl_context()
     server = ThreadingHTTPServer(("127.0.0.1", 0), _StubHandler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
         base = f"http://127.0.0.1:{server.server_port}"
-        client = providers._openai_client(
-            {"name": "warm", "kind": "openai", "api_key_env": None, "base_url": base + "/v1"})
-        stream_chat(client, {"model": "warm", "messages": [{"role": "user", "content": "hi"}]},
-                    RecordingOutput(), timeout=openai.Timeout(5.0))
-        client.close()
-        from streamfence.workers.anthropic_messages import make_client, stream_messages
-
-        aclient = make_client({"name": "warm", "kind": "anthropic", "api_key_env": None,
-                               "base_url": base}, providers.shared_ssl_context())
-        stream_messages(aclient, {"model": "warm", "max_tokens": 8,
-                                  "messages": [{"role": "user", "content": "hi"}]},
-                        RecordingOutput(), timeout=5.0)
-        aclient.close()
-        from streamfence.workers.bedrock_converse import make_client as bedrock_client
-
+        settings = AttemptSettings(connect_timeout_s=5.0, read_timeout_s=5.0)
+        for kind, base_url, request in (
+                ("openai", base + "/v1", {"model": "warm", "messages": [HELLO]}),
+                ("anthropic", base, {"model": "warm", "max_tokens": 8, "messages": [HELLO]})):
+            adapter = ADAPTERS[kind]
+            client = adapter.make_client({"name": "warm", "kind": kind, "api_key_env": None,
+                                          "base_url": base_url})
+            try:
+                outcome = adapter.run(client, request, RecordingOutput(), settings, ())
+            finally:
+                client.close()
+            if not outcome.ok:
+                raise RuntimeError(f"the {kind} warm-up attempt failed: {outcome.error}")
         # Loads botocore's service model (the costly part) once, for every fork.
-        bedrock_client({"name": "warm", "kind": "bedrock", "endpoint_url": base,
-                        "region": "us-east-1", "aws_credentials": "dummy"},
-                       providers.shared_ssl_context())
+        ADAPTERS["bedrock"].make_client({"name": "warm", "kind": "bedrock", "endpoint_url": base,
+                                         "region": "us-east-1", "aws_credentials": "dummy"})
     finally:
         server.shutdown()
         server.server_close()
@@ -120,18 +131,20 @@ def warm_up() -> None:
 
 
 class _PipeLogHandler(logging.Handler):
+    """Ships the zygote's log records to the supervisor over its pipe."""
+
     def __init__(self, send: Any) -> None:
         super().__init__()
         self._send = send
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self._send(msgpack.packb(["log", {
+            self._send(encode_zygote(ZygoteLog({
                 "name": record.name, "levelno": record.levelno, "levelname": record.levelname,
                 "msg": record.getMessage(), "created": record.created, "process": record.process,
                 "processName": "zygote", "exc_text": logging.Formatter().formatException(
                     record.exc_info) if record.exc_info else None,
-                "session_id": "-", "call_id": "-", "attempt": 0}], default=str))
+                "session_id": "-", "call_id": "-", "attempt": 0})))
         except Exception:
             self.handleError(record)
 
@@ -139,7 +152,8 @@ class _PipeLogHandler(logging.Handler):
 def zygote_main(conn: Any, runtime_dir: str, slots: int, log_level: int,
                 parent_pid: int) -> None:
     """Entry point (started with the spawn method by the supervisor)."""
-    die_with_parent(parent_pid)
+    if not die_with_parent(parent_pid):
+        os._exit(ExitCode.PARENT_GONE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
     root = logging.getLogger()
     root.handlers[:] = [_PipeLogHandler(conn.send_bytes)]
@@ -153,7 +167,7 @@ def zygote_main(conn: Any, runtime_dir: str, slots: int, log_level: int,
     gc.collect()
     gc.freeze()
     log.info("zygote ready in %.2fs", time.monotonic() - started)
-    conn.send_bytes(msgpack.packb(["ready", os.getpid()]))
+    conn.send_bytes(encode_zygote(ZygoteReady(os.getpid())))
     _serve(conn, runtime_dir, slots, log_level)
 
 
@@ -176,17 +190,19 @@ def _serve(conn: Any, runtime_dir: str, slots: int, log_level: int) -> None:
         _reap(conn, children)
         if conn.fileno() in readable:
             try:
-                msg = msgpack.unpackb(conn.recv_bytes(), raw=False)
+                frame = conn.recv_bytes()
             except (EOFError, OSError):
                 break  # the supervisor is gone
-            if msg[0] == "spawn":
-                worker_id, slot = int(msg[1]), int(msg[2])
-                pid = _fork_worker(conn, wake_r, wake_w, worker_id, slot, runtime_dir, slots,
-                                   log_level)
-                children[pid] = worker_id
-                conn.send_bytes(msgpack.packb(["spawned", worker_id, pid]))
-            elif msg[0] == "stop":
+            try:
+                cmd = decode_zygote_command(frame)
+            except ValueError:
+                log.exception("ignoring a malformed frame from the supervisor")
+                continue
+            if isinstance(cmd, StopZygote):
                 break
+            pid = _fork_worker(conn, wake_r, wake_w, cmd, runtime_dir, slots, log_level)
+            children[pid] = cmd.worker_id
+            conn.send_bytes(encode_zygote(WorkerSpawned(cmd.worker_id, pid)))
     for pid in children:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -201,13 +217,12 @@ def _reap(conn: Any, children: dict[int, int]) -> None:
             return
         if pid == 0:
             return
-        worker_id = children.pop(pid, -1)
-        conn.send_bytes(msgpack.packb(["exited", worker_id, pid,
-                                       os.waitstatus_to_exitcode(status)]))
+        conn.send_bytes(encode_zygote(WorkerExited(children.pop(pid, -1), pid,
+                                                   os.waitstatus_to_exitcode(status))))
 
 
-def _fork_worker(conn: Any, wake_r: int, wake_w: int, worker_id: int, slot: int,
-                 runtime_dir: str, slots: int, log_level: int) -> int:
+def _fork_worker(conn: Any, wake_r: int, wake_w: int, cmd: SpawnWorker, runtime_dir: str,
+                 slots: int, log_level: int) -> int:
     zygote_pid = os.getpid()
     pid = os.fork()
     if pid:
@@ -219,9 +234,10 @@ def _fork_worker(conn: Any, wake_r: int, wake_w: int, worker_id: int, slot: int,
         os.close(wake_r)
         os.close(wake_w)
         conn.close()
-        die_with_parent(zygote_pid)
+        if not die_with_parent(zygote_pid):
+            os._exit(ExitCode.PARENT_GONE)
         from streamfence.workers.worker import worker_main
 
-        worker_main(worker_id, slot, runtime_dir, slots, log_level)
+        worker_main(cmd.worker_id, cmd.slot, runtime_dir, slots, log_level)
     finally:
         os._exit(ExitCode.BOOT_FAILED)

@@ -1,0 +1,339 @@
+"""The supervisor's owners in one process, without sockets or children: the call
+and worker state machines, `decide`, the fall-backs, the SinkLink's typed
+replies, the client fan-out, and one call driven end to end by the
+AttemptDriver against fake sockets."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from streamfence.protocol.codec import encode
+from streamfence.protocol.errors import ErrorCode
+from streamfence.protocol.internal import (
+    EVENTS_BATCH_HEAD,
+    W_RUN,
+    AttemptError,
+    AttemptOutcome,
+    AttemptStats,
+    Authorize,
+    Ended,
+    ErrorClass,
+    Fence,
+    FinalRefused,
+    Finish,
+    FinishMeta,
+    SpawnWorker,
+    ZygoteCommand,
+    decode_run,
+    encode_ended,
+    encode_event,
+    encode_final_refused,
+    encode_ok,
+    encode_refused,
+    parse_control,
+    stats_to_wire,
+)
+from streamfence.protocol.messages import CallOptions, CallSpec, CallStatus, OnPartial, done_event
+from streamfence.supervisor.attempts import AttemptDriver
+from streamfence.supervisor.breaker import Breakers
+from streamfence.supervisor.calls import (
+    Call,
+    CallEvent,
+    CallState,
+    FenceReason,
+    InvalidTransition,
+    Retry,
+    decide,
+    fence_error,
+)
+from streamfence.supervisor.calls import (
+    Finish as Decision,
+)
+from streamfence.supervisor.clients import Clients
+from streamfence.supervisor.config import DaemonConfig, ProviderProfile
+from streamfence.supervisor.fallbacks import Fallbacks
+from streamfence.supervisor.journal import Journal
+from streamfence.supervisor.pool import InvalidTransition as WorkerTransition
+from streamfence.supervisor.pool import Pool, Worker, WorkerEvent, WorkerState
+from streamfence.supervisor.sinklink import SINK_LOST, Refused, SinkLink
+from streamfence.supervisor.timeouts import AttemptTimeouts
+from streamfence.workers.liveness import LivenessTable
+
+PROFILE = ProviderProfile(name="emu", kind="openai", base_url="http://127.0.0.1:1")
+TIMEOUTS = AttemptTimeouts(first_chunk_s=5.0, stale_s=5.0, connect_s=1.0, read_s=5.0)
+
+
+def make_call(on_partial: OnPartial = OnPartial.CONTINUE, max_attempts: int = 3,
+              call_id: str = "c1") -> Call:
+    spec = CallSpec(provider="emu", request={"model": "m", "messages": []},
+                    options=CallOptions(on_partial=on_partial))
+    return Call(call_id=call_id, spec=spec, profile=PROFILE, timeouts=TIMEOUTS,
+                max_attempts=max_attempts, deadline=None)
+
+
+def state_of(call: Call) -> CallState:
+    """The call's state (a function: callbacks change it behind mypy's narrowing)."""
+    return call.state
+
+
+class FakeSocket:
+    """Records what is sent; `recv` hands out the frames queued in `inbox`."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+        self.inbox: list[bytes] = []
+
+    def send(self, frame: bytes, flags: int = 0) -> None:
+        self.sent.append(frame)
+
+    def send_multipart(self, parts: list[bytes]) -> None:
+        self.sent.append(parts)
+
+    def recv(self, flags: int = 0) -> bytes:
+        if not self.inbox:
+            raise zmq.Again()
+        return self.inbox.pop(0)
+
+    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+        raise zmq.Again()
+
+
+# ---- state machines ------------------------------------------------------------------
+
+def test_call_transitions_and_the_error_names_state_and_event() -> None:
+    call = make_call()
+    for event, state in ((CallEvent.START, CallState.AUTHORIZING),
+                         (CallEvent.AUTHORIZED, CallState.RUNNING),
+                         (CallEvent.FENCE, CallState.FENCING), (CallEvent.RETRY, CallState.BACKOFF),
+                         (CallEvent.BACKOFF_OVER, CallState.QUEUED)):
+        call.to(event)
+        assert call.state is state
+    with pytest.raises(InvalidTransition, match="state queued got event 'finished'"):
+        call.to(CallEvent.FINISHED)
+
+
+def test_worker_transitions_and_the_error_names_state_and_event() -> None:
+    worker = Worker(worker_id=7, slot=0)
+    worker.to(WorkerEvent.HELLO)
+    worker.to(WorkerEvent.RESERVE)
+    assert worker.state is WorkerState.RESERVED
+    with pytest.raises(WorkerTransition, match="worker 7 in state reserved got event 'idle'"):
+        worker.to(WorkerEvent.IDLE)
+
+
+# ---- decide ------------------------------------------------------------------------
+
+TRANSIENT = AttemptError(ErrorClass.TRANSIENT, "stream_stalled", "no chunk")
+
+
+@pytest.mark.parametrize("on_partial,visible,attempts,error,expect", [
+    (OnPartial.CONTINUE, 0, 1, None, CallStatus.COMPLETED),
+    (OnPartial.CONTINUE, 5, 1, TRANSIENT, CallStatus.PARTIAL),
+    (OnPartial.RESTART, 5, 1, TRANSIENT, "retry"),
+    (OnPartial.CONTINUE, 0, 1, TRANSIENT, "retry"),
+    (OnPartial.CONTINUE, 0, 3, TRANSIENT, CallStatus.FAILED),
+    (OnPartial.CONTINUE, 0, 1, AttemptError(ErrorClass.FINAL, "bad_request", "no"),
+     CallStatus.FAILED),
+    (OnPartial.CONTINUE, 5, 1, AttemptError(ErrorClass.CONTEXT_OVERFLOW, "ctx", "too long"),
+     CallStatus.FAILED),
+])
+def test_decide(on_partial: OnPartial, visible: int, attempts: int,
+                error: AttemptError | None, expect: Any) -> None:
+    call = make_call(on_partial)
+    call.attempts = attempts
+    outcome = AttemptOutcome(ok=error is None, finish_reason="stop", error=error)
+    decision = decide(call, AttemptStats(1, visible_chars=visible), outcome, error, 0.0)
+    if expect == "retry":
+        assert isinstance(decision, Retry)
+        return
+    assert isinstance(decision, Decision) and decision.status is expect
+    if expect is CallStatus.PARTIAL:
+        assert decision.meta.partial and decision.meta.finish_reason == "length"
+    if expect is CallStatus.FAILED and attempts == 3:
+        assert decision.error == {"code": ErrorCode.STREAM_STALLED.value,
+                                  "message": "3 attempt(s) failed; last: no chunk"}
+
+
+def test_fence_errors_are_transient_with_their_code() -> None:
+    error = fence_error(FenceReason.STALE, 2.5)
+    assert (error.error_class, error.code) == (ErrorClass.TRANSIENT, "stream_stalled")
+    assert "2.5s" in error.message
+    assert {fence_error(r, 1.0).code for r in FenceReason} >= {"worker_died", "cancelled"}
+
+
+# ---- fall-backs --------------------------------------------------------------------------
+
+def test_fallbacks_switch_to_non_streaming_and_probe_once_per_window() -> None:
+    now = [100.0]
+    fb = Fallbacks(lambda: now[0])
+    refused = AttemptError(ErrorClass.FINAL, "streaming_unsupported", "no streaming")
+    adjusted = fb.adjust("p", refused, 0, {})
+    assert adjusted.error.error_class is ErrorClass.TRANSIENT and adjusted.error.retry_after_s == 0
+    assert not fb.streaming("p") and fb.streaming("q")
+    five_xx = AttemptError(ErrorClass.TRANSIENT, "server_error", "boom", status=502)
+    assert fb.adjust("q", five_xx, 0, {}).probe_next
+    assert not fb.adjust("q", five_xx, 0, {}).probe_next  # once per window
+    now[0] += 61.0
+    assert fb.adjust("q", five_xx, 0, {}).probe_next
+    assert not fb.adjust("q", five_xx, 3, {}).probe_next  # deltas came: no probe
+    fb.learn("r", AttemptOutcome(ok=True, stream_options_rejected=True))
+    assert not fb.include_usage("r") and fb.include_usage("q")
+
+
+# ---- the sink link -----------------------------------------------------------------------
+
+class Attempts:
+    def __init__(self) -> None:
+        self.seen: list[Ended | FinalRefused] = []
+
+    def on_ended(self, ended: Ended) -> None:
+        self.seen.append(ended)
+
+    def on_final_refused(self, refused: FinalRefused) -> None:
+        self.seen.append(refused)
+
+
+def test_sinklink_typed_replies_events_and_lost_requests() -> None:
+    sock = FakeSocket()
+    events: list[tuple[str, int, bytes]] = []
+    link = SinkLink(sock, lambda c, s, e: events.append((c, s, e)))  # type: ignore[arg-type]
+    replies: list[Any] = []
+    link.authorize("c", 2, False, "m", replies.append)
+    link.fence("c", 2, replies.append)
+    link.finish("c", CallStatus.COMPLETED, None, 2, FinishMeta(), replies.append)
+    sent = [parse_control(msgpack.unpackb(f)) for f in sock.sent]
+    assert sent[0] == Authorize(1, "c", 2, False, "m") and sent[1] == Fence(2, "c", 2)
+    stats = AttemptStats(1, accepted=3, visible_chars=2, last_seq=3, closed=True)
+    outcome = AttemptOutcome(ok=True, finish_reason="stop", usage={"total_tokens": 3})
+    batch = [encode_event("c", 1, b"e1"), encode_event("c", 2, b"e2")]
+    sock.inbox += [encode_ok(1, stats_to_wire(stats)), encode_refused(2, "stale_epoch: x"),
+                   EVENTS_BATCH_HEAD + b"\x92" + b"".join(batch), encode_event("c", 3, b"e3"),
+                   encode_ended("c", 2, stats, outcome), encode_final_refused("c", 1, "late"),
+                   encode([99, "junk"])]
+    attempts = Attempts()
+    assert link.drain(attempts) == 7
+    assert replies == [stats, Refused("stale_epoch: x")]
+    assert events == [("c", 1, b"e1"), ("c", 2, b"e2"), ("c", 3, b"e3")]
+    assert attempts.seen == [Ended("c", 2, stats, outcome), FinalRefused("c", 1, "late")]
+    link.fail_pending()  # the sink died before answering the finish
+    assert replies[-1] is SINK_LOST
+
+
+# ---- the client fan-out --------------------------------------------------------------------
+
+def test_clients_buffer_fan_out_and_answer_waiters() -> None:
+    sock = FakeSocket()
+    clients = Clients(sock)  # type: ignore[arg-type]
+    clients.open("c", [], subscriber=b"a")
+    clients.on_event("c", 1, b"e1")
+    clients.on_event("c", 2, b"e2")
+    assert clients.subscribe(b"late", "c", 1)  # replays seq 2, then follows
+    clients.on_event("c", 3, b"e3")
+    assert not clients.subscribe(b"x", "gone", 0)
+    assert [p for p in sock.sent] == [[b"a", b"e1"], [b"a", b"e2"], [b"late", b"e2"],
+                                      [b"a", b"e3"], [b"late", b"e3"]]
+    assert clients.published("c") == [b"e1", b"e2", b"e3"]
+    sock.sent.clear()
+    clients.wait_result("c", b"w1", "r1", until=10.0)
+    clients.wait_result("c", b"w2", "r2", until=20.0)
+    clients.expire_waiters(15.0)
+    assert msgpack.unpackb(sock.sent.pop()[1])["op"] == "pending"
+    asked: list[str] = []
+
+    def diagnostics() -> list[dict[str, Any]]:
+        asked.append("c")
+        return [{"attempt": 1}]
+
+    clients.on_call_done("c", {"op": "done", "status": "completed"}, diagnostics)
+    (identity, frame), = sock.sent
+    assert identity == b"w2" and msgpack.unpackb(frame) == {
+        "op": "done", "status": "completed", "ref": "r2", "diagnostics": [{"attempt": 1}]}
+    assert asked == ["c"] and clients.published("c") == []
+
+
+# ---- one call through the AttemptDriver ------------------------------------------------------
+
+@pytest.fixture
+def parts(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    live = LivenessTable(str(tmp_path / "live.bin"), 4, create=True)
+    journal = Journal(str(tmp_path / "journal.db"))
+    zygote: list[ZygoteCommand] = []
+    workers, sink_sock, client_sock = FakeSocket(), FakeSocket(), FakeSocket()
+    pool = Pool(zygote.append, workers, live, slots=4, spare=1,  # type: ignore[arg-type]
+                max_workers=4)
+    clients = Clients(client_sock)  # type: ignore[arg-type]
+    sink = SinkLink(sink_sock, clients.on_event)  # type: ignore[arg-type]
+    counters: Counter[str] = Counter()
+    driver = AttemptDriver(DaemonConfig(providers={"emu": PROFILE}), journal, pool, sink,
+                           clients, Breakers(5, 60.0, time.monotonic), counters,
+                           time.monotonic, random.Random(1))
+    yield {"pool": pool, "zygote": zygote, "workers": workers, "sink": sink,
+           "sink_sock": sink_sock, "clients": clients, "client_sock": client_sock,
+           "driver": driver, "journal": journal, "counters": counters}
+    journal.close()
+    live.close()
+
+
+def test_one_call_authorize_dispatch_end_finish(parts: dict[str, Any]) -> None:
+    pool, driver, sink_sock = parts["pool"], parts["driver"], parts["sink_sock"]
+    pool.maintain()
+    spawn = parts["zygote"][0]
+    assert isinstance(spawn, SpawnWorker)
+    pool.on_spawned(spawn.worker_id, 0)  # pid 0: never a real kill
+    pool.on_hello(spawn.worker_id, 0)
+    call = make_call()
+    parts["journal"].add_call(call.call_id, None, None, "emu", call.spec.request, {})
+    parts["clients"].open(call.call_id, [], subscriber=b"client")
+    driver.enqueue(call)
+    driver.schedule()
+    authorize = parse_control(msgpack.unpackb(sink_sock.sent.pop()))
+    assert authorize == Authorize(1, "c1", 1, False, "m") and call.state is CallState.AUTHORIZING
+    sink_sock.inbox.append(encode_ok(1, stats_to_wire(AttemptStats(0))))
+    parts["sink"].drain(driver)
+    (identity, frame), = parts["workers"].sent
+    run = decode_run(msgpack.unpackb(frame))
+    assert msgpack.unpackb(frame)[0] == W_RUN and identity == b"w%d" % spawn.worker_id
+    assert (run.call_id, run.attempt, run.settings.streaming) == ("c1", 1, True)
+    stats = AttemptStats(1, accepted=1, visible_chars=2, last_seq=1, closed=True)
+    outcome = AttemptOutcome(ok=True, finish_reason="stop", model="m")
+    sink_sock.inbox += [encode_event("c1", 1, b"delta"), encode_ended("c1", 1, stats, outcome)]
+    parts["sink"].drain(driver)
+    finish = parse_control(msgpack.unpackb(sink_sock.sent.pop()))
+    assert isinstance(finish, Finish) and finish.status is CallStatus.COMPLETED
+    assert finish.meta.finish_reason == "stop" and state_of(call) is CallState.FINISHING
+    done = done_event("c1", 2, CallStatus.COMPLETED, None, None, 1)
+    sink_sock.inbox.append(encode_ok(finish.req, done))
+    parts["sink"].drain(driver)
+    assert not driver.has_call("c1") and parts["counters"]["calls_completed"] == 1
+    assert parts["journal"].done_event("c1") == done
+    assert parts["client_sock"].sent == [[b"client", b"delta"]]
+    assert parts["journal"].attempts_of("c1")[0]["how"] == "ended"
+
+
+def test_sink_restart_fences_the_running_attempt_and_retries(parts: dict[str, Any]) -> None:
+    pool, driver, sink_sock = parts["pool"], parts["driver"], parts["sink_sock"]
+    pool.maintain()
+    spawn = parts["zygote"][0]
+    pool.on_spawned(spawn.worker_id, 0)  # pid 0: the kill is a no-op
+    pool.on_hello(spawn.worker_id, 0)
+    call = make_call()
+    parts["journal"].add_call(call.call_id, None, None, "emu", call.spec.request, {})
+    driver.enqueue(call)
+    driver.schedule()
+    sink_sock.inbox.append(encode_ok(1, stats_to_wire(AttemptStats(0))))
+    parts["sink"].drain(driver)
+    assert call.state is CallState.RUNNING
+    driver.on_sink_restart()
+    assert state_of(call) is CallState.BACKOFF and call.fence_reason is FenceReason.SINK_RESTARTED
+    assert parts["counters"]["retries"] == 1
+    assert pool.get(spawn.worker_id).state is WorkerState.KILLING
+    assert parts["journal"].attempts_of("c1")[0]["how"] == "sink_restarted"
