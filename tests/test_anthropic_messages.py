@@ -13,7 +13,8 @@ import httpx2
 import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
-from streamfence.protocol.internal import AttemptDiag, AttemptOutcome, AttemptSettings
+from streamfence.protocol.internal.outcome import AttemptDiag, AttemptOutcome
+from streamfence.protocol.internal.workers import AttemptSettings
 from streamfence.workers.anthropic_messages import (
     ADAPTER,
     MessagesStreamAssembler,

@@ -19,7 +19,8 @@ import pytest
 import urllib3.exceptions
 
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
-from streamfence.protocol.internal import AttemptDiag, AttemptOutcome, AttemptSettings
+from streamfence.protocol.internal.outcome import AttemptDiag, AttemptOutcome
+from streamfence.protocol.internal.workers import AttemptSettings
 from streamfence.workers.assembly import failed_outcome
 from streamfence.workers.bedrock_converse import (
     ADAPTER,

@@ -17,7 +17,7 @@ import openai
 import orjson
 import pytest
 
-from streamfence.protocol.internal import AttemptError, ErrorClass
+from streamfence.protocol.internal.outcome import AttemptError, ErrorClass
 from streamfence.workers.errors import (
     MalformedStreamError,
     classify,

@@ -14,7 +14,8 @@ import openai
 import orjson
 import pytest
 
-from streamfence.protocol.internal import AttemptDiag, AttemptError, AttemptOutcome, AttemptSettings
+from streamfence.protocol.internal.outcome import AttemptDiag, AttemptError, AttemptOutcome
+from streamfence.protocol.internal.workers import AttemptSettings
 from streamfence.workers.errors import MalformedStreamError
 from streamfence.workers.openai_chat import (
     ADAPTER,

@@ -9,13 +9,8 @@ import msgpack
 import pytest
 
 from streamfence.protocol.codec import encode
-from streamfence.protocol.internal import (
-    C_AUTHORIZE,
-    C_FENCE,
-    C_FINISH,
-    C_STATS,
-    E_EVENT,
-    AttemptOutcome,
+from streamfence.protocol.internal import C_AUTHORIZE, C_FENCE, C_FINISH, C_STATS, E_EVENT
+from streamfence.protocol.internal.control import (
     Authorize,
     BadFrame,
     Fence,
@@ -25,9 +20,9 @@ from streamfence.protocol.internal import (
     encode_control,
     event_head,
     meta_from_wire,
-    outcome_to_wire,
     parse_control,
 )
+from streamfence.protocol.internal.outcome import AttemptOutcome, outcome_to_wire
 from streamfence.protocol.messages import CallStatus, DeltaKind, delta_event, empty_response
 from streamfence.sink.content import Content, check_tool_fragment
 from streamfence.sink.wire import KIND_TAIL, delta_prefix, parse_final

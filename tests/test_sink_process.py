@@ -32,13 +32,10 @@ from streamfence.protocol.internal import (
     T_DELTA,
     T_FINAL,
     T_FINAL_ACK,
-    AttemptOutcome,
-    AttemptStats,
     Endpoints,
-    outcome_from_wire,
-    outcome_to_wire,
-    stats_from_wire,
 )
+from streamfence.protocol.internal.control import AttemptStats, stats_from_wire
+from streamfence.protocol.internal.outcome import AttemptOutcome, outcome_from_wire, outcome_to_wire
 from streamfence.sink.process import run_sink
 from streamfence.sink.store import TranscriptReader, events_after
 

@@ -25,8 +25,8 @@ from streamfence.protocol.internal import (
     R_REFUSED,
     T_DELTA,
     T_FINAL,
-    stats_from_wire,
 )
+from streamfence.protocol.internal.control import stats_from_wire
 from streamfence.sink.fence import Verdict
 from streamfence.sink.process import run_sink
 from streamfence.sink.state import SinkState

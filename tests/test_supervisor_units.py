@@ -18,22 +18,16 @@ import zmq
 
 from streamfence.protocol.codec import encode
 from streamfence.protocol.errors import ErrorCode
-from streamfence.protocol.internal import (
+from streamfence.protocol.internal import W_RUN
+from streamfence.protocol.internal.control import (
     EVENTS_BATCH_HEAD,
-    W_RUN,
-    AttemptError,
-    AttemptOutcome,
     AttemptStats,
     Authorize,
     Ended,
-    ErrorClass,
     Fence,
     FinalRefused,
     Finish,
     FinishMeta,
-    SpawnWorker,
-    ZygoteCommand,
-    decode_run,
     encode_ended,
     encode_event,
     encode_final_refused,
@@ -42,6 +36,8 @@ from streamfence.protocol.internal import (
     parse_control,
     stats_to_wire,
 )
+from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome, ErrorClass
+from streamfence.protocol.internal.workers import SpawnWorker, ZygoteCommand, decode_run
 from streamfence.protocol.messages import CallOptions, CallSpec, CallStatus, OnPartial, done_event
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.breaker import Breakers

@@ -11,10 +11,10 @@ from typing import Any
 import msgpack
 import pytest
 
-from streamfence.protocol.internal import (
-    T_DELTA,
+from streamfence.protocol.internal import T_DELTA
+from streamfence.protocol.internal.outcome import ErrorClass
+from streamfence.protocol.internal.workers import (
     AttemptSettings,
-    ErrorClass,
     SpawnWorker,
     StopZygote,
     WorkerExited,

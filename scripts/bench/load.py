@@ -52,10 +52,9 @@ from streamfence.protocol.internal import (
     T_FINAL_ACK,
     Endpoints,
 )
+from streamfence.protocol.internal.outcome import AttemptOutcome, outcome_to_wire
 
-_FINAL_OK = {"ok": True, "finish_reason": "stop", "usage": None, "model": "bench",
-             "provider_response_id": None, "dropped_tool_names": [],
-             "dropped_tool_indexes": [], "error": None, "diag": {}}
+_FINAL_OK = outcome_to_wire(AttemptOutcome(ok=True, finish_reason="stop", model="bench"))
 ACK_TIMEOUT_S = 120.0
 
 

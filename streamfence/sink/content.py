@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from streamfence.protocol.internal import FinishMeta
+from streamfence.protocol.internal.control import FinishMeta
 from streamfence.protocol.messages import DeltaKind, empty_response, visible_chars
 
 TEXT = DeltaKind.TEXT.value

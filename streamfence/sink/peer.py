@@ -8,7 +8,7 @@ import msgpack
 import zmq
 import zmq.backend
 
-from streamfence.protocol.internal import EVENTS_BATCH_HEAD
+from streamfence.protocol.internal.control import EVENTS_BATCH_HEAD
 
 log = logging.getLogger("streamfence.sink")
 

@@ -40,13 +40,8 @@ import zmq
 
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted
 from streamfence.protocol.errors import ProtocolError
-from streamfence.protocol.internal import (
-    T_DELTA,
-    BadFrame,
-    Endpoints,
-    encode_refused,
-    parse_control,
-)
+from streamfence.protocol.internal import T_DELTA, Endpoints
+from streamfence.protocol.internal.control import BadFrame, encode_refused, parse_control
 from streamfence.protocol.lifecycle import ExitCode, die_with_parent, expected_parent_pid
 from streamfence.protocol.logs import route_logs_to
 from streamfence.sink.content import check_tool_fragment

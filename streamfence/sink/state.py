@@ -28,8 +28,8 @@ from typing import Any, Protocol
 import msgpack
 
 from streamfence.protocol.codec import encode
-from streamfence.protocol.internal import (
-    T_FINAL_ACK,
+from streamfence.protocol.internal import T_FINAL_ACK
+from streamfence.protocol.internal.control import (
     AttemptStats,
     Authorize,
     ControlOp,

@@ -20,15 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamfence.protocol.codec import encode
-from streamfence.protocol.internal import (
-    T_FINAL,
-    AttemptOutcome,
-    BadFrame,
-    BadOutcome,
-    check_call_id,
-    check_int,
-    outcome_from_wire,
-)
+from streamfence.protocol.internal import T_FINAL
+from streamfence.protocol.internal.control import BadFrame, check_call_id, check_int
+from streamfence.protocol.internal.outcome import AttemptOutcome, BadOutcome, outcome_from_wire
 from streamfence.protocol.messages import DeltaKind, delta_event
 
 # ---- pre-encoded pieces ------------------------------------------------------

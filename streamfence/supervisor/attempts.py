@@ -16,16 +16,9 @@ from typing import Any
 import msgpack
 
 from streamfence.protocol.errors import ErrorCode
-from streamfence.protocol.internal import (
-    AttemptError,
-    AttemptOutcome,
-    AttemptSettings,
-    AttemptStats,
-    Ended,
-    FinalRefused,
-    FinishMeta,
-    RunAttempt,
-)
+from streamfence.protocol.internal.control import AttemptStats, Ended, FinalRefused, FinishMeta
+from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome
+from streamfence.protocol.internal.workers import AttemptSettings, RunAttempt
 from streamfence.protocol.messages import CallStatus, DeltaKind, visible_chars
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.calls import (

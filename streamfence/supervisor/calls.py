@@ -20,13 +20,8 @@ from enum import Enum
 from typing import Any
 
 from streamfence.protocol.errors import ErrorCode
-from streamfence.protocol.internal import (
-    AttemptError,
-    AttemptOutcome,
-    AttemptStats,
-    ErrorClass,
-    FinishMeta,
-)
+from streamfence.protocol.internal.control import AttemptStats, FinishMeta
+from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome, ErrorClass
 from streamfence.protocol.messages import CallSpec, CallStatus, OnPartial
 from streamfence.supervisor.config import ProviderProfile
 from streamfence.supervisor.timeouts import AttemptTimeouts

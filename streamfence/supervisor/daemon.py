@@ -35,9 +35,8 @@ import msgpack
 import multiprocess
 import zmq
 
-from streamfence.protocol.internal import (
-    L_RECORD,
-    Endpoints,
+from streamfence.protocol.internal import L_RECORD, Endpoints
+from streamfence.protocol.internal.workers import (
     StopZygote,
     WorkerExited,
     WorkerSpawned,

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from streamfence.protocol.internal import AttemptError, AttemptOutcome, ErrorClass
+from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome, ErrorClass
 
 log = logging.getLogger("streamfence.attempts")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from streamfence.protocol.internal import AttemptOutcome
+from streamfence.protocol.internal.outcome import AttemptOutcome
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (

@@ -22,14 +22,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from streamfence.protocol.internal import (
-    W_HELLO,
-    W_IDLE,
-    RunAttempt,
-    SpawnWorker,
-    ZygoteCommand,
-    encode_run,
-)
+from streamfence.protocol.internal import W_HELLO, W_IDLE
+from streamfence.protocol.internal.workers import RunAttempt, SpawnWorker, ZygoteCommand, encode_run
 from streamfence.protocol.lifecycle import ExitCode
 from streamfence.workers.liveness import LivenessTable
 

@@ -16,13 +16,11 @@ from typing import Any, Protocol, TypeVar
 import msgpack
 import zmq
 
-from streamfence.protocol.internal import (
-    E_EVENT,
-    E_EVENTS,
+from streamfence.protocol.internal import E_EVENT, E_EVENTS
+from streamfence.protocol.internal.control import (
     AttemptStats,
     Authorize,
     BadFrame,
-    BadOutcome,
     ControlOp,
     Ended,
     Fence,
@@ -35,6 +33,7 @@ from streamfence.protocol.internal import (
     parse_from_sink,
     stats_from_wire,
 )
+from streamfence.protocol.internal.outcome import BadOutcome
 from streamfence.protocol.messages import CallStatus
 
 log = logging.getLogger("streamfence.sinklink")

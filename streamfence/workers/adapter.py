@@ -19,7 +19,8 @@ from typing import Any, Protocol, Self, TypeVar
 
 import httpx2
 
-from streamfence.protocol.internal import AttemptError, AttemptOutcome, AttemptSettings
+from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome
+from streamfence.protocol.internal.workers import AttemptSettings
 from streamfence.workers.output import AttemptOutput
 
 Profile = dict[str, Any]

@@ -48,7 +48,8 @@ from typing import Any
 import anthropic
 import orjson
 
-from streamfence.protocol.internal import AttemptError, AttemptOutcome, AttemptSettings, ErrorClass
+from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome, ErrorClass
+from streamfence.protocol.internal.workers import AttemptSettings
 from streamfence.workers.adapter import Adapter, api_key_of, http_client, no_sdk_retries
 from streamfence.workers.assembly import (
     ToolSlots,

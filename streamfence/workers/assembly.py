@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx2
 import orjson
 
-from streamfence.protocol.internal import AttemptError, AttemptOutcome
+from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome
 from streamfence.workers.errors import MalformedStreamError, classify_payload
 from streamfence.workers.output import TOOL_CALL, AttemptOutput
 from streamfence.workers.sse import iter_sse_events

@@ -49,7 +49,8 @@ from botocore.config import Config
 from botocore.eventstream import ParserError
 from botocore.exceptions import ClientError, EventStreamError
 
-from streamfence.protocol.internal import AttemptError, AttemptOutcome, AttemptSettings, ErrorClass
+from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome, ErrorClass
+from streamfence.protocol.internal.workers import AttemptSettings
 from streamfence.workers.adapter import Adapter
 from streamfence.workers.assembly import ToolSlots, raised_here
 from streamfence.workers.errors import attempt_error, classify

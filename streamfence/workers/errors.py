@@ -38,7 +38,7 @@ from typing import Any
 import httpx2
 import openai
 
-from streamfence.protocol.internal import AttemptError, ErrorClass
+from streamfence.protocol.internal.outcome import AttemptError, ErrorClass
 
 MESSAGE_LIMIT = 2000
 

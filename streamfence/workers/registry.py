@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from streamfence.protocol.internal import AttemptError, AttemptOutcome, AttemptSettings
+from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome
+from streamfence.protocol.internal.workers import AttemptSettings
 from streamfence.workers import anthropic_messages, bedrock_converse, openai_chat
 from streamfence.workers.adapter import Adapter, Profile, secrets_of
 from streamfence.workers.assembly import failed_outcome

@@ -36,12 +36,10 @@ from streamfence.protocol.internal import (
     W_HELLO,
     W_IDLE,
     W_RUN,
-    AttemptDiag,
     Endpoints,
-    RunAttempt,
-    decode_run,
-    outcome_to_wire,
 )
+from streamfence.protocol.internal.outcome import AttemptDiag, outcome_to_wire
+from streamfence.protocol.internal.workers import RunAttempt, decode_run
 from streamfence.protocol.lifecycle import ExitCode
 from streamfence.protocol.logs import clear_context, route_logs_to, set_context
 from streamfence.protocol.messages import DeltaKind, visible_chars

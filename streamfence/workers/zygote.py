@@ -27,7 +27,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from streamfence.protocol.internal import (
+from streamfence.protocol.internal.workers import (
     AttemptSettings,
     SpawnWorker,
     StopZygote,

@@ -1,0 +1,121 @@
+"""Internal messages between the daemon's own processes (docs/ARCHITECTURE.md §3).
+
+All are single-frame msgpack arrays whose first element is a tag (small int),
+chosen for the per-delta hot path: no map keys to encode, one `unpackb`.
+Sockets (all `ipc://` endpoints in the daemon's runtime directory, see
+`Endpoints`):
+
+    worker DEALER ──► sink ROUTER       "sink.in"   deltas, finals; sink acks finals
+    supervisor DEALER ◄─► sink ROUTER   "sink.ctl"  authorize/fence/finish + events
+    worker DEALER ◄─► supervisor ROUTER "workers"   hello, run, idle
+    worker PUSH ──► supervisor PULL     "logs"      log records of every child
+    supervisor ◄─► zygote               a pipe      fork requests, exits (`workers`)
+
+This package holds the tags and the endpoints; each message has one builder
+and one parser in the module of its conversation:
+
+- `outcome`: the attempt outcome (`AttemptOutcome`), worker -> sink -> supervisor;
+- `control`: supervisor <-> sink (`sink.ctl`);
+- `workers`: supervisor -> worker (`W_RUN` as `RunAttempt`) and the zygote pipe.
+
+Worker -> sink ("sink.in"):
+    [T_DELTA, call_id, attempt, seq, kind, data]
+        seq starts at 1 per attempt and is contiguous; kind is a DeltaKind.
+    [T_FINAL, call_id, attempt, last_seq, outcome]
+        outcome: `outcome.outcome_to_wire(AttemptOutcome)`. Sent exactly once
+        per attempt, also when the attempt failed. The worker waits for the ack.
+Sink -> worker:
+    [T_FINAL_ACK, call_id, attempt, accepted: bool, reason: str]
+
+Supervisor -> sink ("sink.ctl"), each carries a request id echoed by the reply
+(records `Authorize`, `Fence`, `Finish`, `Stats`; `control.encode_control` /
+`control.parse_control`):
+    [C_AUTHORIZE, req, call_id, attempt, reset: bool, model: str|None]
+    [C_FENCE, req, call_id, attempt]
+    [C_FINISH, req, call_id, status, error, attempts, meta]   meta: FinishMeta map
+    [C_STATS, req]
+Sink -> supervisor (`control.parse_from_sink`; the events, one per delta, are
+destructured in place by `supervisor.sinklink.SinkLink.drain`):
+    [R_OK, req, payload]       `encode_ok`: AttemptStats for AUTHORIZE/FENCE,
+                               the done event for FINISH, counters for STATS
+    [R_REFUSED, req, reason]   `encode_refused`
+    [E_EVENT, call_id, seq, event_bytes]            `event_head` / `encode_event`
+    [E_EVENTS, [[E_EVENT, call_id, seq, event_bytes], ...]]   `EVENTS_BATCH_HEAD`
+    [E_ENDED, call_id, attempt, stats, outcome]     `encode_ended`
+    [E_FINAL_REFUSED, call_id, attempt, reason]     `encode_final_refused`
+AttemptStats: [attempt, accepted, dropped, visible_chars, tool_fragments,
+    last_seq, closed] (`stats_to_wire` / `stats_from_wire`).
+
+Supervisor -> worker ("workers"):
+    [W_RUN, token, call_id, attempt, session_id, profile, request, settings]
+        `workers.encode_run(RunAttempt)` / `workers.decode_run`; profile: the
+        provider profile as a map; settings: `AttemptSettings` in field order.
+    [W_EXIT]
+Worker -> supervisor:
+    [W_HELLO, worker_id, pid]
+    [W_IDLE, worker_id, token, final_accepted: bool]
+
+Logs (worker PUSH -> supervisor PULL):
+    [L_RECORD, {"name", "levelno", "levelname", "msg", "exc_text",
+                "created", "process", "session_id", "call_id", "attempt"}]
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# worker -> sink
+T_DELTA = 0
+T_FINAL = 1
+T_FINAL_ACK = 2
+
+# supervisor -> sink control
+C_AUTHORIZE = 10
+C_FENCE = 11
+C_FINISH = 12
+C_STATS = 13
+R_OK = 20
+R_REFUSED = 21
+E_EVENT = 30
+E_ENDED = 31
+E_FINAL_REFUSED = 32
+E_EVENTS = 33
+
+# supervisor <-> worker
+W_RUN = 40
+W_EXIT = 41
+W_HELLO = 42
+W_IDLE = 43
+
+L_RECORD = 50
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    """The ipc endpoints of one daemon, all under one runtime directory."""
+
+    runtime_dir: str
+
+    def _ipc(self, name: str) -> str:
+        return "ipc://" + os.path.join(self.runtime_dir, name)
+
+    @property
+    def sink_in(self) -> str:
+        return self._ipc("sink.in")
+
+    @property
+    def sink_ctl(self) -> str:
+        return self._ipc("sink.ctl")
+
+    @property
+    def workers(self) -> str:
+        return self._ipc("workers")
+
+    @property
+    def logs(self) -> str:
+        return self._ipc("logs")
+
+    @property
+    def liveness_file(self) -> str:
+        return os.path.join(self.runtime_dir, "liveness.bin")

@@ -1,0 +1,319 @@
+"""Supervisor <-> sink messages ("sink.ctl"): records, one builder and one parser each
+(the frame layouts are in the package docstring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from streamfence.protocol.internal import (
+    C_AUTHORIZE,
+    C_FENCE,
+    C_FINISH,
+    C_STATS,
+    E_ENDED,
+    E_EVENT,
+    E_EVENTS,
+    E_FINAL_REFUSED,
+    R_OK,
+    R_REFUSED,
+)
+from streamfence.protocol.internal.outcome import (
+    AttemptOutcome,
+    outcome_from_wire,
+    outcome_to_wire,
+)
+from streamfence.protocol.messages import CallStatus
+
+# ---- supervisor <-> sink ("sink.ctl") ----------------------------------------
+# Each message: a record, one builder (`encode_*`) and one parser. The sink
+# parses what it is sent as untrusted (`parse_control`: it refuses strangers
+# but never crashes on a bad frame); the supervisor trusts its own sink.
+
+
+class BadFrame(ValueError):
+    """A frame without the shape of its message. `req` is set when the request
+    id could be read, so that the sender can still be answered."""
+
+    def __init__(self, reason: str, req: int | str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.req = req
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptStats:
+    """What the sink accepted of one attempt. Wire: its fields in order."""
+
+    attempt: int
+    accepted: int = 0
+    dropped: int = 0
+    visible_chars: int = 0  # protocol.messages.visible_chars, summed over accepted deltas
+    tool_fragments: int = 0
+    last_seq: int = 0
+    closed: bool = False
+
+
+def stats_to_wire(s: AttemptStats) -> list[Any]:
+    return [s.attempt, s.accepted, s.dropped, s.visible_chars, s.tool_fragments, s.last_seq,
+            s.closed]
+
+
+def stats_from_wire(raw: list[Any]) -> AttemptStats:
+    return AttemptStats(*raw)
+
+
+@dataclass(frozen=True, slots=True)
+class FinishMeta:
+    """What the `done` response takes from the winning attempt beside its
+    content. Wire: a map of these fields (None/absent: the default)."""
+
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    model: str | None = None
+    provider_response_id: str | None = None
+    partial: bool = False
+    dropped_tool_names: tuple[str, ...] = ()
+    dropped_tool_indexes: tuple[int, ...] = ()
+
+
+def meta_to_wire(m: FinishMeta) -> dict[str, Any]:
+    return {"finish_reason": m.finish_reason, "usage": m.usage, "model": m.model,
+            "provider_response_id": m.provider_response_id, "partial": m.partial,
+            "dropped_tool_names": list(m.dropped_tool_names),
+            "dropped_tool_indexes": list(m.dropped_tool_indexes)}
+
+
+_META_SCALARS: tuple[tuple[str, type, str], ...] = (
+    ("finish_reason", str, "a string"), ("usage", dict, "a map"), ("model", str, "a string"),
+    ("provider_response_id", str, "a string"), ("partial", bool, "a boolean"))
+
+
+def meta_from_wire(raw: Any, req: int | str | None = None) -> FinishMeta:
+    """Raises BadFrame naming the field (unknown keys are ignored)."""
+    if raw is None:
+        return FinishMeta()
+    if type(raw) is not dict:
+        raise BadFrame("meta must be a map or nil", req)
+    for key, kind, what in _META_SCALARS:
+        value = raw.get(key)
+        if value is not None and type(value) is not kind:
+            raise BadFrame(f"meta.{key} must be {what}, got {type(value).__name__}", req)
+    names = raw.get("dropped_tool_names") or []
+    if type(names) is not list or any(type(n) is not str for n in names):
+        raise BadFrame("meta.dropped_tool_names must be an array of strings", req)
+    indexes = raw.get("dropped_tool_indexes") or []
+    if type(indexes) is not list or any(type(i) is not int for i in indexes):
+        raise BadFrame("meta.dropped_tool_indexes must be an array of integers", req)
+    return FinishMeta(raw.get("finish_reason"), raw.get("usage"), raw.get("model"),
+                      raw.get("provider_response_id"), bool(raw.get("partial")),
+                      tuple(names), tuple(indexes))
+
+
+@dataclass(frozen=True, slots=True)
+class Authorize:
+    """C_AUTHORIZE: `attempt` becomes the only writer of the call (it must be above
+    every epoch the sink has seen for it). `reset` voids what earlier attempts
+    published (a `reset` event). `model`: only for the sink's drop log lines."""
+
+    req: int | str
+    call_id: str
+    attempt: int
+    reset: bool
+    model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """C_FENCE: close `attempt` (if current): nothing more of it is accepted."""
+
+    req: int | str
+    call_id: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """C_FINISH: append, commit and publish the call's `done` event, built from the
+    current attempt's content and `meta`; `status`/`error` as in the public `done`."""
+
+    req: int | str
+    call_id: str
+    status: CallStatus
+    error: dict[str, Any] | None
+    attempts: int
+    meta: FinishMeta
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """C_STATS: the sink's counters."""
+
+    req: int | str
+
+
+ControlOp = Authorize | Fence | Finish | Stats
+
+
+def encode_control(op: ControlOp) -> bytes:
+    msg: list[Any]
+    if isinstance(op, Authorize):
+        msg = [C_AUTHORIZE, op.req, op.call_id, op.attempt, op.reset, op.model]
+    elif isinstance(op, Fence):
+        msg = [C_FENCE, op.req, op.call_id, op.attempt]
+    elif isinstance(op, Finish):
+        msg = [C_FINISH, op.req, op.call_id, op.status.value, op.error, op.attempts,
+               meta_to_wire(op.meta)]
+    else:
+        msg = [C_STATS, op.req]
+    packed: bytes = msgpack.packb(msg, use_bin_type=True)
+    return packed
+
+
+MAX_CALL_ID = 256
+MAX_REQ_STR = 256
+_CONTROL_ARITY = {C_AUTHORIZE: (5, 6), C_FENCE: (4,), C_FINISH: (7,), C_STATS: (2,)}
+
+
+def check_call_id(value: Any, req: int | str | None = None) -> str:
+    if type(value) is not str or not 0 < len(value) <= MAX_CALL_ID:
+        raise BadFrame(f"call_id must be a string of 1..{MAX_CALL_ID} characters", req)
+    return value
+
+
+def check_int(value: Any, name: str, minimum: int, req: int | str | None = None) -> int:
+    # type() not isinstance(): a bool is not an attempt number.
+    if type(value) is not int or value < minimum:
+        raise BadFrame(f"{name} must be an integer >= {minimum}", req)
+    return value
+
+
+def parse_control(obj: Any) -> ControlOp:
+    """One decoded control message (untrusted). Raises BadFrame only."""
+    if type(obj) is not list or len(obj) < 2:
+        raise BadFrame("a control message must be an array [tag, req, ...]")
+    tag, req = obj[0], obj[1]
+    if type(req) is not int and not (type(req) is str and len(req) <= MAX_REQ_STR):
+        raise BadFrame("req must be an integer or a short string")
+    arity = _CONTROL_ARITY.get(tag) if type(tag) is int else None
+    if arity is None:
+        raise BadFrame(f"unknown control tag {tag!r}", req)
+    if len(obj) not in arity:
+        raise BadFrame(f"control tag {tag} takes {' or '.join(map(str, arity))} elements", req)
+    if tag == C_STATS:
+        return Stats(req)
+    call_id = check_call_id(obj[2], req)
+    if tag == C_FENCE:
+        return Fence(req, call_id, check_int(obj[3], "attempt", 1, req))
+    if tag == C_AUTHORIZE:
+        reset = obj[4]
+        if type(reset) is not bool:
+            raise BadFrame("reset must be a boolean", req)
+        model = obj[5] if len(obj) == 6 else None
+        if model is not None and type(model) is not str:
+            raise BadFrame("model must be a string or nil", req)
+        return Authorize(req, call_id, check_int(obj[3], "attempt", 1, req), reset, model)
+    status = obj[3]
+    if type(status) is not str or status not in _STATUSES:
+        raise BadFrame(f"status must be one of {sorted(_STATUSES)}", req)
+    if obj[4] is not None and type(obj[4]) is not dict:
+        raise BadFrame("error must be a map or nil", req)
+    return Finish(req, call_id, CallStatus(status), obj[4], check_int(obj[5], "attempts", 0, req),
+                  meta_from_wire(obj[6], req))
+
+
+_STATUSES = frozenset(s.value for s in CallStatus)
+
+
+def encode_ok(req: int | str, payload: Any) -> bytes:
+    """R_OK. payload: AUTHORIZE/FENCE the AttemptStats (wire form) of the attempt
+    current before (attempt 0 for a new call); FINISH the done event; STATS the
+    counters map."""
+    packed: bytes = msgpack.packb([R_OK, req, payload], use_bin_type=True)
+    return packed
+
+
+def encode_refused(req: int | str, reason: str) -> bytes:
+    packed: bytes = msgpack.packb([R_REFUSED, req, reason], use_bin_type=True)
+    return packed
+
+
+# E_EVENT [E_EVENT, call_id, seq, event_bytes]: an accepted public event
+# (delta/reset/done), encoded as the map a subscriber receives (forwarded as is).
+# E_EVENTS [E_EVENTS, [E_EVENT message, ...]]: the events of one commit, one
+# decode per batch. Events go out only after the commit that stores them, in
+# order: a subscriber never sees an event the transcript does not hold.
+
+
+def event_head(call_id: str) -> bytes:
+    """`[E_EVENT, call_id, ` pre-encoded: the sink's hot path appends the packed
+    seq and event bytes."""
+    head: bytes = b"\x94" + msgpack.packb(E_EVENT) + msgpack.packb(call_id, use_bin_type=True)
+    return head
+
+
+def encode_event(call_id: str, seq: int, event: bytes) -> bytes:
+    packed: bytes = msgpack.packb([E_EVENT, call_id, seq, event], use_bin_type=True)
+    return packed
+
+
+EVENTS_BATCH_HEAD = b"\x92" + msgpack.packb(E_EVENTS)  # then an array of E_EVENT messages
+
+
+def encode_ended(call_id: str, attempt: int, stats: AttemptStats,
+                 outcome: AttemptOutcome) -> bytes:
+    """E_ENDED: the sink accepted the attempt's final."""
+    packed: bytes = msgpack.packb([E_ENDED, call_id, attempt, stats_to_wire(stats),
+                                   outcome_to_wire(outcome)], use_bin_type=True)
+    return packed
+
+
+def encode_final_refused(call_id: str, attempt: int, reason: str) -> bytes:
+    packed: bytes = msgpack.packb([E_FINAL_REFUSED, call_id, attempt, reason],
+                                  use_bin_type=True)
+    return packed
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """R_OK / R_REFUSED. `payload`: the reply's payload (ok) or the reason."""
+
+    req: int
+    ok: bool
+    payload: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    call_id: str
+    attempt: int
+    stats: AttemptStats
+    outcome: AttemptOutcome
+
+
+@dataclass(frozen=True, slots=True)
+class FinalRefused:
+    call_id: str
+    attempt: int
+    reason: str
+
+
+FromSink = Reply | Ended | FinalRefused
+
+
+def parse_from_sink(msg: list[Any]) -> FromSink:
+    """A decoded sink.ctl message other than E_EVENT / E_EVENTS, on the
+    supervisor's side (its own sink: a malformed outcome raises BadOutcome, an
+    unknown tag BadFrame). The events, one per delta, are destructured in
+    place by the supervisor's hot loop (`SinkLink.drain`): an E_EVENT is
+    `[tag, call_id, seq, event]`, an E_EVENTS `[tag, [E_EVENT, ...]]`."""
+    tag = msg[0]
+    if tag in (R_OK, R_REFUSED):
+        return Reply(msg[1], tag == R_OK, msg[2])
+    if tag == E_ENDED:
+        return Ended(msg[1], msg[2], stats_from_wire(msg[3]), outcome_from_wire(msg[4]))
+    if tag == E_FINAL_REFUSED:
+        return FinalRefused(msg[1], msg[2], msg[3])
+    raise BadFrame(f"unexpected message tag {tag!r}")

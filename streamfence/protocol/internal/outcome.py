@@ -1,0 +1,102 @@
+"""The attempt outcome: how one attempt ended, as its worker saw it, and its
+wire form (T_FINAL worker -> sink, E_ENDED sink -> supervisor)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+# ---- the attempt outcome (worker -> sink -> supervisor) ---------------------
+
+
+class ErrorClass(StrEnum):
+    """How the supervisor treats a failed attempt."""
+
+    TRANSIENT = "transient"  # retry with backoff
+    FINAL = "final"  # no retry: the call fails
+    CONTEXT_OVERFLOW = "context_overflow"  # no retry, the call fails with empty content
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptError:
+    """Why an attempt failed, already scrubbed of secrets (workers.errors builds it)."""
+
+    error_class: ErrorClass
+    code: str
+    message: str
+    status: int | None = None
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptDiag:
+    """What the worker measured of its attempt (reported in `result`'s diagnostics)."""
+
+    first_chunk_ms: float | None = None
+    chunks: int = 0
+    bytes: int = 0
+    deltas: int = 0
+    duration_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptOutcome:
+    """How one attempt ended, as its worker saw it: built once by the adapter
+    (or from the exception that ended it), sent to the sink in T_FINAL and
+    forwarded to the supervisor in E_ENDED.
+
+    `stream_options_rejected` / `streaming_denied`: the provider refused
+    `stream_options` / the streaming action, so the supervisor remembers the
+    fall-back for the profile."""
+
+    ok: bool
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    model: str | None = None
+    provider_response_id: str | None = None
+    dropped_tool_names: tuple[str, ...] = ()
+    dropped_tool_indexes: tuple[int, ...] = ()
+    error: AttemptError | None = None
+    diag: AttemptDiag = AttemptDiag()
+    stream_options_rejected: bool = False
+    streaming_denied: bool = False
+
+
+
+# ---- the attempt outcome on the wire (T_FINAL, E_ENDED) ---------------------
+
+
+def outcome_to_wire(o: AttemptOutcome) -> list[Any]:
+    """The msgpack-ready form of `o` (a positional array, in field order)."""
+    e, d = o.error, o.diag
+    return [o.ok, o.finish_reason, o.usage, o.model, o.provider_response_id,
+            list(o.dropped_tool_names), list(o.dropped_tool_indexes),
+            None if e is None else [e.error_class.value, e.code, e.message, e.status,
+                                    e.retry_after_s],
+            [d.first_chunk_ms, d.chunks, d.bytes, d.deltas, d.duration_ms],
+            o.stream_options_rejected, o.streaming_denied]
+
+
+class BadOutcome(ValueError):
+    """A T_FINAL outcome that does not have the shape of `outcome_to_wire`."""
+
+
+def outcome_from_wire(raw: Any) -> AttemptOutcome:
+    """Parse `outcome_to_wire`'s form. It crosses a process boundary (a worker runs
+    provider code), so a bad shape raises BadOutcome, never anything else."""
+    try:
+        (ok, finish, usage, model, response_id, names, indexes, err, diag,
+         so_rejected, denied) = raw
+        error = None if err is None else AttemptError(ErrorClass(err[0]), str(err[1]),
+                                                      str(err[2]), err[3], err[4])
+        outcome = AttemptOutcome(
+            bool(ok), finish, usage, model, response_id, tuple(str(n) for n in names),
+            tuple(int(i) for i in indexes), error, AttemptDiag(*diag), bool(so_rejected),
+            bool(denied))
+    except (TypeError, ValueError, IndexError) as exc:
+        raise BadOutcome(f"malformed attempt outcome: {exc}") from None
+    if not (finish is None or isinstance(finish, str)) or not (
+            usage is None or isinstance(usage, dict)):
+        raise BadOutcome("malformed attempt outcome: finish_reason or usage")
+    return outcome
