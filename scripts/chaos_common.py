@@ -24,7 +24,7 @@ from typing import Any
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
 from streamfence.devtools.verdict import BAD, CallRecord, judge, tally, verdict_ok
-from streamfence.protocol.client import Client, ClientError
+from streamfence.protocol.client import ClientError
 
 StepMaker = Callable[[random.Random], list[dict[str, Any]]]
 
@@ -89,7 +89,7 @@ def _follow(state: ChaosState, record: CallRecord, request: dict[str, Any],
     last_seq = 0
     while time.monotonic() < deadline:
         try:
-            with Client(state.daemon.endpoint, timeout_s=3.0) as client:
+            with state.daemon.client(timeout_s=3.0) as client:
                 if not record.call_id:
                     record.call_id = client.submit("emu", request, options=options,
                                                    idempotency_key=record.key,
@@ -154,7 +154,7 @@ def run_load(state: ChaosState, args: argparse.Namespace, rng: random.Random,
 def _explain_lost(state: ChaosState, lost: list[CallRecord]) -> None:
     """For calls no subscriber saw end: what the daemon says of them."""
     try:
-        with Client(state.daemon.endpoint, timeout_s=5.0) as client:
+        with state.daemon.client(timeout_s=5.0) as client:
             for r in lost[:10]:
                 answer: Any = "never accepted"
                 if r.call_id:

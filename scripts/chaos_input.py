@@ -21,7 +21,7 @@ import msgpack
 import zmq
 
 from scripts.chaos_common import ChaosState, chaos_run, parser, run_load, seeded, verdict
-from streamfence.protocol.client import Client
+from streamfence.protocol.credentials import load_credentials
 from streamfence.protocol.internal import (
     C_AUTHORIZE,
     C_FENCE,
@@ -90,10 +90,11 @@ def attacker(state: ChaosState, rng: random.Random) -> None:
     for sock in (front, sink_in):
         sock.linger = 0
         sock.sndhwm = 1000
+    load_credentials(state.daemon.credentials_path).apply(front)
     front.connect(state.daemon.endpoint)
     sink_in.connect(ep.sink_in)
     try:
-        with Client(state.daemon.endpoint, timeout_s=5.0) as client:
+        with state.daemon.client(timeout_s=5.0) as client:
             live: list[dict[str, Any]] = []
             n = 0
             while not state.stop.wait(rng.uniform(0.0, 0.004)):
@@ -150,7 +151,7 @@ def main() -> int:
         state.stop.set()
         for t in threads:
             t.join(timeout=10)
-        with Client(state.daemon.endpoint, timeout_s=10.0) as client:
+        with state.daemon.client(timeout_s=10.0) as client:
             alive = client.status()["op"] == "status_reply"
         ok = verdict(state, "chaos_input: malformed and forged frames on every socket")
         print(f"  daemon answers status at the end: {alive}")

@@ -17,7 +17,6 @@ import threading
 from typing import Any
 
 from scripts.chaos_common import ChaosState, chaos_run, parser, run_load, seeded, verdict
-from streamfence.protocol.client import Client
 
 
 def steps(rng: random.Random) -> list[dict[str, Any]]:
@@ -30,7 +29,7 @@ def options(rng: random.Random) -> dict[str, Any]:
 
 
 def killer(state: ChaosState, rng: random.Random, mean_interval_s: float) -> None:
-    with Client(state.daemon.endpoint, timeout_s=5.0) as client:
+    with state.daemon.client(timeout_s=5.0) as client:
         while not state.stop.wait(rng.uniform(0.8, 1.2) * mean_interval_s):
             try:
                 pid = client.status()["processes"]["sink"]
@@ -54,7 +53,7 @@ def main() -> int:
         run_load(state, args, rng, steps, options)
         state.stop.set()
         t.join(timeout=10)
-        with Client(state.daemon.endpoint, timeout_s=5.0) as client:
+        with state.daemon.client(timeout_s=5.0) as client:
             restarts = client.status()["counters"].get("sink_restarts", 0)
         state.count("sink restarts seen by the supervisor", restarts)
         ok = verdict(state, "chaos_sink: SIGKILL the sink repeatedly")

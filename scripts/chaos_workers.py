@@ -19,7 +19,6 @@ import threading
 from typing import Any
 
 from scripts.chaos_common import ChaosState, chaos_run, parser, run_load, seeded, verdict
-from streamfence.protocol.client import Client
 
 
 def steps(rng: random.Random) -> list[dict[str, Any]]:
@@ -32,7 +31,7 @@ def options(rng: random.Random) -> dict[str, Any]:
 
 
 def killer(state: ChaosState, rng: random.Random, mean_interval_s: float) -> None:
-    with Client(state.daemon.endpoint, timeout_s=5.0) as client:
+    with state.daemon.client(timeout_s=5.0) as client:
         while not state.stop.wait(rng.uniform(0.2, 2 * mean_interval_s)):
             try:
                 busy = [w for w in client.status()["workers"] if w["state"] == "busy"]

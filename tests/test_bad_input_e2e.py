@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from streamfence.devtools.emulator.control import EmulatorClient
+from streamfence.protocol.credentials import load_credentials
 from tests.harness import DaemonProcess
 
 pytestmark = pytest.mark.slow
@@ -63,6 +64,7 @@ def test_hundreds_of_malformed_frames_get_precise_errors(make_daemon: Any,
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
+    load_credentials(daemon.credentials_path).apply(sock)
     sock.connect(daemon.endpoint)
     try:
         for frames, code in cases:

@@ -72,7 +72,7 @@ def make_call(on_partial: OnPartial = OnPartial.CONTINUE, max_attempts: int = 3,
               call_id: str = "c1") -> Call:
     spec = CallSpec(provider="emu", request={"model": "m", "messages": []},
                     options=CallOptions(on_partial=on_partial))
-    return Call(call_id=call_id, spec=spec, profile=PROFILE, timeouts=TIMEOUTS,
+    return Call(call_id=call_id, owner="local", spec=spec, profile=PROFILE, timeouts=TIMEOUTS,
                 max_attempts=max_attempts, deadline=None)
 
 
@@ -287,7 +287,7 @@ def test_one_call_authorize_dispatch_end_finish(parts: dict[str, Any]) -> None:
     pool.on_spawned(spawn.worker_id, 0)  # pid 0: never a real kill
     pool.on_hello(spawn.worker_id, 0)
     call = make_call()
-    parts["journal"].add_call(call.call_id, None, None, "emu", call.spec.request, {})
+    parts["journal"].add_call(call.call_id, "local", None, None, "emu", call.spec.request, {})
     parts["clients"].open(call.call_id, [], subscriber=b"client")
     driver.enqueue(call)
     driver.schedule()
@@ -322,7 +322,7 @@ def test_sink_restart_fences_the_running_attempt_and_retries(parts: dict[str, An
     pool.on_spawned(spawn.worker_id, 0)  # pid 0: the kill is a no-op
     pool.on_hello(spawn.worker_id, 0)
     call = make_call()
-    parts["journal"].add_call(call.call_id, None, None, "emu", call.spec.request, {})
+    parts["journal"].add_call(call.call_id, "local", None, None, "emu", call.spec.request, {})
     driver.enqueue(call)
     driver.schedule()
     sink_sock.inbox.append(encode_ok(1, stats_to_wire(AttemptStats(0))))

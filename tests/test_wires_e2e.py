@@ -11,7 +11,6 @@ import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
-from streamfence.protocol.client import Client
 from tests.wires import WIRES, profile_for, request_for
 
 pytestmark = pytest.mark.slow
@@ -101,5 +100,5 @@ def test_error_event_inside_the_stream_is_retried(daemon: DaemonProcess, emu: Em
 
 
 def test_all_wires_share_one_daemon(daemon: DaemonProcess) -> None:
-    with Client(daemon.endpoint, timeout_s=5.0) as client:
+    with daemon.client(timeout_s=5.0) as client:
         assert client.status()["op"] == "status_reply"

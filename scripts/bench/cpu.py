@@ -53,7 +53,6 @@ from scripts.bench.common import (
 )
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
-from streamfence.protocol.client import Client
 
 VARIANTS = ("openai-sdk", "anthropic-sdk", "httpx2-raw", "sf-openai", "sf-anthropic")
 PROMPT = [{"role": "user", "content": "Write a short paragraph."}]
@@ -73,7 +72,7 @@ class Runner:
                                       max_retries=0, http_client=httpx2.Client(trust_env=False,
                                                                                timeout=60.0))
         self.raw = httpx2.Client(trust_env=False, timeout=60.0)
-        self.sf = Client(proc.endpoint, timeout_s=30.0)
+        self.sf = proc.client(timeout_s=30.0)
         assert proc.proc is not None
         self.daemon_pid = proc.proc.pid
         self.emu_pid = emu.pid or 0

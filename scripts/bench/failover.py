@@ -92,7 +92,7 @@ def run(quick: bool, rounds: int) -> Section:
                                    {"workers_spare": 2, "backoff_base_s": 0.0,
                                     "backoff_max_s": 0.0}) as proc:
         emu_client = emu.client()
-        with Client(proc.endpoint, timeout_s=10.0) as client:
+        with proc.client(timeout_s=10.0) as client:
             for r in range(n):
                 results.append(_one(proc, emu.base_url, client, emu_client))
                 log(f"  failover round {r + 1}/{n}: " + ", ".join(

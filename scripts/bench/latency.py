@@ -47,9 +47,9 @@ from scripts.bench.common import (
 from scripts.bench.load import Producers, SinkUnderTest
 from streamfence.devtools.emulator.control import EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
-from streamfence.protocol.client import Client
 from streamfence.protocol.client_base import new_ref, submit_msg
 from streamfence.protocol.codec import encode
+from streamfence.protocol.credentials import load_credentials
 
 RATE = 20_000
 VARIANTS = ("hop", "sink", "daemon")
@@ -68,6 +68,7 @@ class StalledCall:
         self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        load_credentials(proc.credentials_path).apply(self.sock)
         self.sock.connect(proc.endpoint)
         ref = new_ref()
         self.sock.send(encode(submit_msg(ref, "oa", {"model": f"m#{key}", "messages": []},
@@ -97,7 +98,7 @@ class StalledCall:
                 out.append(now - int(event["data"][:19]))
 
     def close(self) -> None:
-        with Client(self.proc.endpoint, timeout_s=10.0) as client:
+        with self.proc.client(timeout_s=10.0) as client:
             client.cancel(self.call_id)
         self.sock.close(linger=0)
 

@@ -48,9 +48,9 @@ from scripts.bench.common import (
 )
 from streamfence.devtools.emulator.control import EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess, wait_until
-from streamfence.protocol.client import Client
 from streamfence.protocol.client_base import new_ref, submit_msg
 from streamfence.protocol.codec import encode
+from streamfence.protocol.credentials import load_credentials
 
 USS_TARGET_MIB = 16.0
 
@@ -84,7 +84,7 @@ def _level(n: int, chunks: int, rng: random.Random) -> dict[str, Any]:
 def _load(out: dict[str, Any], emu: EmulatorProcess, proc: DaemonProcess, n: int, chunks: int,
           rng: random.Random, t0: float) -> dict[str, Any]:
     assert proc.proc is not None and emu.pid is not None
-    with Client(proc.endpoint, timeout_s=30.0) as client:
+    with proc.client(timeout_s=30.0) as client:
         def warm() -> bool:
             idle = sum(1 for w in client.status()["workers"] if w["state"] == "idle")
             return idle >= n
@@ -108,6 +108,7 @@ def _load(out: dict[str, Any], emu: EmulatorProcess, proc: DaemonProcess, n: int
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
+    load_credentials(proc.credentials_path).apply(sock)
     sock.connect(proc.endpoint)
     by_ref: dict[str, Stream] = {}
     by_call: dict[str, Stream] = {}
@@ -170,7 +171,7 @@ def _load(out: dict[str, Any], emu: EmulatorProcess, proc: DaemonProcess, n: int
     out["cpu_by_role"] = _by_role(meter.used, roles)
     out["completed"] = sum(1 for s in streams.values() if s.status == "completed")
     out["deltas"] = sum(s.deltas for s in streams.values())
-    out["memory"] = _memory(proc.endpoint, status)
+    out["memory"] = _memory(proc, status)
     ended = {r["key"]: r for r in control.log(since=since)}
     out["ttft"] = sorted(s.first - s.submitted for s in streams.values() if s.first)
     out["done_lat"] = sorted(s.done_at - ended[s.key]["ended"] for s in streams.values()
@@ -201,8 +202,8 @@ def _by_role(used: dict[int, float], roles: dict[int, str]) -> dict[str, float]:
     return out
 
 
-def _memory(endpoint: str, before: dict[str, Any]) -> dict[str, Any]:
-    with Client(endpoint, timeout_s=30.0) as client:
+def _memory(proc: DaemonProcess, before: dict[str, Any]) -> dict[str, Any]:
+    with proc.client(timeout_s=30.0) as client:
         status = client.status()
     uss, pss = [], []
     for w in status["workers"]:

@@ -24,7 +24,6 @@ from typing import Any
 from scripts.bench.common import Section, emulator, log, median, providers_for, rotated
 from streamfence.devtools.emulator.control import EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
-from streamfence.protocol.client import Client
 
 
 def _first_ts(proc: DaemonProcess, prefix: str) -> float:
@@ -43,7 +42,7 @@ def _one(emu: EmulatorProcess, pool: int) -> dict[str, float]:
             t0 = time.time()
             proc.start(ready_timeout=120.0)
             pool_at = float("nan")
-            with Client(proc.endpoint, timeout_s=10.0) as client:
+            with proc.client(timeout_s=10.0) as client:
                 deadline = time.monotonic() + 120.0
                 while time.monotonic() < deadline:
                     sent = time.time()

@@ -1,4 +1,10 @@
-"""The `streamfence` command: serve, submit, status, demo."""
+"""The `streamfence` command: serve, submit, status, keys, demo.
+
+Client commands find the daemon and their identity without flags on the
+daemon's own machine: `--credentials`, else $STREAMFENCE_CREDENTIALS, else the
+admin credentials the daemon wrote in the state dir of `--config` (default
+$STREAMFENCE_CONFIG, else ./streamfence.toml if it exists; docs/SECURITY.md).
+"""
 
 from __future__ import annotations
 
@@ -8,27 +14,25 @@ from typing import Any
 
 import click
 
-from streamfence.supervisor.config import DEFAULT_ENDPOINT, ConfigError, load_config
+from streamfence.cli.common import client_options, config_option, connect, load
+from streamfence.cli.keys import keys
 
 
 @click.group()
+@click.version_option(package_name="streamfence", prog_name="streamfence")
 def main() -> None:
     """streamfence: LLM streaming calls that can't hang, leak or corrupt a transcript."""
 
 
 @main.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="TOML configuration file ([daemon] and [providers.NAME] tables).")
+@config_option
 @click.option("--log-json", is_flag=True, default=False, help="Log JSON lines.")
 def serve(config_path: str | None, log_json: bool) -> None:
     """Run the daemon in the foreground until SIGTERM/SIGINT."""
     from streamfence.supervisor.daemon import Daemon, StartupError
     from streamfence.supervisor.logs import setup_logging
 
-    try:
-        cfg = load_config(config_path)
-    except ConfigError as exc:
-        raise click.ClickException(f"invalid configuration: {exc}") from None
+    cfg = load(config_path)
     setup_logging(cfg.log_level, log_json or cfg.log_json)
     try:
         code = Daemon(cfg).run()
@@ -51,7 +55,7 @@ def _parse_request(wire: str, model: str, prompt: str,
 
 
 @main.command()
-@click.option("--endpoint", default=DEFAULT_ENDPOINT, show_default=True)
+@client_options
 @click.option("--provider", required=True, help="A provider profile name of the daemon.")
 @click.option("--wire", type=click.Choice(["openai", "anthropic", "bedrock"]), default="openai",
               show_default=True, help="The profile's kind: shapes the request from --model/PROMPT.")
@@ -63,15 +67,16 @@ def _parse_request(wire: str, model: str, prompt: str,
 @click.option("--timeout", type=float, default=600.0, show_default=True,
               help="Give up waiting for the daemon after this many seconds of silence.")
 @click.argument("prompt", required=False, default="Hello!")
-def submit(endpoint: str, provider: str, wire: str, model: str, request_json: str | None,
+def submit(endpoint: str | None, credentials: str | None, config_path: str | None,
+           provider: str, wire: str, model: str, request_json: str | None,
            session_id: str | None, stale_timeout: float | None, timeout: float,
            prompt: str) -> None:
     """Submit one call and stream its text live to the terminal."""
-    from streamfence.protocol.client import Client, ClientError
+    from streamfence.protocol.client import ClientError
 
     options = {"stale_timeout_s": stale_timeout} if stale_timeout else None
     request = _parse_request(wire, model, prompt, request_json)
-    with Client(endpoint) as client:
+    with connect(endpoint, credentials, config_path) as client:
         try:
             call_id = client.submit(provider, request, session_id=session_id, options=options)
         except ClientError as exc:
@@ -97,17 +102,14 @@ def submit(endpoint: str, provider: str, wire: str, model: str, request_json: st
 
 
 @main.command()
-@click.option("--endpoint", default=DEFAULT_ENDPOINT, show_default=True)
+@client_options
 @click.option("--json", "as_json", is_flag=True, default=False)
-def status(endpoint: str, as_json: bool) -> None:
-    """Show workers (pid, state, attempt), calls, breakers and counters."""
-    from streamfence.protocol.client import Client
-
-    with Client(endpoint, timeout_s=5.0) as client:
-        try:
-            reply = client.status()
-        except TimeoutError:
-            raise click.ClickException(f"no answer from a daemon at {endpoint}") from None
+def status(endpoint: str | None, credentials: str | None, config_path: str | None,
+           as_json: bool) -> None:
+    """Show workers (pid, state, attempt), calls, breakers and counters (an admin
+    sees everything; another identity its own calls)."""
+    with connect(endpoint, credentials, config_path, timeout_s=5.0) as client:
+        reply = client.status()
     if as_json:
         click.echo(json.dumps(reply, indent=2, default=str))
         return
@@ -130,3 +132,5 @@ def demo(rounds: int, wires: tuple[str, ...]) -> None:
     chosen = list(WIRES) if "all" in wires else list(dict.fromkeys(wires))
     sys.exit(0 if run_demo(rounds=rounds, wires=chosen) else 1)
 
+
+main.add_command(keys)

@@ -19,22 +19,32 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
+import zmq
 
 from streamfence.protocol.client import Client
+from streamfence.protocol.credentials import load_credentials
 
 T = TypeVar("T")
 
 
+class DaemonExited(RuntimeError):
+    """The daemon process exited while it was expected to be running (say,
+    while starting); the message holds its exit status and its log's tail."""
+
+
 def wait_until(predicate: Callable[[], T], timeout: float, what: str,
                interval: float = 0.02) -> T:
-    """Poll `predicate` until it returns something truthy; fail loudly with `what`."""
+    """Poll `predicate` until it returns something truthy and return that.
+
+    Raises TimeoutError("timed out after N s waiting for <what>") when it has
+    not within `timeout` seconds; an exception of `predicate` propagates."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}")
+            raise TimeoutError(f"timed out after {timeout:.3g} s waiting for {what}")
         time.sleep(interval)
 
 
@@ -43,8 +53,9 @@ class DaemonProcess:
 
     def __init__(self, state_dir: Path, providers: dict[str, dict[str, Any]],
                  daemon: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-                 log_json: bool = True) -> None:
+                 log_json: bool = True, cwd: Path | None = None) -> None:
         self.state_dir = state_dir
+        self._cwd = cwd  # the daemon's working directory (default: ours)
         # ipc paths must be short: keep the front socket in a short temp dir.
         self._short = tempfile.mkdtemp(prefix="sft")
         self.endpoint = f"ipc://{self._short}/front"
@@ -53,12 +64,15 @@ class DaemonProcess:
                                     "backoff_base_s": 0.05, "backoff_max_s": 0.2,
                                     "log_level": "INFO"}
         settings.update(daemon or {})
+        self._settings = settings
         lines = ["[daemon]"] + [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
         for name, table in providers.items():
             lines.append(f"[providers.{name}]")
             lines += [f"{k} = {json.dumps(v)}" for k, v in table.items()]
         self.config_path = state_dir / "streamfence.toml"
-        state_dir.mkdir(parents=True, exist_ok=True)
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the daemon refuses others'
+        # The admin credentials the daemon writes on its first start (docs/SECURITY.md).
+        self.credentials_path = state_dir / "keys" / "local.credentials"
         self.config_path.write_text("\n".join(lines) + "\n")
         self.log_path = state_dir / "daemon.log"
         self._env = env
@@ -70,6 +84,11 @@ class DaemonProcess:
 
     # ---- lifecycle -------------------------------------------------------------
     def start(self, ready_timeout: float = 60.0) -> DaemonProcess:
+        """Start the daemon and wait until it reports an idle worker.
+
+        Raises TimeoutError if it is not ready within `ready_timeout` seconds
+        and DaemonExited if it exits meanwhile; both messages end with the tail
+        of its log. The process is left to `stop()` either way."""
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
         env = dict(os.environ)
         env.update(self._env or {})
@@ -78,7 +97,16 @@ class DaemonProcess:
              *(["--log-json"] if self._log_json else [])],
             # No parent-death signal here: it fires when the *thread* that
             # started the daemon exits (a chaos restarter thread, say).
-            stdout=self._log_file, stderr=self._log_file, env=env)
+            stdout=self._log_file, stderr=self._log_file, env=env, cwd=self._cwd)
+        if "auth" not in self._settings or self._settings["auth"] == "curve":
+            def credentials_written() -> bool:
+                self._check_alive()
+                return self.credentials_path.exists()
+
+            try:
+                wait_until(credentials_written, ready_timeout, "the daemon's credentials")
+            except TimeoutError as exc:
+                raise TimeoutError(f"{exc}; log tail:\n{self.log_text()[-4000:]}") from None
         with self.client(timeout_s=2.0) as client:
             def ready() -> bool:
                 self._check_alive()
@@ -88,15 +116,18 @@ class DaemonProcess:
                     return False
                 return any(w["state"] == "idle" for w in status["workers"])
 
-            wait_until(ready, ready_timeout, "the daemon to report an idle worker")
+            try:
+                wait_until(ready, ready_timeout, "the daemon to report an idle worker")
+            except TimeoutError as exc:
+                raise TimeoutError(f"{exc}; log tail:\n{self.log_text()[-4000:]}") from None
         self.remember_descendants()
         return self
 
     def _check_alive(self) -> None:
         assert self.proc is not None
         if self.proc.poll() is not None:
-            raise AssertionError(f"the daemon exited with {self.proc.returncode}; log tail:\n"
-                                 + self.log_text()[-4000:])
+            raise DaemonExited(f"the daemon exited with {self.proc.returncode}; log tail:\n"
+                               + self.log_text()[-4000:])
 
     def remember_descendants(self) -> set[int]:
         assert self.proc is not None
@@ -153,14 +184,31 @@ class DaemonProcess:
         shutil.rmtree(self._short, ignore_errors=True)
 
     def __enter__(self) -> DaemonProcess:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.cleanup()  # __exit__ is not called when __enter__ raises
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
 
     # ---- observation -----------------------------------------------------------
-    def client(self, timeout_s: float = 10.0) -> Client:
-        return Client(self.endpoint, timeout_s=timeout_s)
+    def client(self, timeout_s: float = 10.0, credentials: Path | None = None) -> Client:
+        """A client as the daemon's admin (`local`), or with other `credentials`."""
+        if credentials is None and self.credentials_path.exists():
+            credentials = self.credentials_path
+        return Client(self.endpoint, timeout_s=timeout_s, credentials=credentials)
+
+    def socket(self, ctx: zmq.Context[Any], kind: int = zmq.DEALER) -> zmq.Socket[Any]:
+        """A raw socket connected to the client endpoint as the admin (for tests
+        that speak the wire byte by byte)."""
+        sock: zmq.Socket[Any] = ctx.socket(kind)
+        sock.linger = 0
+        if self.credentials_path.exists():
+            load_credentials(self.credentials_path).apply(sock)
+        sock.connect(self.endpoint)
+        return sock
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -6,6 +6,12 @@ map with "v": 1 and "op" (docs/PROTOCOL.md). Both classes have the same
 methods; the async ones are coroutines and async iterators. Neither is safe to
 share between threads; an AsyncClient may be shared by tasks of one loop.
 
+Identity: a daemon with CURVE authentication (the default) hears a client
+only with registered credentials (docs/SECURITY.md): `Client(credentials=PATH)`
+uses a credentials file (and its endpoint unless one is given); without it,
+$STREAMFENCE_CREDENTIALS names one if set. An unregistered client gets no
+reply at all, so its requests time out.
+
 Requests and the replies the daemon sends (every reply echoes the request's
 `ref`, a fresh uuid4 hex per request, and is matched by it):
 
@@ -55,6 +61,7 @@ Layout: the protocol logic is written once, without I/O, in `client_core`
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping
 from time import monotonic
 from types import TracebackType
@@ -67,6 +74,7 @@ from streamfence.protocol.client_base import DEFAULT_ENDPOINT
 from streamfence.protocol.client_core import ClientBase, ClientCore, Flow, TextFlow, Wait, shown_as
 from streamfence.protocol.client_router import BAD_REPLY, EVENTS_LOST, CallFailed, ClientError
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME
+from streamfence.protocol.credentials import Credentials, resolve
 
 __all__ = ["BAD_REPLY", "DEFAULT_ENDPOINT", "EVENTS_LOST", "AsyncClient", "AsyncTextStream",
            "CallFailed", "Client", "ClientError", "TextStream"]
@@ -87,13 +95,17 @@ def _blocking(flow: Callable[Concatenate[ClientCore, P], Flow[T]]
 class Client(ClientBase):
     """Synchronous client. Use as a context manager or call close()."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 10.0, *,
+    def __init__(self, endpoint: str | None = None, timeout_s: float = 10.0, *,
+                 credentials: Credentials | str | os.PathLike[str] | None = None,
                  context: zmq.Context[Any] | None = None,
                  max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        endpoint, creds = resolve(endpoint, credentials, DEFAULT_ENDPOINT)
         super().__init__(endpoint, timeout_s, max_frame)
         ctx = context if context is not None else zmq.Context.instance()
         self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if creds is not None:
+            creds.apply(self._sock)
         self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout_s * 1000)))
         try:
             self._sock.connect(endpoint)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from time import monotonic
 from types import TracebackType
@@ -26,6 +27,7 @@ import zmq.asyncio
 from streamfence.protocol.client_base import DEFAULT_ENDPOINT
 from streamfence.protocol.client_core import ClientBase, ClientCore, Flow, TextFlow, Wait, shown_as
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME
+from streamfence.protocol.credentials import Credentials, resolve
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -43,13 +45,17 @@ def _awaitable(flow: Callable[Concatenate[ClientCore, P], Flow[T]]
 class AsyncClient(ClientBase):
     """asyncio client. Use `async with` (or `with`) or call close()."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 10.0, *,
+    def __init__(self, endpoint: str | None = None, timeout_s: float = 10.0, *,
+                 credentials: Credentials | str | os.PathLike[str] | None = None,
                  context: zmq.asyncio.Context | None = None,
                  max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        endpoint, creds = resolve(endpoint, credentials, DEFAULT_ENDPOINT)
         super().__init__(endpoint, timeout_s, max_frame)
         ctx = context if context is not None else zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if creds is not None:
+            creds.apply(self._sock)
         try:
             self._sock.connect(endpoint)
         except BaseException:

@@ -22,6 +22,7 @@ import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq
 from zmq.utils import z85
@@ -42,7 +43,7 @@ class Credentials:
     public_key: bytes
     secret_key: bytes
 
-    def apply(self, sock: zmq.Socket[bytes]) -> None:
+    def apply(self, sock: zmq.Socket[Any]) -> None:
         """Make `sock` a CURVE client of the daemon with this identity."""
         sock.curve_serverkey = self.server_key
         sock.curve_publickey = self.public_key
@@ -119,3 +120,18 @@ def find_credentials(explicit: str | None = None,
         if local.exists():
             return local
     return None
+
+
+def resolve(endpoint: str | None,
+            credentials: Credentials | str | os.PathLike[str] | None,
+            default_endpoint: str) -> tuple[str, Credentials | None]:
+    """A client's endpoint and credentials: `credentials` (or a path to them),
+    else $STREAMFENCE_CREDENTIALS if set, else none (a daemon with
+    `auth = "none"`); the endpoint defaults to the credentials' own."""
+    if credentials is None and os.environ.get(ENV_CREDENTIALS):
+        credentials = os.environ[ENV_CREDENTIALS]
+    if credentials is not None and not isinstance(credentials, Credentials):
+        credentials = load_credentials(credentials)
+    if endpoint is None:
+        endpoint = credentials.endpoint if credentials is not None else default_endpoint
+    return endpoint, credentials

@@ -21,10 +21,13 @@ class ErrorCode(StrEnum):
     DEADLINE_EXCEEDED = "deadline_exceeded"
     OVERLOADED = "overloaded"
     LIMIT_EXCEEDED = "limit_exceeded"  # a field over the submitter's cap (e.g. max_tokens)
+    TOO_MANY_CALLS = "too_many_calls"  # the submitter's max_in_flight calls are not done yet
+    RATE_LIMITED = "rate_limited"  # over the submitter's submits_per_s
     CANCELLED = "cancelled"
     SHUTTING_DOWN = "shutting_down"
     # Outcomes of a call, carried in the `error` of a `done` event.
     PROVIDER_ERROR = "provider_error"  # the provider answered with a non-retryable error
+    CREDENTIALS_MISSING = "credentials_missing"  # the profile's api_key_env is not set
     RETRIES_EXHAUSTED = "retries_exhausted"  # every attempt failed transiently
     STREAM_STALLED = "stream_stalled"  # the last attempt went silent past its stale timeout
     CONTEXT_OVERFLOW = "context_overflow"

@@ -82,6 +82,7 @@ class AttemptDriver:
         self._rng = rng
         self._fallbacks = Fallbacks(clock)
         self._calls: dict[str, Call] = {}
+        self._in_flight: Counter[str] = Counter()  # owner -> live calls
         self._queue: deque[str] = deque()
         self._next_token = 1
         self._counters = counters
@@ -90,10 +91,15 @@ class AttemptDriver:
     def enqueue(self, call: Call) -> None:
         """A new (or recovered) call, to run when a worker is free."""
         self._calls[call.call_id] = call
+        self._in_flight[call.owner] += 1
         self._queue.append(call.call_id)
 
     def has_call(self, call_id: str) -> bool:
         return call_id in self._calls
+
+    def in_flight(self, owner: str) -> int:
+        """Calls of `owner` accepted and not yet done."""
+        return self._in_flight[owner]
 
     def queued(self) -> int:
         return len(self._queue)
@@ -115,14 +121,17 @@ class AttemptDriver:
             self.fence(call, FenceReason.CANCELLED)
         # AUTHORIZING / FENCING: the pending reply sees cancel_requested.
 
-    def status(self) -> dict[str, Any]:
+    def status(self, owner: str | None = None) -> dict[str, Any]:
+        """Live calls by state, and the first 100 of them; only `owner`'s if given."""
+        calls = [c for c in self._calls.values() if owner is None or c.owner == owner]
         by_state: dict[str, int] = {}
-        for call in self._calls.values():
+        for call in calls:
             by_state[call.state.value] = by_state.get(call.state.value, 0) + 1
-        return {"active": len(self._calls), "queued": len(self._queue), "by_state": by_state,
-                "running": [{"call_id": c.call_id, "state": c.state.value, "attempt": c.epoch,
-                             "session_id": c.spec.session_id, "provider": c.profile.name}
-                            for c in list(self._calls.values())[:100]]}
+        queued = sum(1 for c in calls if c.state is CallState.QUEUED)
+        return {"active": len(calls), "queued": queued, "by_state": by_state,
+                "running": [{"call_id": c.call_id, "owner": c.owner, "state": c.state.value,
+                             "attempt": c.epoch, "session_id": c.spec.session_id,
+                             "provider": c.profile.name} for c in calls[:100]]}
 
     # ---- scheduling ----------------------------------------------------------
     def schedule(self) -> None:
@@ -361,6 +370,9 @@ class AttemptDriver:
         self._clients.on_call_done(call.call_id, done,
                                    functools.partial(self._journal.attempts_of, call.call_id))
         del self._calls[call.call_id]
+        self._in_flight[call.owner] -= 1
+        if not self._in_flight[call.owner]:
+            del self._in_flight[call.owner]
 
     # ---- the sink died ---------------------------------------------------------
     def on_sink_restart(self) -> None:

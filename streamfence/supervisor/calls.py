@@ -104,6 +104,7 @@ class Call:
     """One accepted call, owned by the AttemptDriver (Front and recovery build it)."""
 
     call_id: str
+    owner: str  # the identity that submitted it (docs/SECURITY.md)
     spec: CallSpec
     profile: ProviderProfile
     timeouts: AttemptTimeouts
@@ -180,7 +181,9 @@ def decide(call: Call, stats: AttemptStats, outcome: AttemptOutcome | None,
         # finish_reason "length", so the caller can ask for a continuation.
         return Finish(CallStatus.PARTIAL, None, replace(meta, partial=True, finish_reason="length"))
     if error.error_class is not ErrorClass.TRANSIENT:
-        return Finish(CallStatus.FAILED, call_error(ErrorCode.PROVIDER_ERROR, error.message), meta)
+        code = (ErrorCode.CREDENTIALS_MISSING if error.code == "credentials_missing"
+                else ErrorCode.PROVIDER_ERROR)
+        return Finish(CallStatus.FAILED, call_error(code, error.message), meta)
     out_of_time = call.deadline is not None and now >= call.deadline
     if call.attempts >= call.max_attempts or out_of_time:
         code = (ErrorCode.DEADLINE_EXCEEDED if out_of_time

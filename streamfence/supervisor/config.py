@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlparse
 
+from streamfence.supervisor.identities import Identity, parse_identities
+
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7755"
 KINDS = ("openai", "anthropic", "bedrock")
 
@@ -66,7 +68,10 @@ class DaemonConfig:
     stop_grace_s: float = 30.0
     log_level: str = "INFO"
     log_json: bool = False
+    auth: str = "curve"  # "curve" (CURVE + ZAP) or "none" (ipc:// or loopback only)
+    retention_days: float = 0.0  # finished calls older than this are pruned; 0: keep
     providers: dict[str, ProviderProfile] = field(default_factory=dict)
+    identities: dict[str, Identity] = field(default_factory=dict)
 
     def runtime_dir(self) -> str:
         """Where the ipc sockets live: under state_dir when the path is short
@@ -84,8 +89,10 @@ _DAEMON_TYPES: dict[str, tuple[type, ...]] = {
     "workers_spare": (int,), "queue_max": (int,), "backoff_base_s": (int, float),
     "backoff_max_s": (int, float), "breaker_threshold": (int,),
     "breaker_cooldown_s": (int, float), "stop_grace_s": (int, float), "log_level": (str,),
-    "log_json": (bool,),
+    "log_json": (bool,), "auth": (str,), "retention_days": (int, float),
 }
+AUTH_MODES = ("curve", "none")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _PROFILE_TYPES: dict[str, tuple[type, ...]] = {
     "kind": (str,), "base_url": (str,), "endpoint_url": (str,), "api_key_env": (str,),
     "region": (str,), "stale_timeout_s": (int, float), "first_chunk_timeout_s": (int, float),
@@ -108,7 +115,7 @@ def _check(where: str, key: str, value: Any, types: tuple[type, ...]) -> Any:
 
 
 def parse_config(data: dict[str, Any], source: str = "<config>") -> DaemonConfig:
-    unknown = set(data) - {"daemon", "providers"}
+    unknown = set(data) - {"daemon", "providers", "identities"}
     if unknown:
         raise ConfigError(f"{source}: unknown table(s) {sorted(unknown)}")
     daemon: dict[str, Any] = {}
@@ -130,11 +137,62 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> DaemonConfig
             raise ConfigError(f"{where}.kind: must be one of {', '.join(KINDS)}")
         if values.get("max_attempts", 3) < 1:
             raise ConfigError(f"{where}.max_attempts: must be at least 1")
+        for key in ("base_url", "endpoint_url"):
+            if key in values:
+                _check_url(f"{where}.{key}", values[key])
         profiles[name] = ProviderProfile(name=name, **values)
-    cfg = DaemonConfig(providers=profiles, **daemon)
+    identities = parse_identities(data.get("identities", {}), f"{source}: identities",
+                                  ConfigError)
+    for ident in identities.values():
+        for profile in sorted(ident.providers or ()):
+            if profile not in profiles:
+                raise ConfigError(f"{source}: identities.{ident.name}.providers: no provider "
+                                  f"profile {profile!r}")
+    if "log_level" in daemon:
+        daemon["log_level"] = _log_level(f"{source}: daemon.log_level", daemon["log_level"])
+    if "auth" in daemon and daemon["auth"] not in AUTH_MODES:
+        raise ConfigError(f"{source}: daemon.auth: must be one of {', '.join(AUTH_MODES)}, "
+                          f"got {daemon['auth']!r}")
+    cfg = DaemonConfig(providers=profiles, identities=identities, **daemon)
+    check_endpoint(f"{source}: daemon.endpoint", cfg.endpoint, cfg.auth)
     if cfg.workers_spare < 1 or cfg.workers_max < cfg.workers_spare + 1:
         raise ConfigError(f"{source}: daemon.workers_max must exceed daemon.workers_spare >= 1")
     return cfg
+
+
+def _log_level(where: str, value: str) -> str:
+    level = value.upper()
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"{where}: must be one of {', '.join(LOG_LEVELS)} (any case), "
+                          f"got {value!r}")
+    return level
+
+
+def _check_url(where: str, url: str) -> None:
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ConfigError(f"{where}: must be an http:// or https:// URL with a host, got {url!r}")
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+
+
+def check_endpoint(where: str, endpoint: str, auth: str) -> None:
+    """`tcp://HOST:PORT` (PORT 1-65535) or `ipc://PATH`; a TCP bind to anything
+    but loopback needs CURVE (docs/SECURITY.md)."""
+    if endpoint.startswith("ipc://"):
+        if len(endpoint) <= len("ipc://"):
+            raise ConfigError(f"{where}: ipc:// needs a path")
+        return
+    if not endpoint.startswith("tcp://"):
+        raise ConfigError(f"{where}: must be tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{where}: needs a port from 1 to 65535, got {endpoint!r}")
+    if auth != "curve" and not is_loopback(host):
+        raise ConfigError(f"{where}: {endpoint} is reachable from other hosts; set "
+                          f"daemon.auth = \"curve\" (the default) or bind to 127.0.0.1")
 
 
 def apply_env(cfg: DaemonConfig, env: dict[str, str]) -> DaemonConfig:
@@ -153,7 +211,14 @@ def apply_env(cfg: DaemonConfig, env: dict[str, str]) -> DaemonConfig:
         except ValueError:
             raise ConfigError(f"environment STREAMFENCE_{key.upper()}: expected "
                               f"{kind.__name__}, got {raw!r}") from None
-    return replace(cfg, **changes) if changes else cfg
+    if not changes:
+        return cfg
+    if "log_level" in changes:
+        changes["log_level"] = _log_level("environment STREAMFENCE_LOG_LEVEL",
+                                          changes["log_level"])
+    cfg = replace(cfg, **changes)
+    check_endpoint("environment STREAMFENCE_ENDPOINT", cfg.endpoint, cfg.auth)
+    return cfg
 
 
 def load_config(path: str | None, env: dict[str, str] | None = None) -> DaemonConfig:

@@ -4,6 +4,10 @@ request (echoing its `ref`).
 Bad input never raises out of here: it becomes an `error` reply with a
 precise code, counted under `bad_input.<code>`. Submits are answered only
 after the journal commit of the loop turn (see `flush_accepts`).
+
+Every request comes with the identity that sent it (docs/SECURITY.md): a call
+belongs to its submitter, and another identity's call answers exactly as a
+call that does not exist (`unknown_call`), unless the asker is an admin.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from streamfence.protocol.codec import decode_untrusted
@@ -34,7 +39,9 @@ from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.calls import Call
 from streamfence.supervisor.clients import Clients
 from streamfence.supervisor.config import DaemonConfig
+from streamfence.supervisor.identities import Identity, SubmitRate
 from streamfence.supervisor.journal import Journal
+from streamfence.supervisor.requests import check_request
 from streamfence.supervisor.timeouts import attempt_timeouts
 
 log = logging.getLogger("streamfence.front")
@@ -56,7 +63,7 @@ class Front:
     def __init__(self, config: DaemonConfig, journal: Journal, driver: AttemptDriver,
                  clients: Clients, breakers: Breakers, counters: Counter[str],
                  clock: Callable[[], float], transcript_path: str,
-                 status: Callable[[], dict[str, Any]]) -> None:
+                 status: Callable[[Identity], dict[str, Any]]) -> None:
         self._config = config
         self._journal = journal
         self._driver = driver
@@ -66,7 +73,8 @@ class Front:
         self._transcript_path = transcript_path
         self._status = status
         self._accepts: list[tuple[bytes, dict[str, Any], Subscribe | None]] = []
-        self._idem_in_turn: dict[str, str] = {}
+        self._idem_in_turn: dict[tuple[str, str], str] = {}
+        self._rate = SubmitRate(clock)
         self.accepting = True
         self._counters = counters
 
@@ -76,7 +84,8 @@ class Front:
         self._clients.send(identity, error_msg(ref, code, message))
 
     # ---- one frame ---------------------------------------------------------
-    def handle(self, frames: list[bytes]) -> None:
+    def handle(self, frames: list[bytes], user: Identity) -> None:
+        """One client message from `user` (the identity its key is registered as)."""
         identity = frames[0]
         if len(frames) != 2:
             self._error(identity, None, ErrorCode.BAD_FRAME,
@@ -91,37 +100,47 @@ class Front:
             return
         try:
             if isinstance(request, Submit):
-                self._submit(identity, request)
+                self._submit(identity, user, request)
+            elif isinstance(request, Status):
+                self._clients.send(identity, {"v": 1, "op": "status_reply", "ref": request.ref,
+                                              **self._status(user)})
+            elif not self._may_see(user, request.call_id):
+                self._error(identity, request.ref, ErrorCode.UNKNOWN_CALL,
+                            f"no call {request.call_id!r}")
             elif isinstance(request, Subscribe):
                 self._subscribe(identity, request)
             elif isinstance(request, Result):
                 self._result(identity, request)
             elif isinstance(request, Cancel):
                 self._cancel(identity, request)
-            elif isinstance(request, Status):
-                self._clients.send(identity, {"v": 1, "op": "status_reply", "ref": request.ref,
-                                              **self._status()})
         except Exception:  # a bug must cost one reply, never the daemon
             log.exception("internal error while handling %s", type(request).__name__)
             self._error(identity, request.ref, ErrorCode.INTERNAL, "internal error; see the log")
 
+    def _may_see(self, user: Identity, call_id: str) -> bool:
+        """Does `call_id` exist for `user`? (Its owner, or any call for an admin.)"""
+        owner = self._journal.owner_of(call_id)
+        return owner is not None and (owner == user.name or user.is_admin)
+
     # ---- ops -----------------------------------------------------------------
-    def _submit(self, identity: bytes, req: Submit) -> None:
+    def _submit(self, identity: bytes, user: Identity, req: Submit) -> None:
         spec = req.call
         if not self.accepting:
             self._error(identity, req.ref, ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
             return
         providers = self._config.providers
         profile = providers.get(spec.provider)
-        if profile is None:
-            known = ", ".join(sorted(providers)) or "none"
+        if profile is None or not user.may_use(spec.provider):
+            # A profile this identity may not use is one it cannot see.
+            known = ", ".join(sorted(p for p in providers if user.may_use(p))) or "none"
             self._error(identity, req.ref, ErrorCode.UNKNOWN_PROVIDER,
                         f"no provider profile {spec.provider!r} (configured: {known})")
             return
         existing = None
         if spec.idempotency_key is not None:
-            existing = (self._idem_in_turn.get(spec.idempotency_key)
-                        or self._journal.call_by_idempotency_key(spec.idempotency_key))
+            scoped = (user.name, spec.idempotency_key)
+            existing = (self._idem_in_turn.get(scoped)
+                        or self._journal.call_by_idempotency_key(*scoped))
         if existing is not None:
             # The same call again: its id, and nothing new starts.
             # Subscribed after `accepted` goes out, so the replay follows the reply.
@@ -138,15 +157,34 @@ class Front:
             self._error(identity, req.ref, ErrorCode.OVERLOADED,
                         f"{queued} calls are queued (queue_max); retry later")
             return
+        in_flight = self._driver.in_flight(user.name)
+        if user.max_in_flight and in_flight >= user.max_in_flight:
+            self._error(identity, req.ref, ErrorCode.TOO_MANY_CALLS,
+                        f"{in_flight} calls of {user.name!r} are not done yet (max_in_flight "
+                        f"{user.max_in_flight}); submit again when one ends")
+            return
+        wait_s = self._rate.admit(user.name, user.submits_per_s)
+        if wait_s is not None:
+            self._error(identity, req.ref, ErrorCode.RATE_LIMITED,
+                        f"{user.name!r} may submit {user.submits_per_s:g} calls per second; "
+                        f"retry in {wait_s:.2f}s")
+            return
+        try:
+            request = check_request(profile.kind, spec.request, user.caps)
+        except ProtocolError as exc:
+            self._error(identity, req.ref, exc.code, exc.message)
+            return
+        if request != spec.request:
+            spec = replace(spec, request=request)
         call_id = uuid.uuid4().hex
-        self._journal.add_call(call_id, spec.idempotency_key, spec.session_id, spec.provider,
-                               spec.request, spec.options.to_map())
+        self._journal.add_call(call_id, user.name, spec.idempotency_key, spec.session_id,
+                               spec.provider, spec.request, spec.options.to_map())
         if spec.idempotency_key is not None:
-            self._idem_in_turn[spec.idempotency_key] = call_id
+            self._idem_in_turn[(user.name, spec.idempotency_key)] = call_id
         max_attempts = spec.options.max_attempts or profile.max_attempts
         deadline = (self._clock() + spec.options.deadline_s
                     if spec.options.deadline_s is not None else None)
-        call = Call(call_id=call_id, spec=spec, profile=profile,
+        call = Call(call_id=call_id, owner=user.name, spec=spec, profile=profile,
                     timeouts=attempt_timeouts(spec.options, profile, spec.request),
                     max_attempts=max_attempts, deadline=deadline)
         self._clients.open(call_id, [], identity if req.subscribe else None)
@@ -170,9 +208,6 @@ class Front:
         """Replay, then follow live. Success has no reply (the events are the
         answer); an unknown call gets an error with the ref."""
         if self._clients.subscribe(identity, req.call_id, req.from_seq):
-            return
-        if not self._journal.exists(req.call_id):
-            self._error(identity, req.ref, ErrorCode.UNKNOWN_CALL, f"no call {req.call_id!r}")
             return
         # A finished call: its events from the sink's transcript.
         self._clients.send_frames(identity,

@@ -25,7 +25,8 @@ from streamfence.protocol.internal.outcome import AttemptOutcome
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
     call_id TEXT PRIMARY KEY,
-    idempotency_key TEXT UNIQUE,
+    owner TEXT NOT NULL,
+    idempotency_key TEXT,
     session_id TEXT,
     provider TEXT NOT NULL,
     request BLOB NOT NULL,
@@ -36,7 +37,8 @@ CREATE TABLE IF NOT EXISTS calls (
     attempts INTEGER NOT NULL DEFAULT 0,
     created REAL NOT NULL,
     finished REAL,
-    done BLOB
+    done BLOB,
+    UNIQUE (owner, idempotency_key)
 );
 CREATE TABLE IF NOT EXISTS attempts (
     call_id TEXT NOT NULL,
@@ -57,9 +59,22 @@ CREATE TABLE IF NOT EXISTS attempts (
 """
 
 
+# Journals written before calls had owners: their calls belong to `local`.
+_ADD_OWNERS = """
+ALTER TABLE calls RENAME TO calls_v0;
+{schema}
+INSERT INTO calls (call_id, owner, idempotency_key, session_id, provider, request, options,
+                   state, status, epoch, attempts, created, finished, done)
+    SELECT call_id, 'local', idempotency_key, session_id, provider, request, options, state,
+           status, epoch, attempts, created, finished, done FROM calls_v0;
+DROP TABLE calls_v0;
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class JournaledCall:
     call_id: str
+    owner: str
     idempotency_key: str | None
     session_id: str | None
     provider: str
@@ -79,6 +94,9 @@ class Journal:
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(calls)")}
+        if columns and "owner" not in columns:
+            self._db.executescript("BEGIN;" + _ADD_OWNERS.format(schema=_SCHEMA) + "COMMIT;")
         self._db.executescript(_SCHEMA)
         self._in_tx = False
 
@@ -92,18 +110,27 @@ class Journal:
             self._db.execute("COMMIT")
             self._in_tx = False
 
-    def add_call(self, call_id: str, idempotency_key: str | None, session_id: str | None,
-                 provider: str, request: dict[str, Any], options: dict[str, Any]) -> None:
+    def add_call(self, call_id: str, owner: str, idempotency_key: str | None,
+                 session_id: str | None, provider: str, request: dict[str, Any],
+                 options: dict[str, Any]) -> None:
         self._begin()
         self._db.execute(
-            "INSERT INTO calls (call_id, idempotency_key, session_id, provider, request, "
-            "options, state, created) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?)",
-            (call_id, idempotency_key, session_id, provider,
+            "INSERT INTO calls (call_id, owner, idempotency_key, session_id, provider, request, "
+            "options, state, created) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
+            (call_id, owner, idempotency_key, session_id, provider,
              msgpack.packb(request), msgpack.packb(options), time.time()))
 
-    def call_by_idempotency_key(self, key: str) -> str | None:
-        row = self._db.execute("SELECT call_id FROM calls WHERE idempotency_key = ?",
-                               (key,)).fetchone()
+    def call_by_idempotency_key(self, owner: str, key: str) -> str | None:
+        """Idempotency keys are scoped to their owner: another identity's key is
+        another key."""
+        row = self._db.execute("SELECT call_id FROM calls WHERE owner = ? AND "
+                               "idempotency_key = ?", (owner, key)).fetchone()
+        return None if row is None else str(row[0])
+
+    def owner_of(self, call_id: str) -> str | None:
+        """The identity that submitted `call_id`, or None if there is no such call."""
+        row = self._db.execute("SELECT owner FROM calls WHERE call_id = ?",
+                               (call_id,)).fetchone()
         return None if row is None else str(row[0])
 
     def start_attempt(self, call_id: str, attempt: int) -> None:
@@ -150,17 +177,13 @@ class Journal:
         done: dict[str, Any] = msgpack.unpackb(row[0], raw=False)
         return done
 
-    def exists(self, call_id: str) -> bool:
-        return self._db.execute("SELECT 1 FROM calls WHERE call_id = ?",
-                                (call_id,)).fetchone() is not None
-
     def unfinished(self) -> list[JournaledCall]:
         rows = self._db.execute(
-            "SELECT call_id, idempotency_key, session_id, provider, request, options, state, "
-            "epoch, attempts, created FROM calls WHERE state != 'done' ORDER BY created"
+            "SELECT call_id, owner, idempotency_key, session_id, provider, request, options, "
+            "state, epoch, attempts, created FROM calls WHERE state != 'done' ORDER BY created"
         ).fetchall()
-        return [JournaledCall(r[0], r[1], r[2], r[3], msgpack.unpackb(r[4], raw=False),
-                              msgpack.unpackb(r[5], raw=False), r[6], r[7], r[8], r[9])
+        return [JournaledCall(r[0], r[1], r[2], r[3], r[4], msgpack.unpackb(r[5], raw=False),
+                              msgpack.unpackb(r[6], raw=False), r[7], r[8], r[9], r[10])
                 for r in rows]
 
     def attempts_of(self, call_id: str) -> list[dict[str, Any]]:

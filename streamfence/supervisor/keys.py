@@ -13,9 +13,11 @@ from the allow-list, re-read whenever the `clients/` folder changes, so a
 revocation takes effect on the next handshake and on the next message
 (docs/SECURITY.md).
 
-`ZapAuthenticator` is pyzmq's own ZAP authenticator thread, asked to accept a
-CURVE client only if its key is registered, and to name the connection's
-User-Id after the identity, which the front reads on every message.
+`start_authenticator` runs pyzmq's own ZAP authenticator thread, asked to
+accept a CURVE client only if its key is registered. The connection's User-Id
+is the client's public key (Z85); the supervisor maps it to the identity on
+every message through `identity_of`, so a revoked or rotated key stops at
+once, also on a connection made before.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils import z85
 
 from streamfence.protocol.credentials import Credentials, write_credentials
 
@@ -147,10 +148,6 @@ class _Authenticator(ThreadAuthenticator):
         super().__init__(context, log=logging.getLogger("streamfence.auth.zap"))
         self._store = store
         self.refused = 0  # handshakes refused (read by the loop for `status`)
-
-    def curve_user_id(self, client_public_key: bytes) -> str:
-        name = self._store.identity_of(z85.encode(client_public_key))
-        return name or ""
 
     # pyzmq calls this with the Z85 key: the credentials-provider protocol.
     def callback(self, domain: str, key: bytes) -> bool:

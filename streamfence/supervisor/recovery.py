@@ -56,7 +56,7 @@ def recover_calls(journal: Journal, providers: dict[str, ProviderProfile],
             # The deadline counts from acceptance, across restarts.
             left = jc.created + options.deadline_s - time.time()
             deadline = time.monotonic() + max(0.0, left)
-        call = Call(call_id=jc.call_id, spec=spec, profile=profile,
+        call = Call(call_id=jc.call_id, owner=jc.owner, spec=spec, profile=profile,
                     timeouts=attempt_timeouts(options, profile, jc.request),
                     max_attempts=max_attempts, deadline=deadline, epoch=jc.epoch,
                     # Attempts spent before the restart count, but the call

@@ -21,6 +21,7 @@ import httpx2
 
 from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome
 from streamfence.protocol.internal.workers import AttemptSettings
+from streamfence.workers.errors import CredentialsMissing
 from streamfence.workers.output import AttemptOutput
 
 Profile = dict[str, Any]
@@ -47,10 +48,6 @@ class Adapter:
     run: Callable[[Any, dict[str, Any], AttemptOutput, AttemptSettings, Sequence[str]],
                   AttemptOutcome]
     classify: Callable[[BaseException, Iterable[str]], AttemptError]
-
-
-class CredentialsMissing(Exception):
-    """The profile names an environment variable that is not set."""
 
 
 _ssl_context: ssl.SSLContext | None = None

@@ -339,7 +339,15 @@ def classify(exc: BaseException, extra_secrets: Iterable[str] = ()) -> AttemptEr
                           extra_secrets=extra)
 
 
+class CredentialsMissing(Exception):
+    """The profile names an environment variable that is not set (final: a
+    retry cannot set it)."""
+
+
 def _classify(exc: BaseException, extra: tuple[str, ...]) -> AttemptError:
+    if isinstance(exc, CredentialsMissing):
+        return attempt_error(ErrorClass.FINAL, "credentials_missing", str(exc),
+                             extra_secrets=extra)
     if isinstance(exc, StreamFailure):
         return attempt_error(exc.error_class, exc.code, str(exc), extra_secrets=extra)
     status = getattr(exc, "status_code", None)

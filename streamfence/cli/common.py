@@ -1,0 +1,76 @@
+"""What the `streamfence` subcommands share: finding the config, the
+credentials and the daemon (see streamfence.cli's docstring)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+from streamfence.supervisor.config import ConfigError, DaemonConfig, load_config
+
+if TYPE_CHECKING:
+    from streamfence.protocol.client import Client
+
+F = TypeVar("F", bound=Callable[..., Any])
+DEFAULT_CONFIG = "streamfence.toml"
+
+
+def config_path_of(given: str | None) -> str | None:
+    """The config file to use: `given`, else $STREAMFENCE_CONFIG, else
+    ./streamfence.toml if it exists, else None (the defaults)."""
+    if given:
+        return given
+    if os.environ.get("STREAMFENCE_CONFIG"):
+        return os.environ["STREAMFENCE_CONFIG"]
+    return DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None
+
+
+def load(config_path: str | None) -> DaemonConfig:
+    try:
+        return load_config(config_path_of(config_path))
+    except ConfigError as exc:
+        raise click.ClickException(f"invalid configuration: {exc}") from None
+
+
+def config_option(f: F) -> F:
+    return click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                        help="TOML configuration file (default: $STREAMFENCE_CONFIG, "
+                             "else ./streamfence.toml if present).")(f)
+
+
+def client_options(f: F) -> F:
+    f = click.option("--credentials", default=None, type=click.Path(dir_okay=False),
+                     help="A credentials file (default: $STREAMFENCE_CREDENTIALS, else the "
+                          "daemon's admin credentials in its state dir).")(f)
+    f = click.option("--endpoint", default=None,
+                     help="The daemon's endpoint (default: from the credentials or config).")(f)
+    return config_option(f)
+
+
+@contextlib.contextmanager
+def connect(endpoint: str | None, credentials: str | None, config_path: str | None,
+            timeout_s: float = 10.0) -> Iterator[Client]:
+    """A client of the daemon (see the module docstring); one-line errors."""
+    from streamfence.protocol.client import Client
+    from streamfence.protocol.credentials import CredentialsError, find_credentials
+
+    cfg = load(config_path)
+    found = find_credentials(credentials, cfg.state_dir)
+    if endpoint is None and found is None:
+        endpoint = cfg.endpoint
+    try:
+        client = Client(endpoint, timeout_s, credentials=found)
+    except CredentialsError as exc:
+        raise click.ClickException(str(exc)) from None
+    with client:
+        try:
+            yield client
+        except TimeoutError:
+            how = f"as {found}" if found else "without credentials"
+            raise click.ClickException(
+                f"no answer from a daemon at {client.endpoint} ({how}): is `streamfence serve` "
+                f"running there, and are these credentials registered with it?") from None

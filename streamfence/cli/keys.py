@@ -1,0 +1,81 @@
+"""`streamfence keys`: the client identities a daemon accepts (docs/SECURITY.md).
+
+They work on the state dir's `keys/` directly, with or without a running
+daemon: a running daemon sees a new, rotated or revoked key at the next
+message, without a restart.
+"""
+
+from __future__ import annotations
+
+import click
+
+from streamfence.cli.common import config_option, load
+from streamfence.supervisor.keys import KeyStore, KeyStoreError
+
+
+def _store(config_path: str | None) -> tuple[KeyStore, str]:
+    cfg = load(config_path)
+    from streamfence.supervisor import statedir
+
+    try:
+        state_dir = statedir.prepare(cfg.state_dir)
+    except statedir.StateDirError as exc:
+        raise click.ClickException(str(exc)) from None
+    return KeyStore(state_dir / "keys"), cfg.endpoint
+
+
+@click.group()
+def keys() -> None:
+    """Create, list, rotate and revoke client identities."""
+
+
+@keys.command("new")
+@config_option
+@click.option("--endpoint", default=None,
+              help="The endpoint written into the credentials (default: the daemon's).")
+@click.argument("name")
+def new(config_path: str | None, endpoint: str | None, name: str) -> None:
+    """Create identity NAME: a key pair, registered, and its credentials file."""
+    store, daemon_endpoint = _store(config_path)
+    try:
+        store.register(name, endpoint or daemon_endpoint)
+    except KeyStoreError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{name}: credentials in {store.credentials_path(name)} "
+               f"(keep it secret; hand it to the client)")
+
+
+@keys.command("rotate")
+@config_option
+@click.option("--endpoint", default=None)
+@click.argument("name")
+def rotate(config_path: str | None, endpoint: str | None, name: str) -> None:
+    """Give identity NAME a new key pair; the old one stops working at once."""
+    store, daemon_endpoint = _store(config_path)
+    if name not in store.names():
+        raise click.ClickException(f"no identity {name!r} (see `streamfence keys list`)")
+    store.register(name, endpoint or daemon_endpoint, replace=True)
+    click.echo(f"{name}: new credentials in {store.credentials_path(name)}; the old key is "
+               f"refused from now on")
+
+
+@keys.command("revoke")
+@config_option
+@click.argument("name")
+def revoke(config_path: str | None, name: str) -> None:
+    """Remove identity NAME's key: its clients are refused from the next message."""
+    store, _ = _store(config_path)
+    try:
+        store.revoke(name)
+    except KeyStoreError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{name}: revoked")
+
+
+@keys.command("list")
+@config_option
+def list_(config_path: str | None) -> None:
+    """The registered identities, one a line."""
+    store, _ = _store(config_path)
+    for name in store.names():
+        click.echo(name)

@@ -1,0 +1,122 @@
+"""Who a client is, and what it may do (docs/SECURITY.md).
+
+A client's identity is the name its CURVE key is registered under
+(`supervisor/keys.py`); the front learns it from ZeroMQ's ZAP for every
+message, never from the message. `[identities.NAME]` tables in the config
+limit what each identity may do:
+
+    [identities.alice]
+    role = "client"            # "admin" also sees every call and the whole status
+    providers = ["openai"]     # profiles it may use (default: all)
+    max_in_flight = 8          # calls accepted and not yet done (0: no limit)
+    submits_per_s = 5          # sustained submit rate, bursts of as many (0: no limit)
+    max_tokens = 4096          # cap on the wire's output-token limit (0: none)
+    n = 1                      # cap on OpenAI's `n` (0: none)
+
+A registered key without a table gets the defaults (role "client", no
+limits). The daemon's own user's identity, `local`, is an admin unless a
+table says otherwise. `SubmitRate` is the token bucket behind
+`submits_per_s`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from streamfence.protocol.credentials import LOCAL_NAME
+
+
+class Role(StrEnum):
+    CLIENT = "client"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    name: str
+    role: Role = Role.CLIENT
+    providers: frozenset[str] | None = None  # None: every profile
+    max_in_flight: int = 0
+    submits_per_s: float = 0.0
+    caps: Mapping[str, int] = field(default_factory=dict)  # request field caps
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role is Role.ADMIN
+
+    def may_use(self, provider: str) -> bool:
+        return self.providers is None or provider in self.providers
+
+
+_KEYS = {"role", "providers", "max_in_flight", "submits_per_s", "max_tokens", "n"}
+
+
+def parse_identities(tables: Any, where: str,
+                     error: Callable[[str], Exception]) -> dict[str, Identity]:
+    """The `[identities.NAME]` tables; `error(message)` makes the exception to raise."""
+    if not isinstance(tables, dict):
+        raise error(f"{where}: must be a table of tables")
+    out: dict[str, Identity] = {}
+    for name, table in tables.items():
+        at = f"{where}.{name}"
+        if not isinstance(table, dict):
+            raise error(f"{at}: must be a table")
+        unknown = set(table) - _KEYS
+        if unknown:
+            raise error(f"{at}.{sorted(unknown)[0]}: unknown key (one of {', '.join(sorted(_KEYS))})")
+        role = table.get("role", Role.ADMIN.value if name == LOCAL_NAME else Role.CLIENT.value)
+        if role not in (r.value for r in Role):
+            raise error(f"{at}.role: must be \"client\" or \"admin\", got {role!r}")
+        providers = table.get("providers")
+        if providers is not None and (not isinstance(providers, list) or not all(
+                isinstance(p, str) for p in providers)):
+            raise error(f"{at}.providers: must be a list of profile names")
+        numbers: dict[str, float] = {}
+        for key in ("max_in_flight", "submits_per_s", "max_tokens", "n"):
+            value = table.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise error(f"{at}.{key}: must be a number >= 0, got {value!r}")
+            if key != "submits_per_s" and not isinstance(value, int):
+                raise error(f"{at}.{key}: must be a whole number, got {value!r}")
+            numbers[key] = value
+        out[name] = Identity(
+            name=name, role=Role(role),
+            providers=None if providers is None else frozenset(providers),
+            max_in_flight=int(numbers["max_in_flight"]),
+            submits_per_s=float(numbers["submits_per_s"]),
+            caps={k: int(numbers[k]) for k in ("max_tokens", "n") if numbers[k]})
+    return out
+
+
+def identity_named(name: str, configured: Mapping[str, Identity]) -> Identity:
+    """The identity for a registered key's name: its table, or the defaults."""
+    found = configured.get(name)
+    if found is not None:
+        return found
+    return Identity(name, Role.ADMIN if name == LOCAL_NAME else Role.CLIENT)
+
+
+class SubmitRate:
+    """Token buckets per identity: `rate` submits per second, bursts of
+    max(1, rate). `admit` is O(1) and needs no timer."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # name -> (tokens, at)
+
+    def admit(self, name: str, rate: float) -> float | None:
+        """None if a submit may go now (and take a token), else the seconds to wait."""
+        if rate <= 0:
+            return None
+        burst = max(1.0, rate)
+        now = self._clock()
+        tokens, at = self._buckets.get(name, (burst, now))
+        tokens = min(burst, tokens + (now - at) * rate)
+        if tokens >= 1.0:
+            self._buckets[name] = (tokens - 1.0, now)
+            return None
+        self._buckets[name] = (tokens, now)
+        return (1.0 - tokens) / rate
