@@ -211,6 +211,11 @@ class Daemon:
 
     def run(self) -> int:
         _raise_fd_limit(self.config.workers_max)
+        for profile in self.config.providers.values():
+            if profile.api_key_env and not os.environ.get(profile.api_key_env):
+                log.warning("provider profile %r: its api_key_env %s is not set; its calls "
+                            "will fail with credentials_missing", profile.name,
+                            profile.api_key_env)
         p = self._build()
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
