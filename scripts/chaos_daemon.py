@@ -16,6 +16,7 @@ import traceback
 from typing import Any
 
 from scripts.chaos_common import ChaosState, chaos_run, parser, run_load, seeded, verdict
+from streamfence.devtools.launcher import DaemonExited
 
 
 def steps(rng: random.Random) -> list[dict[str, Any]]:
@@ -45,7 +46,7 @@ def _restart_loop(state: ChaosState, rng: random.Random, mean_interval_s: float)
             state.count("children that outlived the daemon", len(state.daemon.survivors))
         try:
             state.daemon.start()
-        except AssertionError as exc:  # did not come up: that is a finding, say so
+        except (TimeoutError, DaemonExited) as exc:  # did not come up: that is a finding, say so
             print(f"the daemon did not come back after a restart: {exc}", flush=True)
             state.count("restarts that did not come up")
             return

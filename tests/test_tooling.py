@@ -26,6 +26,7 @@ def test_ruff_is_clean() -> None:
     assert proc.returncode == 0, proc.stdout[-4000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mypy_strict_is_clean() -> None:
     proc = subprocess.run([_tool("mypy")], cwd=ROOT, capture_output=True, text=True,

@@ -40,18 +40,19 @@ def test_every_wire_has_one_adapter() -> None:
         assert adapter.kind == kind
 
 
-@pytest.mark.parametrize(("profile", "exc_type"), [
-    ({"name": "x", "kind": "gemini"}, ValueError),
-    ({"name": "y", "kind": "openai", "api_key_env": "SF_TEST_UNSET_KEY"}, CredentialsMissing),
+@pytest.mark.parametrize(("profile", "exc_type", "code"), [
+    ({"name": "x", "kind": "gemini"}, ValueError, "unexpected_error"),
+    ({"name": "y", "kind": "openai", "api_key_env": "SF_TEST_UNSET_KEY"}, CredentialsMissing,
+     "credentials_missing"),
 ])
-def test_run_attempt_never_raises(profile: dict[str, Any], exc_type: type[Exception],
+def test_run_attempt_never_raises(profile: dict[str, Any], exc_type: type[Exception], code: str,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SF_TEST_UNSET_KEY", raising=False)
     out = RecordingOutput()
     final = registry.run_attempt(profile, {"model": "m"}, out, AttemptSettings())
     assert isinstance(out.exc, exc_type) and out.deltas == []
     assert final.ok is False and final.error is not None
-    assert (final.error.error_class, final.error.code) == (ErrorClass.FINAL, "unexpected_error")
+    assert (final.error.error_class, final.error.code) == (ErrorClass.FINAL, code)
 
 
 def test_clients_are_cached_per_profile(monkeypatch: pytest.MonkeyPatch) -> None:

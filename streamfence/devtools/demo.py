@@ -6,6 +6,7 @@ transcript and the emulator's own record of what it sent."""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import threading
 import time
@@ -18,7 +19,7 @@ from rich.live import Live
 from rich.table import Table
 
 from streamfence.devtools.emulator.control import EmulatorProcess, emulator_profile
-from streamfence.devtools.launcher import DaemonProcess
+from streamfence.devtools.launcher import DaemonExited, DaemonProcess
 from streamfence.devtools.verdict import BAD, CallRecord, judge, tally, verdict_ok
 from streamfence.protocol.wires import WIRES, sample_request
 
@@ -130,7 +131,16 @@ def run_demo(rounds: int = 1, wires: list[str] | None = None,
         console.print(f"emulator at {emu.base_url}; starting the daemon "
                       f"(log: {daemon.log_path}) ...")
         started = time.monotonic()
-        with daemon:
+        try:
+            daemon.start()
+        except (TimeoutError, DaemonExited) as exc:
+            daemon.cleanup()
+            console.print("[bold red]the daemon did not start:[/]")
+            console.print(str(exc), markup=False, highlight=False)
+            console.print("[bold red]FAIL[/]")
+            return False
+        with contextlib.ExitStack() as running:
+            running.callback(daemon.cleanup)
             console.print(f"daemon ready in {time.monotonic() - started:.1f}s "
                           f"(workers forked from a warm zygote)")
             threads = []
