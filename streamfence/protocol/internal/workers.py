@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Any
 
@@ -41,12 +41,16 @@ class RunAttempt:
     settings: AttemptSettings
 
 
+_SETTINGS = tuple(f.name for f in fields(AttemptSettings))
+
+
 def encode_run(run: RunAttempt) -> bytes:
+    """W_RUN; the settings travel in `AttemptSettings`' field order, so a new
+    setting is one field there and one keyword where the supervisor decides it."""
     s = run.settings
     packed: bytes = msgpack.packb(
         [W_RUN, run.token, run.call_id, run.attempt, run.session_id, run.profile, run.request,
-         [s.streaming, s.include_usage, s.connect_timeout_s, s.read_timeout_s,
-          s.write_timeout_s, s.final_ack_timeout_s, s.notice]], use_bin_type=True)
+         [getattr(s, name) for name in _SETTINGS]], use_bin_type=True)
     return packed
 
 
@@ -55,7 +59,6 @@ def decode_run(msg: list[Any]) -> RunAttempt:
     _, token, call_id, attempt, session_id, profile, request, settings = msg
     return RunAttempt(token, call_id, attempt, session_id, profile, request,
                       AttemptSettings(*settings))
-
 
 
 # ---- the zygote pipe (supervisor <-> zygote) --------------------------------
