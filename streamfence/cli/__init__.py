@@ -14,8 +14,9 @@ from typing import Any
 
 import click
 
-from streamfence.cli.common import client_options, config_option, connect, load
+from streamfence.cli.common import client_options, config_option, config_path_of, connect, load
 from streamfence.cli.keys import keys
+from streamfence.cli.prune import prune
 
 
 @click.group()
@@ -36,8 +37,9 @@ def serve(config_path: str | None, log_json: bool) -> None:
     setup_logging(cfg.log_level, log_json or cfg.log_json)
     try:
         code = Daemon(cfg).run()
-    except StartupError as exc:
-        raise click.ClickException(str(exc)) from None
+    except StartupError as exc:  # name the file, as configuration errors do
+        raise click.ClickException(f"{config_path_of(config_path) or '<defaults>'}: {exc}") \
+            from None
     sys.exit(code)
 
 
@@ -134,3 +136,4 @@ def demo(rounds: int, wires: tuple[str, ...]) -> None:
 
 
 main.add_command(keys)
+main.add_command(prune)

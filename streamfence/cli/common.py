@@ -62,10 +62,14 @@ def connect(endpoint: str | None, credentials: str | None, config_path: str | No
     found = find_credentials(credentials, cfg.state_dir)
     if endpoint is None and found is None:
         endpoint = cfg.endpoint
+    import zmq
+
     try:
         client = Client(endpoint, timeout_s, credentials=found)
     except CredentialsError as exc:
         raise click.ClickException(str(exc)) from None
+    except zmq.ZMQError as exc:  # an endpoint ZeroMQ cannot parse, say
+        raise click.ClickException(f"cannot connect to the daemon: {exc}") from None
     with client:
         try:
             yield client

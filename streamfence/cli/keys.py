@@ -24,6 +24,15 @@ def _store(config_path: str | None) -> tuple[KeyStore, str]:
     return KeyStore(state_dir / "keys"), cfg.endpoint
 
 
+def _check_reachable(endpoint: str) -> None:
+    """A wildcard bind address is no address a client can connect to."""
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    if host in ("0.0.0.0", "*", "[::]", "::"):
+        raise click.ClickException(
+            f"the daemon binds {endpoint}, which a client cannot connect to; give the "
+            f"address clients use: --endpoint tcp://HOST:PORT")
+
+
 @click.group()
 def keys() -> None:
     """Create, list, rotate and revoke client identities."""
@@ -37,6 +46,7 @@ def keys() -> None:
 def new(config_path: str | None, endpoint: str | None, name: str) -> None:
     """Create identity NAME: a key pair, registered, and its credentials file."""
     store, daemon_endpoint = _store(config_path)
+    _check_reachable(endpoint or daemon_endpoint)
     try:
         store.register(name, endpoint or daemon_endpoint)
     except KeyStoreError as exc:
@@ -54,6 +64,7 @@ def rotate(config_path: str | None, endpoint: str | None, name: str) -> None:
     store, daemon_endpoint = _store(config_path)
     if name not in store.names():
         raise click.ClickException(f"no identity {name!r} (see `streamfence keys list`)")
+    _check_reachable(endpoint or daemon_endpoint)
     store.register(name, endpoint or daemon_endpoint, replace=True)
     click.echo(f"{name}: new credentials in {store.credentials_path(name)}; the old key is "
                f"refused from now on")

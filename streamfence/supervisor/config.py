@@ -216,8 +216,18 @@ def apply_env(cfg: DaemonConfig, env: dict[str, str]) -> DaemonConfig:
     if "log_level" in changes:
         changes["log_level"] = _log_level("environment STREAMFENCE_LOG_LEVEL",
                                           changes["log_level"])
+    # As in the file: a typo such as "CURVE" must not turn authentication off.
+    if "auth" in changes and changes["auth"] not in AUTH_MODES:
+        raise ConfigError(f"environment STREAMFENCE_AUTH: must be one of "
+                          f"{', '.join(AUTH_MODES)}, got {changes['auth']!r}")
+    for key, value in changes.items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+            raise ConfigError(f"environment STREAMFENCE_{key.upper()}: must not be negative")
     cfg = replace(cfg, **changes)
     check_endpoint("environment STREAMFENCE_ENDPOINT", cfg.endpoint, cfg.auth)
+    if cfg.workers_spare < 1 or cfg.workers_max < cfg.workers_spare + 1:
+        raise ConfigError("environment STREAMFENCE_WORKERS_MAX/SPARE: workers_max must exceed "
+                          "workers_spare >= 1")
     return cfg
 
 

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 import zmq
@@ -38,6 +39,10 @@ log = logging.getLogger("streamfence.auth")
 
 ZAP_DOMAIN = "streamfence"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# A directory's mtime may have the kernel's coarse clock tick (a few ms): a change
+# in the same tick as a read leaves it unchanged. A read this close to the last
+# change is not trusted (read again next time), as git treats "racy" entries.
+_RACY_NS = 100_000_000
 
 
 class KeyStoreError(Exception):
@@ -110,7 +115,9 @@ class KeyStore:
 
     def revoke(self, name: str) -> None:
         public_file = self.clients_dir / f"{name}.key"
-        if not public_file.exists():
+        # A name that is not an identity name (say "../server") must not reach
+        # outside clients/.
+        if not NAME_RE.match(name) or not public_file.exists():
             raise KeyStoreError(f"no identity {name!r} in {self.clients_dir}")
         public_file.unlink()
         self.credentials_path(name).unlink(missing_ok=True)
@@ -127,8 +134,9 @@ class KeyStore:
             except FileNotFoundError:
                 return None
             if mtime != self._seen_mtime_ns:
+                racy = 0 <= time.time_ns() - mtime < _RACY_NS
                 self._by_key = self._read_allow_list()
-                self._seen_mtime_ns = mtime
+                self._seen_mtime_ns = -1 if racy else mtime
             return self._by_key.get(public_key_z85)
 
     def _read_allow_list(self) -> dict[bytes, str]:

@@ -51,6 +51,9 @@ def prepare(path: str | os.PathLike[str], key: str = "daemon.state_dir") -> Path
         raise StateDirError(f"{key} = {str(p)!r}: others may read it (mode {mode:o}); the "
                             f"daemon keeps prompts, answers and keys there: chmod 700 {p}")
     if not os.access(p, os.W_OK | os.X_OK):
+        if os.statvfs(p).f_flag & os.ST_RDONLY:
+            raise StateDirError(f"{key} = {str(p)!r}: on a read-only file system; choose a "
+                                f"writable directory")
         raise StateDirError(f"{key} = {str(p)!r}: not writable by this user")
     return p
 
