@@ -16,6 +16,8 @@ Duties (`run_sink` is the entry point the supervisor starts with
   them (durable before visible), and authorize / final acks / done events
   are sent after a commit too;
 - count and sparsely log refused deltas and bad frames; never crash on input;
+- retention: one batch of finished calls deleted from the transcript when
+  `state.prune_due` has come (sink/state.py, "Retention");
 - die with the parent (PR_SET_PDEATHSIG) and exit cleanly on SIGTERM after a
   last commit. SIGINT is ignored: the supervisor owns the shutdown order.
 
@@ -64,13 +66,13 @@ class Sink:
     counters, `peer` (SupervisorPeer) who gets the events."""
 
     def __init__(self, runtime_dir: str, db_path: str,
-                 control_identity: bytes | None = None) -> None:
+                 control_identity: bytes | None = None, retention_days: float = 0.0) -> None:
         ep = Endpoints(runtime_dir)
         self.ctx = zmq.Context()
         self.sin = self._router(ep.sink_in)
         self.ctl = self._router(ep.sink_ctl)
         self.peer = SupervisorPeer(self.ctl, control_identity)
-        self.state = SinkState(TranscriptStore(db_path), self.peer)
+        self.state = SinkState(TranscriptStore(db_path), self.peer, retention_days)
         self._signals: list[int] = []
         self._stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
@@ -113,6 +115,8 @@ class Sink:
                 due = min(state.commit_due, state.last_commit + IDLE_COMMIT_GAP_S) \
                     if idle else state.commit_due
                 timeout = max(0, int((due - time.monotonic()) * 1000) + 1)
+            if state.prune_due is not None:
+                timeout = min(timeout, max(0, int((state.prune_due - time.monotonic()) * 1000) + 1))
             ready = dict(poller.poll(timeout))
             if wake_fd in ready:  # plain fds come back as their fileno
                 self._drain_signals()
@@ -128,6 +132,8 @@ class Sink:
                 if (state.pending_events >= COMMIT_EVERY or now >= state.commit_due
                         or (idle and now >= state.last_commit + IDLE_COMMIT_GAP_S)):
                     state.commit()
+            if state.prune_due is not None and time.monotonic() >= state.prune_due:
+                state.prune()
         log.info("sink: stopping; final commit")
         state.commit()
 
@@ -329,18 +335,20 @@ def _setup_logging(level: str | int) -> None:
 
 
 def run_sink(runtime_dir: str, db_path: str, log_level: str | int = "INFO",
-             control_identity: bytes | None = None, log_to_supervisor: bool = False) -> None:
+             control_identity: bytes | None = None, log_to_supervisor: bool = False,
+             retention_days: float = 0.0) -> None:
     """Process entry point: serve until SIGTERM (or the parent's death).
 
     `control_identity`: the ZeroMQ identity of the supervisor's control
-    socket; control messages from any other peer are refused and counted."""
+    socket; control messages from any other peer are refused and counted.
+    `retention_days`: finished calls older than this are pruned (0: never)."""
     log_sock = _route_logs(runtime_dir, log_level) if log_to_supervisor else None
     if log_sock is None:
         _setup_logging(log_level)
     if not die_with_parent(expected_parent_pid()):
         log.error("sink: parent already gone at start; exiting")
         sys.exit(ExitCode.PARENT_GONE)
-    sink = Sink(runtime_dir, db_path, control_identity)
+    sink = Sink(runtime_dir, db_path, control_identity, retention_days)
     try:
         sink.serve()
     finally:

@@ -16,11 +16,24 @@ Invariants:
   the commit that stores it, and every ack, reply or event is sent after the
   commit covering what it reports. So whatever a client has seen survives a
   kill -9 of the whole daemon, and a restarted sink never re-uses a seq.
+
+Retention (`[daemon] retention_days`, passed at spawn; 0: keep forever): the
+sink prunes its own file, the only writer that it is. `prune` (called by the
+loop when `prune_due` has come) commits what is pending, then deletes one
+batch of finished calls in one transaction: at most `store.PRUNE_BATCH`, and
+none after `PRUNE_BUDGET_S` spent, so deltas wait a few milliseconds at most;
+the next batch is due `PRUNE_EVERY_S` later, or `PRUNE_BACKLOG_S` while
+finished calls are still due. The first batch waits `PRUNE_FIRST_S` after
+start (the supervisor's recovery reads the transcript then). The transcript
+keeps a finished call a little longer than the journal (`prune_grace_s`: a
+quarter of the retention, at most a minute), so a call the journal still
+knows always has its events.
 """
 
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
 from collections import deque
 from typing import Any, Protocol
@@ -58,6 +71,16 @@ IDLE_COMMIT_GAP_S = 0.0002  # ... or when the input runs dry, at most once per t
 FINISHED_KEEP = 10_000  # finished calls kept in memory (late drops stay attributed)
 UNKNOWN_DROP_KEYS = 4096  # (call, attempt) pairs of unknown calls tracked for logging
 WARN_EVERY_S = 10.0  # bad frames: at most one WARNING per socket per interval
+PRUNE_BUDGET_S = 0.003  # retention: time spent deleting per transaction, at most ...
+PRUNE_EVERY_S = 5.0  # ... between prune transactions ...
+PRUNE_BACKLOG_S = 0.05  # ... or this, while finished calls are still due
+PRUNE_FIRST_S = 10.0  # the first one this long after start
+PRUNE_GRACE_MAX_S = 60.0
+
+
+def prune_grace_s(retention_s: float) -> float:
+    """How much longer than the journal the transcript keeps a finished call."""
+    return min(PRUNE_GRACE_MAX_S, retention_s / 4)
 
 # One grep-able prefix for every refusal: "fence: dropped delta".
 _DROP_WHY = {
@@ -121,9 +144,14 @@ class SinkState:
     schedule (`pending_events`, `commit_due`, `last_commit`, `outbox`) and the
     counters. The hot path in process.py works on these directly, by design."""
 
-    def __init__(self, store: TranscriptStore, peer: Publisher) -> None:
+    def __init__(self, store: TranscriptStore, peer: Publisher,
+                 retention_days: float = 0.0) -> None:
         self.store = store
         self.peer = peer
+        self.retention_s = max(0.0, retention_days) * 86400.0
+        # monotonic time of the next prune transaction (None: retention is off)
+        self.prune_due: float | None = (time.monotonic() + PRUNE_FIRST_S
+                                        if self.retention_s > 0 else None)
         self.fence = FenceTable()
         self.lives: dict[str, LiveCall] = {}
         self.dirty: list[LiveCall] = []
@@ -203,6 +231,28 @@ class SinkState:
         if self.outbox:
             self.peer.publish_all(self.outbox)
             self.outbox.clear()  # in place: the hot path holds a bound append
+
+    # ---- retention -------------------------------------------------------------------
+
+    def prune(self) -> int:
+        """One retention batch (see the module docstring); returns the calls deleted.
+        Their LiveCalls, if still in memory, stay: finished, they refuse everything."""
+        now = time.monotonic()
+        self.prune_due = now + PRUNE_EVERY_S
+        if self.pending_events:
+            self.commit()  # publish what is accepted before the delete's time is spent
+        older_than = time.time() - self.retention_s - prune_grace_s(self.retention_s)
+        try:
+            removed = self.store.prune(older_than, budget_s=PRUNE_BUDGET_S)
+        except sqlite3.OperationalError as exc:  # say, locked by a long `streamfence prune`
+            log.warning("sink: pruning finished calls failed (will retry): %s", exc)
+            return 0
+        if self.store.prune_more:
+            self.prune_due = now + PRUNE_BACKLOG_S
+        if removed:
+            log.debug("sink: pruned %d finished calls in %.1f ms", removed,
+                      (time.monotonic() - now) * 1000)
+        return removed
 
     # ---- control ops ---------------------------------------------------------------
 
@@ -305,6 +355,7 @@ class SinkState:
             "calls_open": sum(1 for c in self.fence if (v := self.fence.view(c)) and v.open),
             "db_rows": self.store.rows_written,
             "commits": self.store.commits,
+            "calls_pruned": self.store.pruned,
             "pending_events": self.pending_events,
             "acks_unroutable": self.acks_unroutable,
             **self.peer.stats(),

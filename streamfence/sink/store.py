@@ -11,6 +11,8 @@ Schema (`SCHEMA_VERSION` 1):
     calls(call_id, max_epoch, status, done_seq, updated_at)
         The highest epoch seen per call (durable before the sink acks an
         authorize) and, once the call is done, its status and done seq.
+        Index `calls_finished` (updated_at) WHERE status IS NOT NULL: the
+        finished calls by age, for retention.
 
 Why runs instead of a row per event: on this class of machine one row per
 delta costs ~4-5 us in sqlite3 (binding a blob dominates), which alone caps
@@ -27,6 +29,15 @@ Commit policy (driven by the sink loop): deltas are group-committed (1000
 events, the input running dry, or 5 ms) and their events are published only
 after that commit; authorize, accepted finals and `done` events commit
 synchronously before they are acknowledged or published.
+
+Retention: `prune` deletes, in one transaction, up to a batch of finished
+calls (a status set) whose `updated_at` (wall clock of the done) is older
+than a cutoff, oldest first, with their events, and may stop after a time
+budget (measured: 0.1-0.2 ms per call of ~60 deltas); never a call that has
+not finished. The sink runs it on its own schedule (sink/state.py);
+`prune_transcript` is the same delete for `streamfence prune`, from another
+process, with a busy timeout. Freed pages are reused, so under steady load
+the file stops growing.
 
 `TranscriptReader` opens the same file read-only from any process (the
 supervisor uses it to replay finished calls to `subscribe`).
@@ -49,6 +60,14 @@ CHECKPOINT_EVERY_S = 0.25
 
 log = logging.getLogger("streamfence.sink.store")
 
+PRUNE_BATCH = 200  # finished calls deleted per transaction, at most
+BUSY_TIMEOUT_S = 10.0  # `prune_transcript` waiting for the sink's write lock
+
+_FINISHED_INDEX = ("CREATE INDEX IF NOT EXISTS calls_finished ON calls (updated_at) "
+                   "WHERE status IS NOT NULL")
+_OLDEST_FINISHED = ("SELECT call_id FROM calls WHERE status IS NOT NULL AND updated_at < ? "
+                    "ORDER BY updated_at LIMIT ?")
+
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS events (
         call_id TEXT NOT NULL,
@@ -68,6 +87,7 @@ _SCHEMA = (
         updated_at REAL NOT NULL
     ) WITHOUT ROWID""",
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWID",
+    _FINISHED_INDEX,
 )
 
 _INSERT_EVENTS = "INSERT INTO events VALUES (?,?,?,?,?,?,?)"
@@ -122,6 +142,29 @@ def _done_event(conn: sqlite3.Connection, call_id: str) -> bytes | None:
         (call_id,),
     ).fetchone()
     return None if row is None else bytes(row[0])
+
+
+def _prune(conn: sqlite3.Connection, older_than: float, limit: int, budget_s: float | None,
+           begin: str) -> tuple[int, bool]:
+    """One transaction: the oldest finished calls updated before `older_than`
+    (wall clock), up to `limit` and (with `budget_s`) until that much time is
+    spent, with their events. Returns (calls deleted, whether more are due)."""
+    start = time.perf_counter()
+    conn.execute(begin)
+    try:
+        ids = [r[0] for r in conn.execute(_OLDEST_FINISHED, (older_than, limit))]
+        removed = 0
+        for call_id in ids:
+            conn.execute("DELETE FROM events WHERE call_id = ?", (call_id,))
+            conn.execute("DELETE FROM calls WHERE call_id = ?", (call_id,))
+            removed += 1
+            if budget_s is not None and time.perf_counter() - start >= budget_s:
+                break
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return removed, removed >= limit or removed < len(ids)
 
 
 def _last_seq(conn: sqlite3.Connection, call_id: str) -> int:
@@ -186,6 +229,8 @@ class TranscriptStore:
         self._done: list[tuple[str, int, str, int, float]] = []
         self.rows_written = 0
         self.commits = 0
+        self.pruned = 0  # calls deleted by `prune`
+        self.prune_more = False  # the last prune left finished calls that were due
 
     # ---- writes (buffered until commit) ----------------------------------------
 
@@ -226,6 +271,17 @@ class TranscriptStore:
         self.rows_written += len(rows)
         self.commits += 1
         return len(rows)
+
+    def prune(self, older_than: float, limit: int = PRUNE_BATCH,
+              budget_s: float | None = None) -> int:
+        """Delete up to `limit` finished calls updated before `older_than` (wall
+        clock), oldest first, and their events, in one transaction of its own
+        (what is buffered for `commit` is not touched); with `budget_s`, stop
+        deleting once that much time is spent. Returns the calls deleted;
+        `prune_more` tells whether some were left that are due too."""
+        removed, self.prune_more = _prune(self._conn, older_than, limit, budget_s, "BEGIN")
+        self.pruned += removed
+        return removed
 
     # ---- reads (the sink's own, for restart and lazy reloads) ---------------
 
@@ -304,6 +360,28 @@ def events_after(db_path: str, call_id: str, from_seq: int = 0) -> list[bytes]:
         return reader.events_after(call_id, from_seq)
     finally:
         reader.close()
+
+
+def prune_transcript(db_path: str, older_than: float, batch: int = PRUNE_BATCH,
+                     budget_s: float = 0.01, pause_s: float = 0.01) -> int:
+    """Delete every finished call of the transcript at `db_path` updated before
+    `older_than` (wall clock), with its events, in transactions of at most
+    `batch` calls and about `budget_s`, with a pause between them (a running
+    sink commits in between). For `streamfence prune`; returns the calls
+    deleted."""
+    conn = sqlite3.connect(db_path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
+    try:
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute(_FINISHED_INDEX)  # a file no sink of this version has opened yet
+        total = 0
+        while True:
+            removed, more = _prune(conn, older_than, batch, budget_s, "BEGIN IMMEDIATE")
+            total += removed
+            if not more:
+                return total
+            time.sleep(pause_s)
+    finally:
+        conn.close()
 
 
 def max_epochs(db_path: str) -> dict[str, int]:

@@ -128,7 +128,7 @@ class Daemon:
         self._sink = self._mp.Process(
             target=run_sink, name="sink",
             args=(self.runtime_dir, self.transcript_path, self.config.log_level,
-                  self._control_identity, True))
+                  self._control_identity, True, self.config.retention_days))
         self._sink.start()
 
     def _start_zygote(self) -> None:
@@ -270,6 +270,7 @@ class Daemon:
                     p.driver.schedule()
                 p.clients.expire_waiters(time.monotonic())
                 p.journal.commit()
+                p.counters["journal_pruned"] += p.journal.prune_tick(self.config.retention_days)
                 now = time.monotonic()
                 if now - last_stats > 1.0:
                     last_stats = now

@@ -209,9 +209,13 @@ class Front:
         answer); an unknown call gets an error with the ref."""
         if self._clients.subscribe(identity, req.call_id, req.from_seq):
             return
-        # A finished call: its events from the sink's transcript.
-        self._clients.send_frames(identity,
-                                  events_after(self._transcript_path, req.call_id, req.from_seq))
+        # A finished call: its events from the sink's transcript. None at all
+        # (pruned by retention before the journal's row): it no longer exists.
+        events = events_after(self._transcript_path, req.call_id, req.from_seq)
+        if not events and req.from_seq == 0:
+            self._error(identity, req.ref, ErrorCode.UNKNOWN_CALL, f"no call {req.call_id!r}")
+            return
+        self._clients.send_frames(identity, events)
 
     def _result(self, identity: bytes, req: Result) -> None:
         if not self._driver.has_call(req.call_id):

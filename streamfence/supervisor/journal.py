@@ -9,10 +9,26 @@ Attempt epochs are journaled before the sink is asked to authorize them, so
 an attempt number is never reused across restarts (Kafka-style producer
 epochs). The journal never holds a credential: requests carry none, and
 profiles name environment variables only.
+
+Retention (`[daemon] retention_days`, 0: keep forever): finished calls
+(`state = 'done'`) whose `finished` is older than the retention are deleted
+with their `attempts` rows, never an unfinished call. The supervisor's loop
+calls `prune_tick` every turn; it does one small transaction every
+`PRUNE_EVERY_S`, or every `PRUNE_BACKLOG_S` while a backlog remains, that
+deletes at most `PRUNE_BATCH` calls and stops deleting after
+`PRUNE_BUDGET_S`, so no turn is held for more than a few milliseconds
+(measured: 0.1-0.2 ms per call). A prune commits without an fsync
+(synchronous=NORMAL for its transaction): a prune lost to a power cut is
+done again, and the next FULL commit syncs the WAL, its frames included.
+SQLite reuses the freed pages, so under steady load the file stops growing.
+`prune_journal` is the same delete for `streamfence prune`, from another
+process, with or without a running daemon (a busy timeout rides out the
+daemon's transactions).
 """
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -21,6 +37,8 @@ from typing import Any
 import msgpack
 
 from streamfence.protocol.internal.outcome import AttemptOutcome
+
+log = logging.getLogger("streamfence.journal")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
@@ -40,6 +58,7 @@ CREATE TABLE IF NOT EXISTS calls (
     done BLOB,
     UNIQUE (owner, idempotency_key)
 );
+CREATE INDEX IF NOT EXISTS calls_finished ON calls (finished) WHERE state = 'done';
 CREATE TABLE IF NOT EXISTS attempts (
     call_id TEXT NOT NULL,
     attempt INTEGER NOT NULL,
@@ -58,6 +77,14 @@ CREATE TABLE IF NOT EXISTS attempts (
 );
 """
 
+PRUNE_BATCH = 200  # finished calls deleted per transaction, at most ...
+PRUNE_BUDGET_S = 0.003  # ... and none after this much time spent deleting (in the loop)
+PRUNE_EVERY_S = 5.0  # between prune transactions of the loop ...
+PRUNE_BACKLOG_S = 0.05  # ... or this, while finished calls are still due
+BUSY_TIMEOUT_S = 10.0  # another process's prune (or the daemon) holding the write lock
+
+_OLDEST_DONE = ("SELECT call_id FROM calls WHERE state = 'done' AND finished < ? "
+                "ORDER BY finished LIMIT ?")
 
 # Journals written before calls had owners: their calls belong to `local`.
 _ADD_OWNERS = """
@@ -99,6 +126,8 @@ class Journal:
             self._db.executescript("BEGIN;" + _ADD_OWNERS.format(schema=_SCHEMA) + "COMMIT;")
         self._db.executescript(_SCHEMA)
         self._in_tx = False
+        self._prune_due = 0.0  # monotonic time of the next prune transaction
+        self.prune_more = False  # the last prune left finished calls that were due
 
     def _begin(self) -> None:
         if not self._in_tx:
@@ -192,6 +221,100 @@ class Journal:
         names = [d[0] for d in cur.description]
         return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
+    # ---- retention ---------------------------------------------------------------
+
+    def prune(self, older_than: float, limit: int = PRUNE_BATCH,
+              budget_s: float | None = None) -> int:
+        """Delete up to `limit` finished calls whose `finished` (wall clock) is
+        before `older_than`, oldest first, and their attempts, in one
+        transaction of its own; with `budget_s`, stop deleting once that much
+        time is spent. Returns the calls deleted; `prune_more` tells whether
+        some were left that are due too."""
+        self.commit()  # the turn's writes are never mixed with (or rolled back with) a prune
+        # No fsync for a prune: one lost to a power cut is simply done again,
+        # and the next FULL commit syncs the WAL with its frames anyway.
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        try:
+            self._db.execute("BEGIN")
+            try:
+                removed, self.prune_more = _delete_oldest_done(self._db, older_than, limit,
+                                                               budget_s)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        finally:
+            self._db.execute("PRAGMA synchronous=FULL")
+        return removed
+
+    def prune_tick(self, retention_days: float) -> int:
+        """The loop's incremental prune: nothing when `retention_days` is 0 or
+        the next batch is not due yet; else one budgeted `prune`. Returns the
+        calls deleted (for the `journal_pruned` counter). A failure (say, the
+        file locked by a long `streamfence prune`) is logged and retried later."""
+        if retention_days <= 0:
+            return 0
+        now = time.monotonic()
+        if now < self._prune_due:
+            return 0
+        self._prune_due = now + PRUNE_EVERY_S
+        try:
+            removed = self.prune(time.time() - retention_days * 86400.0,
+                                 budget_s=PRUNE_BUDGET_S)
+        except sqlite3.OperationalError as exc:
+            log.warning("journal: pruning finished calls failed (will retry): %s", exc)
+            return 0
+        if self.prune_more:
+            self._prune_due = now + PRUNE_BACKLOG_S
+        return removed
+
     def close(self) -> None:
         self.commit()
         self._db.close()
+
+
+def _delete_oldest_done(db: sqlite3.Connection, older_than: float, limit: int,
+                        budget_s: float | None) -> tuple[int, bool]:
+    """Inside an open transaction: the oldest finished calls before
+    `older_than`, up to `limit` (and within `budget_s`), with their attempts.
+    Returns (calls deleted, whether more are due)."""
+    start = time.perf_counter()
+    ids = [r[0] for r in db.execute(_OLDEST_DONE, (older_than, limit))]
+    removed = 0
+    for call_id in ids:
+        db.execute("DELETE FROM attempts WHERE call_id = ?", (call_id,))
+        db.execute("DELETE FROM calls WHERE call_id = ?", (call_id,))
+        removed += 1
+        if budget_s is not None and time.perf_counter() - start >= budget_s:
+            break
+    return removed, removed >= limit or removed < len(ids)
+
+
+def prune_journal(path: str, older_than: float, batch: int = PRUNE_BATCH,
+                  budget_s: float = 0.01, pause_s: float = 0.01) -> int:
+    """Delete every finished call of the journal at `path` whose `finished` is
+    before `older_than` (wall clock), and its attempts, in transactions of at
+    most `batch` calls and about `budget_s`, with a pause between them (a
+    running daemon gets its turns in between). For `streamfence prune`;
+    returns the calls deleted."""
+    db = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
+    try:
+        db.execute("PRAGMA synchronous=NORMAL")  # a lost prune is done again: no fsync
+        # A journal no daemon of this version has opened yet lacks the index.
+        db.execute("CREATE INDEX IF NOT EXISTS calls_finished ON calls (finished) "
+                   "WHERE state = 'done'")
+        total = 0
+        while True:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                removed, more = _delete_oldest_done(db, older_than, batch, budget_s)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            total += removed
+            if not more:
+                return total
+            time.sleep(pause_s)
+    finally:
+        db.close()
