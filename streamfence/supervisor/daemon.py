@@ -27,7 +27,6 @@ import secrets
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +34,6 @@ import msgpack
 import multiprocess
 import zmq
 
-from streamfence.protocol.credentials import LOCAL_NAME
 from streamfence.protocol.internal import L_RECORD, Endpoints
 from streamfence.protocol.internal.workers import (
     StopZygote,
@@ -50,17 +48,18 @@ from streamfence.protocol.internal.workers import (
 from streamfence.sink.process import run_sink
 from streamfence.supervisor import statedir
 from streamfence.supervisor.attempts import AttemptDriver
+from streamfence.supervisor.auth import ClientAuth
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.clients import Clients
 from streamfence.supervisor.config import DaemonConfig
 from streamfence.supervisor.front import Front
-from streamfence.supervisor.identities import Identity, identity_named
 from streamfence.supervisor.journal import Journal
-from streamfence.supervisor.keys import KeyStore, make_curve_server, start_authenticator
+from streamfence.supervisor.keys import KeyStore
 from streamfence.supervisor.logs import emit_child_record
 from streamfence.supervisor.pool import Pool, WorkerState, exit_text
 from streamfence.supervisor.recovery import recover_calls
 from streamfence.supervisor.sinklink import SinkLink
+from streamfence.supervisor.status import status_of
 from streamfence.workers.liveness import LivenessTable
 from streamfence.workers.zygote import zygote_main
 
@@ -107,7 +106,6 @@ class Daemon:
         except statedir.StateDirError as exc:
             raise StartupError(str(exc)) from None
         self.keys = KeyStore(state_dir / "keys")
-        self._auth: Any = None  # the ZAP thread, when daemon.auth is "curve"
         self.runtime_dir = config.runtime_dir()
         self.endpoints = Endpoints(self.runtime_dir)
         self.transcript_path = os.path.abspath(os.path.join(config.state_dir, "transcript.db"))
@@ -120,6 +118,8 @@ class Daemon:
         self._sink: Any = None
         self._sink_deaths: list[float] = []
         self.ctx = zmq.Context()
+        self.auth = ClientAuth(self.ctx, self.keys, config.auth, config.identities,
+                               config.endpoint)
         # The sink obeys only this identity (passed to it at spawn, never sent).
         self._control_identity = b"sup-" + secrets.token_hex(16).encode()
 
@@ -171,8 +171,7 @@ class Daemon:
         # moderately oversized ones through so they get a `too_large` reply.
         front_sock = self._socket(zmq.ROUTER, MAXMSGSIZE=cfg.max_frame_bytes * 4,
                                   SNDHWM=100_000)
-        if cfg.auth == "curve":
-            self._start_auth(front_sock)
+        self.auth.secure(front_sock)
         try:
             front_sock.bind(cfg.endpoint)
         except zmq.ZMQError as exc:
@@ -192,7 +191,7 @@ class Daemon:
         driver = AttemptDriver(cfg, journal, pool, sink, clients, breakers, counters, clock,
                                random.Random())
         status = functools.partial(status_of, pool, driver, breakers, sink, counters, self._pids,
-                                   self._auth_refused)
+                                   lambda: self.auth.refused)
         front = Front(cfg, journal, driver, clients, breakers, counters, clock,
                       self.transcript_path, status)
         parts = Parts(journal, pool, clients, sink, breakers, driver, front, counters, logs_sock)
@@ -279,34 +278,13 @@ class Daemon:
             self._shutdown(p)
         return code
 
-    def _start_auth(self, front_sock: zmq.Socket[bytes]) -> None:
-        """CURVE on the client socket, keys checked by ZAP (docs/SECURITY.md);
-        the daemon's own user gets admin credentials on first start."""
-        self._auth = start_authenticator(self.ctx, self.keys)
-        make_curve_server(front_sock, self.keys)
-        local = self.keys.credentials_path(LOCAL_NAME)
-        if not local.exists():
-            self.keys.register(LOCAL_NAME, self.config.endpoint, replace=True)
-            log.info("created the admin credentials of this user: %s", local)
-
-    def _auth_refused(self) -> int:
-        return int(self._auth.refused) if self._auth is not None else 0
-
-    def _user_of(self, frame: zmq.Frame) -> Identity | None:
-        """The identity that sent `frame`: by its CURVE key, looked up again on
-        every message so that a revoked key stops at once; None if unknown."""
-        if self._auth is None:
-            return identity_named(LOCAL_NAME, self.config.identities)
-        name = self.keys.identity_of(str(frame.get("User-Id")).encode())
-        return None if name is None else identity_named(name, self.config.identities)
-
     def _drain_front(self, p: Parts) -> None:
         for _ in range(1000):
             try:
                 frames = p.clients.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            user = self._user_of(frames[-1])
+            user = self.auth.user_of(frames[-1])
             if user is None:
                 p.counters["refused.unauthenticated"] += 1
                 continue  # a revoked key: no reply, as for a key never registered
@@ -402,31 +380,11 @@ class Daemon:
         p.journal.close()
         for sock in (p.clients.socket, p.sink.socket, p.pool.socket, p.logs):
             sock.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
+        self.auth.stop()
         self.ctx.term()
         p.pool.close()
         self._lock.release()
         log.info("stopped")
-
-
-def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers, sink: SinkLink,
-              counters: Counter[str], pids: Callable[[], dict[str, int]],
-              auth_refused: Callable[[], int], user: Identity) -> dict[str, Any]:
-    """The body of a `status_reply`: each owner's own view. An identity that is
-    not an admin sees only its own calls (docs/SECURITY.md)."""
-    if not user.is_admin:
-        return {"identity": user.name, "role": user.role.value,
-                "calls": driver.status(owner=user.name)}
-    return {"identity": user.name, "role": user.role.value,
-            "processes": pids(),
-            "workers": pool.snapshot(),
-            "pool": {"spare": pool.spare, "max": pool.max_workers,
-                     "spawned_total": pool.spawned_total, "killed_total": pool.killed_total},
-            "calls": driver.status(),
-            "breakers": breakers.snapshot(),
-            "counters": dict(counters, auth_refused=auth_refused()),
-            "sink": sink.stats}
 
 
 def _raise_fd_limit(workers_max: int) -> None:

@@ -1,0 +1,61 @@
+"""Who is speaking on the client socket (docs/SECURITY.md).
+
+`ClientAuth` owns the client socket's authentication: with `auth = "curve"`
+it runs pyzmq's ZAP authenticator over the key store and makes the socket a
+CURVE server, creates the daemon's own user's admin credentials on first
+start, and names the identity of every message by its key, looked up again
+each time so that a revoked or rotated key stops at once. With
+`auth = "none"` every message is the `local` admin.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import zmq
+
+from streamfence.protocol.credentials import LOCAL_NAME
+from streamfence.supervisor.identities import Identity, identity_named
+from streamfence.supervisor.keys import KeyStore, make_curve_server, start_authenticator
+
+log = logging.getLogger("streamfence.auth")
+
+
+class ClientAuth:
+    """Owns the ZAP authenticator thread (if any) and the identities' config."""
+
+    def __init__(self, context: zmq.Context[Any], keys: KeyStore, mode: str,
+                 identities: Mapping[str, Identity], endpoint: str) -> None:
+        self._keys = keys
+        self._identities = identities
+        self._zap = None
+        if mode == "curve":
+            self._zap = start_authenticator(context, keys)
+            local = keys.credentials_path(LOCAL_NAME)
+            if not local.exists():
+                keys.register(LOCAL_NAME, endpoint, replace=True)
+                log.info("created the admin credentials of this user: %s", local)
+
+    def secure(self, sock: zmq.Socket[bytes]) -> None:
+        """Make the client socket (before bind) a CURVE server, if auth is on."""
+        if self._zap is not None:
+            make_curve_server(sock, self._keys)
+
+    @property
+    def refused(self) -> int:
+        """CURVE handshakes refused for an unregistered key."""
+        return self._zap.refused if self._zap is not None else 0
+
+    def user_of(self, frame: zmq.Frame) -> Identity | None:
+        """The identity that sent `frame`; None if its key is no longer registered."""
+        if self._zap is None:
+            return identity_named(LOCAL_NAME, self._identities)
+        name = self._keys.identity_of(str(frame.get("User-Id")).encode())
+        return None if name is None else identity_named(name, self._identities)
+
+    def stop(self) -> None:
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None

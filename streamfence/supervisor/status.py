@@ -1,0 +1,33 @@
+"""The body of a `status` reply: each owner's own view, filtered by who asks
+(docs/PROTOCOL.md "status", docs/SECURITY.md)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from streamfence.supervisor.attempts import AttemptDriver
+from streamfence.supervisor.breaker import Breakers
+from streamfence.supervisor.identities import Identity
+from streamfence.supervisor.pool import Pool
+from streamfence.supervisor.sinklink import SinkLink
+
+
+def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers, sink: SinkLink,
+              counters: Counter[str], pids: Callable[[], dict[str, int]],
+              auth_refused: Callable[[], int], user: Identity) -> dict[str, Any]:
+    """The body of a `status_reply`: each owner's own view. An identity that is
+    not an admin sees only its own calls (docs/SECURITY.md)."""
+    if not user.is_admin:
+        return {"identity": user.name, "role": user.role.value,
+                "calls": driver.status(owner=user.name)}
+    return {"identity": user.name, "role": user.role.value,
+            "processes": pids(),
+            "workers": pool.snapshot(),
+            "pool": {"spare": pool.spare, "max": pool.max_workers,
+                     "spawned_total": pool.spawned_total, "killed_total": pool.killed_total},
+            "calls": driver.status(),
+            "breakers": breakers.snapshot(),
+            "counters": dict(counters, auth_refused=auth_refused()),
+            "sink": sink.stats}
