@@ -165,9 +165,17 @@ def test_a_worker_killed_while_idle_is_never_handed_an_attempt(
     and the send to it crashed the supervisor."""
     daemon: DaemonProcess = make_daemon()
     with daemon.client() as client:
-        status = client.status()
+        def settled() -> dict[str, Any] | None:
+            """A status in which every worker is idle (spares may still be warming
+            up when the daemon first reports ready)."""
+            status: dict[str, Any] = client.status()
+            workers = status["workers"]
+            return status if workers and all(w["state"] == "idle" for w in workers) else None
+
+        status = wait_until(settled, 30, "every spare worker to be idle")
+        assert status is not None
         zygote = status["processes"]["zygote"]
-        idle = [w["pid"] for w in status["workers"] if w["state"] == "idle"]
+        idle = [w["pid"] for w in status["workers"]]
         os.kill(zygote, signal.SIGSTOP)  # it can neither reap nor report exits now
         try:
             for pid in idle:

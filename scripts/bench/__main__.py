@@ -20,7 +20,7 @@ from pathlib import Path
 
 from scripts.bench import common, report
 
-SECTIONS = ("cpu", "throughput", "latency", "failover", "scale", "startup")
+SECTIONS = ("cpu", "throughput", "latency", "failover", "scale", "startup", "ttft", "capacity")
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "PERFORMANCE.md"
 
 

@@ -164,6 +164,9 @@ class AttemptDriver:
             call.to(CallEvent.START)
             self._journal.start_attempt(call.call_id, call.epoch)
             started.append(call)
+        # The forks the queue needs are asked for first (all at once): the zygote
+        # forks while the journal commits and the sink authorizes.
+        self._pool.maintain(demand=sum(1 for cid in queue if cid in self._calls))
         if started:
             # Epochs are durable before the sink hears of them.
             self._journal.commit()
@@ -173,7 +176,6 @@ class AttemptDriver:
                             or "-")
                 self._sink.authorize(call.call_id, call.epoch, reset, model,
                                      functools.partial(self._authorized, call))
-        self._pool.maintain(demand=sum(1 for cid in queue if cid in self._calls))
 
     def _authorized(self, call: Call, reply: StatsReply) -> None:
         worker = self._pool.get(call.worker_id)

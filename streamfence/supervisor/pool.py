@@ -1,19 +1,35 @@
 """The warm worker pool, as seen from the supervisor.
 
 Workers are forked by the zygote (workers/zygote.py); the pool tracks each
-one's state, keeps `spare` ready workers beyond the busy ones so a retry never
-waits for a fork, kills a worker with SIGKILL when its attempt is fenced, and
+one's state, kills a worker with SIGKILL when its attempt is fenced, and
 replaces it in the background. Every worker has a liveness slot
 (workers/liveness.py), reused only after its previous holder was reaped.
+
+How many workers it keeps (`Pool.target`): the recent peak of the load
+(attempts running or authorizing, plus the calls queued for a worker), decaying
+with a half-life of PEAK_HALF_LIFE_S, plus `spare` ready workers so that a
+retry never waits for a fork. A new worker costs ~20 ms of CPU (fork,
+start-up, its first attempt's first-use costs), so a burst that finds no ready
+worker waits for its forks; the same burst again finds them: after a burst of
+32 the pool keeps 32 + spare workers, 16 + spare 30 s later, 2 + spare after
+2 minutes and `spare` after 3. Idle workers above the target are retired
+(SIGKILL) once idle for RETIRE_AFTER_S (so a dip of the load, such as a retry's
+backoff, does not retire the worker the retry will want), the longest idle
+first: an idle daemon goes back to `spare` processes. All forks a target needs
+are asked for at once. Bounded by `max_workers` (and the liveness slots)
+throughout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import math
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -28,6 +44,9 @@ from streamfence.protocol.lifecycle import ExitCode
 from streamfence.workers.liveness import LivenessTable
 
 log = logging.getLogger("streamfence.pool")
+
+PEAK_HALF_LIFE_S = 30.0
+RETIRE_AFTER_S = 10.0
 
 
 class WorkerState(Enum):
@@ -81,6 +100,8 @@ class Worker:
     token: int = 0
     since: float = 0.0
     returncode: int | None = None
+    runs: int = 0  # attempts dispatched to it
+    idle_at: float = 0.0  # when it last became idle (the pool's clock)
 
     @property
     def identity(self) -> bytes:
@@ -109,12 +130,15 @@ def exit_text(code: int | None) -> str:
 
 class Pool:
     """Owns the workers (their states, slots, pids), the supervisor's side of the
-    `workers` socket (W_RUN out; W_HELLO, W_IDLE in) and the liveness table.
-    Fork requests go to the zygote through `send_to_zygote`."""
+    `workers` socket (W_RUN out; W_HELLO, W_IDLE in), the liveness table and the
+    decaying peak of the load. Fork requests go to the zygote through
+    `send_to_zygote`. `clock` (monotonic seconds) times the peak's decay."""
 
     def __init__(self, send_to_zygote: Callable[[ZygoteCommand], None],
                  workers_sock: zmq.Socket[bytes], live: LivenessTable, slots: int,
-                 spare: int, max_workers: int) -> None:
+                 spare: int, max_workers: int, clock: Callable[[], float] = time.monotonic,
+                 peak_half_life_s: float = PEAK_HALF_LIFE_S,
+                 retire_after_s: float = RETIRE_AFTER_S) -> None:
         self._send = send_to_zygote
         self.socket = workers_sock
         self._live = live
@@ -123,9 +147,21 @@ class Pool:
         self.max_workers = min(max_workers, slots)
         self.workers: dict[int, Worker] = {}
         self._by_pid: dict[int, Worker] = {}
+        self._states: Counter[WorkerState] = Counter()  # workers by state (DEAD: none)
+        # The idle workers, longest idle first: those that never ran an attempt, the others.
+        self._idle_new: dict[int, Worker] = {}
+        self._idle_used: dict[int, Worker] = {}
+        self._clock = clock
+        self._half_life_s = peak_half_life_s
+        self._retire_after_s = retire_after_s
+        self._peak = 0.0  # the load's peak, decayed to `_peak_at`
+        self._peak_at = clock()
+        self._demand = 0  # calls queued for a worker, as last told
+        self._fenced: set[int] = set()  # killed by `kill`, not yet reaped: their calls retry
         self._next_id = 1
         self.spawned_total = 0
         self.killed_total = 0
+        self.retired_total = 0
 
     # ---- bookkeeping -------------------------------------------------------
     def get(self, worker_id: int | None) -> Worker | None:
@@ -136,27 +172,81 @@ class Pool:
         return self._live.read(worker.slot)
 
     def count(self, *states: WorkerState) -> int:
-        return sum(1 for w in self.workers.values() if w.state in states)
+        return sum(self._states[state] for state in states)
 
     def live(self) -> int:
         return self.count(WorkerState.SPAWNING, WorkerState.IDLE, WorkerState.RESERVED,
                           WorkerState.BUSY, WorkerState.KILLING)
 
-    def maintain(self, demand: int = 0) -> None:
-        """Fork until idle+spawning covers the queued demand plus the spares."""
-        want = self.spare + demand
-        have = self.count(WorkerState.SPAWNING, WorkerState.IDLE)
-        while have < want and self.live() < self.max_workers and self._free_slots:
-            self._spawn()
-            have += 1
+    def _to(self, worker: Worker, event: WorkerEvent) -> None:
+        """Every transition of a pool worker: keeps the counts and the idle order."""
+        before = worker.state
+        worker.to(event)
+        if worker.state is not before:
+            self._states[before] -= 1
+            self._states[worker.state] += 1
+            if before is WorkerState.IDLE:
+                del (self._idle_used if worker.runs else self._idle_new)[worker.worker_id]
+            if worker.state is WorkerState.IDLE:
+                (self._idle_used if worker.runs else self._idle_new)[worker.worker_id] = worker
+                worker.idle_at = self._clock()
+
+    def target(self) -> int:
+        """How many workers (spawning, idle, reserved or busy) the pool wants now:
+        the load's recent peak (decayed, rounded; at least the load now) plus `spare`,
+        within `max_workers`. The load is the workers reserved or busy, those
+        killed under an attempt and not yet reaped (their replacement is forked
+        at the kill, not when the retry takes a spare), plus the queued demand
+        last given to `maintain`."""
+        now = self._clock()
+        load = (self.count(WorkerState.RESERVED, WorkerState.BUSY) + len(self._fenced)
+                + self._demand)
+        elapsed = max(0.0, now - self._peak_at)
+        peak = self._peak * 0.5 ** (elapsed / self._half_life_s)
+        self._peak, self._peak_at = max(peak, float(load)), now
+        return min(self.max_workers, math.floor(self._peak + 0.5) + self.spare)
+
+    def maintain(self, demand: int | None = None) -> None:
+        """Fork, all at once, what the target lacks; retire the idle workers above
+        it that have been idle for `retire_after_s` (the longest idle first, new
+        ones before used ones). `demand`: the calls queued for a worker (None: as
+        last given)."""
+        if demand is not None:
+            self._demand = demand
+        want = self.target()
+        have = self.count(WorkerState.SPAWNING, WorkerState.IDLE, WorkerState.RESERVED,
+                          WorkerState.BUSY)
+        if have < want:
+            room = min(want - have, self.max_workers - self.live(), len(self._free_slots))
+            for _ in range(room):
+                self._spawn()
+        elif have > want and (self._idle_new or self._idle_used):
+            since = self._clock() - self._retire_after_s
+            old = itertools.chain.from_iterable(  # each ordered by idle_at
+                itertools.takewhile(lambda w: w.idle_at <= since, ws.values())
+                for ws in (self._idle_new, self._idle_used))
+            for worker in list(itertools.islice(old, have - want)):
+                self._retire(worker, want)
 
     def _spawn(self) -> None:
         worker = Worker(worker_id=self._next_id, slot=self._free_slots.pop(),
                         since=time.monotonic())
         self._next_id += 1
         self.workers[worker.worker_id] = worker
+        self._states[WorkerState.SPAWNING] += 1
         self.spawned_total += 1
         self._send(SpawnWorker(worker.worker_id, worker.slot))
+
+    def _retire(self, worker: Worker, target: int) -> None:
+        """An idle worker the target no longer wants: SIGKILL (it runs nothing);
+        the zygote reaps it and reports `exited`, which frees its slot."""
+        log.debug("retiring idle worker %d (pid %d): the pool's target is %d workers",
+                  worker.worker_id, worker.pid, target)
+        self._to(worker, WorkerEvent.KILL)
+        self.retired_total += 1
+        if worker.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, signal.SIGKILL)
 
     # ---- events ------------------------------------------------------------
     def on_spawned(self, worker_id: int, pid: int) -> None:
@@ -171,14 +261,14 @@ class Pool:
             return None
         worker.pid = pid
         self._by_pid[pid] = worker
-        worker.to(WorkerEvent.HELLO)
+        self._to(worker, WorkerEvent.HELLO)
         return worker
 
     def on_idle(self, worker_id: int) -> Worker | None:
         worker = self.workers.get(worker_id)
         if worker is None or worker.state is not WorkerState.BUSY:
             return None
-        worker.to(WorkerEvent.IDLE)
+        self._to(worker, WorkerEvent.IDLE)
         worker.call_id, worker.attempt, worker.token = None, 0, 0
         return worker
 
@@ -186,7 +276,9 @@ class Pool:
         worker = self.workers.get(worker_id) or self._by_pid.get(pid)
         if worker is None:
             return None
-        worker.to(WorkerEvent.EXITED)
+        self._to(worker, WorkerEvent.EXITED)
+        self._states[WorkerState.DEAD] -= 1
+        self._fenced.discard(worker.worker_id)
         worker.returncode = returncode
         self._by_pid.pop(pid, None)
         del self.workers[worker.worker_id]
@@ -214,24 +306,31 @@ class Pool:
 
     # ---- actions -----------------------------------------------------------
     def reserve(self, call_id: str, attempt: int, token: int) -> Worker | None:
-        for worker in self.workers.values():
-            if worker.state is WorkerState.IDLE:
-                worker.to(WorkerEvent.RESERVE)
-                worker.call_id, worker.attempt, worker.token = call_id, attempt, token
-                return worker
-        return None
+        """An idle worker, reserved (None if none is): the most recently idle of
+        those that ran an attempt (warm for certain, its pages still resident),
+        else the longest idle of the new ones."""
+        if self._idle_used:
+            worker = next(reversed(self._idle_used.values()))
+        elif self._idle_new:
+            worker = next(iter(self._idle_new.values()))
+        else:
+            return None
+        self._to(worker, WorkerEvent.RESERVE)
+        worker.call_id, worker.attempt, worker.token = call_id, attempt, token
+        return worker
 
     def release(self, worker: Worker) -> None:
         """Give back a reserved worker whose attempt never started."""
         if worker.state is WorkerState.RESERVED:
-            worker.to(WorkerEvent.RELEASE)
+            self._to(worker, WorkerEvent.RELEASE)
             worker.call_id, worker.attempt, worker.token = None, 0, 0
 
     def dispatch(self, worker: Worker, run: RunAttempt) -> bool:
         """Send the reserved `worker` its attempt. False: it is unreachable (killed
         after it reported idle, before the zygote reported its exit), and now
         being killed: the attempt never started."""
-        worker.to(WorkerEvent.RUN)
+        self._to(worker, WorkerEvent.RUN)
+        worker.runs += 1
         try:
             self.socket.send_multipart([worker.identity, encode_run(run)])
         except zmq.ZMQError as exc:
@@ -246,7 +345,9 @@ class Pool:
         """SIGKILL; the zygote reaps it and reports `exited`."""
         if worker.state in (WorkerState.KILLING, WorkerState.DEAD):
             return
-        worker.to(WorkerEvent.KILL)
+        if worker.state in (WorkerState.RESERVED, WorkerState.BUSY):
+            self._fenced.add(worker.worker_id)
+        self._to(worker, WorkerEvent.KILL)
         self.killed_total += 1
         if worker.pid:
             with contextlib.suppress(ProcessLookupError):

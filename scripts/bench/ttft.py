@@ -1,0 +1,393 @@
+"""Section 7: time to first token of a burst arriving at an idle daemon.
+
+The same emulated stream at a model's pace (`chunk_delay_s` 20 ms, 50 chunks;
+10 chunks for the 200-call burst, to keep the section short; the emulator
+writes the first chunk at once) is opened by bursts of 1, 32 and 200 calls,
+side by side in one run (each round, per burst size, the two variants in
+rotated order):
+
+- `openai-sdk`  the bare openai SDK: one shared `openai.OpenAI` client
+                (max_retries=0) pointed at the emulator, one thread per call
+                (started beforehand and released at once),
+                `chat.completions.create(stream=True)`; TTFT = the thread's
+                request -> its first chunk with content;
+- `streamfence` the real daemon (openai profile on the same emulator): every
+                call of the burst submitted (subscribed) back to back on one
+                client socket, the events of all read by one loop; TTFT = the
+                call's submit -> its first text delta.
+
+Each burst meets an idle daemon: a fresh one per burst (`workers_spare` at
+its default, 2; `workers_max` large enough for the burst), which has served
+one call (so its supervisor and sink paths are not cold) and then settled
+(no call, the same idle workers for 0.5 s). Reported per burst: p50 and p90
+of the TTFTs of all calls of all rounds, the added p50 (streamfence − SDK,
+ms) and the ratio of p90s, per-round ranges, and where streamfence's time
+went: submit -> attempt scheduled (the journal's `started`), scheduled ->
+request at the emulator (the emulator's log), request -> first delta at the
+subscriber; plus the forks the burst caused. For bursts of 32 and more, the
+same burst again REPEAT_AFTER_S after the first one ended (the pool keeps
+the workers of a recent peak): TTFT when the workers exist.
+
+Targets (issue "The data path at a model's pace"): added p50 ≤ 5 ms and
+p90 ≤ 1.25× the SDK's, at bursts of 1 and 32.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx2
+import msgpack
+import openai
+import zmq
+
+from scripts.bench.common import (
+    Section,
+    daemon,
+    emulator,
+    log,
+    median,
+    percentile,
+    providers_for,
+    raise_fd_limit,
+    realistic_text,
+    rotated,
+)
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.launcher import DaemonProcess
+from streamfence.protocol.client_base import new_ref, status_msg, submit_msg
+from streamfence.protocol.codec import encode
+from streamfence.protocol.credentials import load_credentials
+
+DaemonFactory = Callable[..., AbstractContextManager[DaemonProcess]]
+
+VARIANTS = ("openai-sdk", "streamfence")
+PROMPT = [{"role": "user", "content": "Write a short paragraph."}]
+DELAY_S = 0.02
+ADDED_P50_TARGET_S = 0.005
+P90_RATIO_TARGET = 1.25
+TARGET_BURSTS = (1, 32)
+REPEAT_MIN = 32
+REPEAT_AFTER_S = 5.0
+
+
+@dataclass(slots=True)
+class Call:
+    model: str
+    key: str
+    t0: float = 0.0  # perf_counter at submit / request
+    w0: float = 0.0  # time.time() at submit / request
+    first: float = 0.0  # perf_counter at the first text
+    wfirst: float = 0.0
+    last: float = 0.0  # perf_counter at the last text
+    pieces: int = 0  # text chunks / deltas received
+    call_id: str = ""
+    text: str = ""
+    error: str = ""
+
+
+def _script(control: EmulatorClient, n: int, chunks: int, text: str) -> list[Call]:
+    calls = []
+    for _ in range(n):
+        key = f"tt-{uuid.uuid4().hex[:10]}"
+        control.script(key, [{"fault": "ok", "chunks": chunks, "chunk_delay_s": DELAY_S,
+                              "text": text}])
+        calls.append(Call(f"emu-model#{key}", key))
+    return calls
+
+
+# ---- the bare SDK ----------------------------------------------------------------
+
+def _sdk_burst(sdk: openai.OpenAI, calls: list[Call]) -> None:
+    """One thread per call, all started first and released together."""
+    go = threading.Event()
+    ready = threading.Semaphore(0)
+    client: Any = sdk  # the SDK's overloads are too narrow for a bench's model names
+
+    def one(call: Call) -> None:
+        ready.release()
+        go.wait()
+        parts: list[str] = []
+        call.t0, call.w0 = time.perf_counter(), time.time()
+        try:
+            stream = client.chat.completions.create(model=call.model, messages=PROMPT,
+                                                    stream=True)
+            for chunk in stream:
+                if chunk.choices:
+                    content = chunk.choices[0].delta.content
+                    if content:
+                        call.last = time.perf_counter()
+                        if not call.first:
+                            call.first, call.wfirst = call.last, time.time()
+                        call.pieces += 1
+                        parts.append(content)
+        except Exception as exc:
+            call.error = f"{type(exc).__name__}: {exc}"
+        call.text = "".join(parts)
+
+    threads = [threading.Thread(target=one, args=(c,), daemon=True) for c in calls]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        ready.acquire()
+    time.sleep(0.05)  # every thread is parked on the event
+    go.set()
+    for t in threads:
+        t.join(timeout=120.0)
+
+
+# ---- streamfence ----------------------------------------------------------------
+
+def _sf_burst(proc: DaemonProcess, calls: list[Call]) -> None:
+    """Submit every call (subscribed) back to back on one DEALER, then read all their
+    events in one loop. The client library's wire (client_base.submit_msg, codec)
+    on a raw socket, as section 5 does: with one asyncio task per call the
+    asyncio client wakes every waiting task per message (N tasks × N streams'
+    events), which at 32-200 calls would measure the subscriber itself."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    load_credentials(proc.credentials_path).apply(sock)
+    sock.connect(proc.endpoint)
+    try:
+        sock.send(encode(status_msg(new_ref())))  # the CURVE handshake before the burst
+        if not sock.poll(30_000):
+            raise TimeoutError("no status reply from the daemon")
+        sock.recv()
+        by_ref: dict[str, Call] = {}
+        by_call: dict[str, Call] = {}
+        parts: dict[str, list[str]] = {}
+        for call in calls:
+            ref = new_ref()
+            by_ref[ref] = call
+            frame = encode(submit_msg(ref, "oa", {"model": call.model, "messages": PROMPT},
+                                      session_id=None, idempotency_key=None, options=None,
+                                      subscribe=True))
+            call.t0, call.w0 = time.perf_counter(), time.time()
+            sock.send(frame)
+        finished = 0
+        deadline = time.monotonic() + 120.0
+        while finished < len(calls) and time.monotonic() < deadline:
+            if not sock.poll(200):
+                continue
+            while True:
+                try:
+                    frame = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = msgpack.unpackb(frame)
+                op = msg.get("op")
+                if op == "delta":
+                    call = by_call[msg["call_id"]]
+                    if msg["kind"] == "text":
+                        call.last = time.perf_counter()
+                        if not call.first:
+                            call.first, call.wfirst = call.last, time.time()
+                        call.pieces += 1
+                        parts[call.call_id].append(msg["data"])
+                elif op == "accepted":
+                    call = by_ref[msg["ref"]]
+                    call.call_id = msg["call_id"]
+                    by_call[call.call_id] = call
+                    parts[call.call_id] = []
+                elif op == "done":
+                    call = by_call[msg["call_id"]]
+                    if msg["status"] != "completed":
+                        call.error = f"ended {msg['status']}: {msg.get('error')}"
+                    call.text = "".join(parts[call.call_id])
+                    finished += 1
+                elif op == "error":
+                    raise RuntimeError(f"the daemon refused a call: {msg}")
+    finally:
+        sock.close(linger=0)
+
+
+def _settle(proc: DaemonProcess, quiet_s: float = 0.5, timeout_s: float = 60.0) -> int:
+    """Wait until no call is active and the set of idle workers has not changed
+    for `quiet_s`; returns the number of idle workers."""
+    with proc.client(timeout_s=30.0) as client:
+        last: tuple[Any, ...] = ()
+        since = time.monotonic()
+        deadline = since + timeout_s
+        while time.monotonic() < deadline:
+            status = client.status()
+            workers = status["workers"]
+            shape = (status["calls"]["active"],
+                     tuple(sorted(w["worker_id"] for w in workers if w["state"] == "idle")),
+                     len(workers))
+            if shape != last:
+                last, since = shape, time.monotonic()
+            elif shape[0] == 0 and shape[1] and len(shape[1]) == shape[2] \
+                    and time.monotonic() - since >= quiet_s:
+                return len(shape[1])
+            time.sleep(0.05)
+    raise TimeoutError("the daemon did not settle")
+
+
+def _pool_counts(proc: DaemonProcess) -> dict[str, int]:
+    with proc.client(timeout_s=30.0) as client:
+        status = client.status()
+    return {"spawned_total": int(status["pool"]["spawned_total"]),
+            "workers": len(status["workers"])}
+
+
+def _sf_run(emu: EmulatorProcess, n: int, chunks: int, text: str,
+            start: DaemonFactory = daemon) -> dict[str, Any]:
+    control = emu.client()
+    settings = {"workers_max": max(64, n + 16), "queue_max": 10 * n + 100}
+    with start(providers_for(emu, stale_timeout_s=120.0), settings,
+               ready_timeout=180.0) as proc:
+        # One call first: the daemon has served before (an idle daemon, not a cold one).
+        warm = _script(control, 1, 4, realistic_text(4))
+        _sf_burst(proc, warm)
+        idle_before = _settle(proc)
+        before = _pool_counts(proc)
+        since = int(control.health()["requests"])
+        calls = _script(control, n, chunks, text)
+        t = time.perf_counter()
+        _sf_burst(proc, calls)
+        wall = time.perf_counter() - t
+        after = _pool_counts(proc)
+        again: list[Call] = []
+        if n >= REPEAT_MIN:
+            time.sleep(REPEAT_AFTER_S)
+            again = _script(control, n, chunks, text)
+            _sf_burst(proc, again)
+        started = dict(proc.journal_rows("SELECT call_id, started FROM attempts "
+                                         "WHERE attempt = 1"))
+    at_emu = {r["key"]: r["started"] for r in control.log(since=since)}
+    parts = [(started[c.call_id] - c.w0, at_emu[c.key] - started[c.call_id],
+              c.wfirst - at_emu[c.key])
+             for c in calls if c.first and c.call_id in started and c.key in at_emu]
+    return {"calls": calls, "wall": wall, "parts": parts, "idle_before": idle_before,
+            "forks": after["spawned_total"] - before["spawned_total"],
+            "workers_after": after["workers"], "again": again}
+
+
+def _sdk_run(emu: EmulatorProcess, sdk: openai.OpenAI, n: int, chunks: int,
+             text: str) -> dict[str, Any]:
+    control = emu.client()
+    warm = _script(control, 1, 4, realistic_text(4))
+    _sdk_burst(sdk, warm)
+    time.sleep(0.5)
+    since = int(control.health()["requests"])
+    calls = _script(control, n, chunks, text)
+    t = time.perf_counter()
+    _sdk_burst(sdk, calls)
+    wall = time.perf_counter() - t
+    at_emu = {r["key"]: r["started"] for r in control.log(since=since)}
+    parts = [(at_emu[c.key] - c.w0, c.wfirst - at_emu[c.key])
+             for c in calls if c.first and c.key in at_emu]
+    return {"calls": calls, "wall": wall, "parts": parts}
+
+
+def _check(variant: str, res: dict[str, Any], text: str) -> list[float]:
+    calls: list[Call] = res["calls"]
+    bad = [c for c in calls if c.error or c.text != text or not c.first]
+    if bad:
+        c = bad[0]
+        raise RuntimeError(f"{variant}: {len(bad)}/{len(calls)} calls failed; first: "
+                           f"{c.error or f'received {len(c.text)} chars of {len(text)}'}")
+    return sorted(c.first - c.t0 for c in calls)
+
+
+# ---- the section ----------------------------------------------------------------
+
+def run(quick: bool, rounds: int, bursts: list[tuple[int, int]] | None = None) -> Section:
+    """`bursts`: (calls, chunks) per burst (default 1 × 50, 32 × 50, 200 × 10;
+    quick: 1 × 20, 32 × 20)."""
+    sec = Section("ttft", "7 TTFT of a burst")
+    if bursts is None:
+        bursts = [(1, 20), (32, 20)] if quick else [(1, 50), (32, 50), (200, 10)]
+    sec.params = {"rounds": rounds, "bursts (calls × chunks)": ", ".join(
+        f"{n} × {c}" for n, c in bursts), "chunk_delay_s": DELAY_S,
+        "daemon": "fresh per burst, one call served, settled; workers_spare default (2)",
+        "RLIMIT_NOFILE": raise_fd_limit()}
+    results: dict[int, dict[str, list[dict[str, Any]]]] = {
+        n: {v: [] for v in VARIANTS} for n, _ in bursts}
+    with emulator() as emu:
+        sdk = openai.OpenAI(base_url=emu.openai_base_url, api_key="bench", max_retries=0,
+                            http_client=httpx2.Client(
+                                trust_env=False, timeout=60.0,
+                                limits=openai.DEFAULT_CONNECTION_LIMITS))
+        try:
+            for r in range(rounds):
+                for n, chunks in bursts:
+                    text = realistic_text(chunks)
+                    for variant in rotated(VARIANTS, r):
+                        if variant == "streamfence":
+                            res = _sf_run(emu, n, chunks, text)
+                        else:
+                            res = _sdk_run(emu, sdk, n, chunks, text)
+                        res["ttft"] = _check(variant, res, text)
+                        if res.get("again"):
+                            res["ttft_again"] = _check(variant, {"calls": res["again"]}, text)
+                        results[n][variant].append(res)
+                    log(f"  ttft round {r + 1}/{rounds}, burst {n}: " + ", ".join(
+                        f"{v} p50 {percentile(results[n][v][-1]['ttft'], 50) * 1e3:.1f} / "
+                        f"p90 {percentile(results[n][v][-1]['ttft'], 90) * 1e3:.1f} ms"
+                        for v in VARIANTS))
+        finally:
+            sdk.close()
+    for n, chunks in bursts:
+        _report(sec, n, chunks, results[n])
+    return sec
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def _report(sec: Section, n: int, chunks: int, res: dict[str, list[dict[str, Any]]]) -> None:
+    pooled = {v: sorted(t for r in res[v] for t in r["ttft"]) for v in VARIANTS}
+    p = {v: (percentile(pooled[v], 50), percentile(pooled[v], 90)) for v in VARIANTS}
+    for v in VARIANTS:
+        sec.row(f"burst {n} ({chunks} chunks @ {1 / DELAY_S:.0f}/s): {v}",
+                f"p50 {_ms(p[v][0])} ms, p90 {_ms(p[v][1])} ms")
+    added = p["streamfence"][0] - p["openai-sdk"][0]
+    ratio = p["streamfence"][1] / p["openai-sdk"][1]
+    targeted = n in TARGET_BURSTS
+    sec.row(f"burst {n}: added p50 (streamfence − SDK)", f"{added * 1e3:+.1f} ms",
+            f"≤ {ADDED_P50_TARGET_S * 1e3:.0f} ms" if targeted else "", "",
+            added <= ADDED_P50_TARGET_S if targeted else None)
+    sec.row(f"burst {n}: p90 streamfence ÷ SDK", f"{ratio:.2f}",
+            f"≤ {P90_RATIO_TARGET}" if targeted else "", "",
+            ratio <= P90_RATIO_TARGET if targeted else None)
+
+    again = sorted(t for r in res["streamfence"] for t in r.get("ttft_again", []))
+    if again:
+        p50, p90 = percentile(again, 50), percentile(again, 90)
+        sdk50, sdk90 = p["openai-sdk"]
+        sec.row(f"burst {n} again {REPEAT_AFTER_S:.0f} s later (workers kept): streamfence",
+                f"p50 {_ms(p50)} ms, p90 {_ms(p90)} ms (added p50 "
+                f"{(p50 - sdk50) * 1e3:+.1f} ms, p90 ÷ SDK {p90 / sdk90:.2f})")
+
+    def rng(v: str, q: float) -> str:
+        vals = [percentile(r["ttft"], q) * 1e3 for r in res[v]]
+        return f"{min(vals):.1f}–{max(vals):.1f}"
+
+    sf = res["streamfence"]
+    split = ", ".join(
+        f"{name} p50 {_ms(median([x[i] for r in sf for x in r['parts']]))} / p90 "
+        f"{_ms(percentile(sorted(x[i] for r in sf for x in r['parts']), 90))} ms"
+        for i, name in enumerate(("submit → attempt scheduled",
+                                  "scheduled → request at the emulator",
+                                  "request → first delta at the subscriber")))
+    sdk_split = ", ".join(
+        f"{name} p50 {_ms(median([x[i] for r in res['openai-sdk'] for x in r['parts']]))} ms"
+        for i, name in enumerate(("request → at the emulator",
+                                  "at the emulator → first chunk in the thread")))
+    sec.note(f"- burst {n} × {chunks} chunks: per-round p50 ranges: SDK {rng('openai-sdk', 50)}"
+             f" ms, streamfence {rng('streamfence', 50)} ms; per-round p90 ranges: SDK "
+             f"{rng('openai-sdk', 90)} ms, streamfence {rng('streamfence', 90)} ms; max SDK "
+             f"{_ms(pooled['openai-sdk'][-1])} ms, streamfence {_ms(pooled['streamfence'][-1])}"
+             f" ms. streamfence split: {split}. SDK split: {sdk_split}. Idle workers before "
+             f"each burst: {sorted({r['idle_before'] for r in sf})}; forks during the burst: "
+             f"{[r['forks'] for r in sf]}; workers after: {[r['workers_after'] for r in sf]}.")

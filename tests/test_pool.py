@@ -1,0 +1,285 @@
+"""The worker pool's policy, with a fake clock and fake sockets: every fork a
+target needs asked for at once, spares that follow the recent peak of the load
+and decay back to `spare`, retirement of the idle surplus (only once idle for
+a while), the bounds (`max_workers`, the liveness slots), which idle worker an
+attempt gets, and a replacement forked at the kill of a fenced attempt's
+worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from streamfence.protocol.internal.workers import (
+    AttemptSettings,
+    RunAttempt,
+    SpawnWorker,
+    ZygoteCommand,
+)
+from streamfence.supervisor.pool import Pool, Worker, WorkerState
+from streamfence.workers.liveness import LivenessTable
+
+HALF_LIFE_S = 30.0
+RETIRE_AFTER_S = 10.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeSocket:
+    def __init__(self) -> None:
+        self.sent: list[list[bytes]] = []
+
+    def send_multipart(self, parts: list[bytes]) -> None:
+        self.sent.append(parts)
+
+    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+        raise zmq.Again()
+
+
+class Harness:
+    def __init__(self, tmp_path: Path, spare: int = 2, max_workers: int = 16,
+                 slots: int | None = None) -> None:
+        self.clock = Clock()
+        self.spawns: list[ZygoteCommand] = []
+        self.live = LivenessTable(str(tmp_path / "live.bin"), slots or max_workers, create=True)
+        self.pool = Pool(self.spawns.append, FakeSocket(), self.live,  # type: ignore[arg-type]
+                         slots=slots or max_workers, spare=spare, max_workers=max_workers,
+                         clock=self.clock, peak_half_life_s=HALF_LIFE_S,
+                         retire_after_s=RETIRE_AFTER_S)
+        self.token = 0
+
+    def up(self) -> list[Worker]:
+        """Every spawn asked for so far says hello (pid 0: a kill is never sent)."""
+        up = []
+        for cmd in self.spawns:
+            assert isinstance(cmd, SpawnWorker)
+            worker = self.pool.get(cmd.worker_id)
+            if worker is not None and worker.state is WorkerState.SPAWNING:
+                self.pool.on_spawned(cmd.worker_id, 0)
+                assert self.pool.on_hello(cmd.worker_id, 0) is worker
+                up.append(worker)
+        return up
+
+    def run(self, n: int) -> list[Worker]:
+        """Reserve and dispatch `n` attempts on idle workers."""
+        busy = []
+        for _ in range(n):
+            self.token += 1
+            worker = self.pool.reserve(f"c{self.token}", 1, self.token)
+            assert worker is not None
+            run = RunAttempt(self.token, f"c{self.token}", 1, "-", {}, {}, AttemptSettings())
+            assert self.pool.dispatch(worker, run)
+            busy.append(worker)
+        return busy
+
+    def idle(self, workers: list[Worker]) -> None:
+        for worker in workers:
+            assert self.pool.on_idle(worker.worker_id) is worker
+
+    def exited(self, workers: list[Worker]) -> None:
+        for worker in workers:
+            assert self.pool.on_exited(worker.worker_id, worker.pid, -9) is worker
+
+    def states(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for w in self.pool.workers.values():
+            out[w.state.value] = out.get(w.state.value, 0) + 1
+        return out
+
+
+@pytest.fixture
+def h(tmp_path: Path) -> Iterator[Harness]:
+    harness = Harness(tmp_path)
+    yield harness
+    harness.live.close()
+
+
+def test_start_forks_the_spares(h: Harness) -> None:
+    h.pool.maintain()
+    assert len(h.spawns) == 2 and h.pool.target() == 2
+    h.pool.maintain()  # forks in flight count: nothing more
+    assert len(h.spawns) == 2
+    h.up()
+    assert h.states() == {"idle": 2}
+
+
+def test_demand_asks_for_every_fork_at_once(h: Harness) -> None:
+    h.pool.maintain()
+    h.up()
+    h.run(2)  # the two spares take the first two calls of a burst of 12
+    h.pool.maintain(demand=10)
+    # one maintain: the 10 queued calls plus 2 spares, all asked for now
+    assert len(h.spawns) == 2 + 12
+    assert h.pool.target() == 2 + 10 + 2
+
+
+def test_spares_follow_the_peak_then_decay_back_to_spare(h: Harness) -> None:
+    h.pool.maintain()
+    h.up()
+    h.pool.maintain(demand=8)
+    h.up()
+    busy = h.run(8)
+    h.pool.maintain(demand=0)
+    h.up()
+    assert h.states() == {"busy": 8, "idle": 2}
+    h.idle(busy)  # the burst is over
+    h.pool.maintain(demand=0)
+    assert h.states() == {"idle": 10}, "the peak keeps its workers ready"
+    assert h.pool.target() == 8 + 2
+    h.clock.now += HALF_LIFE_S  # the peak halves: 8 -> 4
+    h.pool.maintain()
+    assert h.pool.target() == 4 + 2 and h.states() == {"idle": 6, "killing": 4}
+    assert h.pool.retired_total == 4 and h.pool.killed_total == 0
+    h.exited([w for w in h.pool.workers.values() if w.state is WorkerState.KILLING])
+    h.clock.now += 10 * HALF_LIFE_S
+    h.pool.maintain()
+    assert h.pool.target() == 2 and h.states() == {"idle": 2, "killing": 4}
+
+
+def test_the_same_burst_again_finds_its_workers_ready(tmp_path: Path) -> None:
+    h = Harness(tmp_path, max_workers=64)
+    h.pool.maintain()
+    h.up()
+    h.pool.maintain(demand=30)
+    h.up()
+    busy = h.run(32)
+    h.pool.maintain(demand=0)
+    h.up()
+    h.idle(busy)
+    forks = len(h.spawns)
+    h.clock.now += 20.0
+    h.pool.maintain(demand=0)
+    # 32 * 0.5 ** (20 / 30) = 20.2: 20 + 2 spares kept, 12 retired
+    assert h.pool.count(WorkerState.IDLE) == 22 and h.pool.retired_total == 12
+    h.run(22)  # the next burst's first 22 calls need no fork
+    h.pool.maintain(demand=10)
+    assert len(h.spawns) == forks + 10 + 2  # its last ones and the spares: forked at once
+    h.live.close()
+
+
+def test_busy_workers_are_never_retired_and_a_lower_peak_keeps_spare(h: Harness) -> None:
+    h.pool.maintain()
+    h.up()
+    h.pool.maintain(demand=3)
+    h.up()
+    busy = h.run(5)
+    h.clock.now += 100 * HALF_LIFE_S
+    h.pool.maintain(demand=0)
+    h.up()
+    assert h.states() == {"busy": 5, "idle": 2}  # load 5 + spare 2
+    h.idle(busy[:1])
+    h.pool.maintain(demand=0)  # 4 busy + 2 spares wanted, but the peak is 5 for now
+    assert h.states() == {"busy": 4, "idle": 3}
+    h.clock.now += 100 * HALF_LIFE_S
+    h.pool.maintain(demand=0)  # the surplus idle one goes; no busy one ever does
+    assert h.states() == {"busy": 4, "idle": 2, "killing": 1}
+
+
+def test_a_short_dip_of_the_load_retires_nothing(h: Harness) -> None:
+    h.pool.maintain()
+    h.up()
+    h.clock.now += 100 * HALF_LIFE_S
+    h.pool.maintain(demand=1)  # one call: its worker and a spare beyond the two
+    h.up()
+    (worker,) = h.run(1)
+    h.idle([worker])
+    h.clock.now += 100 * HALF_LIFE_S
+    h.pool.maintain(demand=0)  # the peak is gone, but one worker was idle just now
+    assert h.states() == {"idle": 2, "killing": 1}
+    assert worker.state is WorkerState.IDLE
+
+
+def test_max_workers_bounds_forks_and_target(tmp_path: Path) -> None:
+    h = Harness(tmp_path, spare=2, max_workers=6, slots=8)
+    h.pool.maintain(demand=20)
+    assert len(h.spawns) == 6 and h.pool.target() == 6
+    h.up()
+    busy = h.run(6)
+    h.pool.kill(busy[0])  # killing, not yet reaped: still holds its place
+    h.pool.maintain(demand=20)
+    assert len(h.spawns) == 6 and h.pool.live() == 6
+    h.exited(busy[:1])
+    h.pool.maintain(demand=20)
+    assert len(h.spawns) == 7 and h.pool.live() == 6
+    h.live.close()
+
+
+def test_liveness_slots_bound_forks(tmp_path: Path) -> None:
+    h = Harness(tmp_path, spare=2, max_workers=16, slots=4)
+    h.pool.maintain(demand=10)
+    assert len(h.spawns) == 4 and sorted(c.slot for c in h.spawns  # type: ignore[union-attr]
+                                        ) == [0, 1, 2, 3]
+    h.live.close()
+
+
+def test_reserve_prefers_the_last_used_worker_then_the_oldest_new_one(h: Harness) -> None:
+    h.pool.maintain(demand=2)
+    first, second, third, _fourth = h.up()
+    a, b = h.run(2)
+    assert (a, b) == (first, second)  # new workers: the longest idle first
+    h.idle([b, a])  # a is the most recently idle of the used ones
+    assert h.run(1) == [a]
+    assert h.run(1) == [b]
+    assert h.run(1) == [third]
+
+
+def test_retire_takes_new_workers_before_used_ones_and_kills_them(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    h.pool.maintain(demand=4)
+    workers = h.up()
+    for i, worker in enumerate(workers):
+        worker.pid = 100 + i
+    used = h.run(2)  # workers 1 and 2 (the longest idle new ones)
+    h.idle(used)
+    h.clock.now += 100 * HALF_LIFE_S
+    h.pool.maintain(demand=0)
+    # 6 idle, 2 wanted: the 4 new ones go first, then none of the used ones
+    assert sorted(w.worker_id for w in h.pool.workers.values()
+                  if w.state is WorkerState.KILLING) == [3, 4, 5, 6]
+    assert [w.state for w in used] == [WorkerState.IDLE, WorkerState.IDLE]
+    assert killed == [(102, signal.SIGKILL), (103, signal.SIGKILL), (104, signal.SIGKILL),
+                      (105, signal.SIGKILL)]
+
+
+def test_a_fenced_kill_forks_its_replacement_at_once(h: Harness) -> None:
+    h.pool.maintain()
+    h.up()
+    (worker,) = h.run(1)
+    h.pool.maintain(demand=0)
+    h.up()
+    h.clock.now += 100 * HALF_LIFE_S  # no peak left: only the load counts
+    before = len(h.spawns)
+    h.pool.kill(worker)  # fenced: its call will retry
+    h.pool.maintain(demand=0)
+    assert len(h.spawns) == before + 1
+    h.exited([worker])
+    h.up()
+    h.clock.now += 1.0  # the retry's backoff: its worker is not retired meanwhile
+    h.pool.maintain(demand=0)
+    assert h.states() == {"idle": 3}
+    h.clock.now += HALF_LIFE_S
+    h.pool.maintain(demand=0)  # no retry came: back to the spares
+    assert h.states() == {"idle": 2, "killing": 1}
+
+
+def test_status_counts_and_snapshot(h: Harness) -> None:
+    h.pool.maintain(demand=1)
+    h.up()
+    h.run(1)
+    assert h.pool.count(WorkerState.BUSY) == 1 and h.pool.count(WorkerState.IDLE) == 2
+    snap: list[dict[str, Any]] = h.pool.snapshot()
+    assert [w["state"] for w in snap] == ["busy", "idle", "idle"]
