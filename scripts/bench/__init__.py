@@ -18,6 +18,11 @@ Sections (one module each; each returns a `common.Section`):
 - `scale`      5. 50 / 200 / 500 concurrent paced streams: completion, latency,
                CPU, memory per worker, file descriptors.
 - `startup`    6. daemon start to ready; a warm pool of N workers ready.
+- `ttft`       7. time to first token of bursts of 1, 32 and 200 calls at an
+               idle daemon, beside the bare openai SDK in threads (and a repeat
+               burst while the workers are still there).
+- `capacity`   8. the most concurrent paced streams served with stretch ≤ 1.1,
+               streamfence vs the bare SDK in threads.
 
 `load` holds the process entry points shared by sections 2, 3 and 5
 (producers impersonating workers, the ceiling server, a standalone sink);
