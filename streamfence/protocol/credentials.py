@@ -128,8 +128,8 @@ def resolve(endpoint: str | None,
     """A client's endpoint and credentials: `credentials` (or a path to them),
     else $STREAMFENCE_CREDENTIALS if set, else none (a daemon with
     `auth = "none"`); the endpoint defaults to the credentials' own."""
-    if credentials is None and os.environ.get(ENV_CREDENTIALS):
-        credentials = os.environ[ENV_CREDENTIALS]
+    if credentials is None:
+        credentials = find_credentials()
     if credentials is not None and not isinstance(credentials, Credentials):
         credentials = load_credentials(credentials)
     if endpoint is None:

@@ -45,9 +45,7 @@ class ProviderProfile:
 
     @property
     def is_local(self) -> bool:
-        url = self.base_url or self.endpoint_url or ""
-        host = urlparse(url).hostname or ""
-        return host in ("localhost", "::1") or host.startswith("127.")
+        return is_loopback(urlparse(self.base_url or self.endpoint_url or "").hostname or "")
 
     def to_map(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

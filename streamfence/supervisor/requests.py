@@ -65,7 +65,7 @@ def _refuse(code: ErrorCode, message: str) -> ProtocolError:
     return ProtocolError(code, message)
 
 
-def _int_field(request: Mapping[str, Any], path: str, value: Any) -> int:
+def _int_field(path: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise _refuse(ErrorCode.BAD_MESSAGE, f"field 'call.request.{path}' must be an integer")
     return value
@@ -88,13 +88,13 @@ def _cap_max_tokens(kind: str, request: dict[str, Any], cap: int) -> None:
         if "maxTokens" not in config:
             request["inferenceConfig"] = {**config, "maxTokens": cap}
             return
-        _cap("inferenceConfig.maxTokens", _int_field(request, "inferenceConfig.maxTokens",
-                                                     config["maxTokens"]), cap)
+        path = "inferenceConfig.maxTokens"
+        _cap(path, _int_field(path, config["maxTokens"]), cap)
         return
     names = ("max_tokens", "max_completion_tokens") if kind == "openai" else ("max_tokens",)
     present = [name for name in names if name in request]
     for name in present:
-        _cap(name, _int_field(request, name, request[name]), cap)
+        _cap(name, _int_field(name, request[name]), cap)
     if not present:
         request[names[-1]] = cap
 
@@ -120,5 +120,5 @@ def check_request(kind: str, request: Mapping[str, Any],
         if "max_tokens" in caps:
             _cap_max_tokens(kind, checked, caps["max_tokens"])
         if "n" in caps and kind == "openai" and "n" in checked:
-            _cap("n", _int_field(checked, "n", checked["n"]), caps["n"])
+            _cap("n", _int_field("n", checked["n"]), caps["n"])
     return checked
