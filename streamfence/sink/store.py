@@ -55,18 +55,20 @@ from typing import NamedTuple
 
 import msgpack
 
+from streamfence.protocol import retention
+
 SCHEMA_VERSION = 1
 CHECKPOINT_EVERY_S = 0.25
 
 log = logging.getLogger("streamfence.sink.store")
 
-PRUNE_BATCH = 200  # finished calls deleted per transaction, at most
-BUSY_TIMEOUT_S = 10.0  # `prune_transcript` waiting for the sink's write lock
+PRUNE_BATCH = retention.BATCH  # finished calls deleted per transaction, at most
 
 _FINISHED_INDEX = ("CREATE INDEX IF NOT EXISTS calls_finished ON calls (updated_at) "
                    "WHERE status IS NOT NULL")
 _OLDEST_FINISHED = ("SELECT call_id FROM calls WHERE status IS NOT NULL AND updated_at < ? "
                     "ORDER BY updated_at LIMIT ?")
+_PRUNE_DELETES = ("DELETE FROM events WHERE call_id = ?", "DELETE FROM calls WHERE call_id = ?")
 
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS events (
@@ -142,29 +144,6 @@ def _done_event(conn: sqlite3.Connection, call_id: str) -> bytes | None:
         (call_id,),
     ).fetchone()
     return None if row is None else bytes(row[0])
-
-
-def _prune(conn: sqlite3.Connection, older_than: float, limit: int, budget_s: float | None,
-           begin: str) -> tuple[int, bool]:
-    """One transaction: the oldest finished calls updated before `older_than`
-    (wall clock), up to `limit` and (with `budget_s`) until that much time is
-    spent, with their events. Returns (calls deleted, whether more are due)."""
-    start = time.perf_counter()
-    conn.execute(begin)
-    try:
-        ids = [r[0] for r in conn.execute(_OLDEST_FINISHED, (older_than, limit))]
-        removed = 0
-        for call_id in ids:
-            conn.execute("DELETE FROM events WHERE call_id = ?", (call_id,))
-            conn.execute("DELETE FROM calls WHERE call_id = ?", (call_id,))
-            removed += 1
-            if budget_s is not None and time.perf_counter() - start >= budget_s:
-                break
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    return removed, removed >= limit or removed < len(ids)
 
 
 def _last_seq(conn: sqlite3.Connection, call_id: str) -> int:
@@ -279,7 +258,8 @@ class TranscriptStore:
         (what is buffered for `commit` is not touched); with `budget_s`, stop
         deleting once that much time is spent. Returns the calls deleted;
         `prune_more` tells whether some were left that are due too."""
-        removed, self.prune_more = _prune(self._conn, older_than, limit, budget_s, "BEGIN")
+        removed, self.prune_more = retention.in_transaction(
+            self._conn, "BEGIN", _OLDEST_FINISHED, _PRUNE_DELETES, older_than, limit, budget_s)
         self.pruned += removed
         return removed
 
@@ -369,19 +349,8 @@ def prune_transcript(db_path: str, older_than: float, batch: int = PRUNE_BATCH,
     `batch` calls and about `budget_s`, with a pause between them (a running
     sink commits in between). For `streamfence prune`; returns the calls
     deleted."""
-    conn = sqlite3.connect(db_path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
-    try:
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute(_FINISHED_INDEX)  # a file no sink of this version has opened yet
-        total = 0
-        while True:
-            removed, more = _prune(conn, older_than, batch, budget_s, "BEGIN IMMEDIATE")
-            total += removed
-            if not more:
-                return total
-            time.sleep(pause_s)
-    finally:
-        conn.close()
+    return retention.prune_file(db_path, _FINISHED_INDEX, _OLDEST_FINISHED, _PRUNE_DELETES,
+                                older_than, batch, budget_s, pause_s)
 
 
 def max_epochs(db_path: str) -> dict[str, int]:

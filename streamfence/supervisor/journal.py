@@ -36,6 +36,7 @@ from typing import Any
 
 import msgpack
 
+from streamfence.protocol import retention
 from streamfence.protocol.internal.outcome import AttemptOutcome
 
 log = logging.getLogger("streamfence.journal")
@@ -77,14 +78,16 @@ CREATE TABLE IF NOT EXISTS attempts (
 );
 """
 
-PRUNE_BATCH = 200  # finished calls deleted per transaction, at most ...
+PRUNE_BATCH = retention.BATCH  # finished calls deleted per transaction, at most ...
 PRUNE_BUDGET_S = 0.003  # ... and none after this much time spent deleting (in the loop)
 PRUNE_EVERY_S = 5.0  # between prune transactions of the loop ...
 PRUNE_BACKLOG_S = 0.05  # ... or this, while finished calls are still due
-BUSY_TIMEOUT_S = 10.0  # another process's prune (or the daemon) holding the write lock
 
+_FINISHED_INDEX = ("CREATE INDEX IF NOT EXISTS calls_finished ON calls (finished) "
+                   "WHERE state = 'done'")
 _OLDEST_DONE = ("SELECT call_id FROM calls WHERE state = 'done' AND finished < ? "
                 "ORDER BY finished LIMIT ?")
+_PRUNE_DELETES = ("DELETE FROM attempts WHERE call_id = ?", "DELETE FROM calls WHERE call_id = ?")
 
 # Journals written before calls had owners: their calls belong to `local`.
 _ADD_OWNERS = """
@@ -235,14 +238,8 @@ class Journal:
         # and the next FULL commit syncs the WAL with its frames anyway.
         self._db.execute("PRAGMA synchronous=NORMAL")
         try:
-            self._db.execute("BEGIN")
-            try:
-                removed, self.prune_more = _delete_oldest_done(self._db, older_than, limit,
-                                                               budget_s)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+            removed, self.prune_more = retention.in_transaction(
+                self._db, "BEGIN", _OLDEST_DONE, _PRUNE_DELETES, older_than, limit, budget_s)
         finally:
             self._db.execute("PRAGMA synchronous=FULL")
         return removed
@@ -273,23 +270,6 @@ class Journal:
         self._db.close()
 
 
-def _delete_oldest_done(db: sqlite3.Connection, older_than: float, limit: int,
-                        budget_s: float | None) -> tuple[int, bool]:
-    """Inside an open transaction: the oldest finished calls before
-    `older_than`, up to `limit` (and within `budget_s`), with their attempts.
-    Returns (calls deleted, whether more are due)."""
-    start = time.perf_counter()
-    ids = [r[0] for r in db.execute(_OLDEST_DONE, (older_than, limit))]
-    removed = 0
-    for call_id in ids:
-        db.execute("DELETE FROM attempts WHERE call_id = ?", (call_id,))
-        db.execute("DELETE FROM calls WHERE call_id = ?", (call_id,))
-        removed += 1
-        if budget_s is not None and time.perf_counter() - start >= budget_s:
-            break
-    return removed, removed >= limit or removed < len(ids)
-
-
 def prune_journal(path: str, older_than: float, batch: int = PRUNE_BATCH,
                   budget_s: float = 0.01, pause_s: float = 0.01) -> int:
     """Delete every finished call of the journal at `path` whose `finished` is
@@ -297,24 +277,5 @@ def prune_journal(path: str, older_than: float, batch: int = PRUNE_BATCH,
     most `batch` calls and about `budget_s`, with a pause between them (a
     running daemon gets its turns in between). For `streamfence prune`;
     returns the calls deleted."""
-    db = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
-    try:
-        db.execute("PRAGMA synchronous=NORMAL")  # a lost prune is done again: no fsync
-        # A journal no daemon of this version has opened yet lacks the index.
-        db.execute("CREATE INDEX IF NOT EXISTS calls_finished ON calls (finished) "
-                   "WHERE state = 'done'")
-        total = 0
-        while True:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                removed, more = _delete_oldest_done(db, older_than, batch, budget_s)
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            total += removed
-            if not more:
-                return total
-            time.sleep(pause_s)
-    finally:
-        db.close()
+    return retention.prune_file(path, _FINISHED_INDEX, _OLDEST_DONE, _PRUNE_DELETES,
+                                older_than, batch, budget_s, pause_s)
