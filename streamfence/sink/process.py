@@ -54,7 +54,7 @@ from streamfence.sink.store import TranscriptStore
 from streamfence.sink.wire import KIND_TAIL, TOOL_CALL, parse_final
 
 CTL_BURST = 100
-IDLE_POLL_MS = 1000
+IDLE_POLL_MS = 60_000  # nothing due: the loop is event driven (signals wake it)
 
 _ACCEPT = Verdict.ACCEPT
 _PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException)

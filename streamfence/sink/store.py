@@ -154,32 +154,45 @@ def _last_seq(conn: sqlite3.Connection, call_id: str) -> int:
 
 
 class Checkpointer:
-    """WAL checkpoints on a thread and connection of their own."""
+    """WAL checkpoints on a thread and connection of their own: at most one per
+    `every_s`, and only after a commit (`wake`), so an idle sink sleeps."""
 
     def __init__(self, path: str, every_s: float = CHECKPOINT_EVERY_S) -> None:
         self.path = path
         self.every_s = every_s
-        self._stop = threading.Event()
+        self._stop = False
+        self._committed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sink-checkpoint", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    def wake(self) -> None:
+        """The writer committed: the WAL has grown."""
+        self._committed.set()
+
     def _run(self) -> None:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         try:
             conn.execute("PRAGMA synchronous=NORMAL")
-            while not self._stop.wait(self.every_s):
+            while True:
+                self._committed.wait()
+                if self._stop:
+                    return
+                self._committed.clear()
                 try:
                     # PASSIVE: never waits for (or blocks) the writer.
                     conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
                 except sqlite3.Error as exc:
                     log.warning("sink: WAL checkpoint failed (will retry): %s", exc)
+                    self._committed.set()
+                time.sleep(self.every_s)
         finally:
             conn.close()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stop = True
+        self._committed.set()
         if self._thread.is_alive():
             self._thread.join(10.0)
 
@@ -249,6 +262,8 @@ class TranscriptStore:
         self._rows, self._epochs, self._done = [], [], []
         self.rows_written += len(rows)
         self.commits += 1
+        if self._checkpointer is not None:
+            self._checkpointer.wake()
         return len(rows)
 
     def prune(self, older_than: float, limit: int = PRUNE_BATCH,
@@ -261,6 +276,8 @@ class TranscriptStore:
         removed, self.prune_more = retention.in_transaction(
             self._conn, "BEGIN", _OLDEST_FINISHED, _PRUNE_DELETES, older_than, limit, budget_s)
         self.pruned += removed
+        if removed and self._checkpointer is not None:
+            self._checkpointer.wake()
         return removed
 
     # ---- reads (the sink's own, for restart and lazy reloads) ---------------

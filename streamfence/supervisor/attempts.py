@@ -46,6 +46,7 @@ from streamfence.supervisor.sinklink import (
     why,
 )
 from streamfence.supervisor.timeouts import backoff_delay
+from streamfence.supervisor.timers import Deadlines
 
 log = logging.getLogger("streamfence.attempts")
 
@@ -84,6 +85,8 @@ class AttemptDriver:
         self._calls: dict[str, Call] = {}
         self._in_flight: Counter[str] = Counter()  # owner -> live calls
         self._queue: deque[str] = deque()
+        # Each live call's next check (stale, first chunk, backoff over, deadline).
+        self._due: Deadlines[str] = Deadlines()
         self._next_token = 1
         self._counters = counters
 
@@ -93,6 +96,14 @@ class AttemptDriver:
         self._calls[call.call_id] = call
         self._in_flight[call.owner] += 1
         self._queue.append(call.call_id)
+        self._arm_deadline(call)
+
+    def _arm_deadline(self, call: Call) -> None:
+        """A queued call's only timer is its deadline."""
+        if call.deadline is not None:
+            self._due.arm(call.call_id, call.deadline)
+        else:
+            self._due.clear(call.call_id)
 
     def has_call(self, call_id: str) -> bool:
         return call_id in self._calls
@@ -204,6 +215,7 @@ class AttemptDriver:
                        else FenceReason.WORKER_DIED)
             return
         call.dispatched_ns = time.monotonic_ns()
+        self._arm_watch(call, call.dispatched_ns, call.timeouts.first_chunk_s)
         self._journal.set_attempt_pid(call.call_id, call.epoch, worker.pid)
         profile = call.profile.name
         settings = AttemptSettings(
@@ -221,28 +233,65 @@ class AttemptDriver:
         log.debug("attempt dispatched to worker %d (pid %d)", worker.worker_id, worker.pid,
                   extra=_ctx(call))
 
-    # ---- liveness ----------------------------------------------------------
-    def check_stale(self) -> None:
-        """The stale watchdog (docs/ARCHITECTURE.md, "Liveness and the stale watchdog")."""
+    # ---- timers -------------------------------------------------------------
+    def next_due(self) -> float | None:
+        """When `on_timers` next has something to do (monotonic seconds)."""
+        return self._due.next_due()
+
+    def on_timers(self, now: float) -> None:
+        """Act on every call whose timer came: a running attempt's stale or
+        first-chunk check, a backoff that is over, a deadline."""
+        for call_id in self._due.pop_due(now):
+            call = self._calls.get(call_id)
+            if call is None:
+                continue
+            if call.state is CallState.RUNNING:
+                self._check_stale(call, now)
+            elif call.state is CallState.BACKOFF:
+                call.to(CallEvent.BACKOFF_OVER)
+                self._queue.appendleft(call.call_id)
+                self._arm_deadline(call)
+            elif call.state is CallState.QUEUED:
+                if call.deadline is not None and now >= call.deadline:
+                    self.finish(call, Finish(CallStatus.FAILED, call_error(
+                        ErrorCode.DEADLINE_EXCEEDED,
+                        "the call's deadline passed before an attempt could start"),
+                        FinishMeta()))
+                else:
+                    self._arm_deadline(call)
+            # AUTHORIZING, FENCING, FINISHING: the pending sink reply moves the
+            # call on, and arms its next timer.
+
+    def _arm_watch(self, call: Call, since_ns: int, limit_s: float) -> None:
+        """A running attempt is next looked at when `limit_s` passes from
+        `since_ns` without a chunk, or at its deadline if that is sooner."""
+        left_s = limit_s - (time.monotonic_ns() - since_ns) / 1e9  # liveness is in monotonic ns
+        when = self._clock() + max(0.0, left_s)
+        if call.deadline is not None:
+            when = min(when, call.deadline)
+        self._due.arm(call.call_id, when)
+
+    def _check_stale(self, call: Call, now: float) -> None:
+        """The stale watchdog (docs/ARCHITECTURE.md §4.1), for one running
+        attempt whose timer came: the liveness row says when its last chunk was."""
+        worker = self._pool.get(call.worker_id)
+        if worker is None:
+            return  # its exit report fences it
+        token, last_ns, chunks, _ = self._pool.liveness(worker)
+        if token == call.token and chunks > 0:
+            since, limit = last_ns, call.timeouts.stale_s
+        else:
+            since, limit = call.dispatched_ns, call.timeouts.first_chunk_s
         now_ns = time.monotonic_ns()
-        for call in list(self._calls.values()):
-            if call.state is not CallState.RUNNING:
-                continue
-            worker = self._pool.get(call.worker_id)
-            if worker is None:
-                continue
-            token, last_ns, chunks, _ = self._pool.liveness(worker)
-            if token == call.token and chunks > 0:
-                since, limit = last_ns, call.timeouts.stale_s
-            else:
-                since, limit = call.dispatched_ns, call.timeouts.first_chunk_s
-            if now_ns - since > limit * 1e9:
-                log.warning("stale attempt: no chunk for %.1fs (limit %.1fs, chunks so far %d)",
-                            (now_ns - since) / 1e9, limit, chunks if token == call.token else 0,
-                            extra=_ctx(call))
-                self.fence(call, FenceReason.STALE)
-            elif call.deadline is not None and self._clock() >= call.deadline:
-                self.fence(call, FenceReason.DEADLINE)
+        if now_ns - since >= limit * 1e9:
+            log.warning("stale attempt: no chunk for %.1fs (limit %.1fs, chunks so far %d)",
+                        (now_ns - since) / 1e9, limit, chunks if token == call.token else 0,
+                        extra=_ctx(call))
+            self.fence(call, FenceReason.STALE)
+        elif call.deadline is not None and now >= call.deadline:
+            self.fence(call, FenceReason.DEADLINE)
+        else:
+            self._arm_watch(call, since, limit)
 
     # ---- ending an attempt ----------------------------------------------------
     def fence(self, call: Call, reason: FenceReason) -> None:
@@ -336,17 +385,12 @@ class AttemptDriver:
         log.info("retrying after %.2fs: %s", delay, message, extra=_ctx(call))
         call.retry_at = now + delay
         call.to(CallEvent.RETRY)
+        self._due.arm(call.call_id, call.retry_at)
         self._counters["retries"] += 1
-
-    def tick_backoffs(self) -> None:
-        now = self._clock()
-        for call in self._calls.values():
-            if call.state is CallState.BACKOFF and now >= call.retry_at:
-                call.to(CallEvent.BACKOFF_OVER)
-                self._queue.appendleft(call.call_id)
 
     # ---- finishing -----------------------------------------------------------
     def finish(self, call: Call, decision: Finish) -> None:
+        self._due.clear(call.call_id)
         call.to(CallEvent.FINISH)
         call.finishing = decision
         self._send_finish(call, decision)

@@ -10,6 +10,7 @@ import zmq
 
 from streamfence.protocol.codec import encode
 from streamfence.protocol.messages import pending_msg
+from streamfence.supervisor.timers import Deadlines
 
 
 class Clients:
@@ -24,6 +25,7 @@ class Clients:
         self._subscribers: dict[str, dict[bytes, int]] = {}
         self._events: dict[str, list[bytes]] = {}
         self._waiters: dict[str, list[tuple[bytes, str, float]]] = {}
+        self._waits_due: Deadlines[str] = Deadlines()  # call -> its first waiter's end
 
     def send(self, identity: bytes, msg: dict[str, Any]) -> None:
         self._send_multipart([identity, encode(msg)])
@@ -71,6 +73,7 @@ class Clients:
         """The call's done event is stored: answer its waiters (the done event and
         the attempts' `diagnostics`), and forget the call."""
         waiters = self._waiters.pop(call_id, None)
+        self._waits_due.clear(call_id)
         if waiters:
             reply = dict(done, diagnostics=diagnostics())
             for identity, ref, _ in waiters:
@@ -80,18 +83,23 @@ class Clients:
 
     # ---- `result` requests that wait ---------------------------------------------
     def wait_result(self, call_id: str, identity: bytes, ref: str, until: float) -> None:
-        self._waiters.setdefault(call_id, []).append((identity, ref, until))
+        waiters = self._waiters.setdefault(call_id, [])
+        waiters.append((identity, ref, until))
+        self._waits_due.arm(call_id, min(w[2] for w in waiters))
+
+    def next_due(self) -> float | None:
+        """When the next wait runs out (monotonic seconds)."""
+        return self._waits_due.next_due()
 
     def expire_waiters(self, now: float) -> None:
         """Waits that ran out get `pending`."""
-        for call_id, waiters in list(self._waiters.items()):
+        for call_id in self._waits_due.pop_due(now):
             keep = []
-            for identity, ref, until in waiters:
+            for identity, ref, until in self._waiters.pop(call_id, []):
                 if now >= until:
                     self.send(identity, pending_msg(ref, call_id))
                 else:
                     keep.append((identity, ref, until))
             if keep:
                 self._waiters[call_id] = keep
-            else:
-                del self._waiters[call_id]
+                self._waits_due.arm(call_id, min(w[2] for w in keep))

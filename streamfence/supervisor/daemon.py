@@ -20,11 +20,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import random
 import resource
 import secrets
 import signal
+import socket
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -65,7 +67,7 @@ from streamfence.workers.zygote import zygote_main
 
 log = logging.getLogger("streamfence.supervisor")
 
-TICK_S = 0.02
+IDLE_WAKE_S = 60.0  # the longest sleep: nothing is due (the loop is event driven)
 SINK_RESTARTS_MAX = 5  # within SINK_RESTART_WINDOW_S, else the daemon stops
 SINK_RESTART_WINDOW_S = 60.0
 
@@ -218,6 +220,11 @@ class Daemon:
         p = self._build()
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
+        # A signal must end the poll at once: the loop may sleep for seconds.
+        wake_r, wake_w = socket.socketpair()
+        for end in (wake_r, wake_w):
+            end.setblocking(False)
+        signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
         front_sock, sink_sock, workers_sock = p.clients.socket, p.sink.socket, p.pool.socket
         poller = zmq.Poller()
         for sock in (front_sock, sink_sock, workers_sock, p.logs):
@@ -226,7 +233,7 @@ class Daemon:
         poller.register(zygote_fd, zmq.POLLIN)
         sink_fd = self._sink.sentinel
         poller.register(sink_fd, zmq.POLLIN)
-        last_stats = 0.0
+        poller.register(wake_r, zmq.POLLIN)
         log.info("supervisor up: endpoint=%s state_dir=%s runtime_dir=%s",
                  self.config.endpoint, self.config.state_dir, self.runtime_dir)
         code = 0
@@ -241,7 +248,11 @@ class Daemon:
                 if drain_until is not None and (p.driver.busy() == 0
                                                 or time.monotonic() >= drain_until):
                     break
-                ready = dict(poller.poll(int(TICK_S * 1000)))
+                ready = dict(poller.poll(self._sleep_ms(p, drain_until)))
+                if wake_r.fileno() in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        while wake_r.recv(512):
+                            pass
                 if front_sock in ready:
                     self._drain_front(p)
                 if sink_sock in ready:
@@ -263,20 +274,30 @@ class Daemon:
                     zygote_fd = self._zygote_conn.fileno()
                     poller.register(zygote_fd, zmq.POLLIN)
                 p.front.flush_accepts()
-                p.driver.tick_backoffs()
-                p.driver.check_stale()
+                now = time.monotonic()
+                p.driver.on_timers(now)
                 if drain_until is None:
                     p.driver.schedule()
-                p.clients.expire_waiters(time.monotonic())
+                p.clients.expire_waiters(now)
                 p.journal.commit()
                 p.counters["journal_pruned"] += p.journal.prune_tick(self.config.retention_days)
-                now = time.monotonic()
-                if now - last_stats > 1.0:
-                    last_stats = now
-                    p.sink.refresh_stats()
         finally:
+            signal.set_wakeup_fd(-1)
+            wake_r.close()
+            wake_w.close()
             self._shutdown(p)
         return code
+
+    def _sleep_ms(self, p: Parts, drain_until: float | None) -> int:
+        """How long the loop may sleep: until the nearest deadline of any owner
+        (rounded up to the next ms, so it wakes at or after it)."""
+        now = time.monotonic()
+        due = [now + IDLE_WAKE_S, p.driver.next_due(), p.clients.next_due(),
+               p.pool.next_due(), drain_until]
+        if self.config.retention_days > 0:
+            due.append(p.journal.prune_due)
+        nearest = min(d for d in due if d is not None)
+        return max(0, math.ceil((nearest - now) * 1000))
 
     def _drain_front(self, p: Parts) -> None:
         for _ in range(1000):

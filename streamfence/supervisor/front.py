@@ -58,12 +58,12 @@ class Front:
     journal commit, the idempotency keys seen this turn, and whether new calls
     are accepted; counts calls accepted, bad input and refusals. New calls go
     to the AttemptDriver; everything sent to clients goes through Clients.
-    `status` gives the body of a status reply (each owner's view)."""
+    `status` gives a status reply's body (each owner's view) to a callback."""
 
     def __init__(self, config: DaemonConfig, journal: Journal, driver: AttemptDriver,
                  clients: Clients, breakers: Breakers, counters: Counter[str],
                  clock: Callable[[], float], transcript_path: str,
-                 status: Callable[[Identity], dict[str, Any]]) -> None:
+                 status: Callable[[Identity, Callable[[dict[str, Any]], None]], None]) -> None:
         self._config = config
         self._journal = journal
         self._driver = driver
@@ -102,8 +102,9 @@ class Front:
             if isinstance(request, Submit):
                 self._submit(identity, user, request)
             elif isinstance(request, Status):
-                self._clients.send(identity, {"v": 1, "op": "status_reply", "ref": request.ref,
-                                              **self._status(user)})
+                ref = request.ref
+                self._status(user, lambda body: self._clients.send(
+                    identity, {"v": 1, "op": "status_reply", "ref": ref, **body}))
             elif not self._may_see(user, request.call_id):
                 self._error(identity, request.ref, ErrorCode.UNKNOWN_CALL,
                             f"no call {request.call_id!r}")

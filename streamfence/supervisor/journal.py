@@ -13,7 +13,7 @@ profiles name environment variables only.
 Retention (`[daemon] retention_days`, 0: keep forever): finished calls
 (`state = 'done'`) whose `finished` is older than the retention are deleted
 with their `attempts` rows, never an unfinished call. The supervisor's loop
-calls `prune_tick` every turn; it does one small transaction every
+calls `prune_tick` every turn and wakes at `prune_due`; it does one small transaction every
 `PRUNE_EVERY_S`, or every `PRUNE_BACKLOG_S` while a backlog remains, that
 deletes at most `PRUNE_BATCH` calls and stops deleting after
 `PRUNE_BUDGET_S`, so no turn is held for more than a few milliseconds
@@ -243,6 +243,11 @@ class Journal:
         finally:
             self._db.execute("PRAGMA synchronous=FULL")
         return removed
+
+    @property
+    def prune_due(self) -> float:
+        """When `prune_tick` next has work to try (monotonic seconds)."""
+        return self._prune_due
 
     def prune_tick(self, retention_days: float) -> int:
         """The loop's incremental prune: nothing when `retention_days` is 0 or

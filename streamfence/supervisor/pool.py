@@ -47,6 +47,7 @@ log = logging.getLogger("streamfence.pool")
 
 PEAK_HALF_LIFE_S = 30.0
 RETIRE_AFTER_S = 10.0
+RETIRE_CHECK_S = 1.0  # how often a pool above its floor looks for workers to retire
 
 
 class WorkerState(Enum):
@@ -157,6 +158,7 @@ class Pool:
         self._peak = 0.0  # the load's peak, decayed to `_peak_at`
         self._peak_at = clock()
         self._demand = 0  # calls queued for a worker, as last told
+        self._maintained_at = 0.0
         self._fenced: set[int] = set()  # killed by `kill`, not yet reaped: their calls retry
         self._next_id = 1
         self.spawned_total = 0
@@ -213,6 +215,7 @@ class Pool:
         last given)."""
         if demand is not None:
             self._demand = demand
+        self._maintained_at = self._clock()
         want = self.target()
         have = self.count(WorkerState.SPAWNING, WorkerState.IDLE, WorkerState.RESERVED,
                           WorkerState.BUSY)
@@ -227,6 +230,22 @@ class Pool:
                 for ws in (self._idle_new, self._idle_used))
             for worker in list(itertools.islice(old, have - want)):
                 self._retire(worker, want)
+
+    def next_due(self) -> float | None:
+        """When `maintain` may next retire an idle worker (monotonic seconds):
+        while the pool holds more than its floor (`spare` plus the load now),
+        about once a second as the peak decays; else never."""
+        if not (self._idle_new or self._idle_used):
+            return None
+        load = (self.count(WorkerState.RESERVED, WorkerState.BUSY) + len(self._fenced)
+                + self._demand)
+        have = self.count(WorkerState.SPAWNING, WorkerState.IDLE, WorkerState.RESERVED,
+                          WorkerState.BUSY)
+        if have <= min(self.max_workers, load + self.spare):
+            return None
+        oldest = min(next(iter(ws.values())).idle_at  # each is ordered by idle_at
+                     for ws in (self._idle_new, self._idle_used) if ws)
+        return max(self._maintained_at + RETIRE_CHECK_S, oldest + self._retire_after_s)
 
     def _spawn(self) -> None:
         worker = Worker(worker_id=self._next_id, slot=self._free_slots.pop(),

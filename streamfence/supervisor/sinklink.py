@@ -73,7 +73,7 @@ class AttemptEvents(Protocol):
 
 class SinkLink:
     """Owns the supervisor's end of `sink.ctl`: request ids, the callbacks of
-    requests in flight, and the sink's last counters (for `status`). Accepted
+    requests in flight, and the sink's last counters (for `status` when the sink is gone). Accepted
     events go to `on_event` (the client fan-out); attempt endings to the
     AttemptEvents given to `drain`."""
 
@@ -115,12 +115,15 @@ class SinkLink:
         self._request(lambda req: Finish(req, call_id, status, error, attempts, meta),
                       _as_map, reply)
 
-    def refresh_stats(self) -> None:
-        self._request(Stats, _as_map, self._store_stats)
+    def read_stats(self, reply: Callable[[dict[str, Any]], None]) -> None:
+        """Ask the sink for its counters; `reply` gets them (the last known
+        ones if the sink died before answering)."""
+        def store(r: DoneReply) -> None:
+            if isinstance(r, dict):
+                self.stats = r
+            reply(self.stats)
 
-    def _store_stats(self, reply: DoneReply) -> None:
-        if isinstance(reply, dict):
-            self.stats = reply
+        self._request(Stats, _as_map, store)
 
     def fail_pending(self) -> None:
         """The sink died: its replies will never come. Each waiting callback gets

@@ -16,18 +16,22 @@ from streamfence.supervisor.sinklink import SinkLink
 
 def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers, sink: SinkLink,
               counters: Counter[str], pids: Callable[[], dict[str, int]],
-              auth_refused: Callable[[], int], user: Identity) -> dict[str, Any]:
-    """The body of a `status_reply`: each owner's own view. An identity that is
-    not an admin sees only its own calls (docs/SECURITY.md)."""
+              auth_refused: Callable[[], int], user: Identity,
+              reply: Callable[[dict[str, Any]], None]) -> None:
+    """Give `reply` the body of a `status_reply`: each owner's own view. An
+    identity that is not an admin sees only its own calls (docs/SECURITY.md);
+    an admin's reply waits for the sink's counters (asked for, not polled, so
+    an idle daemon sleeps)."""
     if not user.is_admin:
-        return {"identity": user.name, "role": user.role.value,
-                "calls": driver.status(owner=user.name)}
-    return {"identity": user.name, "role": user.role.value,
+        reply({"identity": user.name, "role": user.role.value,
+               "calls": driver.status(owner=user.name)})
+        return
+    body = {"identity": user.name, "role": user.role.value,
             "processes": pids(),
             "workers": pool.snapshot(),
             "pool": {"spare": pool.spare, "max": pool.max_workers,
                      "spawned_total": pool.spawned_total, "killed_total": pool.killed_total},
             "calls": driver.status(),
             "breakers": breakers.snapshot(),
-            "counters": dict(counters, auth_refused=auth_refused()),
-            "sink": sink.stats}
+            "counters": dict(counters, auth_refused=auth_refused())}
+    sink.read_stats(lambda stats: reply(dict(body, sink=stats)))

@@ -213,7 +213,9 @@ def _serve(conn: Any, runtime_dir: str, slots: int, log_level: int) -> None:
     children: dict[int, int] = {}  # pid -> worker id
     recent: deque[float] = deque()  # when the forks of the last WARM_WINDOW_S were made
     while True:
-        readable, _, _ = select.select([conn.fileno(), wake_r], [], [], 1.0)
+        # No timeout: SIGCHLD (through the wake-up pipe), a command, or the
+        # supervisor's end of the pipe closing wakes us; idle, we sleep.
+        readable, _, _ = select.select([conn.fileno(), wake_r], [], [])
         if wake_r in readable:
             while True:
                 try:
