@@ -123,6 +123,22 @@ def test_demand_asks_for_every_fork_at_once(h: Harness) -> None:
     # one maintain: the 10 queued calls plus 2 spares, all asked for now
     assert len(h.spawns) == 2 + 12
     assert h.pool.target() == 2 + 10 + 2
+    # the forks for waiting calls first, cold; the spares warm up after their hello
+    assert [c.warm for c in h.spawns if isinstance(c, SpawnWorker)] == [True] * 2 + [False] * 10 + [True] * 2
+
+
+def test_next_due_only_while_the_pool_is_above_its_floor(h: Harness) -> None:
+    h.pool.maintain()
+    h.up()
+    assert h.pool.next_due() is None, "an idle pool at its floor never needs to wake"
+    h.pool.maintain(demand=6)
+    h.up()
+    h.pool.maintain(demand=0)  # the burst went away before it ran: 8 idle, floor 2
+    due = h.pool.next_due()
+    assert due is not None and due >= h.clock.now + RETIRE_AFTER_S - 1e-9
+    h.clock.now += 600.0  # the peak decays, the surplus retires
+    h.pool.maintain()
+    assert h.pool.next_due() is None and h.pool.retired_total == 6
 
 
 def test_spares_follow_the_peak_then_decay_back_to_spare(h: Harness) -> None:

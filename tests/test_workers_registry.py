@@ -82,7 +82,8 @@ def test_zygote_events_round_trip(msg: Any) -> None:
 
 
 def test_zygote_frames_keep_the_pipes_string_tags() -> None:
-    assert msgpack.unpackb(encode_zygote(SpawnWorker(3, 1))) == ["spawn", 3, 1]
+    assert msgpack.unpackb(encode_zygote(SpawnWorker(3, 1))) == ["spawn", 3, 1, False]
+    assert decode_zygote_command(msgpack.packb(["spawn", 3, 1, True])) == SpawnWorker(3, 1, True)
     assert msgpack.unpackb(encode_zygote(WorkerExited(3, 9, 5))) == ["exited", 3, 9, 5]
     assert decode_zygote_command(msgpack.packb(["stop"])) == StopZygote()
     assert {t.value for t in ZygoteTag} == {"spawn", "stop", "ready", "spawned", "exited", "log"}

@@ -17,7 +17,7 @@ rotated order):
                 call's submit -> its first text delta.
 
 Each burst meets an idle daemon: a fresh one per burst (`workers_spare` at
-its default, 2; `workers_max` large enough for the burst), which has served
+its default, 32; `workers_max` large enough for the burst), which has served
 one call (so its supervisor and sink paths are not cold) and then settled
 (no call, the same idle workers for 0.5 s). Reported per burst: p50 and p90
 of the TTFTs of all calls of all rounds, the added p50 (streamfence − SDK,
@@ -34,6 +34,8 @@ p90 ≤ 1.25× the SDK's, at bursts of 1 and 32.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
 import time
 import uuid
@@ -45,6 +47,7 @@ from typing import Any
 import httpx2
 import msgpack
 import openai
+import psutil
 import zmq
 
 from scripts.bench.common import (
@@ -64,6 +67,7 @@ from streamfence.devtools.launcher import DaemonProcess
 from streamfence.protocol.client_base import new_ref, status_msg, submit_msg
 from streamfence.protocol.codec import encode
 from streamfence.protocol.credentials import load_credentials
+from streamfence.supervisor.config import DaemonConfig
 
 DaemonFactory = Callable[..., AbstractContextManager[DaemonProcess]]
 
@@ -73,6 +77,7 @@ DELAY_S = 0.02
 ADDED_P50_TARGET_S = 0.005
 P90_RATIO_TARGET = 1.25
 TARGET_BURSTS = (1, 32)
+DEFAULT_SPARE = next(f.default for f in dataclasses.fields(DaemonConfig) if f.name == "workers_spare")
 REPEAT_MIN = 32
 REPEAT_AFTER_S = 5.0
 
@@ -209,12 +214,26 @@ def _sf_burst(proc: DaemonProcess, calls: list[Call]) -> None:
         sock.close(linger=0)
 
 
+def _daemon_cpu_s(proc: DaemonProcess) -> float:
+    """CPU seconds used so far by the daemon and its children."""
+    assert proc.proc is not None
+    root = psutil.Process(proc.proc.pid)
+    total = 0.0
+    for p in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
 def _settle(proc: DaemonProcess, quiet_s: float = 0.5, timeout_s: float = 60.0) -> int:
-    """Wait until no call is active and the set of idle workers has not changed
-    for `quiet_s`; returns the number of idle workers."""
+    """Wait until no call is active, the set of idle workers has not changed
+    for `quiet_s`, and the daemon used under 10 % of a core meanwhile (new
+    spares warm up after their hello); returns the number of idle workers."""
     with proc.client(timeout_s=30.0) as client:
         last: tuple[Any, ...] = ()
         since = time.monotonic()
+        cpu_since = _daemon_cpu_s(proc)
         deadline = since + timeout_s
         while time.monotonic() < deadline:
             status = client.status()
@@ -222,11 +241,15 @@ def _settle(proc: DaemonProcess, quiet_s: float = 0.5, timeout_s: float = 60.0) 
             shape = (status["calls"]["active"],
                      tuple(sorted(w["worker_id"] for w in workers if w["state"] == "idle")),
                      len(workers))
+            now = time.monotonic()
             if shape != last:
-                last, since = shape, time.monotonic()
+                last, since, cpu_since = shape, now, _daemon_cpu_s(proc)
             elif shape[0] == 0 and shape[1] and len(shape[1]) == shape[2] \
-                    and time.monotonic() - since >= quiet_s:
-                return len(shape[1])
+                    and now - since >= quiet_s:
+                cpu = _daemon_cpu_s(proc)
+                if cpu - cpu_since < 0.1 * (now - since):
+                    return len(shape[1])
+                since, cpu_since = now, cpu
             time.sleep(0.05)
     raise TimeoutError("the daemon did not settle")
 
@@ -241,7 +264,8 @@ def _pool_counts(proc: DaemonProcess) -> dict[str, int]:
 def _sf_run(emu: EmulatorProcess, n: int, chunks: int, text: str,
             start: DaemonFactory = daemon) -> dict[str, Any]:
     control = emu.client()
-    settings = {"workers_max": max(64, n + 16), "queue_max": 10 * n + 100}
+    settings = {"workers_max": max(64, n + 16), "queue_max": 10 * n + 100,
+                "workers_spare": DEFAULT_SPARE}
     with start(providers_for(emu, stale_timeout_s=120.0), settings,
                ready_timeout=180.0) as proc:
         # One call first: the daemon has served before (an idle daemon, not a cold one).
@@ -308,7 +332,8 @@ def run(quick: bool, rounds: int, bursts: list[tuple[int, int]] | None = None) -
         bursts = [(1, 20), (32, 20)] if quick else [(1, 50), (32, 50), (200, 10)]
     sec.params = {"rounds": rounds, "bursts (calls × chunks)": ", ".join(
         f"{n} × {c}" for n, c in bursts), "chunk_delay_s": DELAY_S,
-        "daemon": "fresh per burst, one call served, settled; workers_spare default (2)",
+        "daemon": "fresh per burst, one call served, settled; workers_spare default "
+                  f"({DEFAULT_SPARE})",
         "RLIMIT_NOFILE": raise_fd_limit()}
     results: dict[int, dict[str, list[dict[str, Any]]]] = {
         n: {v: [] for v in VARIANTS} for n, _ in bursts}

@@ -57,7 +57,7 @@ class DaemonConfig:
     state_dir: str = "./streamfence-state"
     max_frame_bytes: int = 16 * 1024 * 1024
     workers_max: int = 64
-    workers_spare: int = 2
+    workers_spare: int = 32  # ready for a burst of 32 at an idle daemon (~9 MiB each)
     queue_max: int = 10_000
     backoff_base_s: float = 1.0
     backoff_max_s: float = 4.0
@@ -153,8 +153,8 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> DaemonConfig
                           f"got {daemon['auth']!r}")
     cfg = DaemonConfig(providers=profiles, identities=identities, **daemon)
     check_endpoint(f"{source}: daemon.endpoint", cfg.endpoint, cfg.auth)
-    if cfg.workers_spare < 1 or cfg.workers_max < cfg.workers_spare + 1:
-        raise ConfigError(f"{source}: daemon.workers_max must exceed daemon.workers_spare >= 1")
+    if cfg.workers_spare < 1 or cfg.workers_max < 1:
+        raise ConfigError(f"{source}: daemon.workers_max and daemon.workers_spare must be >= 1")
     return cfg
 
 
@@ -223,9 +223,8 @@ def apply_env(cfg: DaemonConfig, env: dict[str, str]) -> DaemonConfig:
             raise ConfigError(f"environment STREAMFENCE_{key.upper()}: must not be negative")
     cfg = replace(cfg, **changes)
     check_endpoint("environment STREAMFENCE_ENDPOINT", cfg.endpoint, cfg.auth)
-    if cfg.workers_spare < 1 or cfg.workers_max < cfg.workers_spare + 1:
-        raise ConfigError("environment STREAMFENCE_WORKERS_MAX/SPARE: workers_max must exceed "
-                          "workers_spare >= 1")
+    if cfg.workers_spare < 1 or cfg.workers_max < 1:
+        raise ConfigError("environment STREAMFENCE_WORKERS_MAX/SPARE: both must be >= 1")
     return cfg
 
 

@@ -273,11 +273,14 @@ class Daemon:
                     self._restart_zygote(p)
                     zygote_fd = self._zygote_conn.fileno()
                     poller.register(zygote_fd, zmq.POLLIN)
-                p.front.flush_accepts()
                 now = time.monotonic()
                 p.driver.on_timers(now)
                 if drain_until is None:
+                    # Before the replies: new calls' first attempts join this
+                    # turn's journal transaction, so one commit (one fsync)
+                    # makes both the calls and their epochs durable.
                     p.driver.schedule()
+                p.front.flush_accepts()
                 p.clients.expire_waiters(now)
                 p.journal.commit()
                 p.counters["journal_pruned"] += p.journal.prune_tick(self.config.retention_days)

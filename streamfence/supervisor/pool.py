@@ -8,11 +8,13 @@ replaces it in the background. Every worker has a liveness slot
 How many workers it keeps (`Pool.target`): the recent peak of the load
 (attempts running or authorizing, plus the calls queued for a worker), decaying
 with a half-life of PEAK_HALF_LIFE_S, plus `spare` ready workers so that a
-retry never waits for a fork. A new worker costs ~20 ms of CPU (fork,
-start-up, its first attempt's first-use costs), so a burst that finds no ready
-worker waits for its forks; the same burst again finds them: after a burst of
-32 the pool keeps 32 + spare workers, 16 + spare 30 s later, 2 + spare after
-2 minutes and `spare` after 3. Idle workers above the target are retired
+retry never waits for a fork and a burst of up to `spare` calls at an idle
+daemon finds its workers ready (`workers_spare`, default 32: an idle worker
+costs ~9 MiB and no CPU). A new worker costs ~20 ms of CPU (fork, start-up,
+its first attempt's first-use costs), so a burst larger than the spares
+waits for its forks; the same burst again finds them: after a burst of 64
+the pool keeps 64 + spare workers (within `max_workers`), 32 + spare 30 s
+later, and `spare` after a few minutes. Idle workers above the target are retired
 (SIGKILL) once idle for RETIRE_AFTER_S (so a dip of the load, such as a retry's
 backoff, does not retire the worker the retry will want), the longest idle
 first: an idle daemon goes back to `spare` processes. All forks a target needs
@@ -221,8 +223,11 @@ class Pool:
                           WorkerState.BUSY)
         if have < want:
             room = min(want - have, self.max_workers - self.live(), len(self._free_slots))
-            for _ in range(room):
-                self._spawn()
+            # Forks for calls already waiting go first and start cold; the rest
+            # are spares, which warm up after their hello (workers/warmup.py).
+            waiting = max(0, self._demand - self.count(WorkerState.IDLE, WorkerState.SPAWNING))
+            for i in range(room):
+                self._spawn(warm=i >= waiting)
         elif have > want and (self._idle_new or self._idle_used):
             since = self._clock() - self._retire_after_s
             old = itertools.chain.from_iterable(  # each ordered by idle_at
@@ -247,14 +252,14 @@ class Pool:
                      for ws in (self._idle_new, self._idle_used) if ws)
         return max(self._maintained_at + RETIRE_CHECK_S, oldest + self._retire_after_s)
 
-    def _spawn(self) -> None:
+    def _spawn(self, warm: bool) -> None:
         worker = Worker(worker_id=self._next_id, slot=self._free_slots.pop(),
                         since=time.monotonic())
         self._next_id += 1
         self.workers[worker.worker_id] = worker
         self._states[WorkerState.SPAWNING] += 1
         self.spawned_total += 1
-        self._send(SpawnWorker(worker.worker_id, worker.slot))
+        self._send(SpawnWorker(worker.worker_id, worker.slot, warm))
 
     def _retire(self, worker: Worker, target: int) -> None:
         """An idle worker the target no longer wants: SIGKILL (it runs nothing);

@@ -24,13 +24,12 @@ same pipe as ZygoteLog.
 
 A new worker's first attempt costs ~8 ms more CPU and wall time than its
 later ones (copy-on-write faults and first-use paths after the fork: 13.6 vs
-5.4 ms to the request). A worker forked alone or in a pair (a spare, the
-replacement of a killed worker) therefore runs one throwaway attempt per SSE
-wire against a stub in its own process before it says hello, so the call that
-reserves it (a retry, the first of a burst) does not pay that. A worker forked
-in a run of more (a burst: calls are already waiting for it) skips it: the
-warm-up costs ~20 ms CPU (both wires, measured) and saves the first attempt
-only ~8 ms, so in a burst it would delay every call behind it.
+5.4 ms to the request). A spare (SpawnWorker.warm: the pool forks it ahead of
+need, no call waits for it) therefore runs one throwaway attempt per SSE wire
+against a stub in its own process right after its hello, so the call that
+later reserves it does not pay that. A worker forked for a call that is
+already waiting skips it: the warm-up costs ~20 ms CPU (both wires, measured)
+and saves that call only ~8 ms.
 """
 
 from __future__ import annotations
@@ -40,18 +39,12 @@ import ctypes
 import gc
 import logging
 import os
-import re
 import select
 import signal
-import socket
-import threading
 import time
-from collections import deque
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from streamfence.protocol.internal.workers import (
-    AttemptSettings,
     SpawnWorker,
     StopZygote,
     WorkerExited,
@@ -62,104 +55,13 @@ from streamfence.protocol.internal.workers import (
     encode_zygote,
 )
 from streamfence.protocol.lifecycle import ExitCode, die_with_parent
+from streamfence.workers.warmup import warm_up
+from streamfence.workers.worker import worker_main
 
 log = logging.getLogger("streamfence.zygote")
 
-# A new worker warms up unless it is one of more than WARM_RUN_MAX forks within
-# WARM_WINDOW_S (a burst: its call is waiting, it pays its first-use costs there).
-WARM_RUN_MAX = 2
-WARM_WINDOW_S = 0.5
-WARM_TIMEOUT_S = 5.0
 _MADV_COLLAPSE = 25  # linux/mman.h (6.1+)
 _HUGE_PAGE = 2 << 20
-
-_STUB_BODY = b"".join(
-    b"data: " + part + b"\n\n"
-    for part in (
-        b'{"id":"w","object":"chat.completion.chunk","created":0,"model":"warm",'
-        b'"choices":[{"index":0,"delta":{"role":"assistant","content":"warm"},"finish_reason":null}]}',
-        b'{"id":"w","object":"chat.completion.chunk","created":0,"model":"warm",'
-        b'"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}',
-        b"[DONE]",
-    )
-)
-
-
-_ANTHROPIC_STUB_BODY = b"".join(
-    b"event: " + name + b"\ndata: " + data + b"\n\n"
-    for name, data in (
-        (b"message_start", b'{"type":"message_start","message":{"id":"w","type":"message",'
-                           b'"role":"assistant","model":"warm","content":[],"stop_reason":null,'
-                           b'"usage":{"input_tokens":1,"output_tokens":0}}}'),
-        (b"content_block_start", b'{"type":"content_block_start","index":0,'
-                                 b'"content_block":{"type":"text","text":""}}'),
-        (b"content_block_delta", b'{"type":"content_block_delta","index":0,'
-                                 b'"delta":{"type":"text_delta","text":"warm"}}'),
-        (b"content_block_stop", b'{"type":"content_block_stop","index":0}'),
-        (b"message_delta", b'{"type":"message_delta","delta":{"stop_reason":"end_turn"},'
-                           b'"usage":{"output_tokens":1}}'),
-        (b"message_stop", b'{"type":"message_stop"}'),
-    )
-)
-
-
-class _StubHandler(BaseHTTPRequestHandler):
-    """The warm-up's provider: one canned stream per wire."""
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("content-length", "0")))
-        body = _ANTHROPIC_STUB_BODY if self.path.endswith("/messages") else _STUB_BODY
-        self.send_response(200)
-        self.send_header("content-type", "text/event-stream")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-HELLO = {"role": "user", "content": "hi"}
-
-
-def warm_up() -> None:
-    """Import everything and run each SDK's streaming path once, locally, through
-    the adapters' public interface."""
-    import boto3  # noqa: F401  (imported for its pages, used by workers)
-    import zmq  # noqa: F401
-
-    from streamfence.workers import worker  # noqa: F401
-    from streamfence.workers.adapter import shared_ssl_context
-    from streamfence.workers.output import RecordingOutput
-    from streamfence.workers.registry import ADAPTERS
-
-    shared_ssl_context()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _StubHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        base = f"http://127.0.0.1:{server.server_port}"
-        settings = AttemptSettings(connect_timeout_s=5.0, read_timeout_s=5.0)
-        for kind, base_url, request in (
-                ("openai", base + "/v1", {"model": "warm", "messages": [HELLO]}),
-                ("anthropic", base, {"model": "warm", "max_tokens": 8, "messages": [HELLO]})):
-            adapter = ADAPTERS[kind]
-            client = adapter.make_client({"name": "warm", "kind": kind, "api_key_env": None,
-                                          "base_url": base_url})
-            try:
-                outcome = adapter.run(client, request, RecordingOutput(), settings, ())
-            finally:
-                client.close()
-            if not outcome.ok:
-                raise RuntimeError(f"the {kind} warm-up attempt failed: {outcome.error}")
-        # Loads botocore's service model (the costly part) once, for every fork.
-        ADAPTERS["bedrock"].make_client({"name": "warm", "kind": "bedrock", "endpoint_url": base,
-                                         "region": "us-east-1", "aws_credentials": "dummy"})
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
-
 
 class _PipeLogHandler(logging.Handler):
     """Ships the zygote's log records to the supervisor over its pipe."""
@@ -211,7 +113,6 @@ def _serve(conn: Any, runtime_dir: str, slots: int, log_level: int) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     children: dict[int, int] = {}  # pid -> worker id
-    recent: deque[float] = deque()  # when the forks of the last WARM_WINDOW_S were made
     while True:
         # No timeout: SIGCHLD (through the wake-up pipe), a command, or the
         # supervisor's end of the pipe closing wakes us; idle, we sleep.
@@ -229,13 +130,8 @@ def _serve(conn: Any, runtime_dir: str, slots: int, log_level: int) -> None:
         spawns, stop = _commands(conn)
         if stop:
             break
-        now = time.monotonic()
-        while recent and now - recent[0] > WARM_WINDOW_S:
-            recent.popleft()
-        warm = len(recent) + len(spawns) <= WARM_RUN_MAX
         for cmd in spawns:
-            pid = _fork_worker(conn, wake_r, wake_w, cmd, runtime_dir, slots, log_level, warm)
-            recent.append(time.monotonic())
+            pid = _fork_worker(conn, wake_r, wake_w, cmd, runtime_dir, slots, log_level)
             children[pid] = cmd.worker_id
             conn.send_bytes(encode_zygote(WorkerSpawned(cmd.worker_id, pid)))
     for pid in children:
@@ -278,7 +174,7 @@ def _reap(conn: Any, children: dict[int, int]) -> None:
 
 
 def _fork_worker(conn: Any, wake_r: int, wake_w: int, cmd: SpawnWorker, runtime_dir: str,
-                 slots: int, log_level: int, warm: bool) -> int:
+                 slots: int, log_level: int) -> int:
     zygote_pid = os.getpid()
     pid = os.fork()
     if pid:
@@ -294,11 +190,7 @@ def _fork_worker(conn: Any, wake_r: int, wake_w: int, cmd: SpawnWorker, runtime_
         logging.getLogger().handlers[:] = [logging.NullHandler()]
         if not die_with_parent(zygote_pid):
             os._exit(ExitCode.PARENT_GONE)
-        if warm:
-            warm_worker()
-        from streamfence.workers.worker import worker_main
-
-        worker_main(cmd.worker_id, cmd.slot, runtime_dir, slots, log_level)
+        worker_main(cmd.worker_id, cmd.slot, runtime_dir, slots, log_level, cmd.warm)
     finally:
         os._exit(ExitCode.BOOT_FAILED)
 
@@ -328,71 +220,3 @@ def collapse_to_huge_pages() -> int:
         if end > start and madvise(start, end - start, _MADV_COLLAPSE) == 0:
             collapsed += end - start
     return collapsed
-
-
-def _serve_stub(server: socket.socket, count: int) -> None:
-    """Answer `count` requests on `server` with the canned stream of their wire."""
-    with contextlib.suppress(OSError):
-        _answer(server, count)
-
-
-def _answer(server: socket.socket, count: int) -> None:
-    for _ in range(count):
-        conn, _addr = server.accept()
-        with conn:
-            conn.settimeout(WARM_TIMEOUT_S)
-            data = b""
-            while b"\r\n\r\n" not in data:
-                piece = conn.recv(65536)
-                if not piece:
-                    return
-                data += piece
-            head, _, body = data.partition(b"\r\n\r\n")
-            length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
-            while length is not None and len(body) < int(length.group(1)):
-                piece = conn.recv(65536)
-                if not piece:
-                    return
-                body += piece
-            path = head.split(b" ", 2)[1]
-            stub = _ANTHROPIC_STUB_BODY if path.endswith(b"/messages") else _STUB_BODY
-            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                         b"content-length: %d\r\nconnection: close\r\n\r\n" % len(stub) + stub)
-
-
-def warm_worker() -> None:
-    """In a new worker, before its hello: one throwaway attempt per SSE wire
-    (openai, anthropic) through a throwaway client against a stub served by a
-    thread of this process. Measured (10 forks each, alternated, in
-    docs/PERFORMANCE.md): the first real attempt 13.6 -> 5.4 ms to the request.
-    Best effort: a failure leaves the worker as it would be without it."""
-    from streamfence.workers.output import RecordingOutput
-    from streamfence.workers.registry import ADAPTERS
-
-    wires = (("openai", "/v1", {"model": "warm", "messages": [HELLO]}),
-             ("anthropic", "", {"model": "warm", "max_tokens": 8, "messages": [HELLO]}))
-    try:
-        server = socket.create_server(("127.0.0.1", 0))
-    except OSError:
-        return
-    server.settimeout(WARM_TIMEOUT_S)
-    thread = threading.Thread(target=_serve_stub, args=(server, len(wires)), daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{server.getsockname()[1]}"
-    settings = AttemptSettings(connect_timeout_s=WARM_TIMEOUT_S, read_timeout_s=WARM_TIMEOUT_S)
-    try:
-        for kind, path, request in wires:
-            adapter = ADAPTERS[kind]
-            client = adapter.make_client({"name": "warm", "kind": kind, "api_key_env": None,
-                                          "base_url": base + path})
-            try:
-                adapter.run(client, request, RecordingOutput(), settings, ())
-            finally:
-                client.close()
-    except Exception as exc:  # an optimization must not stop a worker
-        log.debug("worker warm-up failed: %s", exc)
-    finally:
-        with contextlib.suppress(OSError):
-            server.shutdown(socket.SHUT_RDWR)  # wakes the stub's accept if it still waits
-        server.close()
-        thread.join(WARM_TIMEOUT_S)

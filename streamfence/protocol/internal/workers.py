@@ -82,6 +82,7 @@ class ZygoteTag(StrEnum):
 class SpawnWorker:
     worker_id: int
     slot: int
+    warm: bool = False  # a spare (no call waits for it): warm up after the hello
 
 
 @dataclass(frozen=True, slots=True)
