@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sqlite3
 from typing import Any
 
 import psutil
@@ -47,6 +48,18 @@ def test_clean_call_completes_with_exactly_the_emulators_text(
     assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
     assert done["response"]["finish_reason"] == "stop"
     assert done["response"]["usage"]["total_tokens"] > 0
+    # The done event is stored once, in the transcript; `result` and `cancel`
+    # of the finished call answer it from there.
+    with daemon.client() as client:
+        result = client.result(call_id)
+        assert client.cancel(call_id)["response"] == done["response"]
+    assert {k: result[k] for k in done} == done and result["diagnostics"]
+    journal = sqlite3.connect(f"file:{daemon.state_dir / 'journal.db'}?mode=ro", uri=True)
+    try:
+        assert journal.execute("SELECT state, status, done FROM calls WHERE call_id = ?",
+                               (call_id,)).fetchall() == [("done", "completed", None)]
+    finally:
+        journal.close()
 
 
 @pytest.mark.parametrize("wire", WIRES)

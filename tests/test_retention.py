@@ -50,7 +50,7 @@ def _journal(path: Path, done: Sequence[str], running: Sequence[str] = (),
         j.end_attempt(cid, 1, "stale", None)
         j.start_attempt(cid, 2)
     for cid in done:
-        j.finish_call(cid, "completed", {"op": "done", "call_id": cid})
+        j.finish_call(cid, "completed")
     j.commit()
     return j
 
@@ -70,12 +70,12 @@ def test_journal_prune_removes_old_finished_calls_and_their_attempts(tmp_path: P
     assert j.prune(time.time() - DAY) == 1
     assert j.prune_more is False
     assert j.owner_of("old-done") is None
-    assert j.done_event("old-done") is None
+    assert not j.is_finished("old-done")
     assert j.attempts_of("old-done") == []
     assert _sql(path, "SELECT count(*) FROM attempts WHERE call_id = 'old-done'") == [(0,)]
     assert j.call_by_idempotency_key("local", "key-old-done") is None
     # Recent finished calls and unfinished calls (however old) stay.
-    assert j.done_event("new-done") == {"op": "done", "call_id": "new-done"}
+    assert j.is_finished("new-done")
     assert len(j.attempts_of("new-done")) == 2
     assert {c.call_id for c in j.unfinished()} == {"old-running", "old-pending"}
     assert len(j.attempts_of("old-running")) == 2
@@ -118,7 +118,7 @@ def test_journal_prune_tick_follows_retention_days_and_its_schedule(tmp_path: Pa
     assert j.owner_of("old-running") == "local"
     # The next batch is not due yet: nothing happens in the next turns.
     j.add_call("old-3", "local", None, None, "emu", {}, {})
-    j.finish_call("old-3", "completed", {})
+    j.finish_call("old-3", "completed")
     _age_journal(path, 2 * DAY, "old-3")
     assert j.prune_tick(1.0) == 0
     assert j.owner_of("old-3") == "local"

@@ -111,3 +111,50 @@ def test_a_duplicate_seq_rolls_the_batch_back(store: TranscriptStore) -> None:
     with pytest.raises(sqlite3.IntegrityError):
         store.commit()
     assert len(store.events_after("c", 0)) == 1
+
+
+def test_a_version_1_transcript_is_converted_with_every_event(tmp_path: Path) -> None:
+    path = str(tmp_path / "v1.db")
+    events = deltas("c", 1, 1, ["a", "b", "c"])
+    conn = sqlite3.connect(path)
+    conn.executescript("""
+        CREATE TABLE events (call_id TEXT NOT NULL, seq INTEGER NOT NULL,
+            last_seq INTEGER NOT NULL, attempt INTEGER NOT NULL, op TEXT NOT NULL,
+            n INTEGER NOT NULL, body BLOB NOT NULL, PRIMARY KEY (call_id, seq)) WITHOUT ROWID;
+        CREATE TABLE calls (call_id TEXT PRIMARY KEY, max_epoch INTEGER NOT NULL, status TEXT,
+            done_seq INTEGER, updated_at REAL NOT NULL) WITHOUT ROWID;
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWID;
+        INSERT INTO meta VALUES ('schema_version', '1');
+        INSERT INTO calls VALUES ('c', 1, NULL, NULL, 0);
+    """)
+    conn.execute("INSERT INTO events VALUES ('c', 1, 2, 1, 'delta', 2, ?)",
+                 (events[0] + events[1],))
+    conn.execute("INSERT INTO events VALUES ('c', 3, 3, 1, 'delta', 1, ?)", (events[2],))
+    conn.commit()
+    conn.close()
+    store = TranscriptStore(path)
+    try:
+        assert store.events_after("c", 0) == events and store.events_after("c", 2) == events[2:]
+        store.add_run("c", 4, 1, deltas("c", 1, 4, ["d"]))
+        store.commit()
+        assert len(store.events_after("c", 0)) == 4
+    finally:
+        store.close()
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT value FROM meta").fetchall() == [("2",)]
+    assert "events_v1" not in {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+    conn.close()
+
+
+def test_a_newer_transcript_is_refused_untouched(tmp_path: Path) -> None:
+    path = str(tmp_path / "v9.db")
+    TranscriptStore(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE meta SET value = '9' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+    with pytest.raises(RuntimeError, match="schema version 9 is newer"):
+        TranscriptStore(path)
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT value FROM meta").fetchall() == [("9",)]
+    conn.close()

@@ -410,7 +410,7 @@ class AttemptDriver:
         done = reply
         call.to(CallEvent.FINISHED)
         status = str(done.get("status"))
-        self._journal.finish_call(call.call_id, status, done)
+        self._journal.finish_call(call.call_id, status)
         self._counters["calls_" + status] += 1
         log.info("call %s after %d attempt(s)", status, call.attempts, extra=_ctx(call))
         self._clients.on_call_done(call.call_id, done,

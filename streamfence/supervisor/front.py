@@ -33,7 +33,7 @@ from streamfence.protocol.messages import (
     pending_msg,
     ref_of,
 )
-from streamfence.sink.store import events_after
+from streamfence.sink.store import events_after, stored_done
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.calls import Call
@@ -218,9 +218,14 @@ class Front:
             return
         self._clients.send_frames(identity, events)
 
+    def _done_of(self, call_id: str) -> dict[str, Any] | None:
+        """A finished call's done event: stored once, in the transcript."""
+        return stored_done(self._transcript_path, call_id) \
+            if self._journal.is_finished(call_id) else None
+
     def _result(self, identity: bytes, req: Result) -> None:
         if not self._driver.has_call(req.call_id):
-            done = self._journal.done_event(req.call_id)
+            done = self._done_of(req.call_id)
             if done is None:
                 self._error(identity, req.ref, ErrorCode.UNKNOWN_CALL, f"no call {req.call_id!r}")
             else:
@@ -234,7 +239,7 @@ class Front:
 
     def _cancel(self, identity: bytes, req: Cancel) -> None:
         if not self._driver.has_call(req.call_id):
-            done = self._journal.done_event(req.call_id)
+            done = self._done_of(req.call_id)
             if done is None:
                 self._error(identity, req.ref, ErrorCode.UNKNOWN_CALL, f"no call {req.call_id!r}")
             else:

@@ -5,6 +5,10 @@ A call is acknowledged (`accepted`) only after its row is committed
 supervisor groups the submits of one loop turn into one transaction, so the
 cost is one fsync per turn, not per call.
 
+A finished call keeps its status here; its `done` event (the whole answer)
+is stored once, in the sink's transcript, where `result` and `cancel` read it
+(the `done` column is left from earlier versions and no longer written).
+
 Attempt epochs are journaled before the sink is asked to authorize them, so
 an attempt number is never reused across restarts (Kafka-style producer
 epochs). The journal never holds a credential: requests carry none, and
@@ -195,19 +199,16 @@ class Journal:
             "WHERE call_id = ? AND attempt = ?",
             (time.time(), how, finish_reason, error_class, error_code, *diag, call_id, attempt))
 
-    def finish_call(self, call_id: str, status: str, done: dict[str, Any]) -> None:
+    def finish_call(self, call_id: str, status: str) -> None:
+        """The call is done (its done event is already in the transcript)."""
         self._begin()
-        self._db.execute("UPDATE calls SET state = 'done', status = ?, finished = ?, done = ? "
-                         "WHERE call_id = ?",
-                         (status, time.time(), msgpack.packb(done), call_id))
+        self._db.execute("UPDATE calls SET state = 'done', status = ?, finished = ?, done = NULL "
+                         "WHERE call_id = ?", (status, time.time(), call_id))
         self.commit()
 
-    def done_event(self, call_id: str) -> dict[str, Any] | None:
-        row = self._db.execute("SELECT done FROM calls WHERE call_id = ?", (call_id,)).fetchone()
-        if row is None or row[0] is None:
-            return None
-        done: dict[str, Any] = msgpack.unpackb(row[0], raw=False)
-        return done
+    def is_finished(self, call_id: str) -> bool:
+        row = self._db.execute("SELECT state FROM calls WHERE call_id = ?", (call_id,)).fetchone()
+        return row is not None and row[0] == "done"
 
     def unfinished(self) -> list[JournaledCall]:
         rows = self._db.execute(

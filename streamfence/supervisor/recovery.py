@@ -33,7 +33,7 @@ def recover_calls(journal: Journal, providers: dict[str, ProviderProfile],
         stored = reader.done_event(jc.call_id) if reader is not None else None
         if stored is not None:
             done = msgpack.unpackb(stored, raw=False)
-            journal.finish_call(jc.call_id, str(done.get("status")), done)
+            journal.finish_call(jc.call_id, str(done.get("status")))
             log.info("call %s had finished before the restart (%s)", jc.call_id,
                      done.get("status"))
             continue
