@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import socket
 import threading
@@ -147,3 +148,17 @@ def warm_worker() -> None:
         _run_wires()
     except Exception as exc:  # an optimization must not stop a worker
         log.debug("worker warm-up failed: %s", exc)
+
+
+def warm_worker_in_background() -> threading.Thread:
+    """`warm_worker` on a thread of the lowest priority (Linux: a thread's nice
+    value is its own), so a spare's warm-up never takes a core from a running
+    call (a retry, a burst) and an attempt sent meanwhile starts at once."""
+    def run() -> None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        warm_worker()
+
+    thread = threading.Thread(target=run, name="warm-up", daemon=True)
+    thread.start()
+    return thread

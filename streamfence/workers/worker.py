@@ -45,7 +45,7 @@ from streamfence.protocol.logs import clear_context, route_logs_to, set_context
 from streamfence.protocol.messages import DeltaKind, visible_chars
 from streamfence.workers.liveness import LivenessTable
 from streamfence.workers.registry import run_attempt
-from streamfence.workers.warmup import warm_worker
+from streamfence.workers.warmup import warm_worker_in_background
 
 log = logging.getLogger("streamfence.worker")
 
@@ -146,8 +146,8 @@ def _wait_final_ack(sink: zmq.Socket[bytes], call_id: str, attempt: int,
 def worker_main(worker_id: int, slot: int, runtime_dir: str, slots: int,
                 log_level: int, warm: bool = False) -> NoReturn:
     """Entry point of a forked worker; never returns. `warm`: a spare, which
-    warms up (workers.warmup.warm_worker) after its hello; an attempt sent
-    meanwhile waits in the socket for the ~20 ms that takes."""
+    warms up after its hello, on a background thread of the lowest priority
+    (workers.warmup.warm_worker_in_background)."""
     ep = Endpoints(runtime_dir)
     ctx = zmq.Context()
     logs = ctx.socket(zmq.PUSH)
@@ -166,7 +166,7 @@ def worker_main(worker_id: int, slot: int, runtime_dir: str, slots: int,
     live = LivenessTable(ep.liveness_file, slots)
     ctl.send(msgpack.packb([W_HELLO, worker_id, os.getpid()]))
     if warm:
-        warm_worker()
+        warm_worker_in_background()
     code = ExitCode.OK
     try:
         while True:
