@@ -27,6 +27,20 @@ def _refuse_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not allowed")
 
 
+def _limits(max_frame: int) -> dict[str, Any]:
+    """The decoder settings for bytes from outside the process."""
+    return {"raw": False, "strict_map_key": True, "ext_hook": _refuse_ext,
+            "max_str_len": max_frame, "max_bin_len": max_frame,
+            "max_array_len": MAX_CONTAINER_LEN, "max_map_len": MAX_CONTAINER_LEN,
+            "max_ext_len": 0}
+
+
+def untrusted_unpacker(max_frame: int = DEFAULT_MAX_FRAME) -> msgpack.Unpacker:
+    """A stream decoder for bytes from outside the process: the limits of
+    `decode_untrusted`, and at most `max_frame` bytes buffered."""
+    return msgpack.Unpacker(max_buffer_size=max_frame, **_limits(max_frame))
+
+
 def encode(obj: Any) -> bytes:
     """Encode one message. Only plain msgpack types; no extension types."""
     return msgpack.packb(obj, use_bin_type=True, datetime=False)  # type: ignore[no-any-return]
@@ -44,17 +58,7 @@ def decode_untrusted(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Any:
             ErrorCode.TOO_LARGE, f"frame is {len(frame)} bytes, the limit is {max_frame}"
         )
     try:
-        return msgpack.unpackb(
-            frame,
-            raw=False,
-            strict_map_key=True,
-            ext_hook=_refuse_ext,
-            max_str_len=max_frame,
-            max_bin_len=max_frame,
-            max_array_len=MAX_CONTAINER_LEN,
-            max_map_len=MAX_CONTAINER_LEN,
-            max_ext_len=0,
-        )
+        return msgpack.unpackb(frame, **_limits(max_frame))
     except msgpack.ExtraData:
         raise ProtocolError(ErrorCode.BAD_FRAME, "trailing bytes after the msgpack object") from None
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:

@@ -28,12 +28,14 @@ list appends and pre-encoded byte pieces.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -51,6 +53,7 @@ from streamfence.sink.fence import Verdict
 from streamfence.sink.peer import SupervisorPeer
 from streamfence.sink.state import COMMIT_AFTER_S, COMMIT_EVERY, IDLE_COMMIT_GAP_S, SinkState, log
 from streamfence.sink.store import TranscriptStore
+from streamfence.sink.streams import READ_BYTES, WorkerStreams
 from streamfence.sink.wire import KIND_TAIL, TOOL_CALL, parse_final
 
 CTL_BURST = 100
@@ -58,6 +61,7 @@ IDLE_POLL_MS = 60_000  # nothing due: the loop is event driven (signals wake it)
 
 _ACCEPT = Verdict.ACCEPT
 _PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException)
+_STREAM_ERRORS = (ValueError, msgpack.UnpackException, msgpack.BufferFull, RecursionError)
 
 
 class Sink:
@@ -70,6 +74,7 @@ class Sink:
         ep = Endpoints(runtime_dir)
         self.ctx = zmq.Context()
         self.sin = self._router(ep.sink_in)
+        self.streams = WorkerStreams(ep.sink_stream)
         self.ctl = self._router(ep.sink_ctl)
         self.peer = SupervisorPeer(self.ctl, control_identity)
         self.state = SinkState(TranscriptStore(db_path), self.peer, retention_days)
@@ -104,6 +109,8 @@ class Sink:
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self.sin, zmq.POLLIN)
+        streams_fd = self.streams.fileno()
+        poller.register(streams_fd, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         wake_fd = self._wake_r.fileno()
         log.info("sink: serving pid=%s in=%s", os.getpid(), self.sin.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -123,8 +130,10 @@ class Sink:
             if self.ctl in ready:
                 self._drain_ctl()
             idle = True
+            if streams_fd in ready:
+                idle = self._drain_streams()
             if self.sin in ready:
-                idle = self._drain_in(max(1, COMMIT_EVERY - state.pending_events))
+                idle = self._drain_in(max(1, COMMIT_EVERY - state.pending_events)) and idle
             if state.pending_events:
                 now = time.monotonic()
                 if state.commit_due is None:
@@ -151,6 +160,7 @@ class Sink:
     def close(self) -> None:
         signal.set_wakeup_fd(-1)
         self.sin.close()
+        self.streams.close()
         self.ctl.close()
         self.ctx.term()
         self.state.store.close()
@@ -203,111 +213,104 @@ class Sink:
         except zmq.ZMQError:
             return False  # the peer is gone (EHOSTUNREACH): nobody to answer
 
-    def _on_in_other(self, ident: bytes, frame: bytes) -> None:
-        """Anything on sink.in that is not a well-formed delta: a final or garbage."""
+    def _on_final(self, msg: Any, reply: Callable[[bytes], bool]) -> None:
+        """Anything from a worker that is not a well-formed delta: a final or garbage."""
         state = self.state
-        if self._resync(self.sin):
-            state.bad_frame("in", "more than one frame")
-            return
         try:
-            final = parse_final(decode_untrusted(frame))
-        except ProtocolError as exc:
-            state.bad_frame("in", exc.message)
-            return
+            final = parse_final(msg)
         except BadFrame as exc:
             state.bad_frame("in", exc.reason)
             return
-        if not self._send(self.sin, ident, state.handle_final(final)):
+        if not reply(state.handle_final(final)):
             # The worker exited without waiting for its ack (it will count the
             # attempt as unfinished); the supervisor has E_ENDED anyway.
             state.acks_unroutable += 1
 
-    def _drain_in(self, budget: int) -> bool:
-        """The hot path: up to `budget` worker messages. True if the input ran dry.
+    def _take(self, msg: Any, reply: Callable[[bytes], bool]) -> None:
+        """One decoded worker message (the per-delta hot path): the fence check,
+        then, accepted, the call's next public seq, the public event built from
+        pre-encoded pieces, queued for the store and (after its commit) for the
+        supervisor. `reply` sends a final's ack back to its worker."""
+        state = self.state
+        try:
+            tag = msg[0]
+            if tag != T_DELTA or type(tag) is not int:
+                self._on_final(msg, reply)  # out of line: it may commit
+                return
+            _, call, attempt, seq, kind, data = msg
+            tail = KIND_TAIL[kind]
+            if type(call) is not str or type(attempt) is not int or type(seq) is not int:
+                raise TypeError
+            if kind == TOOL_CALL:
+                check_tool_fragment(data)
+            elif type(data) is not str:
+                raise TypeError
+        except _PARSE_ERRORS:
+            state.bad_frame("in", "malformed T_DELTA")
+            return
+        verdict = state.fence.check(call, attempt, seq)
+        if verdict is not _ACCEPT:
+            state.drop(call, attempt, seq, verdict)
+            return
+        live = state.lives[call]
+        pseq = live.seq + 1
+        live.seq = pseq
+        pack = state.pack
+        pseq_b = pack(pseq)
+        event = live.prefix + pseq_b + tail + pack(data)
+        pending = live.pending
+        if not pending:
+            live.pending_seq = pseq
+            state.dirty.append(live)
+        pending.append(event)
+        live.add[kind](data)
+        state.pending_events += 1
+        state.accepted += 1
+        state.outbox.append(live.head + pseq_b + pack(event))  # sent after its commit
 
-        Framing: pyzmq's RCVMORE read costs ~1.5 us, more than the fence check
-        itself, so a message is read as [identity, body] and RCVMORE is
-        consulted only when the body is not a well-formed delta (`_resync`).
-        The one case that slips through, a multi-part message whose first body
-        part is a valid delta, misaligns the next read, which then fails to
-        parse and is resynced: at most one other message is lost (its sender
-        sees a gap; its final is refused; the attempt is retried). Workers send
-        single frames, and the fence never depends on the framing.
-        """
+    def _drain_streams(self) -> bool:
+        """The workers' stream connections: every message that arrived. True if
+        the input ran dry (no connection filled its read)."""
+        idle = True
+        take = self._take
+        for conn, data in self.streams.ready():
+            idle = idle and len(data) < READ_BYTES
+            try:
+                conn.unpacker.feed(data)  # BufferFull: a message over the frame limit
+                for msg in conn.unpacker:
+                    take(msg, conn.send)
+            except _STREAM_ERRORS:
+                self.state.bad_frame("in", "a worker's stream cannot be framed (not msgpack, or "
+                                           "a message over the frame limit); connection closed")
+                self.streams.drop(conn)
+        return idle
+
+    def _drain_in(self, budget: int) -> bool:
+        """The ZeroMQ door of the worker wire (`sink.in`, kept beside the
+        stream socket that workers use): up to `budget` single-frame messages.
+        True if the input ran dry."""
         sock = self.sin
         state = self.state
-        recv = sock.recv
-        outbox_append = state.outbox.append
-        unpackb = msgpack.unpackb
-        pack = state.pack
-        check = state.fence.check
-        lives = state.lives
-        tails = KIND_TAIL
-        dirty_append = state.dirty.append
-        bad_frame = state.bad_frame
-        noblock = zmq.NOBLOCK
-        n = 0
-        idle = False
         for _ in range(budget):
             try:
-                ident = recv(noblock)
+                ident = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                idle = True
-                break
+                return True
             try:
-                frame = recv(noblock)  # never block: a message arrives whole
+                frame = sock.recv(zmq.NOBLOCK)  # never block: a message arrives whole
             except zmq.Again:
-                bad_frame("in", "lone frame (a misaligned multi-part message)")
-                idle = True
-                break
-            try:
-                msg = unpackb(frame)
-                tag = msg[0]
-            except _PARSE_ERRORS:
-                self._resync(sock)
-                bad_frame("in", "not a msgpack array")
-                continue
-            if tag != T_DELTA or type(tag) is not int:
-                # Out of line (finals, garbage). It may commit: settle the
-                # burst's counters first.
-                state.pending_events += n
-                state.accepted += n
-                n = 0
-                self._on_in_other(ident, frame)
+                state.bad_frame("in", "lone frame (a misaligned multi-part message)")
+                return True
+            if self._resync(sock):
+                state.bad_frame("in", "more than one frame")
                 continue
             try:
-                _, call, attempt, seq, kind, data = msg
-                tail = tails[kind]
-                if type(call) is not str or type(attempt) is not int or type(seq) is not int:
-                    raise TypeError
-                if kind == TOOL_CALL:
-                    check_tool_fragment(data)
-                elif type(data) is not str:
-                    raise TypeError
-            except _PARSE_ERRORS:
-                self._resync(sock)
-                bad_frame("in", "malformed T_DELTA")
+                msg = decode_untrusted(frame)
+            except ProtocolError as exc:
+                state.bad_frame("in", exc.message)
                 continue
-            verdict = check(call, attempt, seq)
-            if verdict is not _ACCEPT:
-                state.drop(call, attempt, seq, verdict)
-                continue
-            live = lives[call]
-            pseq = live.seq + 1
-            live.seq = pseq
-            pseq_b = pack(pseq)
-            event = live.prefix + pseq_b + tail + pack(data)
-            pending = live.pending
-            if not pending:
-                live.pending_seq = pseq
-                dirty_append(live)
-            pending.append(event)
-            live.add[kind](data)
-            n += 1
-            outbox_append(live.head + pseq_b + pack(event))  # sent after its commit
-        state.pending_events += n
-        state.accepted += n
-        return idle
+            self._take(msg, functools.partial(self._send, sock, ident))
+        return False
 
 
 def _route_logs(runtime_dir: str, level: str | int) -> zmq.Socket[bytes]:

@@ -5,7 +5,8 @@ Duties:
 1. Say hello to the supervisor, then wait for a W_RUN.
 2. Stamp the attempt on every log record (streamfence.protocol.logs), run the attempt
    through its profile's adapter (workers/registry.py), and push each delta to the
-   sink as (call, attempt, seq, kind, data) with seq contiguous from 1.
+   sink as (call, attempt, seq, kind, data) with seq contiguous from 1, over
+   one stream connection (workers/sink_channel.py).
 3. Touch the liveness row on every real chunk (streamfence.workers.liveness).
 4. Send T_FINAL with the last seq and the outcome, and count the attempt done
    only when the sink acknowledges it (a stream's end proves nothing; a PUSH
@@ -45,6 +46,7 @@ from streamfence.protocol.logs import clear_context, route_logs_to, set_context
 from streamfence.protocol.messages import DeltaKind, visible_chars
 from streamfence.workers.liveness import LivenessTable
 from streamfence.workers.registry import run_attempt
+from streamfence.workers.sink_channel import SinkChannel
 from streamfence.workers.warmup import warm_worker_in_background
 
 log = logging.getLogger("streamfence.worker")
@@ -59,7 +61,7 @@ class SinkOutput:
     __slots__ = ("_attempt", "_call_id", "_live", "_pack", "_send", "_slot", "exc",
                  "first_chunk_ns", "seq", "visible")
 
-    def __init__(self, sink: zmq.Socket[bytes], call_id: str, attempt: int,
+    def __init__(self, sink: SinkChannel, call_id: str, attempt: int,
                  live: LivenessTable, slot: int) -> None:
         self._send = sink.send
         self._pack = msgpack.Packer(use_bin_type=True).pack
@@ -87,7 +89,7 @@ class SinkOutput:
         self.exc = exc
 
 
-def _run_one(run: RunAttempt, sink: zmq.Socket[bytes], live: LivenessTable, slot: int) -> bool:
+def _run_one(run: RunAttempt, sink: SinkChannel, live: LivenessTable, slot: int) -> bool:
     settings = run.settings
     set_context(run.session_id, run.call_id, run.attempt)
     live.begin(slot, run.token)
@@ -126,17 +128,15 @@ def _run_one(run: RunAttempt, sink: zmq.Socket[bytes], live: LivenessTable, slot
     return accepted
 
 
-def _wait_final_ack(sink: zmq.Socket[bytes], call_id: str, attempt: int,
-                    timeout_s: float) -> bool:
+def _wait_final_ack(sink: SinkChannel, call_id: str, attempt: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not sink.poll(int(remaining * 1000) + 1):
+        reply = sink.wait_reply(max(0.0, deadline - time.monotonic()))
+        if reply is None:
             log.error("no ack from the sink for the final message within %.1fs; exiting",
                       timeout_s)
             logging.shutdown()
             os._exit(ExitCode.SINK_UNREACHABLE)
-        reply = msgpack.unpackb(sink.recv(), raw=False)
         if reply[0] == T_FINAL_ACK and reply[1] == call_id and reply[2] == attempt:
             if not reply[3]:
                 log.warning("sink refused the final message: %s", reply[4])
@@ -159,10 +159,7 @@ def worker_main(worker_id: int, slot: int, runtime_dir: str, slots: int,
     ctl.linger = 0
     ctl.setsockopt(zmq.IDENTITY, b"w%d" % worker_id)
     ctl.connect(ep.workers)
-    sink = ctx.socket(zmq.DEALER)
-    sink.linger = 2000
-    sink.sndhwm = 0  # never drop or block-fail a delta; the fence decides, not the queue
-    sink.connect(ep.sink_in)
+    sink = SinkChannel(ep.sink_stream)
     live = LivenessTable(ep.liveness_file, slots)
     ctl.send(msgpack.packb([W_HELLO, worker_id, os.getpid()]))
     if warm:
@@ -185,7 +182,8 @@ def worker_main(worker_id: int, slot: int, runtime_dir: str, slots: int,
         code = ExitCode.CRASHED
     finally:
         logging.shutdown()
-        for s in (ctl, sink, logs):
+        sink.close()
+        for s in (ctl, logs):
             s.close()
         ctx.term()
     os._exit(code)

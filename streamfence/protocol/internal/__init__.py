@@ -105,6 +105,11 @@ class Endpoints:
         return self._ipc("sink.in")
 
     @property
+    def sink_stream(self) -> str:
+        """The workers' AF_UNIX stream socket (a path, not a ZeroMQ endpoint)."""
+        return os.path.join(self.runtime_dir, "sink.stream")
+
+    @property
     def sink_ctl(self) -> str:
         return self._ipc("sink.ctl")
 

@@ -1,0 +1,101 @@
+"""A worker's end of the worker wire: one AF_UNIX stream connection to the
+sink (sink/streams.py), carrying msgpack arrays back to back.
+
+Sends never block the worker: what the socket does not take at once waits,
+in order, in a backlog that goes out before the next message, so the worker
+keeps reading its provider whatever the sink does (the liveness of the
+stream is the provider's, never the sink's). The backlog also holds what is
+sent before the sink listens or while it restarts: the next send or the wait
+for a final's ack connects again. Nothing here decides what a lost message
+means: the sink's fence and the acknowledged final do (ARCHITECTURE §2.5-2.6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import time
+from typing import Any
+
+from streamfence.protocol.codec import untrusted_unpacker
+
+RECONNECT_EVERY_S = 0.01  # while waiting for an ack with the sink away
+
+
+class SinkChannel:
+    """Owns the connection, its backlog and the unpacker of the sink's replies."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._sock: socket.socket | None = None
+        self._backlog = bytearray()
+        self._replies = untrusted_unpacker()
+
+    def _connect(self) -> bool:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self._path)
+        except OSError:
+            sock.close()
+            return False
+        sock.setblocking(False)
+        self._sock = sock
+        self._replies = untrusted_unpacker()
+        return True
+
+    def _broken(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _flush(self) -> None:
+        """Write as much of the backlog as the socket takes now."""
+        if self._sock is None and not self._connect():
+            return
+        assert self._sock is not None
+        while self._backlog:
+            try:
+                n = self._sock.send(self._backlog)
+            except BlockingIOError:
+                return
+            except OSError:  # the sink went away: its successor gets the rest
+                self._broken()
+                return
+            del self._backlog[:n]
+
+    def send(self, frame: bytes) -> None:
+        """Queue one message (a packed msgpack array) and write what can be written."""
+        self._backlog += frame
+        self._flush()
+
+    def wait_reply(self, timeout_s: float) -> Any | None:
+        """The sink's next reply, once everything queued is written; None if
+        none came within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(StopIteration):
+                return next(self._replies)
+            self._flush()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if self._sock is None:
+                time.sleep(min(left, RECONNECT_EVERY_S))
+                continue
+            writing = [self._sock] if self._backlog else []
+            readable, _, _ = select.select([self._sock], writing, [], left)
+            if readable:
+                try:
+                    data = self._sock.recv(1 << 16)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    self._broken()
+                    continue
+                self._replies.feed(data)
+
+    def close(self) -> None:
+        self._broken()
