@@ -15,6 +15,7 @@ from scripts.bench import capacity, report, ttft
 def test_ttft_section_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ttft, "REPEAT_MIN", 4)  # the "again" burst too, on 4 calls
     monkeypatch.setattr(ttft, "REPEAT_AFTER_S", 0.2)
+    monkeypatch.setattr(ttft, "DEFAULT_SPARE", 2)  # 32 spares per fresh daemon: minutes here
     sec = ttft.run(True, 1, bursts=[(1, 3), (4, 3)])
     items = [row.item for row in sec.rows]
     assert "burst 1: added p50 (streamfence − SDK)" in items

@@ -217,12 +217,12 @@ def daemon_roles(status: dict[str, Any]) -> dict[int, str]:
 
 
 def sink_in_endpoint(proc: DaemonProcess) -> str:
-    """The daemon's worker -> sink ipc endpoint (streamfence.protocol.internal.Endpoints)."""
+    """The daemon's worker wire: the sink's stream socket (streamfence.protocol.internal.Endpoints)."""
     from streamfence.protocol.internal import Endpoints
     from streamfence.supervisor.config import load_config
 
     cfg = load_config(str(proc.config_path), env={})
-    return Endpoints(cfg.runtime_dir()).sink_in
+    return Endpoints(cfg.runtime_dir()).sink_stream
 
 
 def raise_fd_limit() -> int:

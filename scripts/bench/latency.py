@@ -158,7 +158,7 @@ def run(quick: bool, rounds: int) -> Section:
                         call = f"lat-{uuid.uuid4().hex[:12]}"
                         sink.authorize([call])
                         sink.on_event = _stamps_into(samples)
-                        producers.run([["paced", sink.endpoints.sink_in, call, 1, 1, RATE,
+                        producers.run([["paced", sink.endpoints.sink_stream, call, 1, 1, RATE,
                                         seconds, PAD]], {sink.ctl: sink.drain})
                         _settle({sink.ctl: sink.drain})
                         sink.on_event = None

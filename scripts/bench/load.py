@@ -6,8 +6,9 @@ Producers are persistent processes (spawned once per section; they import
 only zmq and msgpack) driven over a ROUTER socket of the bench:
 
     bench -> producer  ["blast", endpoint, calls, attempt, per_call, data]
-                       pre-pack T_DELTA frames (calls interleaved), connect a
-                       DEALER (SNDHWM 0, as a worker does), answer "ready",
+                       pre-pack T_DELTA frames (calls interleaved), connect
+                       (a stream path: as a worker does; an ipc:// endpoint: a
+                       DEALER with SNDHWM 0), answer "ready",
                        wait for "go", send them all, then one T_FINAL per call,
                        wait for every T_FINAL_ACK, answer
                        ["done", t0_ns, t1_ns, acked, refused]
@@ -53,6 +54,7 @@ from streamfence.protocol.internal import (
     Endpoints,
 )
 from streamfence.protocol.internal.outcome import AttemptOutcome, outcome_to_wire
+from streamfence.workers.sink_channel import SinkChannel
 
 _FINAL_OK = outcome_to_wire(AttemptOutcome(ok=True, finish_reason="stop", model="bench"))
 ACK_TIMEOUT_S = 120.0
@@ -81,12 +83,39 @@ def producer_main(ctl_endpoint: str, ident: bytes) -> None:
         ctx.term()
 
 
-def _data_socket(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[bytes]:
-    sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)  # as a worker: never drop a delta
-    sock.connect(endpoint)
-    return sock
+class _Wire:
+    """A producer's end of the worker wire: the sink's stream socket (a path,
+    as workers use: streamfence.workers.sink_channel) or a ZeroMQ endpoint (the
+    ceiling server, the sink's `sink.in` door): a DEALER with no HWM, as a worker
+    once used."""
+
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str) -> None:
+        self._channel: SinkChannel | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        if endpoint.startswith("ipc://"):
+            self._sock = ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.SNDHWM, 0)
+            self._sock.connect(endpoint)
+            self.send = self._sock.send
+        else:
+            self._channel = SinkChannel(endpoint)
+            self.send = self._channel.send
+
+    def reply(self, timeout_s: float) -> Any | None:
+        if self._channel is not None:
+            return self._channel.wait_reply(timeout_s)
+        assert self._sock is not None
+        return msgpack.unpackb(self._sock.recv()) if self._sock.poll(int(timeout_s * 1000)) \
+            else None
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.wait_reply(0.2)  # writes what is still queued
+            self._channel.close()
+        if self._sock is not None:
+            time.sleep(0.2)  # linger 0: let the io thread flush before the socket goes
+            self._sock.close()
 
 
 def _blast(ctx: zmq.Context[Any], ctl: zmq.Socket[bytes], endpoint: str, calls: list[str],
@@ -95,7 +124,7 @@ def _blast(ctx: zmq.Context[Any], ctl: zmq.Socket[bytes], endpoint: str, calls: 
     frames = [pack([T_DELTA, call, attempt, seq, "text", data])
               for seq in range(1, per_call + 1) for call in calls]
     finals = [pack([T_FINAL, call, attempt, per_call, _FINAL_OK]) for call in calls]
-    sock = _data_socket(ctx, endpoint)
+    sock = _Wire(ctx, endpoint)
     ctl.send(msgpack.packb(["ready"]))
     msgpack.unpackb(ctl.recv())  # "go"
     send = sock.send
@@ -107,9 +136,9 @@ def _blast(ctx: zmq.Context[Any], ctl: zmq.Socket[bytes], endpoint: str, calls: 
     acked = refused = 0
     deadline = time.monotonic() + ACK_TIMEOUT_S
     while acked + refused < len(calls) and time.monotonic() < deadline:
-        if not sock.poll(1000):
+        reply = sock.reply(1.0)
+        if reply is None:
             continue
-        reply = msgpack.unpackb(sock.recv())
         if reply[0] == T_FINAL_ACK:
             if reply[3]:
                 acked += 1
@@ -123,7 +152,7 @@ def _blast(ctx: zmq.Context[Any], ctl: zmq.Socket[bytes], endpoint: str, calls: 
 def _paced(ctx: zmq.Context[Any], ctl: zmq.Socket[bytes], endpoint: str, call: str,
            attempt: int, first_seq: int, rate: float, seconds: float, pad: str) -> None:
     pack = msgpack.Packer(use_bin_type=True).pack
-    sock = _data_socket(ctx, endpoint)
+    sock = _Wire(ctx, endpoint)
     ctl.send(msgpack.packb(["ready"]))
     msgpack.unpackb(ctl.recv())  # "go"
     send, now_ns, sleep = sock.send, time.monotonic_ns, time.sleep
@@ -139,7 +168,6 @@ def _paced(ctx: zmq.Context[Any], ctl: zmq.Socket[bytes], endpoint: str, call: s
             sent += 1
         sleep(0.0001)
     t1 = now_ns()
-    time.sleep(0.2)  # linger 0: let the io thread flush before the socket goes
     sock.close()
     ctl.send(msgpack.packb(["done", t0, t1, sent]))
 

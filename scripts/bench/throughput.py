@@ -56,7 +56,7 @@ def run(quick: bool, rounds: int) -> Section:
         sink = SinkUnderTest(rt)
         producers = Producers(8, rt)
         try:
-            targets = {"ceil-nodb": nodb, "ceil-db": withdb, "sink": sink.endpoints.sink_in}
+            targets = {"ceil-nodb": nodb, "ceil-db": withdb, "sink": sink.endpoints.sink_stream}
             for r in range(-1, rounds):  # round -1 warms up (discarded)
                 for variant in rotated(variants, max(r, 0)):
                     target, shape = variant.split()

@@ -3,7 +3,9 @@
 Duties (`run_sink` is the entry point the supervisor starts with
 `multiprocess.get_context("spawn").Process(target=run_sink, ...)`):
 
-- bind ROUTER `sink.in` (workers: T_DELTA, T_FINAL) and ROUTER `sink.ctl`
+- listen on the worker wire `sink.stream` (workers' T_DELTA, T_FINAL over
+  AF_UNIX stream connections, sink/streams.py), bind ROUTER `sink.in` (the
+  same messages as ZeroMQ frames, for tests and tools) and ROUTER `sink.ctl`
   (the supervisor: C_AUTHORIZE, C_FENCE, C_FINISH, C_STATS), see
   streamfence.protocol.internal;
 - per delta: the fence check (`FenceTable.check`); on ACCEPT assign the call's
@@ -21,9 +23,9 @@ Duties (`run_sink` is the entry point the supervisor starts with
 - die with the parent (PR_SET_PDEATHSIG) and exit cleanly on SIGTERM after a
   last commit. SIGINT is ignored: the supervisor owns the shutdown order.
 
-The per-delta path is written out inline in `_drain_in` on purpose: a burst
-loop with locals, one `unpackb`, integer tag test, a dict lookup in the fence,
-list appends and pre-encoded byte pieces.
+The per-delta path is one method, `_take`, on purpose flat: an integer tag
+test, a dict lookup in the fence, list appends and pre-encoded byte pieces;
+both doors decode before it (a stream's unpacker, or one frame).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
 
@@ -226,59 +228,74 @@ class Sink:
             # attempt as unfinished); the supervisor has E_ENDED anyway.
             state.acks_unroutable += 1
 
-    def _take(self, msg: Any, reply: Callable[[bytes], bool]) -> None:
-        """One decoded worker message (the per-delta hot path): the fence check,
-        then, accepted, the call's next public seq, the public event built from
-        pre-encoded pieces, queued for the store and (after its commit) for the
-        supervisor. `reply` sends a final's ack back to its worker."""
+    def _take(self, msgs: Iterable[Any], reply: Callable[[bytes], bool]) -> None:
+        """Decoded worker messages from one sender (the per-delta hot path, a
+        loop with locals on purpose): the fence check, then, accepted, the
+        call's next public seq, the public event built from pre-encoded pieces,
+        queued for the store and (after its commit) for the supervisor.
+        Anything else goes out of line; `reply` sends a final's ack back."""
         state = self.state
-        try:
-            tag = msg[0]
-            if tag != T_DELTA or type(tag) is not int:
-                self._on_final(msg, reply)  # out of line: it may commit
-                return
-            _, call, attempt, seq, kind, data = msg
-            tail = KIND_TAIL[kind]
-            if type(call) is not str or type(attempt) is not int or type(seq) is not int:
-                raise TypeError
-            if kind == TOOL_CALL:
-                check_tool_fragment(data)
-            elif type(data) is not str:
-                raise TypeError
-        except _PARSE_ERRORS:
-            state.bad_frame("in", "malformed T_DELTA")
-            return
-        verdict = state.fence.check(call, attempt, seq)
-        if verdict is not _ACCEPT:
-            state.drop(call, attempt, seq, verdict)
-            return
-        live = state.lives[call]
-        pseq = live.seq + 1
-        live.seq = pseq
+        check = state.fence.check
+        lives = state.lives
         pack = state.pack
-        pseq_b = pack(pseq)
-        event = live.prefix + pseq_b + tail + pack(data)
-        pending = live.pending
-        if not pending:
-            live.pending_seq = pseq
-            state.dirty.append(live)
-        pending.append(event)
-        live.add[kind](data)
-        state.pending_events += 1
-        state.accepted += 1
-        state.outbox.append(live.head + pseq_b + pack(event))  # sent after its commit
+        tails = KIND_TAIL
+        dirty_append = state.dirty.append
+        outbox_append = state.outbox.append
+        n = 0
+        try:
+            for msg in msgs:
+                try:
+                    tag = msg[0]
+                    if tag != T_DELTA or type(tag) is not int:
+                        # Out of line (finals, garbage). It may commit: settle
+                        # the counters first.
+                        state.pending_events += n
+                        state.accepted += n
+                        n = 0
+                        self._on_final(msg, reply)
+                        continue
+                    _, call, attempt, seq, kind, data = msg
+                    tail = tails[kind]
+                    if type(call) is not str or type(attempt) is not int \
+                            or type(seq) is not int:
+                        raise TypeError
+                    if kind == TOOL_CALL:
+                        check_tool_fragment(data)
+                    elif type(data) is not str:
+                        raise TypeError
+                except _PARSE_ERRORS:
+                    state.bad_frame("in", "malformed T_DELTA")
+                    continue
+                verdict = check(call, attempt, seq)
+                if verdict is not _ACCEPT:
+                    state.drop(call, attempt, seq, verdict)
+                    continue
+                live = lives[call]
+                pseq = live.seq + 1
+                live.seq = pseq
+                pseq_b = pack(pseq)
+                event = live.prefix + pseq_b + tail + pack(data)
+                pending = live.pending
+                if not pending:
+                    live.pending_seq = pseq
+                    dirty_append(live)
+                pending.append(event)
+                live.add[kind](data)
+                n += 1
+                outbox_append(live.head + pseq_b + pack(event))  # sent after its commit
+        finally:
+            state.pending_events += n
+            state.accepted += n
 
     def _drain_streams(self) -> bool:
         """The workers' stream connections: every message that arrived. True if
         the input ran dry (no connection filled its read)."""
         idle = True
-        take = self._take
         for conn, data in self.streams.ready():
             idle = idle and len(data) < READ_BYTES
             try:
                 conn.unpacker.feed(data)  # BufferFull: a message over the frame limit
-                for msg in conn.unpacker:
-                    take(msg, conn.send)
+                self._take(conn.unpacker, conn.send)
             except _STREAM_ERRORS:
                 self.state.bad_frame("in", "a worker's stream cannot be framed (not msgpack, or "
                                            "a message over the frame limit); connection closed")
@@ -309,7 +326,7 @@ class Sink:
             except ProtocolError as exc:
                 state.bad_frame("in", exc.message)
                 continue
-            self._take(msg, functools.partial(self._send, sock, ident))
+            self._take((msg,), functools.partial(self._send, sock, ident))
         return False
 
 

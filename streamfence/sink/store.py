@@ -171,7 +171,7 @@ class Checkpointer:
     def __init__(self, path: str, every_s: float = CHECKPOINT_EVERY_S) -> None:
         self.path = path
         self.every_s = every_s
-        self._stop = False
+        self._stopping = threading.Event()
         self._committed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sink-checkpoint", daemon=True)
 
@@ -188,7 +188,7 @@ class Checkpointer:
             conn.execute("PRAGMA synchronous=NORMAL")
             while True:
                 self._committed.wait()
-                if self._stop:
+                if self._stopping.is_set():
                     return
                 self._committed.clear()
                 try:
@@ -197,12 +197,13 @@ class Checkpointer:
                 except sqlite3.Error as exc:
                     log.warning("sink: WAL checkpoint failed (will retry): %s", exc)
                     self._committed.set()
-                time.sleep(self.every_s)
+                if self._stopping.wait(self.every_s):  # at most one per every_s
+                    return
         finally:
             conn.close()
 
     def stop(self) -> None:
-        self._stop = True
+        self._stopping.set()
         self._committed.set()
         if self._thread.is_alive():
             self._thread.join(10.0)

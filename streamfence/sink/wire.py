@@ -1,9 +1,9 @@
-"""The sink's side of the worker wire (`sink.in`) and its per-delta byte pieces.
+"""The sink's side of the worker wire's messages and its per-delta byte pieces.
 
 - `parse_final` validates a decoded T_FINAL (from `decode_untrusted`) into a
   `Final` or raises `BadFrame`; its outcome is parsed once, with
   `protocol.internal.outcome_from_wire` (a bad outcome is a bad frame).
-- T_DELTA frames are parsed inline in the sink's hot loop (process.py) with
+- T_DELTA messages are parsed in the sink's hot path (process.py `_take`) with
   the same rules: `[T_DELTA, call_id: str, attempt: int, seq: int, kind, data]`,
   `kind` a DeltaKind, `data` a string or, for tool_call, a fragment map.
 - `delta_prefix` / `KIND_TAIL` are the constant parts of the public delta

@@ -161,7 +161,7 @@ class Daemon:
     def _build(self) -> Parts:
         """Every owner, each built after what it needs; then the children start."""
         cfg = self.config
-        for name in ("sink.in", "sink.ctl", "workers", "logs"):
+        for name in ("sink.in", "sink.stream", "sink.ctl", "workers", "logs"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.runtime_dir, name))
         live = LivenessTable(self.endpoints.liveness_file, cfg.workers_max, create=True)

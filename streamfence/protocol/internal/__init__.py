@@ -1,11 +1,12 @@
 """Internal messages between the daemon's own processes (docs/ARCHITECTURE.md §3).
 
-All are single-frame msgpack arrays whose first element is a tag (small int),
-chosen for the per-delta hot path: no map keys to encode, one `unpackb`.
-Sockets (all `ipc://` endpoints in the daemon's runtime directory, see
-`Endpoints`):
+All are msgpack arrays whose first element is a tag (small int), chosen for
+the per-delta hot path: no map keys to encode, one decode. Sockets (in the
+daemon's runtime directory, see `Endpoints`; all `ipc://` ZeroMQ endpoints
+but the worker wire, an AF_UNIX stream socket with msgpack as its framing):
 
-    worker DEALER ──► sink ROUTER       "sink.in"   deltas, finals; sink acks finals
+    worker ──► sink (AF_UNIX stream)    "sink.stream" deltas, finals; sink acks finals
+    (tests, tools) DEALER ──► sink      "sink.in"   the same, one ZeroMQ frame each
     supervisor DEALER ◄─► sink ROUTER   "sink.ctl"  authorize/fence/finish + events
     worker DEALER ◄─► supervisor ROUTER "workers"   hello, run, idle
     worker PUSH ──► supervisor PULL     "logs"      log records of every child
@@ -18,7 +19,7 @@ and one parser in the module of its conversation:
 - `control`: supervisor <-> sink (`sink.ctl`);
 - `workers`: supervisor -> worker (`W_RUN` as `RunAttempt`) and the zygote pipe.
 
-Worker -> sink ("sink.in"):
+Worker -> sink ("sink.stream", or "sink.in"):
     [T_DELTA, call_id, attempt, seq, kind, data]
         seq starts at 1 per attempt and is contiguous; kind is a DeltaKind.
     [T_FINAL, call_id, attempt, last_seq, outcome]
