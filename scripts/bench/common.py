@@ -1,10 +1,11 @@
 """What every section shares: result rows, statistics, CPU accounting of a
 process tree, the machine's description, and the emulator and daemon set-ups.
 
-CPU is read per pid from /proc/PID/task/*/schedstat (all threads, ns
-resolution; psutil's `cpu_times()` only as a fallback, its 10 ms ticks being
-too coarse for one stream) before and after a measured window; a pid that
-appears during the window counts from zero. A section's own process is read
+CPU is read per thread from /proc/PID/task/*/schedstat (ns resolution;
+psutil's 10 ms ticks are too coarse for one stream) before and after a
+measured window; a thread that appears during the window counts from zero,
+one that ends in it is not seen (new workers' warm-up threads: `wait_quiet`
+lets them finish before a measurement). A section's own process is read
 with `time.process_time()`.
 """
 
@@ -104,29 +105,6 @@ def machine() -> dict[str, str]:
 
 # ---- CPU of processes ---------------------------------------------------------------
 
-def cpu_seconds(pid: int) -> float | None:
-    """CPU time of all threads of `pid`, in seconds, with nanosecond resolution.
-
-    /proc/PID/task/*/schedstat (time on CPU, ns) rather than psutil's
-    cpu_times, whose clock-tick resolution (10 ms) is coarser than a short
-    stream's cost in one process. Threads that ended earlier are not counted
-    (the daemon's threads live as long as their process). Falls back to psutil.
-    """
-    try:
-        total = 0
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        return total / 1e9
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        t = psutil.Process(pid).cpu_times()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-    return float(t.user + t.system)
-
-
 def tree(pid: int) -> list[int]:
     """`pid` and all its descendants."""
     try:
@@ -135,21 +113,42 @@ def tree(pid: int) -> list[int]:
         return []
 
 
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU time of each live thread of `pid` (tid -> seconds), from
+    /proc/PID/task/*/schedstat (ns) rather than psutil's cpu_times, whose clock
+    tick (10 ms) is coarser than a short stream's cost in one process; {} if
+    the process is gone."""
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
 class CpuMeter:
-    """CPU seconds used by a set of process trees between `start()` and `stop()`."""
+    """CPU seconds used by a set of process trees between `start()` and `stop()`,
+    thread by thread: a thread that ends in between (a new worker's warm-up)
+    counts with what it had used at `start` subtracted from nothing, so it can
+    never make a total negative; its last moments are not seen."""
 
     def __init__(self, roots: Sequence[int]) -> None:
         self.roots = list(roots)
-        self._before: dict[int, float] = {}
+        self._before: dict[tuple[int, int], float] = {}
         self.used: dict[int, float] = {}
 
-    def _read(self) -> dict[int, float]:
-        out: dict[int, float] = {}
+    def _read(self) -> dict[tuple[int, int], float]:
+        out: dict[tuple[int, int], float] = {}
         for root in self.roots:
             for pid in tree(root):
-                value = cpu_seconds(pid)
-                if value is not None:
-                    out[pid] = value
+                for tid, value in thread_cpu_seconds(pid).items():
+                    out[(pid, tid)] = value
         return out
 
     def start(self) -> None:
@@ -157,7 +156,10 @@ class CpuMeter:
 
     def stop(self) -> dict[int, float]:
         after = self._read()
-        self.used = {pid: after[pid] - self._before.get(pid, 0.0) for pid in after}
+        used: dict[int, float] = {}
+        for (pid, tid), value in after.items():
+            used[pid] = used.get(pid, 0.0) + value - self._before.get((pid, tid), 0.0)
+        self.used = used
         return self.used
 
     def total(self) -> float:
@@ -194,6 +196,22 @@ def daemon(providers: dict[str, dict[str, Any]], settings: dict[str, Any] | None
             proc.cleanup()
 
 
+def wait_quiet(proc: DaemonProcess, window_s: float = 0.5, below: float = 0.1,
+               timeout_s: float = 60.0) -> None:
+    """Wait until the daemon's process tree used under `below` of a core over a
+    whole `window_s` (new spares warm up after their hello)."""
+    assert proc.proc is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        meter = CpuMeter([proc.proc.pid])
+        meter.start()
+        time.sleep(window_s)
+        meter.stop()
+        if meter.total() < below * window_s:
+            return
+    raise TimeoutError(f"the daemon did not go quiet within {timeout_s:.0f} s")
+
+
 def wait_idle(proc: DaemonProcess, count: int, timeout_s: float = 300.0) -> float:
     """Wait until `count` workers are idle (the warm pool is complete); returns the wait."""
     from streamfence.devtools.launcher import wait_until
@@ -204,6 +222,7 @@ def wait_idle(proc: DaemonProcess, count: int, timeout_s: float = 300.0) -> floa
             return sum(1 for w in client.status()["workers"] if w["state"] == "idle") >= count
 
         wait_until(ready, timeout_s, f"{count} idle workers", interval=0.05)
+    wait_quiet(proc)
     return time.monotonic() - t0
 
 

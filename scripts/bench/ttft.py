@@ -34,7 +34,6 @@ p90 ≤ 1.25× the SDK's, at bursts of 1 and 32.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
@@ -47,7 +46,6 @@ from typing import Any
 import httpx2
 import msgpack
 import openai
-import psutil
 import zmq
 
 from scripts.bench.common import (
@@ -61,6 +59,7 @@ from scripts.bench.common import (
     raise_fd_limit,
     realistic_text,
     rotated,
+    wait_quiet,
 )
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
@@ -214,26 +213,13 @@ def _sf_burst(proc: DaemonProcess, calls: list[Call]) -> None:
         sock.close(linger=0)
 
 
-def _daemon_cpu_s(proc: DaemonProcess) -> float:
-    """CPU seconds used so far by the daemon and its children."""
-    assert proc.proc is not None
-    root = psutil.Process(proc.proc.pid)
-    total = 0.0
-    for p in [root, *root.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            t = p.cpu_times()
-            total += t.user + t.system
-    return total
-
-
 def _settle(proc: DaemonProcess, quiet_s: float = 0.5, timeout_s: float = 60.0) -> int:
-    """Wait until no call is active, the set of idle workers has not changed
-    for `quiet_s`, and the daemon used under 10 % of a core meanwhile (new
-    spares warm up after their hello); returns the number of idle workers."""
+    """Wait until no call is active and the set of idle workers has not changed
+    for `quiet_s`, then until the daemon is quiet (new spares warm up after
+    their hello); returns the number of idle workers."""
     with proc.client(timeout_s=30.0) as client:
         last: tuple[Any, ...] = ()
         since = time.monotonic()
-        cpu_since = _daemon_cpu_s(proc)
         deadline = since + timeout_s
         while time.monotonic() < deadline:
             status = client.status()
@@ -241,15 +227,12 @@ def _settle(proc: DaemonProcess, quiet_s: float = 0.5, timeout_s: float = 60.0) 
             shape = (status["calls"]["active"],
                      tuple(sorted(w["worker_id"] for w in workers if w["state"] == "idle")),
                      len(workers))
-            now = time.monotonic()
             if shape != last:
-                last, since, cpu_since = shape, now, _daemon_cpu_s(proc)
+                last, since = shape, time.monotonic()
             elif shape[0] == 0 and shape[1] and len(shape[1]) == shape[2] \
-                    and now - since >= quiet_s:
-                cpu = _daemon_cpu_s(proc)
-                if cpu - cpu_since < 0.1 * (now - since):
-                    return len(shape[1])
-                since, cpu_since = now, cpu
+                    and time.monotonic() - since >= quiet_s:
+                wait_quiet(proc)
+                return len(shape[1])
             time.sleep(0.05)
     raise TimeoutError("the daemon did not settle")
 
