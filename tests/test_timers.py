@@ -63,10 +63,16 @@ def test_an_idle_daemon_sleeps(make_daemon: Any) -> None:
     assert daemon.proc is not None
     root = psutil.Process(daemon.proc.pid)
     pids = [root.pid] + [c.pid for c in root.children(recursive=True)]
-    time.sleep(0.5)  # let the status exchange above settle (not a synchronization)
-    before = _wakeups(pids)
-    time.sleep(3.0)  # the observation window
-    after = _wakeups(pids)
-    woke = {task: after[task] - before[task] for task in before if task in after
-            and after[task] > before[task]}
-    assert sum(woke.values()) <= 6, f"an idle daemon woke up: {woke}"
+    # Start-up work ends on its own (the spares' warm-up threads, the status
+    # exchange above): look at successive 3 s windows until one is quiet. A
+    # daemon that wakes on a timer is never quiet.
+    deadline = time.monotonic() + 30.0
+    while True:
+        before = _wakeups(pids)
+        time.sleep(3.0)  # the observation window
+        after = _wakeups(pids)
+        woke = {task: after[task] - before[task] for task in before if task in after
+                and after[task] > before[task]}
+        if sum(woke.values()) <= 6:
+            return
+        assert time.monotonic() < deadline, f"an idle daemon keeps waking up: {woke}"

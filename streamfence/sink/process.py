@@ -215,7 +215,7 @@ class Sink:
         except zmq.ZMQError:
             return False  # the peer is gone (EHOSTUNREACH): nobody to answer
 
-    def _on_final(self, msg: Any, reply: Callable[[bytes], bool]) -> None:
+    def _out_of_line(self, msg: Any, reply: Callable[[bytes], bool]) -> None:
         """Anything from a worker that is not a well-formed delta: a final or garbage."""
         state = self.state
         try:
@@ -252,7 +252,7 @@ class Sink:
                         state.pending_events += n
                         state.accepted += n
                         n = 0
-                        self._on_final(msg, reply)
+                        self._out_of_line(msg, reply)
                         continue
                     _, call, attempt, seq, kind, data = msg
                     tail = tails[kind]

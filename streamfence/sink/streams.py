@@ -64,9 +64,6 @@ class WorkerStreams:
         """The epoll's fd: readable when a worker connects or writes."""
         return self._epoll.fileno()
 
-    def __len__(self) -> int:
-        return len(self._conns)
-
     def ready(self) -> Iterator[tuple[WorkerConn, bytes]]:
         """Each connection that had bytes, with up to READ_BYTES of them (a full
         read: it may have more). New connections are accepted; closed ones are

@@ -195,6 +195,12 @@ class Pool:
                 (self._idle_used if worker.runs else self._idle_new)[worker.worker_id] = worker
                 worker.idle_at = self._clock()
 
+    def _load(self) -> int:
+        """Workers reserved or busy, those killed under an attempt and not yet
+        reaped, and the queued demand last given to `maintain`."""
+        return (self.count(WorkerState.RESERVED, WorkerState.BUSY) + len(self._fenced)
+                + self._demand)
+
     def target(self) -> int:
         """How many workers (spawning, idle, reserved or busy) the pool wants now:
         the load's recent peak (decayed, rounded; at least the load now) plus `spare`,
@@ -203,8 +209,7 @@ class Pool:
         at the kill, not when the retry takes a spare), plus the queued demand
         last given to `maintain`."""
         now = self._clock()
-        load = (self.count(WorkerState.RESERVED, WorkerState.BUSY) + len(self._fenced)
-                + self._demand)
+        load = self._load()
         elapsed = max(0.0, now - self._peak_at)
         peak = self._peak * 0.5 ** (elapsed / self._half_life_s)
         self._peak, self._peak_at = max(peak, float(load)), now
@@ -242,11 +247,9 @@ class Pool:
         about once a second as the peak decays; else never."""
         if not (self._idle_new or self._idle_used):
             return None
-        load = (self.count(WorkerState.RESERVED, WorkerState.BUSY) + len(self._fenced)
-                + self._demand)
         have = self.count(WorkerState.SPAWNING, WorkerState.IDLE, WorkerState.RESERVED,
                           WorkerState.BUSY)
-        if have <= min(self.max_workers, load + self.spare):
+        if have <= min(self.max_workers, self._load() + self.spare):
             return None
         oldest = min(next(iter(ws.values())).idle_at  # each is ordered by idle_at
                      for ws in (self._idle_new, self._idle_used) if ws)

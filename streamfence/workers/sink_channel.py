@@ -5,9 +5,12 @@ Sends never block the worker: what the socket does not take at once waits,
 in order, in a backlog that goes out before the next message, so the worker
 keeps reading its provider whatever the sink does (the liveness of the
 stream is the provider's, never the sink's). The backlog also holds what is
-sent before the sink listens or while it restarts: the next send or the wait
-for a final's ack connects again. Nothing here decides what a lost message
-means: the sink's fence and the acknowledged final do (ARCHITECTURE §2.5-2.6).
+sent before the sink first listens: the next send or the wait for a final's
+ack connects. A connection that breaks (the sink died) takes its backlog
+with it, since a message cut in the middle cannot open a new connection; the
+supervisor fences every running attempt when the sink restarts, and the
+fence and the acknowledged final decide what a lost message means
+(ARCHITECTURE §2.5-2.6).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class SinkChannel:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+            self._backlog.clear()
 
     def _flush(self) -> None:
         """Write as much of the backlog as the socket takes now."""
@@ -65,9 +69,22 @@ class SinkChannel:
             del self._backlog[:n]
 
     def send(self, frame: bytes) -> None:
-        """Queue one message (a packed msgpack array) and write what can be written."""
-        self._backlog += frame
-        self._flush()
+        """Write one message (a packed msgpack array); what the socket does not
+        take now is queued behind the backlog."""
+        sock = self._sock
+        if sock is None or self._backlog:
+            self._backlog += frame
+            self._flush()
+            return
+        try:
+            n = sock.send(frame)  # the per-delta path: one syscall, no copy
+        except BlockingIOError:
+            n = 0
+        except OSError:
+            self._broken()
+            return
+        if n < len(frame):
+            self._backlog += frame[n:]
 
     def wait_reply(self, timeout_s: float) -> Any | None:
         """The sink's next reply, once everything queued is written; None if

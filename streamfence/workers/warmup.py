@@ -6,8 +6,9 @@ call needs them.
 - `warm_up`, in the zygote before it freezes its heap: imports everything,
   one attempt per SSE wire, and loads botocore's service model; a failure
   stops the zygote (its workers would be cold and slow).
-- `warm_worker`, in a new spare after its hello (workers/worker.py): one
-  attempt per SSE wire again, best effort. Measured (10 forks each,
+- `warm_worker_in_background`, in a new spare after its hello
+  (workers/worker.py): one attempt per SSE wire again, best effort, on a
+  lowest-priority thread. Measured (10 forks each,
   alternated, docs/PERFORMANCE.md): a new worker's first real attempt
   13.6 -> 5.4 ms to the request, for ~20 ms of CPU.
 """
@@ -141,23 +142,19 @@ def warm_up() -> None:
                                      "region": "us-east-1", "aws_credentials": "dummy"})
 
 
-def warm_worker() -> None:
-    """In a new spare: the same attempts, best effort (a failure leaves the
-    worker as it would be without them)."""
-    try:
-        _run_wires()
-    except Exception as exc:  # an optimization must not stop a worker
-        log.debug("worker warm-up failed: %s", exc)
-
-
 def warm_worker_in_background() -> threading.Thread:
-    """`warm_worker` on a thread of the lowest priority (Linux: a thread's nice
-    value is its own), so a spare's warm-up never takes a core from a running
-    call (a retry, a burst) and an attempt sent meanwhile starts at once."""
+    """In a new spare, after its hello: the same attempts, best effort (a
+    failure leaves the worker as it would be without them), on a thread of the
+    lowest priority (Linux: a thread's nice value is its own), so a spare's
+    warm-up never takes a core from a running call and an attempt sent
+    meanwhile starts at once."""
     def run() -> None:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        warm_worker()
+        try:
+            _run_wires()
+        except Exception as exc:  # an optimization must not stop a worker
+            log.debug("worker warm-up failed: %s", exc)
 
     thread = threading.Thread(target=run, name="warm-up", daemon=True)
     thread.start()
