@@ -1,5 +1,5 @@
 """CURVE + ZAP with real sockets: the key store's allow-list decides who may
-speak, and names the identity of every message (streamfence.supervisor.keys)."""
+speak, and names the identity of every message (streamfence.protocol.keys)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from streamfence.protocol.credentials import (
     CredentialsError,
     load_credentials,
 )
-from streamfence.supervisor.keys import (
+from streamfence.protocol.keys import (
     KeyStore,
     KeyStoreError,
     make_curve_server,

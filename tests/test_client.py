@@ -1,11 +1,17 @@
 """streamfence.protocol.client against a real ZeroMQ ROUTER peer with scripted replies.
 
-The peer runs in a thread on an ipc:// endpoint under tmp_path; it decodes
-each request like the daemon (decode_untrusted; an undecodable frame gets an
-`error` with ref nil), records it, and sends whatever the test's handler
-returns: replies and pushed events, interleaved at will. Every socket is
-created through a tracking context and must be closed in teardown; every
-thread is joined.
+The peer runs in a thread on an ipc:// endpoint under tmp_path and binds both
+of the daemon's sockets: the client endpoint and its events endpoint
+(`events_endpoint`). On the client endpoint it decodes each request like the
+daemon (decode_untrusted; an undecodable frame gets an `error` with ref nil),
+records it, and sends whatever the test's handler returns: replies there,
+pushed events (`delta`/`reset`/`done` without a ref) on the events socket to
+the listener the client named in its submit/subscribe, interleaved at will.
+On the events socket it answers `listen` with `listening` (after
+`listen_delay_s`; never with None), like the sink. Every socket is created
+through a tracking context and must be closed in teardown; every thread is
+joined; an event the peer could not route to a connected listener fails the
+test.
 """
 
 from __future__ import annotations
@@ -33,12 +39,16 @@ from streamfence.protocol.messages import (
     done_event,
     empty_response,
     error_msg,
+    events_endpoint,
+    listening_msg,
+    parse_listen,
     parse_request,
     reset_event,
 )
 
 Out = dict[str, Any] | bytes | list[bytes]
 Handler = Callable[[dict[str, Any]], list[Out]]
+EVENT_OPS = ("delta", "reset", "done")
 
 
 # ---- the scripted peer and the fixtures ------------------------------------------
@@ -69,14 +79,25 @@ class TrackingAsyncContext(zmq.asyncio.Context):
         return sock
 
 
+def is_event(out: Out) -> bool:
+    """A pushed event: it goes on the events socket, to a listener."""
+    return isinstance(out, dict) and "ref" not in out and out.get("op") in EVENT_OPS
+
+
 class Peer:
-    """A ROUTER in a thread that answers each request with `handler(msg)`."""
+    """The daemon's two ROUTERs in a thread: requests answered with `handler(msg)`,
+    `listen` with `listening`, events sent to the request's listener."""
 
     def __init__(self, ctx: zmq.Context[Any], endpoint: str, handler: Handler,
-                 max_frame: int = DEFAULT_MAX_FRAME) -> None:
-        self.received: list[dict[str, Any]] = []
+                 max_frame: int = DEFAULT_MAX_FRAME, listen_delay_s: float | None = 0.0) -> None:
+        self.received: list[dict[str, Any]] = []  # requests and listens, in arrival order
+        self.timeline: list[tuple[float, str]] = []  # (monotonic, "got OP" | "sent listening")
+        self.listen_ids: list[bytes] = []  # the routing id of each `listen`
+        self.unroutable: list[tuple[bytes | None, Out]] = []  # events no listener took
         self._ctx, self._endpoint, self._handler = ctx, endpoint, handler
         self._max_frame = max_frame
+        self._listen_delay_s = listen_delay_s
+        self._listener_of: dict[bytes, bytes] = {}  # request identity -> its listener
         self._lock = threading.Lock()
         self._ready, self._stop = threading.Event(), threading.Event()
         self.error: BaseException | None = None
@@ -92,7 +113,11 @@ class Peer:
         with self._lock:
             return [m for m in self.received if m.get("op") == op]
 
-    def _answer(self, frames: list[bytes]) -> list[Out]:
+    def _note(self, what: str) -> None:
+        with self._lock:
+            self.timeline.append((monotonic(), what))
+
+    def _answer(self, ident: bytes, frames: list[bytes]) -> list[Out]:
         if len(frames) != 1:
             return [error_msg(None, ErrorCode.BAD_FRAME, f"{len(frames)} frames, not 1")]
         try:
@@ -101,20 +126,69 @@ class Peer:
             return [error_msg(None, exc.code, exc.message)]
         with self._lock:
             self.received.append(msg)
+        self._note(f"got {msg.get('op')}")
+        listener = msg.get("listener")
+        if isinstance(listener, str):
+            self._listener_of[ident] = listener.encode()
         return self._handler(msg)
+
+    def _on_events_socket(self, ev: zmq.Socket[bytes], due: list[tuple[float, bytes]]) -> None:
+        ident, *frames = ev.recv_multipart()
+        try:
+            if len(frames) != 1:
+                raise ProtocolError(ErrorCode.BAD_FRAME, f"{len(frames)} frames, not 1")
+            msg = decode_untrusted(frames[0], self._max_frame)
+            parse_listen(msg)
+        except ProtocolError as exc:
+            ev.send_multipart([ident, encode(error_msg(None, exc.code, exc.message))])
+            return
+        with self._lock:
+            self.received.append(msg)
+            self.listen_ids.append(ident)
+        self._note("got listen")
+        if self._listen_delay_s is not None:
+            due.append((monotonic() + self._listen_delay_s, ident))
+
+    def _push(self, ev: zmq.Socket[bytes], listener: bytes | None, event: Out) -> None:
+        if listener is not None:
+            try:
+                ev.send_multipart([listener, encode(event)])
+                return
+            except zmq.ZMQError:  # ROUTER_MANDATORY: that listener is not connected
+                pass
+        with self._lock:
+            self.unroutable.append((listener, event))
 
     def _run(self) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
+        ev = self._ctx.socket(zmq.ROUTER)
+        due: list[tuple[float, bytes]] = []  # `listening` answers to send, and when
         try:
+            for s in (sock, ev):
+                s.setsockopt(zmq.LINGER, 0)
+            ev.setsockopt(zmq.ROUTER_MANDATORY, 1)  # like the sink: unknown listeners are seen
             sock.bind(self._endpoint)
+            ev.bind(events_endpoint(self._endpoint))
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(ev, zmq.POLLIN)
             self._ready.set()
             while not self._stop.is_set():
-                if not sock.poll(20):
+                ready = dict(poller.poll(10))
+                now = monotonic()
+                for when, ident in [d for d in due if d[0] <= now]:
+                    due.remove((when, ident))
+                    ev.send_multipart([ident, encode(listening_msg())])
+                    self._note("sent listening")
+                if ev in ready:
+                    self._on_events_socket(ev, due)
+                if sock not in ready:
                     continue
                 ident, *frames = sock.recv_multipart()
-                for out in self._answer(frames):
-                    if isinstance(out, dict):
+                for out in self._answer(ident, frames):
+                    if is_event(out):
+                        self._push(ev, self._listener_of.get(ident), out)
+                    elif isinstance(out, dict):
                         sock.send_multipart([ident, encode(out)])
                     elif isinstance(out, bytes):
                         sock.send_multipart([ident, out])
@@ -124,6 +198,7 @@ class Peer:
             self.error = exc
         finally:
             sock.close(linger=0)
+            ev.close(linger=0)
             self._ready.set()
 
     def stop(self) -> None:
@@ -143,8 +218,9 @@ class Env:
         self.peers: list[Peer] = []
         self.clients: list[Client | AsyncClient] = []
 
-    def peer(self, handler: Handler, max_frame: int = DEFAULT_MAX_FRAME) -> Peer:
-        p = Peer(self.ctx, self.endpoint, handler, max_frame)
+    def peer(self, handler: Handler, max_frame: int = DEFAULT_MAX_FRAME,
+             listen_delay_s: float | None = 0.0) -> Peer:
+        p = Peer(self.ctx, self.endpoint, handler, max_frame, listen_delay_s)
         self.peers.append(p)
         return p
 
@@ -170,6 +246,8 @@ class Env:
         errors = [p.error for p in self.peers if p.error is not None]
         if errors:
             raise errors[0]
+        lost = [u for p in self.peers for u in p.unroutable]
+        assert not lost, f"events the peer could not send to a connected listener: {lost}"
 
 
 @pytest.fixture
@@ -219,14 +297,18 @@ def test_submit_sends_a_valid_request_and_returns_the_call_id(env: Env) -> None:
                     options={"stale_timeout_s": 5, "on_partial": "restart"}) == "c1"
     assert c.submit("openai", {"model": "m"}, idempotency_key="k", subscribe=False) == "c1"
     first, second = peer.of_op("submit")
-    assert first["v"] == 1 and first["subscribe"] is True and second["subscribe"] is False
+    # subscribed: the listener is the events connection's routing id; not: no listener
+    (listen_id,) = peer.listen_ids
+    assert first["v"] == 1 and first["listener"] == listen_id.decode()
+    assert "listener" not in second
+    assert "subscribe" not in first and "subscribe" not in second
     assert first["call"] == {"provider": "openai", "request": {"model": "m", "messages": []},
                              "session_id": "s1",
                              "options": {"stale_timeout_s": 5, "on_partial": "restart"}}
     assert "session_id" not in second["call"] and "options" not in second["call"]
     assert first["ref"] != second["ref"] and len(first["ref"]) == 32
-    parse_request(first)
-    parse_request(second)
+    assert parse_request(first).listener == listen_id.decode()  # type: ignore[union-attr]
+    assert parse_request(second).listener is None  # type: ignore[union-attr]
 
 
 def test_error_reply_raises_client_error_with_code_and_message(env: Env) -> None:
@@ -253,8 +335,11 @@ def test_replies_are_matched_by_ref_and_strays_are_buffered_or_dropped(env: Env)
     def handle(msg: dict[str, Any]) -> list[Out]:
         return [{"v": 1, "op": "status_reply", "ref": "somebody-else"}, delta("c9", 1),
                 done("c9", 2), reply(msg, "status_reply", workers=3)]
-    peer = env.peer(handle)
+    def handle_or_follow(msg: dict[str, Any]) -> list[Out]:
+        return [] if msg["op"] == "subscribe" else handle(msg)  # its events come with the status
+    peer = env.peer(handle_or_follow)
     c = env.client()
+    c.subscribe("c9")
     status = c.status()
     assert status["workers"] == 3 and status["ref"] == peer.of_op("status")[-1]["ref"]
     assert seqs(list(c.events("c9", timeout_s=1))) == [("delta", 1), ("done", 2)]
@@ -486,6 +571,93 @@ def test_a_finished_call_is_replayed_after_a_new_subscribe(env: Env) -> None:
     assert seqs(list(c.events(call_id, timeout_s=1))) == [("delta", 1), ("done", 2)]
 
 
+# ---- the events socket: listen once, then name the listener -------------------------------
+
+def _when(peer: Peer, what: str) -> float:
+    """When the peer first noted `what` (it must have)."""
+    times = [t for t, w in peer.timeline if w == what]
+    assert times, f"the peer never saw {what!r}: {peer.timeline}"
+    return times[0]
+
+
+@pytest.mark.parametrize("first", ["submit", "subscribe"])
+def test_the_client_says_listen_once_and_names_its_listener_only_after_listening(
+        env: Env, first: str) -> None:
+    def handle(msg: dict[str, Any]) -> list[Out]:
+        if msg["op"] == "submit":
+            return [accepted_msg(msg["ref"], "c1"), delta("c1", 1), done("c1", 2)]
+        if msg["op"] == "subscribe":
+            return [delta(msg["call_id"], 1), done(msg["call_id"], 2)]
+        return [reply(msg, "status_reply")]
+    peer = env.peer(handle, listen_delay_s=0.3)
+    c = env.client()
+    t0 = monotonic()
+    call_id = c.submit("openai", {"model": "m"}) if first == "submit" else c.subscribe("c1")
+    assert monotonic() - t0 >= 0.3  # it waited for `listening`
+    assert seqs(list(c.events("c1", timeout_s=1))) == [("delta", 1), ("done", 2)]
+    # the request naming the listener left only after `listening` was sent
+    assert _when(peer, "got listen") <= _when(peer, "sent listening") <= _when(peer, f"got {first}")
+    assert call_id in ("c1", None)
+    # listening once is enough: the next requests naming it go at once
+    t1 = monotonic()
+    c.subscribe("c2")
+    c.submit("openai", {"model": "m"}, idempotency_key="k")
+    c.status()
+    assert monotonic() - t1 < 0.3
+    assert seqs(list(c.events("c2", timeout_s=1))) == [("delta", 1), ("done", 2)]
+    assert peer.ops().count("listen") == 1 and peer.ops()[0] == "listen"
+    (listen_id,) = peer.listen_ids
+    named = peer.of_op("submit") + peer.of_op("subscribe")
+    # 4: the second submit answers c1, read to its done already, so the client
+    # subscribes it again (its replay may have come before `accepted`, and dropped).
+    assert len(named) == 4 and {m["listener"] for m in named} == {listen_id.decode()}
+
+
+def test_no_listening_is_a_timeout_and_the_request_is_never_sent(env: Env) -> None:
+    peer = env.peer(accept_as("c1"), listen_delay_s=None)  # `listen` is never answered
+    c = env.client(timeout_s=0.2)
+    t0 = monotonic()
+    with pytest.raises(TimeoutError, match=r"no answer to listen from the events endpoint "
+                                           r"ipc://.*\.events within 0\.2 s"):
+        c.submit("openai", {"model": "m"})
+    assert 0.2 <= monotonic() - t0 < 2
+    # requests that name no listener do not need it
+    assert c.submit("openai", {"model": "m"}, subscribe=False) == "c1"
+    assert peer.ops() == ["listen", "submit"]
+    assert "listener" not in peer.of_op("submit")[0]
+
+
+def test_a_client_without_subscriptions_never_listens(env: Env) -> None:
+    peer = env.peer(accept_as("c1"))
+    c = env.client()
+    assert c.submit("openai", {"model": "m"}, subscribe=False) == "c1"
+    assert "listen" not in peer.ops() and peer.listen_ids == []
+
+
+def test_async_client_says_listen_once_before_naming_its_listener(env: Env) -> None:
+    def handle(msg: dict[str, Any]) -> list[Out]:
+        if msg["op"] == "submit":
+            return [accepted_msg(msg["ref"], "c1"), delta("c1", 1), done("c1", 2)]
+        return [delta(msg["call_id"], 1), done(msg["call_id"], 2)]
+
+    async def main() -> None:
+        async with env.aclient() as c:
+            t0 = monotonic()
+            call_id = await c.submit("openai", {"model": "m"})
+            assert monotonic() - t0 >= 0.3
+            assert seqs([e async for e in c.events(call_id, timeout_s=1)]) == [
+                ("delta", 1), ("done", 2)]
+            await c.subscribe("c2")
+            assert seqs([e async for e in c.events("c2", timeout_s=1)]) == [
+                ("delta", 1), ("done", 2)]
+    peer = env.peer(handle, listen_delay_s=0.3)
+    asyncio.run(main())
+    assert peer.ops() == ["listen", "submit", "subscribe"]
+    assert _when(peer, "sent listening") <= _when(peer, "got submit")
+    (listen_id,) = peer.listen_ids
+    assert [m["listener"] for m in peer.received[1:]] == [listen_id.decode()] * 2
+
+
 # ---- liveness probes while a call is silent ------------------------------------------------
 
 def test_probes_keep_a_long_silent_call_alive(env: Env) -> None:
@@ -505,7 +677,7 @@ def test_probes_keep_a_long_silent_call_alive(env: Env) -> None:
     c = env.client(timeout_s=0.2)
     call_id = c.submit("openai", {"model": "m"})
     assert seqs(list(c.events(call_id))) == [("delta", 1), ("done", 2)]
-    assert peer.ops() == ["submit", "subscribe", "result", "subscribe", "result"]
+    assert peer.ops() == ["listen", "submit", "subscribe", "result", "subscribe", "result"]
     assert [m["from_seq"] for m in peer.of_op("subscribe")] == [0, 0]
 
 
@@ -550,14 +722,14 @@ def test_events_lost_when_the_daemon_says_done_but_never_replays(env: Env) -> No
 # ---- stream_text and run -----------------------------------------------------------------
 
 def streaming(status: CallStatus = CallStatus.COMPLETED,
-              error: dict[str, Any] | None = None) -> Handler:
-    """Each submit is a new call c1, c2, ... streaming the same script."""
+              error: dict[str, Any] | None = None, prefix: str = "c") -> Handler:
+    """Each submit is a new call c1, c2, ... (`prefix`) streaming the same script."""
     calls = 0
 
     def handle(msg: dict[str, Any]) -> list[Out]:
         nonlocal calls
         calls += 1
-        cid = f"c{calls}"
+        cid = f"{prefix}{calls}"
         return [accepted_msg(msg["ref"], cid), delta(cid, 1, "Hel"),
                 delta(cid, 2, "thinking", kind="reasoning"), delta(cid, 3, "lo"),
                 delta(cid, 4, "reconnecting", kind="notice"), reset_event(cid, 2, 5),
@@ -596,8 +768,11 @@ def test_run_returns_the_done_event_whatever_the_status(env: Env) -> None:
 def test_a_duplicate_submit_replays_the_call_to_its_new_reader(env: Env) -> None:
     def handle(msg: dict[str, Any]) -> list[Out]:
         # the same call for the same idempotency key; subscribing replays it from seq 1
+        replay: list[Out] = [delta("c1", 1, "Hi"), done("c1", 2)]
+        if msg["op"] == "subscribe":
+            return replay[msg["from_seq"]:]
         return [accepted_msg(msg["ref"], "c1", duplicate=msg["call"].get("idempotency_key")
-                             == "dup"), delta("c1", 1, "Hi"), done("c1", 2)]
+                             == "dup"), *replay]
     env.peer(handle)
     c = env.client()
     assert c.run("openai", {"model": "m"}, idempotency_key="dup", timeout_s=1)["seq"] == 2
@@ -722,7 +897,8 @@ def test_async_stream_text_run_and_call_failed(env: Env) -> None:
         with pytest.raises(CallFailed, match="HTTP 400"):
             async for _ in c.stream_text("openai", {"model": "m"}, timeout_s=1):
                 pass
-    failing = streaming(CallStatus.FAILED, {"code": "provider_error", "message": "HTTP 400"})
+    failing = streaming(CallStatus.FAILED, {"code": "provider_error", "message": "HTTP 400"},
+                        prefix="f")  # new calls: ids the client has not seen
     ok = streaming()
     calls = 0
 

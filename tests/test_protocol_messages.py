@@ -1,4 +1,5 @@
-"""streamfence.protocol.messages: parse_request for every op and every way to get it wrong."""
+"""streamfence.protocol.messages: parse_request for every op and every way to get it
+wrong, parse_listen (the events socket), and the events endpoint's address."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from streamfence.protocol.codec import decode_untrusted, encode
 from streamfence.protocol.errors import ErrorCode, ProtocolError
 from streamfence.protocol.messages import (
+    LISTENER_RE,
     MAX_REF_LEN,
     VERSION,
     CallOptions,
@@ -31,6 +33,9 @@ from streamfence.protocol.messages import (
     done_event,
     empty_response,
     error_msg,
+    events_endpoint,
+    listening_msg,
+    parse_listen,
     parse_request,
     pending_msg,
     ref_of,
@@ -38,6 +43,7 @@ from streamfence.protocol.messages import (
 )
 
 REQUEST = {"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}]}
+LISTENER = "0123456789abcdef0123456789abcdef"  # a uuid4 hex, as the library makes them
 
 
 def submit(**call: Any) -> dict[str, Any]:
@@ -48,7 +54,7 @@ def submit(**call: Any) -> dict[str, Any]:
 
 VALID: dict[str, dict[str, Any]] = {
     "submit": submit(),
-    "subscribe": {"v": 1, "op": "subscribe", "ref": "r2", "call_id": "c1"},
+    "subscribe": {"v": 1, "op": "subscribe", "ref": "r2", "call_id": "c1", "listener": LISTENER},
     "result": {"v": 1, "op": "result", "ref": "r3", "call_id": "c1"},
     "cancel": {"v": 1, "op": "cancel", "ref": "r4", "call_id": "c1"},
     "status": {"v": 1, "op": "status", "ref": "r5"},
@@ -80,7 +86,7 @@ def with_field(msg: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 
 def test_submit_minimal_gets_the_defaults() -> None:
     assert parse_request(submit()) == Submit(
-        ref="r1", call=CallSpec(provider="openai", request=REQUEST), subscribe=True)
+        ref="r1", call=CallSpec(provider="openai", request=REQUEST), listener=None)
     assert parse_request(submit()).call.options == CallOptions()  # type: ignore[union-attr]
 
 
@@ -88,9 +94,10 @@ def test_submit_with_every_field() -> None:
     msg = submit(session_id="s1", idempotency_key="k1",
                  options={"stale_timeout_s": 30, "first_chunk_timeout_s": 600.5,
                           "max_attempts": 5, "deadline_s": 900, "on_partial": "restart"})
-    msg["subscribe"] = False
+    msg["subscribe"] = True
+    msg["listener"] = LISTENER
     req = parse_request(msg)
-    assert req == Submit(ref="r1", subscribe=False, call=CallSpec(
+    assert req == Submit(ref="r1", listener=LISTENER, call=CallSpec(
         provider="openai", request=REQUEST, session_id="s1", idempotency_key="k1",
         options=CallOptions(stale_timeout_s=30.0, first_chunk_timeout_s=600.5, max_attempts=5,
                             deadline_s=900.0, on_partial=OnPartial.RESTART)))
@@ -101,10 +108,66 @@ def test_submit_with_every_field() -> None:
 def test_submit_nil_optionals_mean_absent() -> None:
     msg = submit(session_id=None, idempotency_key=None, options=None)
     msg["subscribe"] = None
+    msg["listener"] = None
     req = parse_request(msg)
     assert isinstance(req, Submit)
-    assert req.subscribe is True and req.call.session_id is None
+    assert req.listener is None and req.call.session_id is None
     assert req.call.options == CallOptions()
+
+
+# ---- who receives a call's events: the listener ---------------------------------------
+
+@pytest.mark.parametrize(("subscribe", "listener", "expect"), [
+    (..., LISTENER, LISTENER),  # a listener alone subscribes it
+    (True, LISTENER, LISTENER),
+    (False, LISTENER, None),  # subscribe false: nobody, even with a listener
+    (False, ..., None),
+    (..., ..., None),  # neither: nobody
+    (None, ..., None),
+], ids=["listener-only", "subscribe-true", "subscribe-false", "false-alone", "neither",
+        "nil-subscribe"])
+def test_submit_listener_and_subscribe(subscribe: Any, listener: Any, expect: str | None) -> None:
+    msg = with_field(with_field(submit(), "subscribe", subscribe), "listener", listener)
+    req = parse_request(msg)
+    assert isinstance(req, Submit) and req.listener == expect
+
+
+@pytest.mark.parametrize("listener", [..., None], ids=["absent", "nil"])
+def test_submit_subscribe_true_needs_a_listener(listener: Any) -> None:
+    msg = with_field(with_field(submit(), "subscribe", True), "listener", listener)
+    assert refused(msg) == "field 'listener' is missing"
+
+
+@pytest.mark.parametrize("listener", [
+    "a" * 16, "Z" * 64, "abc-DEF_0123456789", LISTENER,
+], ids=["16", "64", "every-class", "uuid-hex"])
+def test_listener_ids_that_pass(listener: str) -> None:
+    req = parse_request({**submit(), "listener": listener})
+    assert isinstance(req, Submit) and req.listener == listener
+    sub = parse_request({**VALID["subscribe"], "listener": listener})
+    assert isinstance(sub, Subscribe) and sub.listener == listener
+    assert LISTENER_RE.fullmatch(listener)
+
+
+BAD_LISTENERS: list[tuple[Any, str]] = [
+    ("a" * 15, "must be 16 to 64 characters"),
+    ("a" * 65, "must be 16 to 64 characters"),
+    ("", "must be 16 to 64 characters"),
+    ("0123456789abcde!", "from A-Z a-z 0-9 _ -"),
+    ("0123456789abcdef\n", "must be 16 to 64 characters"),  # fullmatch: no trailing newline
+    ("0123456789 abcdef", "must be 16 to 64 characters"),
+    ("0123456789abcdeé", "must be 16 to 64 characters"),
+    (b"0123456789abcdef", "must be a string, got bytes"),
+    (12345678901234567, "must be a string, got int"),
+]
+
+
+@pytest.mark.parametrize("op", ["submit", "subscribe"])
+@pytest.mark.parametrize(("listener", "why"), BAD_LISTENERS,
+                         ids=[repr(v)[:24] for v, _ in BAD_LISTENERS])
+def test_invalid_listener_is_refused(op: str, listener: Any, why: str) -> None:
+    message = refused({**VALID[op], "listener": listener})
+    assert message.startswith("field 'listener' ") and why in message
 
 
 def test_options_to_map_round_trips_through_the_parser() -> None:
@@ -114,8 +177,10 @@ def test_options_to_map_round_trips_through_the_parser() -> None:
 
 
 def test_subscribe_result_cancel_status() -> None:
-    assert parse_request(VALID["subscribe"]) == Subscribe(ref="r2", call_id="c1", from_seq=0)
-    assert parse_request({**VALID["subscribe"], "from_seq": 7}) == Subscribe("r2", "c1", 7)
+    assert parse_request(VALID["subscribe"]) == Subscribe(ref="r2", call_id="c1",
+                                                          listener=LISTENER, from_seq=0)
+    assert parse_request({**VALID["subscribe"], "from_seq": 7}) == Subscribe("r2", "c1",
+                                                                             LISTENER, 7)
     assert parse_request(VALID["result"]) == Result(ref="r3", call_id="c1", wait_s=0.0)
     res = parse_request({**VALID["result"], "wait_s": 3})
     assert isinstance(res, Result) and res == Result("r3", "c1", 3.0)
@@ -185,6 +250,7 @@ def test_version_is_checked_before_op() -> None:
 MISSING = [
     ("submit", "ref"), ("submit", "call"), ("submit", "call.provider"),
     ("submit", "call.request"), ("subscribe", "ref"), ("subscribe", "call_id"),
+    ("subscribe", "listener"),
     ("result", "ref"), ("result", "call_id"), ("cancel", "ref"), ("cancel", "call_id"),
     ("status", "ref"),
 ]
@@ -218,6 +284,10 @@ MISTYPED: list[tuple[str, str, Any, str]] = [
     ("subscribe", "from_seq", 1.5, "must be an integer, got float"),
     ("subscribe", "from_seq", True, "got bool"),
     ("subscribe", "from_seq", -1, "must not be negative"),
+    ("subscribe", "listener", 5, "must be a string, got int"),
+    ("subscribe", "listener", "short", "must be 16 to 64 characters from A-Z a-z 0-9 _ -"),
+    ("submit", "listener", ["x"], "must be a string, got list"),
+    ("submit", "listener", "x/" * 10, "must be 16 to 64 characters from A-Z a-z 0-9 _ -"),
     ("result", "call_id", ["c1"], "must be a string, got list"),
     ("result", "wait_s", "1", "got str"),
     ("result", "wait_s", True, "got bool"),
@@ -317,6 +387,60 @@ def test_reply_and_event_builders_carry_v_and_op() -> None:
     assert built[5]["op"] == Op.DONE and built[5]["seq"] == 7 and built[5]["status"] == "completed"
 
 
+# ---- the events socket: `listen`, and where it is ------------------------------------
+
+def test_parse_listen_takes_listen_only() -> None:
+    parse_listen({"v": 1, "op": "listen"})  # no exception: taken
+    parse_listen({"v": 1, "op": "listen", "extra": 1})  # unknown fields ignored
+    assert listening_msg() == {"v": 1, "op": "listening"}
+    assert decode_untrusted(encode(listening_msg())) == listening_msg()
+    # on the client endpoint `listen` is not a request, and `listening` is a reply
+    assert refused({"v": 1, "op": "listen", "ref": "r"}, ErrorCode.UNKNOWN_OP) == \
+        "unknown op 'listen'"
+    refused({**listening_msg(), "ref": "r"}, ErrorCode.UNKNOWN_OP)
+
+
+@pytest.mark.parametrize(("obj", "code", "why"), [
+    ([1, "listen"], ErrorCode.BAD_MESSAGE, "a message must be a map, got list"),
+    (None, ErrorCode.BAD_MESSAGE, "a message must be a map, got NoneType"),
+    ({"op": "listen"}, ErrorCode.UNSUPPORTED_VERSION, "protocol version None is not supported"),
+    ({"v": 2, "op": "listen"}, ErrorCode.UNSUPPORTED_VERSION, "protocol version 2"),
+    ({"v": True, "op": "listen"}, ErrorCode.UNSUPPORTED_VERSION, "protocol version True"),
+    ({"v": 1}, ErrorCode.UNKNOWN_OP, "the events socket takes only 'listen', got None"),
+    ({"v": 1, "op": "submit", "ref": "r"}, ErrorCode.UNKNOWN_OP,
+     "got 'submit'; requests go to the client endpoint"),
+    ({"v": 1, "op": "LISTEN"}, ErrorCode.UNKNOWN_OP, "got 'LISTEN'"),
+    ({"v": 1, "op": b"listen"}, ErrorCode.UNKNOWN_OP, "got b'listen'"),
+], ids=["list", "nil", "no-v", "v2", "v-true", "no-op", "submit", "upper", "bytes"])
+def test_parse_listen_refuses_anything_else(obj: Any, code: ErrorCode, why: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        parse_listen(obj)
+    assert info.value.code is code and why in info.value.message
+
+
+@pytest.mark.parametrize(("endpoint", "events"), [
+    ("tcp://127.0.0.1:7755", "tcp://127.0.0.1:7756"),
+    ("tcp://*:7755", "tcp://*:7756"),
+    ("tcp://[::1]:9", "tcp://[::1]:10"),
+    ("tcp://daemon.example:65534", "tcp://daemon.example:65535"),
+    ("tcp://h:1", "tcp://h:2"),
+    ("ipc:///run/streamfence/d.sock", "ipc:///run/streamfence/d.sock.events"),
+    ("ipc://@abstract", "ipc://@abstract.events"),
+])
+def test_events_endpoint(endpoint: str, events: str) -> None:
+    assert events_endpoint(endpoint) == events
+
+
+@pytest.mark.parametrize("endpoint", [
+    "tcp://127.0.0.1:65535",  # no port above it
+    "tcp://127.0.0.1:0", "tcp://127.0.0.1", "tcp://127.0.0.1:", "tcp://h:port",
+    "tcp://h:-1", "inproc://x", "udp://h:7755", "127.0.0.1:7755", "",
+])
+def test_events_endpoint_of_anything_else_is_a_value_error(endpoint: str) -> None:
+    with pytest.raises(ValueError, match=r"neither tcp://HOST:PORT .* nor ipc://PATH"):
+        events_endpoint(endpoint)
+
+
 def test_empty_response_has_every_normalized_field() -> None:
     assert set(empty_response()) == {"content", "reasoning", "tool_calls", "refusal",
                                      "finish_reason", "usage", "model", "provider_response_id",
@@ -338,6 +462,7 @@ scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value
 values = st.recursive(scalars, lambda c: st.lists(c, max_size=4)
                       | st.dictionaries(st.text(max_size=10), c, max_size=4), max_leaves=12)
 keys = st.sampled_from(["v", "op", "ref", "call", "call_id", "from_seq", "wait_s", "subscribe",
+                        "listener",
                         "provider", "request", "options", "stream", "session_id",
                         "idempotency_key", "stale_timeout_s", "max_attempts", "on_partial",
                         "deadline_s", "first_chunk_timeout_s"]) | st.text(max_size=6)
@@ -355,7 +480,7 @@ PATHS = ["v", "op", "ref", "call", "call.provider", "call.request", "call.reques
          "call.session_id", "call.idempotency_key", "call.options",
          "call.options.stale_timeout_s", "call.options.first_chunk_timeout_s",
          "call.options.max_attempts", "call.options.deadline_s", "call.options.on_partial",
-         "call.options.x", "subscribe", "call_id", "from_seq", "wait_s"]
+         "call.options.x", "subscribe", "listener", "call_id", "from_seq", "wait_s"]
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from streamfence.protocol.codec import encode
 from streamfence.protocol.messages import delta_event
 from streamfence.sink.state import PRUNE_FIRST_S, SinkState, prune_grace_s
 from streamfence.sink.store import TranscriptReader, TranscriptStore, prune_transcript
+from streamfence.sink.subscribers import Outbox
 from streamfence.supervisor.journal import Journal, prune_journal
 from tests.harness import DaemonProcess, wait_until
 
@@ -215,8 +216,19 @@ class NoPeer:
     def publish(self, frame: bytes) -> None:
         pass
 
-    def publish_all(self, frames: list[bytes]) -> None:
+    def stats(self) -> dict[str, int]:
+        return {}
+
+
+class NoListeners:
+    def deliver(self, outbox: Outbox) -> None:
         pass
+
+    def send_event(self, subs: set[bytes], event: bytes) -> None:
+        pass
+
+    def replay(self, listener: bytes, events: list[bytes]) -> bool:
+        return True
 
     def stats(self) -> dict[str, int]:
         return {}
@@ -228,9 +240,9 @@ def test_sink_state_prunes_its_own_file_a_grace_after_the_journal(tmp_path: Path
     _age_transcript(path, 2 * DAY, "old-")
     # Past the retention, but not past the retention and the grace: kept for now.
     _age_transcript(path, DAY + prune_grace_s(DAY) / 2, "edge-")
-    assert SinkState(store, NoPeer()).prune_due is None  # 0: keep forever
+    assert SinkState(store, NoPeer(), NoListeners()).prune_due is None  # 0: keep forever
     before = time.monotonic()
-    state = SinkState(store, NoPeer(), retention_days=1.0)
+    state = SinkState(store, NoPeer(), NoListeners(), retention_days=1.0)
     assert state.prune_due is not None and state.prune_due >= before + PRUNE_FIRST_S
     assert state.prune() == 1
     assert state.prune_due > time.monotonic()

@@ -28,7 +28,8 @@ from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProces
 from streamfence.devtools.launcher import DaemonProcess, wait_until
 from streamfence.protocol.client import Client, ClientError
 from streamfence.protocol.credentials import Credentials, load_credentials
-from streamfence.supervisor.keys import KeyStore
+from streamfence.protocol.keys import KeyStore
+from streamfence.protocol.messages import events_endpoint
 from tests.wires import WIRES, profile_for, request_for
 
 pytestmark = pytest.mark.slow
@@ -86,6 +87,23 @@ def _sock(ctx: zmq.Context[zmq.Socket[bytes]], daemon: DaemonProcess,
     sock.linger = 0
     creds.apply(sock)
     sock.connect(daemon.endpoint)
+    return sock
+
+
+LISTENER = "mallory-listener-0001"
+
+
+def _listening(ctx: zmq.Context[zmq.Socket[bytes]], daemon: DaemonProcess,
+               creds: Credentials) -> zmq.Socket[bytes]:
+    """An events connection under LISTENER, its `listen` answered."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.setsockopt(zmq.ROUTING_ID, LISTENER.encode())
+    creds.apply(sock)
+    sock.connect(events_endpoint(daemon.endpoint))
+    sock.send(_pack({"v": 1, "op": "listen"}))
+    assert sock.poll(10_000), "no answer to listen on the events socket"
+    assert msgpack.unpackb(sock.recv()) == {"v": 1, "op": "listening"}
     return sock
 
 
@@ -321,14 +339,15 @@ def _same_as_unknown(sock: zmq.Socket[bytes], op: str, call_id: str) -> None:
     gets (with the id substituted: the message names it), and nothing else comes."""
     unknown = uuid.uuid4().hex
     assert len(unknown) == len(call_id)
-    extra = {"wait_s": 0.0} if op == "result" else {}
+    extra: dict[str, Any] = {"wait_s": 0.0} if op == "result" else \
+        {"listener": LISTENER} if op == "subscribe" else {}
     want = _ask(sock, {"v": 1, "op": op, "ref": "same-ref", "call_id": unknown, **extra})
     got = _ask(sock, {"v": 1, "op": op, "ref": "same-ref", "call_id": call_id, **extra})
     assert want is not None and _error(want)["code"] == "unknown_call", _error(want)
     assert got is not None, f"{op} of another identity's call: no reply"
     assert got.replace(call_id.encode(), unknown.encode()) == want, (
         op, msgpack.unpackb(got, raw=False), msgpack.unpackb(want, raw=False))
-    # Nothing else was sent for the call (a replay would come before this reply).
+    # Nothing else was sent on this socket for the call.
     reply = _error(_ask(sock, {"v": 1, "op": "status", "ref": f"after-{op}"}))
     assert reply["op"] == "status_reply" and reply["ref"] == f"after-{op}", reply
 
@@ -360,10 +379,13 @@ def test_another_identitys_call_is_invisible(daemon: DaemonProcess, emu: Emulato
                      key="own-slow")
 
         sock = _sock(ctx, daemon, mallory)
+        events = _listening(ctx, daemon, mallory)
         try:
             for call_id in (finished, running):
                 for op in ("subscribe", "result", "cancel"):
                     _same_as_unknown(sock, op, call_id)
+            # Nor on mallory's events connection (no replay, no live event).
+            assert _recv(events, 0.5) is None, "an event of alice's call reached mallory"
             status = _error(_ask(sock, {"v": 1, "op": "status", "ref": "st"}))
             assert status["identity"] == "mallory" and status["role"] == "client", status
             assert not {"workers", "processes", "pool", "counters", "sink",
@@ -376,18 +398,21 @@ def test_another_identitys_call_is_invisible(daemon: DaemonProcess, emu: Emulato
             assert a.result(running) is None
 
             # The same idempotency key under another identity is another call.
-            sock.send(_pack({"v": 1, "op": "submit", "ref": "idem", "call": {
+            sock.send(_pack({"v": 1, "op": "submit", "ref": "idem", "listener": LISTENER, "call": {
                 "provider": "openai", "request": request_for("openai", "own-done"),
                 "idempotency_key": "turn-1"}}))
-            frames: list[dict[str, Any]] = []
+            reply = _recv(sock, 30)
+            assert reply is not None, "no reply to mallory's submit"
+            frames: list[dict[str, Any]] = [msgpack.unpackb(reply, raw=False)]
             deadline = time.monotonic() + 30
-            while not frames or frames[-1].get("op") != "done":
+            while frames[-1].get("op") != "done":
                 assert time.monotonic() < deadline, f"no done for mallory's call: {frames}"
-                frame = _recv(sock, 30)
+                frame = _recv(events, 30)
                 assert frame is not None, f"mallory's call went silent: {frames}"
                 frames.append(msgpack.unpackb(frame, raw=False))
         finally:
             sock.close()
+            events.close()
         accepted = next(f for f in frames if f["op"] == "accepted")
         assert accepted["call_id"] != finished and accepted["duplicate"] is False, accepted
         assert {f["call_id"] for f in frames} == {accepted["call_id"]}, frames

@@ -9,8 +9,10 @@ import msgpack
 import pytest
 
 from streamfence.protocol.codec import encode
-from streamfence.protocol.internal import C_AUTHORIZE, C_FENCE, C_FINISH, C_STATS, E_EVENT
+from streamfence.protocol.internal import C_AUTHORIZE, C_FENCE, C_FINISH, C_STATS, C_SUBSCRIBE
 from streamfence.protocol.internal.control import (
+    FROM_NOW,
+    AddSubscriber,
     Authorize,
     BadFrame,
     Fence,
@@ -18,7 +20,6 @@ from streamfence.protocol.internal.control import (
     FinishMeta,
     Stats,
     encode_control,
-    event_head,
     meta_from_wire,
     parse_control,
 )
@@ -28,6 +29,7 @@ from streamfence.sink.content import Content, check_tool_fragment
 from streamfence.sink.wire import KIND_TAIL, delta_prefix, parse_final
 
 OK = outcome_to_wire(AttemptOutcome(ok=True, finish_reason="stop"))
+LISTENER = "l-" + "0123456789abcdef" * 2  # a listener id: 16-64 of [A-Za-z0-9_-]
 
 
 def feed(content: Content, deltas: list[tuple[str, Any]]) -> None:
@@ -147,10 +149,10 @@ def test_fast_delta_event_bytes_equal_the_reference(kind: str, call_id: str, att
     data: Any = {"index": 0, "id": "a", "name": "f", "arguments": "{}"} \
         if kind == "tool_call" else "héllo"
     packer = msgpack.Packer(use_bin_type=True, datetime=False)
+    # What the hot path (process.Sink._take) builds, stores and sends to listeners as is.
     fast = delta_prefix(call_id, attempt) + packer.pack(seq) + KIND_TAIL[kind] + packer.pack(data)
     assert fast == encode(delta_event(call_id, attempt, seq, kind, data))
-    frame = event_head(call_id) + packer.pack(seq) + packer.pack(fast)
-    assert msgpack.unpackb(frame) == [E_EVENT, call_id, seq, fast]
+    assert msgpack.unpackb(fast) == delta_event(call_id, attempt, seq, kind, data)
 
 
 # ---- shape checks of internal messages ------------------------------------------
@@ -161,12 +163,18 @@ def test_parse_control_records() -> None:
     assert parse_control([C_AUTHORIZE, 1, "c", 2, False, "gpt"]) == Authorize(1, "c", 2, False, "gpt")
     op = parse_control([C_FINISH, 1, "c", "partial", None, 2, {"partial": True}])
     assert isinstance(op, Finish) and op.status is CallStatus.PARTIAL and op.meta.partial
+    assert parse_control([C_SUBSCRIBE, 5, "c", LISTENER, -1, True]) == \
+        AddSubscriber(5, "c", LISTENER, FROM_NOW, True)
+    assert parse_control([C_SUBSCRIBE, "r", "c", LISTENER, 7, False]) == \
+        AddSubscriber("r", "c", LISTENER, 7, False)
 
 
 @pytest.mark.parametrize("op", [
     Stats(3), Fence(1, "c", 2), Authorize("r", "c", 2, True, "gpt"), Authorize(1, "c", 1, False),
     Finish(4, "c", CallStatus.PARTIAL, {"code": "x", "message": "y"}, 2,
            FinishMeta("length", {"total_tokens": 1}, "m", "r1", True, ("f",), (1,))),
+    AddSubscriber(6, "c", LISTENER, 0, True), AddSubscriber("r", "c", LISTENER, FROM_NOW, True),
+    AddSubscriber(7, "c", LISTENER, 12, False),
 ])
 def test_control_builder_and_parser_agree(op: Any) -> None:
     assert parse_control(msgpack.unpackb(encode_control(op))) == op
@@ -179,6 +187,11 @@ def test_control_builder_and_parser_agree(op: Any) -> None:
     ([C_FENCE, 1, "c"], True), ([C_FINISH, 1, "c", "done", None, 1, None], True),
     ([C_FINISH, 1, "c", "failed", "boom", 1, None], True),
     ([C_FINISH, 1, "c", "failed", None, 1, {"partial": 1}], True),
+    ([C_SUBSCRIBE, 1, "c", LISTENER, 0], True), ([C_SUBSCRIBE, 1, "c", "short", 0, True], True),
+    ([C_SUBSCRIBE, 1, "c", LISTENER[:-1] + "!", 0, True], True),
+    ([C_SUBSCRIBE, 1, "c", LISTENER.encode(), 0, True], True),
+    ([C_SUBSCRIBE, 1, "c", LISTENER, -2, True], True), ([C_SUBSCRIBE, 1, "c", LISTENER, 0, 1], True),
+    ([C_SUBSCRIBE, 1, "c", LISTENER, True, True], True),
 ])
 def test_parse_control_refuses_bad_shapes(msg: Any, has_req: bool) -> None:
     with pytest.raises(BadFrame) as info:

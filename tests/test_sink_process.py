@@ -1,15 +1,19 @@
 """The real sink process over real ZeroMQ ipc sockets.
 
-The test plays the supervisor (a DEALER on sink.ctl) and the workers (DEALERs
-on sink.in, in this process or in real spawned processes). Every wait has a
-deadline and says what it waited for; every process started is killed and
-joined in teardown.
+The test plays the supervisor (a DEALER on sink.ctl), the workers (DEALERs on
+sink.in, in this process or in real spawned processes) and the subscribers (a
+listener: a DEALER on the events endpoint, whose routing id is its listener
+id). The harness's own listener follows every call the test authorizes
+(C_SUBSCRIBE from seq 0, live), so `sink.events(...)` reads the public events
+the sink sent. Every wait has a deadline and says what it waited for; every
+process started is killed and joined in teardown.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,8 +28,6 @@ from streamfence.protocol.internal import (
     C_FINISH,
     C_STATS,
     E_ENDED,
-    E_EVENT,
-    E_EVENTS,
     E_FINAL_REFUSED,
     R_OK,
     R_REFUSED,
@@ -34,7 +36,13 @@ from streamfence.protocol.internal import (
     T_FINAL_ACK,
     Endpoints,
 )
-from streamfence.protocol.internal.control import AttemptStats, stats_from_wire
+from streamfence.protocol.internal.control import (
+    FROM_NOW,
+    AddSubscriber,
+    AttemptStats,
+    encode_control,
+    stats_from_wire,
+)
 from streamfence.protocol.internal.outcome import AttemptOutcome, outcome_from_wire, outcome_to_wire
 from streamfence.sink.process import run_sink
 from streamfence.sink.store import TranscriptReader, events_after
@@ -53,14 +61,74 @@ def final(call: str, attempt: int, last_seq: int, ok: bool = True) -> bytes:
     return encode([T_FINAL, call, attempt, last_seq, outcome_to_wire(outcome)])
 
 
+LISTEN = encode({"v": 1, "op": "listen"})
+LISTENING = {"v": 1, "op": "listening"}
+
+
+class Listener:
+    """A subscriber's connection to the sink's events socket: a DEALER whose
+    routing id is its listener id. Every frame after `listening` is one public
+    event, the bytes the transcript stores; they are kept as (bytes, decoded)
+    in arrival order and handed out per call, checking that each call's seqs
+    arrive one after the other (no gap, no repeat) on this connection."""
+
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, timeout: float = WAIT_S) -> None:
+        self.id = uuid.uuid4().hex
+        self.sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, self.id.encode())
+        self.sock.connect(endpoint)
+        self.inbox: list[tuple[bytes, dict[str, Any]]] = []
+        self.last_seq: dict[str, int] = {}
+        self.sock.send(LISTEN)
+        # Answered once the connection is up: from then on, events can reach it.
+        assert self.sock.poll(int(timeout * 1000)), \
+            f"no answer to `listen` on {endpoint} within {timeout}s"
+        reply = msgpack.unpackb(self.sock.recv())
+        assert reply == LISTENING, f"expected {LISTENING}, got {reply}"
+
+    def next(self, call: str, what: str, timeout: float = WAIT_S) -> tuple[bytes, dict[str, Any]]:
+        """The next event of `call`: its bytes as received, and decoded."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, (_, event) in enumerate(self.inbox):
+                if event.get("call_id") == call:
+                    raw, event = self.inbox.pop(i)
+                    last = self.last_seq.get(call)
+                    assert last is None or event["seq"] == last + 1, \
+                        f"{call}: event seq {event['seq']} after {last} on one listener"
+                    self.last_seq[call] = event["seq"]
+                    return raw, event
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}; "
+                                     f"last events: {[e for _, e in self.inbox[-5:]]!r}")
+            if self.sock.poll(int(left * 1000) + 1):
+                frames = self.sock.recv_multipart()
+                assert len(frames) == 1, f"an event is one frame, got {len(frames)}"
+                event = msgpack.unpackb(frames[0])
+                assert isinstance(event, dict) and event.get("v") == 1, event
+                self.inbox.append((frames[0], event))
+
+    def events(self, call: str, count: int, timeout: float = WAIT_S) -> list[dict[str, Any]]:
+        """The next `count` events of `call`, decoded."""
+        return [self.next(call, f"event #{i + 1} of {count} for {call}", timeout)[1]
+                for i in range(count)]
+
+
 class Supervisor:
-    """The supervisor's end of sink.ctl: requests by id, events kept in order."""
+    """The supervisor's end of sink.ctl: requests by id, unsolicited messages
+    (E_ENDED, E_FINAL_REFUSED) kept in order. Given a listener, it subscribes
+    it (from seq 0, live) to each call before the first C_AUTHORIZE of that
+    call it sends, as the real supervisor subscribes a submitter at submit."""
 
     def __init__(self, ctx: zmq.Context[Any], endpoint: str) -> None:
         self.sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
         self.inbox: list[list[Any]] = []
+        self.listener: Listener | None = None
+        self.followed: set[str] = set()
         self._req = 0
 
     def _recv_until(self, pred: Callable[[list[Any]], bool], what: str,
@@ -75,16 +143,33 @@ class Supervisor:
                 raise AssertionError(f"timed out after {timeout}s waiting for {what}; "
                                      f"last messages: {self.inbox[-5:]!r}")
             if self.sock.poll(int(left * 1000) + 1):
-                msg = msgpack.unpackb(self.sock.recv())
-                # A commit's events come batched; the tests reason per event.
-                self.inbox.extend(msg[1] if msg[0] == E_EVENTS else [msg])
+                self.inbox.append(msgpack.unpackb(self.sock.recv()))
 
-    def request(self, tag: int, *args: Any, timeout: float = WAIT_S) -> list[Any]:
+    def _send(self, frame_for: Callable[[int], bytes], what: str,
+              timeout: float = WAIT_S) -> list[Any]:
         self._req += 1
         req = self._req
-        self.sock.send(encode([tag, req, *args]))
+        self.sock.send(frame_for(req))
         return self._recv_until(lambda m: m[0] in (R_OK, R_REFUSED) and m[1] == req,
-                                f"the reply to {tag} {args}", timeout)
+                                f"the reply to {what}", timeout)
+
+    def request(self, tag: int, *args: Any, timeout: float = WAIT_S) -> list[Any]:
+        if (tag == C_AUTHORIZE and self.listener is not None and args
+                and isinstance(args[0], str) and args[0] not in self.followed):
+            self.follow(args[0], self.listener)
+        return self._send(lambda req: encode([tag, req, *args]), f"{tag} {args}", timeout)
+
+    def subscribe(self, call: str, listener: Listener, from_seq: int = 0,
+                  live: bool = True) -> list[Any]:
+        """C_SUBSCRIBE (built by the supervisor's own encoder); the reply."""
+        return self._send(lambda req: encode_control(
+            AddSubscriber(req, call, listener.id, from_seq, live)),
+            f"C_SUBSCRIBE {call} {listener.id} from {from_seq} live={live}")
+
+    def follow(self, call: str, listener: Listener, from_seq: int = 0) -> None:
+        reply = self.subscribe(call, listener, from_seq, True)
+        assert reply[0] == R_OK and reply[2] is None, f"subscribing to {call}: {reply}"
+        self.followed.add(call)
 
     def ok(self, tag: int, *args: Any) -> Any:
         reply = self.request(tag, *args)
@@ -102,17 +187,6 @@ class Supervisor:
     def wait(self, tag: int, call: str, what: str, timeout: float = WAIT_S) -> list[Any]:
         return self._recv_until(lambda m: m[0] == tag and m[1] == call, what, timeout)
 
-    def events(self, call: str, count: int, timeout: float = WAIT_S) -> list[dict[str, Any]]:
-        """The next `count` E_EVENTs of `call`, decoded, checking the frame's seq."""
-        out: list[dict[str, Any]] = []
-        for _ in range(count):
-            msg = self.wait(E_EVENT, call, f"event #{len(out) + 1} of {count} for {call}",
-                            timeout)
-            event = msgpack.unpackb(msg[3])
-            assert event["seq"] == msg[2]
-            out.append(event)
-        return out
-
     def wait_stats(self, pred: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
         deadline = time.monotonic() + WAIT_S
         while True:
@@ -129,21 +203,36 @@ class SinkUnderTest:
         self.runtime_dir = runtime_dir
         self.db_path = db_path
         self.ep = Endpoints(runtime_dir)
+        self.events_endpoint = "ipc://" + os.path.join(runtime_dir, "ev")
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.sockets: list[zmq.Socket[bytes]] = []
         self.procs: list[Any] = []
         self.proc: Any = None
         self.sup: Supervisor
+        self.listener: Listener
 
     def start(self) -> SinkUnderTest:
-        self.proc = MP.Process(target=run_sink, args=(self.runtime_dir, self.db_path, "DEBUG"),
+        self.proc = MP.Process(target=run_sink,
+                               args=(self.runtime_dir, self.db_path, self.events_endpoint,
+                                     None, "DEBUG"),
                                name="sink-under-test")
         self.proc.start()
         self.procs.append(self.proc)
         self.sup = Supervisor(self.ctx, self.ep.sink_ctl)
         self.sockets.append(self.sup.sock)
         self.sup.request(C_STATS, timeout=START_S)  # answered once the sink serves
+        self.listener = self.sup.listener = self.new_listener()
         return self
+
+    def new_listener(self) -> Listener:
+        """Another subscriber connection, `listening` already."""
+        listener = Listener(self.ctx, self.events_endpoint)
+        self.sockets.append(listener.sock)
+        return listener
+
+    def events(self, call: str, count: int, timeout: float = WAIT_S) -> list[dict[str, Any]]:
+        """The next `count` events of `call` the harness's listener received."""
+        return self.listener.events(call, count, timeout)
 
     def stop(self) -> int:
         self.proc.terminate()
@@ -260,7 +349,7 @@ def test_two_writers_only_the_authorized_attempt_reaches_the_transcript(
     w2 = sink.spawn(second_writer, sink.ep.sink_in, call, n, go)
     assert paused.wait(START_S), "writer 1 never sent its first deltas"
     # The switch point: every one of writer 1's first K deltas is in.
-    before = sup.events(call, k)
+    before = sink.events(call, k)
     assert [e["data"] for e in before] == [f"a1-{s};" for s in range(1, k + 1)]
 
     prev = sup.attempt_stats(C_AUTHORIZE, call, 2, reset)
@@ -310,11 +399,11 @@ def test_worker_that_exits_right_after_its_final_loses_nothing(sink: SinkUnderTe
     sink.sup.ok(C_AUTHORIZE, call, 1, False)
     w = sink.spawn(hasty_writer, sink.ep.sink_in, call, n)
     ended = sink.sup.wait(E_ENDED, call, "E_ENDED of the hasty worker", timeout=START_S)
-    # Everything in the inbox arrived before E_ENDED: the events came first.
-    assert sum(1 for m in sink.sup.inbox if m[0] == E_EVENT and m[1] == call) == n
     # E_ENDED is sent after the commit: the store already holds every seq.
     seqs = [e["seq"] for e in sink.transcript(call)]
     assert seqs == list(range(1, n + 1))
+    # ... and every one of them went to the call's listener, in order.
+    assert [e["seq"] for e in sink.events(call, n)] == list(range(1, n + 1))
     stats = stats_from_wire(ended[3])
     assert stats.accepted == n and stats.last_seq == n
     assert outcome_from_wire(ended[4]) == AttemptOutcome(ok=True, finish_reason="stop", model="m")
@@ -333,8 +422,10 @@ def test_final_with_wrong_last_seq_is_refused_and_reported(sink: SinkUnderTest) 
     assert ack[1:4] == [call, 1, False] and "seq_mismatch" in ack[4], ack
     refused = sink.sup.wait(E_FINAL_REFUSED, call, "E_FINAL_REFUSED")
     assert refused[2] == 1 and "final says 12" in refused[3]
-    assert [m[2] for m in sink.sup.inbox if m[0] == E_EVENT] == list(range(1, 11)), \
-        "E_FINAL_REFUSED overtook the attempt's events"
+    # E_FINAL_REFUSED is sent after the commit of the attempt's events.
+    assert [e["seq"] for e in sink.transcript(call)] == list(range(1, 11)), \
+        "E_FINAL_REFUSED overtook the commit of the attempt's events"
+    assert [e["seq"] for e in sink.events(call, 10)] == list(range(1, 11))
     # Nothing changed: the right final is still accepted, and acked again if repeated.
     worker.send(final(call, 1, 10))
     assert recv_ack(worker)[3] is True
@@ -360,30 +451,34 @@ def test_finish_builds_commits_then_publishes_the_done_event(sink: SinkUnderTest
         worker.send(delta(call, 1, seq, data, kind))
     worker.send(final(call, 1, len(parts)))
     assert recv_ack(worker)[3] is True
-    sup.events(call, len(parts))
+    sink.events(call, len(parts))
     meta = {"finish_reason": "tool_calls", "usage": {"total_tokens": 9}, "model": "m",
             "provider_response_id": "r1", "partial": False, "dropped_tool_names": ["g"],
             "dropped_tool_indexes": [1]}
     sup.sock.send(encode([C_FINISH, "fin", call, "completed", None, 1, meta]))
-    published = sup.wait(E_EVENT, call, "the done event")
+    raw, published = sink.listener.next(call, "the done event")
     # Read the store the moment it is published: it must already be there.
     reader = TranscriptReader(sink.db_path)
     try:
-        assert reader.done_event(call) == published[3]
+        assert reader.done_event(call) == raw
     finally:
         reader.close()
     reply = sup._recv_until(lambda m: m[1] == "fin", "the C_FINISH reply")
     assert reply[0] == R_OK
     done = reply[2]
-    assert msgpack.unpackb(published[3]) == done
-    assert done["seq"] == published[2] == len(parts) + 1
+    assert published == done
+    assert done["seq"] == published["seq"] == len(parts) + 1
     assert done["status"] == "completed" and done["attempts"] == 1 and done["error"] is None
     resp = done["response"]
     assert resp["content"] == "Hello world" and resp["reasoning"] == "hmm"
     assert resp["tool_calls"] == [{"id": "t0", "name": "f", "arguments": "{\"a\":1}"}]
     assert resp["dropped_tool_names"] == ["g"] and resp["usage"] == {"total_tokens": 9}
+    # The done is the last event: the subscription ends with it.
+    sent = sup.stats()
+    assert sent["subscribed_calls"] == 0, sent
     # Idempotent: the same done event, nothing new published; no new attempt.
     assert sup.ok(C_FINISH, call, "failed", None, 2, None) == done
+    assert sup.stats()["events_sent"] == sent["events_sent"], "a repeated finish sent an event"
     assert sup.request(C_AUTHORIZE, call, 2, False)[0] == R_REFUSED
     assert len(events_after(sink.db_path, call, 0)) == len(parts) + 1
     worker.send(delta(call, 1, len(parts) + 1))
@@ -396,4 +491,163 @@ def test_finish_refuses_bad_meta_and_keeps_the_call_open(sink: SinkUnderTest) ->
     assert reply[0] == R_REFUSED and "meta.partial" in reply[2]
     worker = sink.worker()
     worker.send(delta("c", 1, 1))
-    assert sink.sup.events("c", 1)[0]["data"] == "x"
+    assert sink.events("c", 1)[0]["data"] == "x"
+
+
+# ---- subscribers: the events socket ------------------------------------------------
+
+def test_a_listener_gets_the_replay_then_the_live_events_ending_with_the_done(
+        sink: SinkUnderTest) -> None:
+    call, sup = "follow", sink.sup
+    sup.ok(C_AUTHORIZE, call, 1, False)  # the harness's listener follows it from seq 0
+    worker = sink.worker()
+    for seq in range(1, 6):
+        worker.send(delta(call, 1, seq, f"d{seq};"))
+    sink.events(call, 5)  # all five committed (an event is sent after its commit)
+    late = sink.new_listener()
+    sup.follow(call, late)  # from seq 0: the five stored ones, then the live ones
+    mid = sink.new_listener()
+    sup.follow(call, mid, from_seq=3)  # only what comes after seq 3
+    for seq in range(6, 9):
+        worker.send(delta(call, 1, seq, f"d{seq};"))
+    worker.send(final(call, 1, 8))
+    assert recv_ack(worker)[3] is True
+    done = sup.ok(C_FINISH, call, "completed", None, 1, {"finish_reason": "stop"})
+    assert done["op"] == "done" and done["seq"] == 9
+    assert done["response"]["content"] == "".join(f"d{s};" for s in range(1, 9))
+
+    got = late.events(call, 9)
+    assert [(e["op"], e["seq"]) for e in got] == [("delta", s) for s in range(1, 9)] + [("done", 9)]
+    assert [e["data"] for e in got[:-1]] == [f"d{s};" for s in range(1, 9)]
+    assert got[-1] == done
+    got_mid = mid.events(call, 6)
+    assert [e["seq"] for e in got_mid] == list(range(4, 10)), "from_seq=3 must replay only > 3"
+    assert got_mid[-1] == done
+    assert [e["seq"] for e in sink.events(call, 4)] == list(range(6, 10))
+    # Nothing else went to anyone, and the done ended every subscription.
+    stats = sup.stats()
+    assert stats["events_sent"] == 9 + 9 + 6, stats
+    assert stats["subscribed_calls"] == 0 and stats["listens"] == 3, stats
+    assert stats["listeners_lost"] == 0 and stats["events_dropped_full"] == 0, stats
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_a_subscription_to_an_ended_call_replays_the_store_after_from_seq(
+        sink: SinkUnderTest, live: bool) -> None:
+    """Ended at the sink: replayed from the transcript (whatever `live` says),
+    the done last, and nothing is followed afterwards."""
+    call, sup = "ended", sink.sup
+    sup.ok(C_AUTHORIZE, call, 1, False)
+    worker = sink.worker()
+    for seq in range(1, 5):
+        worker.send(delta(call, 1, seq, f"d{seq}"))
+    sink.events(call, 4)
+    done = sup.ok(C_FINISH, call, "completed", None, 1, {"finish_reason": "stop"})
+    listener = sink.new_listener()
+    reply = sup.subscribe(call, listener, from_seq=2, live=live)
+    assert reply == [R_OK, reply[1], None], reply
+    got = listener.events(call, 3)
+    assert [e["seq"] for e in got] == [3, 4, 5] and [e["data"] for e in got[:2]] == ["d3", "d4"]
+    assert got[-1] == done
+    stats = sup.stats()
+    assert stats["subscribed_calls"] == 0, "a subscription to an ended call outlived its replay"
+    assert stats["events_sent"] == 5 + 3, stats
+
+
+def test_from_now_replays_nothing_and_follows_the_new_events(sink: SinkUnderTest) -> None:
+    call, sup = "now", sink.sup
+    sup.ok(C_AUTHORIZE, call, 1, False)
+    worker = sink.worker()
+    for seq in range(1, 4):
+        worker.send(delta(call, 1, seq, f"d{seq}"))
+    sink.events(call, 3)  # stored
+    listener = sink.new_listener()
+    sup.follow(call, listener, from_seq=FROM_NOW)
+    worker.send(delta(call, 1, 4, "d4"))
+    # A replay would have been sent before the live event, on the same connection.
+    _, first = listener.next(call, "the first event after subscribing from now")
+    assert (first["seq"], first["data"]) == (4, "d4"), first
+    assert sink.events(call, 1)[0]["seq"] == 4
+    assert sup.stats()["events_sent"] == 3 + 1 + 1
+
+
+def test_subscribing_to_a_call_with_nothing_stored_not_live_is_refused(
+        sink: SinkUnderTest) -> None:
+    sup = sink.sup
+    reply = sup.subscribe("nothing-here", sink.listener, from_seq=0, live=False)
+    assert reply[0] == R_REFUSED and reply[2].startswith("unknown_call"), reply
+    # An authorized call that stored nothing yet is no different, not live.
+    sup.ok(C_AUTHORIZE, "quiet", 1, False)
+    reply = sup.subscribe("quiet", sink.new_listener(), from_seq=0, live=False)
+    assert reply[0] == R_REFUSED and reply[2].startswith("unknown_call"), reply
+    stats = sup.stats()
+    assert stats["events_sent"] == 0 and stats["subscribed_calls"] == 1, stats  # the harness's
+
+
+def test_every_event_a_listener_receives_is_already_in_the_transcript(
+        sink: SinkUnderTest) -> None:
+    """Durable before visible, for each kind of event: deltas, a reset, the done.
+    Each event is looked up in transcript.db right after it is received."""
+    call, sup = "durable", sink.sup
+    sup.ok(C_AUTHORIZE, call, 1, False)
+    worker = sink.worker()
+    reader = TranscriptReader(sink.db_path)
+
+    def check(count: int, what: str) -> list[str]:
+        ops: list[str] = []
+        for i in range(count):
+            raw, event = sink.listener.next(call, f"{what} #{i + 1}")
+            stored = reader.events_after(call, event["seq"] - 1)
+            assert stored and stored[0] == raw, \
+                f"event {event['seq']} ({event['op']}) was sent before its commit"
+            ops.append(event["op"])
+        return ops
+
+    try:
+        for seq in range(1, 151):
+            worker.send(delta(call, 1, seq, f"{seq},"))
+        assert check(150, "attempt 1's delta") == ["delta"] * 150
+        sup.ok(C_AUTHORIZE, call, 2, True)
+        for seq in range(1, 151):
+            worker.send(delta(call, 2, seq, f"{seq};"))
+        assert check(151, "the reset or attempt 2's delta") == ["reset"] + ["delta"] * 150
+        sup.ok(C_FINISH, call, "completed", None, 2, {"finish_reason": "stop"})
+        assert check(1, "the done") == ["done"]
+    finally:
+        reader.close()
+
+
+BAD_EVENTS_IN: list[tuple[list[bytes], str]] = [
+    ([encode({"v": 1, "op": "subscribe", "call_id": "c"})], "unknown_op"),
+    ([b"\xc1 not msgpack"], "bad_frame"),
+    ([encode(["listen"])], "bad_message"),
+    ([encode({"v": 2, "op": "listen"})], "unsupported_version"),
+    ([LISTEN, b"a second frame"], "bad_frame"),
+]
+
+
+def test_the_events_socket_answers_anything_but_listen_with_an_error(
+        sink: SinkUnderTest) -> None:
+    sup = sink.sup
+    listener = sink.new_listener()
+    for parts, code in BAD_EVENTS_IN:
+        listener.sock.send_multipart(parts)
+        assert listener.sock.poll(int(WAIT_S * 1000)), f"no answer to {parts!r} within {WAIT_S}s"
+        reply = msgpack.unpackb(listener.sock.recv())
+        assert (reply["v"], reply["op"], reply["ref"], reply["code"]) == (1, "error", None, code), \
+            (parts, reply)
+        assert isinstance(reply["message"], str) and reply["message"], reply
+    stats = sup.stats()
+    assert stats["events_bad_input"] == len(BAD_EVENTS_IN), stats
+    assert stats["listens"] == 2, stats  # the harness's listener and this one, once each
+    # The sink keeps serving: `listen` is still answered, and events flow to this
+    # connection and the others.
+    listener.sock.send(LISTEN)
+    assert listener.sock.poll(int(WAIT_S * 1000)), "no answer to listen after the errors"
+    assert msgpack.unpackb(listener.sock.recv()) == LISTENING
+    sup.ok(C_AUTHORIZE, "after", 1, False)
+    sup.follow("after", listener)
+    sink.worker().send(delta("after", 1, 1, "still serving"))
+    assert listener.events("after", 1)[0]["data"] == "still serving"
+    assert sink.events("after", 1)[0]["data"] == "still serving"
+    assert sup.stats()["events_bad_input"] == len(BAD_EVENTS_IN)

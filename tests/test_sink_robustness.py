@@ -21,16 +21,16 @@ from streamfence.protocol.internal import (
     C_FENCE,
     C_FINISH,
     C_STATS,
-    E_EVENT,
     R_REFUSED,
     T_DELTA,
     T_FINAL,
 )
-from streamfence.protocol.internal.control import stats_from_wire
+from streamfence.protocol.internal.control import AddSubscriber, encode_control, stats_from_wire
 from streamfence.sink.fence import Verdict
 from streamfence.sink.process import run_sink
 from streamfence.sink.state import SinkState
 from streamfence.sink.store import TranscriptReader, TranscriptStore
+from streamfence.sink.subscribers import Outbox
 from tests.test_sink_process import (
     MP,
     START_S,
@@ -47,8 +47,9 @@ __all__ = ["sink"]  # the fixture, re-used from the harness module
 
 def sink_parent(runtime_dir: str, db_path: str, pids: Any) -> None:
     """Starts a sink and reports its pid, then idles until killed."""
-    p = multiprocess.get_context("spawn").Process(target=run_sink,
-                                                  args=(runtime_dir, db_path, "WARNING"))
+    p = multiprocess.get_context("spawn").Process(
+        target=run_sink, args=(runtime_dir, db_path, "ipc://" + os.path.join(runtime_dir, "ev"),
+                               None, "WARNING"))
     p.start()
     pids.put(p.pid)
     signal.pause()  # until the test kills us
@@ -70,7 +71,7 @@ def test_forged_deltas_are_refused_and_counted(sink: SinkUnderTest) -> None:
                   delta("c", 2, 1)):  # duplicate
         worker.send(frame)
     worker.send(delta("c", 2, 2, "good too"))
-    assert [e["data"] for e in sup.events("c", 2)] == ["good", "good too"]
+    assert [e["data"] for e in sink.events("c", 2)] == ["good", "good too"]
     stats = sup.wait_stats(lambda s: s["dropped"] == 6, "6 drops")
     assert stats["dropped_by_verdict"] == {
         "stale_attempt": 2, "future_attempt": 1, "unknown_call": 1, "closed": 0,
@@ -128,7 +129,7 @@ def test_garbage_on_both_sockets_is_counted_and_survived(sink: SinkUnderTest) ->
     garbage.send(delta("c", 1, 1, "still alive"))
     garbage.send(final("c", 1, 1))
     assert recv_ack(garbage)[3] is True
-    assert sup.events("c", 1)[0]["data"] == "still alive"
+    assert sink.events("c", 1)[0]["data"] == "still alive"
     assert not stranger.poll(0), "garbage without a request id must not be answered"
 
 
@@ -139,7 +140,7 @@ def test_sigterm_commits_and_exits_cleanly(sink: SinkUnderTest) -> None:
     worker = sink.worker()
     for seq in range(1, 301):
         worker.send(delta("c", 1, seq))
-    sink.sup.events("c", 300)
+    sink.events("c", 300)
     assert sink.stop() == 0
     assert [e["seq"] for e in sink.transcript("c")] == list(range(1, 301))
 
@@ -149,9 +150,9 @@ def test_restart_keeps_epochs_and_seqs(sink: SinkUnderTest) -> None:
     worker = sink.worker()
     worker.send(delta("c", 3, 1))
     worker.send(delta("c", 3, 2))
-    sink.sup.events("c", 2)
+    sink.events("c", 2)
     assert sink.stop() == 0
-    sink.start()  # a new sink process on the same store and endpoints
+    sink.start()  # a new sink process on the same store and endpoints, a new listener
     sup = sink.sup
     for attempt in (2, 3):
         reply = sup.request(C_AUTHORIZE, "c", attempt, False)
@@ -164,7 +165,11 @@ def test_restart_keeps_epochs_and_seqs(sink: SinkUnderTest) -> None:
     sup.wait_stats(lambda s: s["dropped_by_verdict"]["closed"] == 1, "the old writer's drop")
     sup.ok(C_AUTHORIZE, "c", 4, True)
     worker.send(delta("c", 4, 1, "new"))
-    reset, new = sup.events("c", 2)
+    # The new listener subscribed from seq 0 (at the first authorize above): the
+    # stored events are replayed, then the new ones continue the same seqs.
+    old1, old2, reset, new = sink.events("c", 4)
+    assert [(e["op"], e["seq"], e["attempt"]) for e in (old1, old2)] == \
+        [("delta", 1, 3), ("delta", 2, 3)]
     assert (reset["op"], reset["seq"]) == ("reset", 3) and (new["seq"], new["data"]) == (4, "new")
 
 
@@ -202,8 +207,21 @@ class NoPeer:
     def publish(self, frame: bytes) -> None:
         pass
 
-    def publish_all(self, frames: list[bytes]) -> None:
+    def stats(self) -> dict[str, int]:
+        return {}
+
+
+class NoListeners:
+    """Listeners that drop every event (the test reads the state directly)."""
+
+    def deliver(self, outbox: Outbox) -> None:
         pass
+
+    def send_event(self, subs: set[bytes], event: bytes) -> None:
+        pass
+
+    def replay(self, listener: bytes, events: list[bytes]) -> bool:
+        return True
 
     def stats(self) -> dict[str, int]:
         return {}
@@ -212,7 +230,7 @@ class NoPeer:
 def test_drop_log_line_is_greppable_and_sparse(tmp_path: Path,
                                                caplog: pytest.LogCaptureFixture) -> None:
     """First drop of a (call, attempt) at WARNING with the counts, the rest at DEBUG."""
-    state = SinkState(TranscriptStore(str(tmp_path / "t.db")), NoPeer())
+    state = SinkState(TranscriptStore(str(tmp_path / "t.db")), NoPeer(), NoListeners())
     try:
         assert state.fence.authorize("c", 1) is None
         state._live("c").start_attempt(1, "gpt-test")
@@ -231,7 +249,7 @@ def test_drop_log_line_is_greppable_and_sparse(tmp_path: Path,
 
 
 def test_every_published_event_is_already_stored(sink: SinkUnderTest) -> None:
-    """Durable before visible: what the supervisor (and so a client) sees survives
+    """Durable before visible: what a listener (and so a client) sees survives
     a kill -9, so a restarted sink can never hand out the same seq twice."""
     sink.sup.ok(C_AUTHORIZE, "c", 1, False)
     worker = sink.worker()
@@ -240,9 +258,10 @@ def test_every_published_event_is_already_stored(sink: SinkUnderTest) -> None:
     reader = TranscriptReader(sink.db_path)
     try:
         for seq in range(1, 301):
-            msg = sink.sup.wait(E_EVENT, "c", f"event {seq}")
+            raw, event = sink.listener.next("c", f"event {seq}")
+            assert event["seq"] == seq, event
             stored = reader.events_after("c", seq - 1)
-            assert stored and stored[0] == msg[3], f"event {seq} was published before its commit"
+            assert stored and stored[0] == raw, f"event {seq} was published before its commit"
     finally:
         reader.close()
     sink.proc.kill()
@@ -251,17 +270,22 @@ def test_every_published_event_is_already_stored(sink: SinkUnderTest) -> None:
 
 
 def test_only_the_supervisor_may_drive_the_sink(sink: SinkUnderTest) -> None:
-    """A stranger on sink.ctl with a well-formed control message gets no
-    answer, steals no events, and is counted; the supervisor keeps control."""
+    """A stranger on sink.ctl with well-formed control messages gets no answer,
+    cannot subscribe its own listener (steals no events), and is counted; the
+    supervisor keeps control."""
     stranger = sink.ctx.socket(zmq.DEALER)
     stranger.setsockopt(zmq.LINGER, 0)
     stranger.connect(sink.ep.sink_ctl)
     sink.sockets.append(stranger)
+    thief = sink.new_listener()  # connected and `listening` on the events socket
     stranger.send(encode([C_AUTHORIZE, 1, "hijack", 1, False]))
-    sink.sup.wait_stats(lambda s: s["bad_frames"]["ctl"] >= 1, "the stranger to be counted")
+    stranger.send(encode_control(AddSubscriber(2, "hijack", thief.id, 0, True)))
+    sink.sup.wait_stats(lambda s: s["bad_frames"]["ctl"] >= 2, "the stranger to be counted")
     assert not stranger.poll(200), "the sink answered a stranger"
     sink.sup.ok(C_AUTHORIZE, "hijack", 1, False)  # the supervisor still drives it
     worker = sink.worker()
     worker.send(encode([T_DELTA, "hijack", 1, 1, "text", "mine"]))
-    assert [e["data"] for e in sink.sup.events("hijack", 1)] == ["mine"]
-    assert not stranger.poll(200), "events went to a stranger"
+    assert [e["data"] for e in sink.events("hijack", 1)] == ["mine"]
+    assert not thief.sock.poll(200), "events went to a stranger's listener"
+    stats = sink.sup.stats()
+    assert stats["events_sent"] == 1 and stats["bad_frames"]["ctl"] == 2, stats

@@ -36,7 +36,7 @@ def test_deltas_and_final_over_a_stream_are_fenced_stored_and_acked(sink: SinkUn
     finally:
         channel.close()
     assert ack is not None and ack[:4] == [T_FINAL_ACK, "c", 1, True]
-    assert [e["data"] for e in sink.sup.events("c", 3)] == ["t1", "t2", "t3"]
+    assert [e["data"] for e in sink.events("c", 3)] == ["t1", "t2", "t3"]
     sink.sup.wait(E_ENDED, "c", "the accepted final")
     assert [e["data"] for e in sink.transcript("c")] == ["t1", "t2", "t3"]
 

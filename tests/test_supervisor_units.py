@@ -1,7 +1,7 @@
 """The supervisor's owners in one process, without sockets or children: the call
 and worker state machines, `decide`, the fall-backs, the SinkLink's typed
-replies, the client fan-out, and one call driven end to end by the
-AttemptDriver against fake sockets."""
+replies and subscriptions, the clients' listeners and waiters, and one call
+driven end to end by the AttemptDriver against fake sockets."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ import zmq
 
 from streamfence.protocol.codec import encode
 from streamfence.protocol.errors import ErrorCode
-from streamfence.protocol.internal import W_RUN
+from streamfence.protocol.internal import C_SUBSCRIBE, W_RUN
 from streamfence.protocol.internal.control import (
-    EVENTS_BATCH_HEAD,
+    FROM_NOW,
+    AddSubscriber,
     AttemptStats,
     Authorize,
     Ended,
@@ -29,7 +30,6 @@ from streamfence.protocol.internal.control import (
     Finish,
     FinishMeta,
     encode_ended,
-    encode_event,
     encode_final_refused,
     encode_ok,
     encode_refused,
@@ -38,7 +38,16 @@ from streamfence.protocol.internal.control import (
 )
 from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome, ErrorClass
 from streamfence.protocol.internal.workers import SpawnWorker, ZygoteCommand, decode_run
-from streamfence.protocol.messages import CallOptions, CallSpec, CallStatus, OnPartial, done_event
+from streamfence.protocol.messages import (
+    CallOptions,
+    CallSpec,
+    CallStatus,
+    OnPartial,
+    delta_event,
+    done_event,
+    reset_event,
+)
+from streamfence.sink.store import TranscriptStore
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.calls import (
@@ -198,10 +207,9 @@ class Attempts:
         self.seen.append(refused)
 
 
-def test_sinklink_typed_replies_events_and_lost_requests() -> None:
+def test_sinklink_typed_replies_attempt_endings_and_lost_requests() -> None:
     sock = FakeSocket()
-    events: list[tuple[str, int, bytes]] = []
-    link = SinkLink(sock, lambda c, s, e: events.append((c, s, e)))  # type: ignore[arg-type]
+    link = SinkLink(sock)  # type: ignore[arg-type]
     replies: list[Any] = []
     link.authorize("c", 2, False, "m", replies.append)
     link.fence("c", 2, replies.append)
@@ -210,39 +218,62 @@ def test_sinklink_typed_replies_events_and_lost_requests() -> None:
     assert sent[0] == Authorize(1, "c", 2, False, "m") and sent[1] == Fence(2, "c", 2)
     stats = AttemptStats(1, accepted=3, visible_chars=2, last_seq=3, closed=True)
     outcome = AttemptOutcome(ok=True, finish_reason="stop", usage={"total_tokens": 3})
-    batch = [encode_event("c", 1, b"e1"), encode_event("c", 2, b"e2")]
     sock.inbox += [encode_ok(1, stats_to_wire(stats)), encode_refused(2, "stale_epoch: x"),
-                   EVENTS_BATCH_HEAD + b"\x92" + b"".join(batch), encode_event("c", 3, b"e3"),
                    encode_ended("c", 2, stats, outcome), encode_final_refused("c", 1, "late"),
-                   encode([99, "junk"])]
+                   encode([30, "c", 1, b"e1"]),  # the retired E_EVENT tag: junk now
+                   encode([99, "junk"]), encode_ok(77, None)]  # a reply to no request
     attempts = Attempts()
     assert link.drain(attempts) == 7
     assert replies == [stats, Refused("stale_epoch: x")]
-    assert events == [("c", 1, b"e1"), ("c", 2, b"e2"), ("c", 3, b"e3")]
     assert attempts.seen == [Ended("c", 2, stats, outcome), FinalRefused("c", 1, "late")]
     link.fail_pending()  # the sink died before answering the finish
-    assert replies[-1] is SINK_LOST
+    assert replies[-1] is SINK_LOST and len(replies) == 3
 
 
-# ---- the client fan-out --------------------------------------------------------------------
+LISTENER = "0123456789abcdef0123456789abcdef"
 
-def test_clients_buffer_fan_out_and_answer_waiters() -> None:
+
+def test_sinklink_subscribe_sends_add_subscriber_and_delivers_its_reply() -> None:
+    sock = FakeSocket()
+    link = SinkLink(sock)  # type: ignore[arg-type]
+    answers: dict[str, list[Any]] = {"ok": [], "refused": [], "lost": []}
+    link.subscribe("c1", LISTENER, 0, True, answers["ok"].append)
+    link.subscribe("c2", LISTENER, 3, False, answers["refused"].append)
+    link.subscribe("c3", LISTENER, FROM_NOW, True, answers["lost"].append)
+    raw = [msgpack.unpackb(f) for f in sock.sent]
+    assert raw[0] == [C_SUBSCRIBE, 1, "c1", LISTENER, 0, True]  # the wire layout itself
+    assert [parse_control(m) for m in raw] == [
+        AddSubscriber(1, "c1", LISTENER, 0, True), AddSubscriber(2, "c2", LISTENER, 3, False),
+        AddSubscriber(3, "c3", LISTENER, -1, True)]
+    sock.inbox += [encode_refused(2, "no events of c2"), encode_ok(1, None)]
+    assert link.drain(Attempts()) == 2
+    assert answers["ok"] == [None] and answers["refused"] == [Refused("no events of c2")]
+    assert answers["lost"] == []  # still waiting for the sink
+    link.fail_pending()
+    assert answers["lost"] == [SINK_LOST]
+    link.fail_pending()  # answered once: nothing is pending any more
+    assert answers == {"ok": [None], "refused": [Refused("no events of c2")], "lost": [SINK_LOST]}
+
+
+# ---- the clients' listeners and waiters ------------------------------------------------------
+
+def test_clients_follow_listeners_and_answer_waiters() -> None:
     sock = FakeSocket()
     clients = Clients(sock)  # type: ignore[arg-type]
-    clients.open("c", [], subscriber=b"a")
-    clients.on_event("c", 1, b"e1")
-    clients.on_event("c", 2, b"e2")
-    assert clients.subscribe(b"late", "c", 1)  # replays seq 2, then follows
-    clients.on_event("c", 3, b"e3")
-    assert not clients.subscribe(b"x", "gone", 0)
-    assert [p for p in sock.sent] == [[b"a", b"e1"], [b"a", b"e2"], [b"late", b"e2"],
-                                      [b"a", b"e3"], [b"late", b"e3"]]
-    assert clients.published("c") == [b"e1", b"e2", b"e3"]
-    sock.sent.clear()
+    clients.follow("c", "listener-a-0000000")
+    clients.follow("c", "listener-b-0000000")
+    clients.follow("c", "listener-a-0000000")  # once per listener
+    clients.follow("d", "listener-a-0000000")
+    assert sorted(clients.following()) == [("c", "listener-a-0000000"),
+                                           ("c", "listener-b-0000000"),
+                                           ("d", "listener-a-0000000")]
+    assert sock.sent == []  # the events go from the sink, never through here
     clients.wait_result("c", b"w1", "r1", until=10.0)
     clients.wait_result("c", b"w2", "r2", until=20.0)
     clients.expire_waiters(15.0)
-    assert msgpack.unpackb(sock.sent.pop()[1])["op"] == "pending"
+    (identity, frame), = sock.sent
+    assert identity == b"w1" and msgpack.unpackb(frame)["op"] == "pending"
+    sock.sent.clear()
     asked: list[str] = []
 
     def diagnostics() -> list[dict[str, Any]]:
@@ -253,7 +284,8 @@ def test_clients_buffer_fan_out_and_answer_waiters() -> None:
     (identity, frame), = sock.sent
     assert identity == b"w2" and msgpack.unpackb(frame) == {
         "op": "done", "status": "completed", "ref": "r2", "diagnostics": [{"attempt": 1}]}
-    assert asked == ["c"] and clients.published("c") == []
+    assert asked == ["c"]
+    assert clients.following() == [("d", "listener-a-0000000")]  # c ended: nobody follows it
 
 
 # ---- one call through the AttemptDriver ------------------------------------------------------
@@ -267,12 +299,14 @@ def parts(tmp_path: Path) -> Iterator[dict[str, Any]]:
     pool = Pool(zygote.append, workers, live, slots=4, spare=1,  # type: ignore[arg-type]
                 max_workers=4)
     clients = Clients(client_sock)  # type: ignore[arg-type]
-    sink = SinkLink(sink_sock, clients.on_event)  # type: ignore[arg-type]
+    sink = SinkLink(sink_sock)  # type: ignore[arg-type]
     counters: Counter[str] = Counter()
+    transcript = str(tmp_path / "transcript.db")
+    TranscriptStore(transcript, background_checkpoints=False).close()  # the sink makes it
     driver = AttemptDriver(DaemonConfig(providers={"emu": PROFILE}), journal, pool, sink,
                            clients, Breakers(5, 60.0, time.monotonic), counters,
-                           time.monotonic, random.Random(1))
-    yield {"pool": pool, "zygote": zygote, "workers": workers, "sink": sink,
+                           time.monotonic, random.Random(1), transcript)
+    yield {"transcript": transcript, "pool": pool, "zygote": zygote, "workers": workers, "sink": sink,
            "sink_sock": sink_sock, "clients": clients, "client_sock": client_sock,
            "driver": driver, "journal": journal, "counters": counters}
     journal.close()
@@ -288,7 +322,6 @@ def test_one_call_authorize_dispatch_end_finish(parts: dict[str, Any]) -> None:
     pool.on_hello(spawn.worker_id, 0)
     call = make_call()
     parts["journal"].add_call(call.call_id, "local", None, None, "emu", call.spec.request, {})
-    parts["clients"].open(call.call_id, [], subscriber=b"client")
     driver.enqueue(call)
     driver.schedule()
     authorize = parse_control(msgpack.unpackb(sink_sock.sent.pop()))
@@ -301,7 +334,7 @@ def test_one_call_authorize_dispatch_end_finish(parts: dict[str, Any]) -> None:
     assert (run.call_id, run.attempt, run.settings.streaming) == ("c1", 1, True)
     stats = AttemptStats(1, accepted=1, visible_chars=2, last_seq=1, closed=True)
     outcome = AttemptOutcome(ok=True, finish_reason="stop", model="m")
-    sink_sock.inbox += [encode_event("c1", 1, b"delta"), encode_ended("c1", 1, stats, outcome)]
+    sink_sock.inbox.append(encode_ended("c1", 1, stats, outcome))
     parts["sink"].drain(driver)
     finish = parse_control(msgpack.unpackb(sink_sock.sent.pop()))
     assert isinstance(finish, Finish) and finish.status is CallStatus.COMPLETED
@@ -311,7 +344,7 @@ def test_one_call_authorize_dispatch_end_finish(parts: dict[str, Any]) -> None:
     parts["sink"].drain(driver)
     assert not driver.has_call("c1") and parts["counters"]["calls_completed"] == 1
     assert parts["journal"].is_finished("c1")  # the done event itself is the sink's to store
-    assert parts["client_sock"].sent == [[b"client", b"delta"]]
+    assert parts["client_sock"].sent == []  # no waiter; the events went from the sink
     assert parts["journal"].attempts_of("c1")[0]["how"] == "ended"
 
 
@@ -333,3 +366,52 @@ def test_sink_restart_fences_the_running_attempt_and_retries(parts: dict[str, An
     assert parts["counters"]["retries"] == 1
     assert pool.get(spawn.worker_id).state is WorkerState.KILLING
     assert parts["journal"].attempts_of("c1")[0]["how"] == "sink_restarted"
+
+
+DELTAS = [("c1", "delta", "Hel"), ("c1", "delta", "lo")]
+
+
+@pytest.mark.parametrize(("stored", "partial"), [
+    (DELTAS, True),
+    ([*DELTAS, ("c1", "reset", "")], False),  # a reset: nothing of them is shown any more
+    ([("other", "delta", "not c1's")], False),
+    ([], False),
+], ids=["text-shown", "text-reset", "another-call", "nothing"])
+def test_a_sink_restart_counts_what_the_transcript_holds_of_the_attempt(
+        parts: dict[str, Any], stored: list[tuple[str, str, str]], partial: bool) -> None:
+    """Without the dead sink's answer, the fenced attempt's stats come from the
+    transcript: visible text of the attempt makes a `continue` call partial;
+    without any, it is retried."""
+    pool, driver, sink_sock = parts["pool"], parts["driver"], parts["sink_sock"]
+    pool.maintain()
+    spawn = parts["zygote"][0]
+    pool.on_spawned(spawn.worker_id, 0)  # pid 0: the kill is a no-op
+    pool.on_hello(spawn.worker_id, 0)
+    call = make_call()
+    parts["journal"].add_call(call.call_id, "local", None, None, "emu", call.spec.request, {})
+    driver.enqueue(call)
+    driver.schedule()
+    sink_sock.inbox.append(encode_ok(1, stats_to_wire(AttemptStats(0))))
+    parts["sink"].drain(driver)
+    assert call.state is CallState.RUNNING and call.epoch == 1
+    store = TranscriptStore(parts["transcript"], background_checkpoints=False)
+    seqs: Counter[str] = Counter()
+    for call_id, op, text in stored:
+        seqs[call_id] += 1
+        seq = seqs[call_id]
+        if op == "reset":
+            store.add(call_id, seq, seq, 1, "reset", encode(reset_event(call_id, 1, seq)))
+        else:
+            store.add_run(call_id, seq, 1, [encode(delta_event(call_id, 1, seq, "text", text))])
+    store.commit()
+    store.close()
+    sent_before = len(sink_sock.sent)
+    driver.on_sink_restart()
+    assert parts["journal"].attempts_of("c1")[0]["how"] == "sink_restarted"
+    if partial:
+        finish = parse_control(msgpack.unpackb(sink_sock.sent[-1]))
+        assert isinstance(finish, Finish) and finish.status is CallStatus.PARTIAL
+        assert state_of(call) is CallState.FINISHING and parts["counters"]["retries"] == 0
+    else:
+        assert len(sink_sock.sent) == sent_before  # nothing to finish: a retry
+        assert state_of(call) is CallState.BACKOFF and parts["counters"]["retries"] == 1

@@ -23,10 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import psutil
+import zmq
 
 from streamfence.devtools.emulator.control import EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
+from streamfence.protocol.client_base import new_ref, status_msg, submit_msg
+from streamfence.protocol.codec import encode
+from streamfence.protocol.credentials import load_credentials
+from streamfence.protocol.messages import events_endpoint
 
 MiB = 1024 * 1024
 
@@ -272,3 +278,68 @@ def wall() -> float:
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+class RawClient:
+    """The client library's wire on raw sockets, for sections that submit many
+    calls at once and read every event in one loop (one asyncio task per call
+    would measure the subscriber): requests on the client endpoint, events
+    on the events socket under one listener id (docs/PROTOCOL.md §1).
+    `messages()` hands out replies before events, and holds back the events
+    of a call until its `accepted` reply was handed out."""
+
+    def __init__(self, proc: DaemonProcess) -> None:
+        ctx: zmq.Context[Any] = zmq.Context.instance()
+        creds = load_credentials(proc.credentials_path)
+        self.listener = new_ref()
+        self.req: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        self.events: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        self.events.setsockopt(zmq.ROUTING_ID, self.listener.encode())
+        self.poller = zmq.Poller()
+        for sock, where in ((self.req, proc.endpoint), (self.events, events_endpoint(proc.endpoint))):
+            for name, value in (("LINGER", 0), ("RCVHWM", 0), ("SNDHWM", 0)):
+                sock.setsockopt(getattr(zmq, name), value)
+            creds.apply(sock)
+            sock.connect(where)
+            self.poller.register(sock, zmq.POLLIN)
+        self._known: set[str] = set()
+        self._early: dict[str, list[dict[str, Any]]] = {}
+        # Both handshakes (CURVE, and `listen` on the events socket) before any timing.
+        self.req.send(encode(status_msg(new_ref())))
+        self.events.send(encode({"v": 1, "op": "listen"}))
+        for sock in (self.req, self.events):
+            if not sock.poll(30_000):
+                raise TimeoutError("the daemon did not answer a status / listen within 30 s")
+            sock.recv()
+
+    def submit_frame(self, ref: str, model: str, messages: list[dict[str, Any]]) -> bytes:
+        """A submit whose events come to this client's listener."""
+        return encode(submit_msg(ref, "oa", {"model": model, "messages": messages},
+                                 session_id=None, idempotency_key=None, options=None,
+                                 listener=self.listener))
+
+    def messages(self, timeout_ms: int) -> list[dict[str, Any]]:
+        """What arrived within `timeout_ms` (decoded), replies first."""
+        out: list[dict[str, Any]] = []
+        if not self.poller.poll(timeout_ms):
+            return out
+        for sock in (self.req, self.events):
+            while True:
+                try:
+                    msg = msgpack.unpackb(sock.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                call_id = msg.get("call_id")
+                if msg.get("op") == "accepted":
+                    self._known.add(call_id)
+                    out.append(msg)
+                    out.extend(self._early.pop(call_id, []))
+                elif "ref" not in msg and call_id not in self._known:
+                    self._early.setdefault(call_id, []).append(msg)
+                else:
+                    out.append(msg)
+        return out
+
+    def close(self) -> None:
+        self.req.close(linger=0)
+        self.events.close(linger=0)

@@ -8,11 +8,12 @@ rotated order each round:
 
 - `hop`     the floor: worker -> a bare ROUTER in this process (one ZeroMQ
             ipc hop and a msgpack decode, nothing else);
-- `sink`    worker -> real sink (spawned alone) -> its control peer: this
-            process, which authorized the call as the supervisor does and
-            receives the sink's E_EVENT frames;
-- `daemon`  worker -> the real daemon's sink -> supervisor -> a subscriber
-            (a DEALER in this process that submitted the call). The call is
+- `sink`    worker -> real sink (spawned alone) -> a listener on its events
+            socket: this process, which authorized and subscribed the call
+            as the supervisor does;
+- `daemon`  worker -> the real daemon's sink -> a subscriber (the listener
+            of a client in this process that submitted the call; the
+            supervisor is not on this path). The call is
             real: the emulator holds its stream silent (`stall`, 0 chunks), so
             its worker sends nothing while the producer writes into the sink's
             `sink.in` as attempt 1 with seq 1, 2, ... like the worker would.
@@ -50,6 +51,7 @@ from streamfence.devtools.launcher import DaemonProcess
 from streamfence.protocol.client_base import new_ref, submit_msg
 from streamfence.protocol.codec import encode
 from streamfence.protocol.credentials import load_credentials
+from streamfence.protocol.messages import events_endpoint
 
 RATE = 20_000
 VARIANTS = ("hop", "sink", "daemon")
@@ -65,18 +67,29 @@ class StalledCall:
         key = f"lat-{uuid.uuid4().hex[:10]}"
         emu_client = emu.client()
         emu_client.script(key, [{"fault": "stall", "after": 0, "stall_s": 600}])
+        creds = load_credentials(proc.credentials_path)
+        listener = new_ref()
+        # Requests on the client endpoint; the events on the events socket.
+        self.req: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, listener.encode())
         self.sock.setsockopt(zmq.RCVHWM, 0)
-        load_credentials(proc.credentials_path).apply(self.sock)
-        self.sock.connect(proc.endpoint)
-        ref = new_ref()
-        self.sock.send(encode(submit_msg(ref, "oa", {"model": f"m#{key}", "messages": []},
-                                         session_id=None, idempotency_key=None,
-                                         options={"stale_timeout_s": 600.0}, subscribe=True)))
+        pairs: list[tuple[zmq.Socket[bytes], str]] = [(self.req, proc.endpoint),
+                                                       (self.sock, events_endpoint(proc.endpoint))]
+        for sock, where in pairs:
+            sock.setsockopt(zmq.LINGER, 0)
+            creds.apply(sock)
+            sock.connect(where)
+        self.sock.send(encode({"v": 1, "op": "listen"}))
         if not self.sock.poll(10_000):
+            raise RuntimeError("no answer to listen on the events socket")
+        self.sock.recv()
+        self.req.send(encode(submit_msg(new_ref(), "oa", {"model": f"m#{key}", "messages": []},
+                                        session_id=None, idempotency_key=None,
+                                        options={"stale_timeout_s": 600.0}, listener=listener)))
+        if not self.req.poll(10_000):
             raise RuntimeError("no reply to the submit")
-        reply = msgpack.unpackb(self.sock.recv())
+        reply = msgpack.unpackb(self.req.recv())
         if reply.get("op") != "accepted":
             raise RuntimeError(f"submit refused: {reply}")
         self.call_id: str = reply["call_id"]
@@ -101,6 +114,7 @@ class StalledCall:
         with self.proc.client(timeout_s=10.0) as client:
             client.cancel(self.call_id)
         self.sock.close(linger=0)
+        self.req.close(linger=0)
 
 
 def _hop_into(out: list[int]) -> Callable[[zmq.Socket[bytes]], None]:
@@ -118,10 +132,10 @@ def _hop_into(out: list[int]) -> Callable[[zmq.Socket[bytes]], None]:
     return drain
 
 
-def _stamps_into(out: list[int]) -> Callable[[list[Any], int], None]:
-    """Handler of the sink's events: [E_EVENT, call, seq, event_bytes] + receive time."""
-    def on_event(msg: list[Any], now: int) -> None:
-        out.append(now - int(msgpack.unpackb(msg[3])["data"][:19]))
+def _stamps_into(out: list[int]) -> Callable[[bytes, int], None]:
+    """Handler of the sink's events (a public event map's bytes) + receive time."""
+    def on_event(frame: bytes, now: int) -> None:
+        out.append(now - int(msgpack.unpackb(frame)["data"][:19]))
     return on_event
 
 
@@ -159,8 +173,8 @@ def run(quick: bool, rounds: int) -> Section:
                         sink.authorize([call])
                         sink.on_event = _stamps_into(samples)
                         producers.run([["paced", sink.endpoints.sink_stream, call, 1, 1, RATE,
-                                        seconds, PAD]], {sink.ctl: sink.drain})
-                        _settle({sink.ctl: sink.drain})
+                                        seconds, PAD]], {sink.sock: sink.drain})
+                        _settle({sink.sock: sink.drain})
                         sink.on_event = None
                     else:
                         stalled = StalledCall(proc, emu)

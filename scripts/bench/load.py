@@ -45,8 +45,7 @@ import zmq
 from streamfence.protocol.internal import (
     C_AUTHORIZE,
     C_STATS,
-    E_EVENT,
-    E_EVENTS,
+    C_SUBSCRIBE,
     R_OK,
     T_DELTA,
     T_FINAL,
@@ -54,6 +53,7 @@ from streamfence.protocol.internal import (
     Endpoints,
 )
 from streamfence.protocol.internal.outcome import AttemptOutcome, outcome_to_wire
+from streamfence.protocol.messages import events_endpoint
 from streamfence.workers.sink_channel import SinkChannel
 
 _FINAL_OK = outcome_to_wire(AttemptOutcome(ok=True, finish_reason="stop", model="bench"))
@@ -329,8 +329,9 @@ def _wait_path(path: str, proc: Any, timeout_s: float = 60.0) -> None:
 
 class SinkUnderTest:
     """The real sink process (`streamfence.sink.process.run_sink`, spawned as the daemon does,
-    with a secret control identity) and a control link that plays the
-    supervisor: authorize, stats, and the sink's unsolicited events (counted,
+    with a secret control identity), a control link that plays the
+    supervisor (authorize and subscribe, stats), and one listener on the
+    sink's events socket that every authorized call's events go to (counted,
     or handed to `on_event`)."""
 
     def __init__(self, runtime_dir: str, log_level: str = "WARNING") -> None:
@@ -340,7 +341,9 @@ class SinkUnderTest:
         identity = b"bench-" + secrets.token_hex(8).encode()
         self.proc = multiprocess.get_context("spawn").Process(
             target=run_sink, name="sink",
-            args=(runtime_dir, os.path.join(runtime_dir, "transcript.db"), log_level, identity),
+            args=(runtime_dir, os.path.join(runtime_dir, "transcript.db"),
+                  events_endpoint("ipc://" + os.path.join(runtime_dir, "front")), None,
+                  log_level, identity),
             daemon=True)
         self.proc.start()
         _wait_path(self.endpoints.sink_ctl[len("ipc://"):], self.proc)
@@ -351,32 +354,37 @@ class SinkUnderTest:
         self.ctl.setsockopt(zmq.SNDHWM, 0)
         self.ctl.setsockopt(zmq.IDENTITY, identity)  # the sink obeys only this peer
         self.ctl.connect(self.endpoints.sink_ctl)
-        self.events = 0
-        self.on_event: Callable[[list[Any], int], None] | None = None
-        self._req = 0
+        self.listener = "bench-" + secrets.token_hex(8)
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, self.listener.encode())
+        self.sock.connect(events_endpoint("ipc://" + os.path.join(runtime_dir, "front")))
+        self.sock.send(msgpack.packb({"v": 1, "op": "listen"}))
+        if not self.sock.poll(30_000):
+            raise RuntimeError("the sink's events socket did not answer listen within 30 s")
+        self.sock.recv()
+        self.events: int = 0
+        self.on_event: Callable[[bytes, int], None] | None = None
+        self._req: int = 0
 
     @property
     def pid(self) -> int:
         return int(self.proc.pid)
 
     def drain(self, sock: zmq.Socket[bytes]) -> None:
-        """Take every frame waiting on the control link: events, one E_EVENT or
-        an E_EVENTS batch per commit, are counted (and handed to `on_event`
-        with the receive time); stray replies are dropped."""
-        recv, unpackb, now_ns = self.ctl.recv, msgpack.unpackb, time.monotonic_ns
+        """Take every event waiting on the listener (one public event map per
+        frame): counted, and handed to `on_event` with the receive time."""
+        recv, now_ns = self.sock.recv, time.monotonic_ns
         handler = self.on_event
         while True:
             try:
                 frame = recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            now = now_ns()
-            msg = unpackb(frame)
-            events = msg[1] if msg[0] == E_EVENTS else [msg] if msg[0] == E_EVENT else []
-            self.events += len(events)
+            self.events += 1
             if handler is not None:
-                for event in events:
-                    handler(event, now)
+                handler(frame, now_ns())
 
     def request(self, msg: list[Any], timeout_s: float = 30.0) -> list[Any]:
         self._req += 1
@@ -387,18 +395,18 @@ class SinkUnderTest:
             if not self.ctl.poll(100):
                 continue
             reply = msgpack.unpackb(self.ctl.recv())
-            if reply[0] in (E_EVENT, E_EVENTS):
-                self.events += len(reply[1]) if reply[0] == E_EVENTS else 1
-                continue
             if reply[1] == req:
                 return list(reply)
         raise RuntimeError(f"no reply from the sink to {msg[0]} within {timeout_s:.0f} s")
 
     def authorize(self, calls: list[str], attempt: int = 1) -> None:
+        """Authorize each call, with the listener following it (as a submit that subscribes)."""
         for call in calls:
-            reply = self.request([C_AUTHORIZE, call, attempt, False])
-            if reply[0] != R_OK:
-                raise RuntimeError(f"the sink refused to authorize {call}: {reply}")
+            for msg in ([C_SUBSCRIBE, call, self.listener, 0, True],
+                        [C_AUTHORIZE, call, attempt, False]):
+                reply = self.request(msg)
+                if reply[0] != R_OK:
+                    raise RuntimeError(f"the sink refused {msg[0]} of {call}: {reply}")
 
     def stats(self) -> dict[str, Any]:
         reply = self.request([C_STATS])
@@ -406,6 +414,7 @@ class SinkUnderTest:
 
     def close(self) -> None:
         self.ctl.close(linger=0)
+        self.sock.close(linger=0)
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(timeout=10.0)

@@ -29,13 +29,12 @@ import time
 import uuid
 from typing import Any
 
-import msgpack
 import psutil
-import zmq
 
 from scripts.bench.common import (
     CpuMeter,
     MiB,
+    RawClient,
     Section,
     daemon,
     emulator,
@@ -48,9 +47,7 @@ from scripts.bench.common import (
 )
 from streamfence.devtools.emulator.control import EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess, wait_until
-from streamfence.protocol.client_base import new_ref, submit_msg
-from streamfence.protocol.codec import encode
-from streamfence.protocol.credentials import load_credentials
+from streamfence.protocol.client_base import new_ref
 
 USS_TARGET_MIB = 16.0
 
@@ -104,12 +101,7 @@ def _load(out: dict[str, Any], emu: EmulatorProcess, proc: DaemonProcess, n: int
     roles = {pid: role for role, pid in status["processes"].items()}
     meter = CpuMeter([proc.proc.pid])
     emu_meter = CpuMeter([emu.pid])
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    load_credentials(proc.credentials_path).apply(sock)
-    sock.connect(proc.endpoint)
+    raw = RawClient(proc)
     by_ref: dict[str, Stream] = {}
     by_call: dict[str, Stream] = {}
     meter.start()
@@ -121,22 +113,13 @@ def _load(out: dict[str, Any], emu: EmulatorProcess, proc: DaemonProcess, n: int
         ref = new_ref()
         by_ref[ref] = s
         s.submitted = time.time()
-        sock.send(encode(submit_msg(ref, "oa", {"model": f"m#{s.key}", "messages": []},
-                                    session_id=None, idempotency_key=None, options=None,
-                                    subscribe=True)))
+        raw.req.send(raw.submit_frame(ref, f"m#{s.key}", []))
     fds: dict[str, int] = {}
     finished = 0
     deadline = time.monotonic() + 60.0 + chunks / 30.0 * 4
     while finished < n and time.monotonic() < deadline:
-        if not sock.poll(200):
-            continue
-        while True:
-            try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        for msg in raw.messages(200):
             now = time.time()
-            msg = msgpack.unpackb(frame)
             op = msg.get("op")
             if op == "delta":
                 s = by_call[msg["call_id"]]
@@ -162,7 +145,7 @@ def _load(out: dict[str, Any], emu: EmulatorProcess, proc: DaemonProcess, n: int
     out["machine_busy"] = _busy(machine0, psutil.cpu_times()) / elapsed
     meter.stop()
     emu_meter.stop()
-    sock.close(linger=0)
+    raw.close()
     out["fds"] = fds
     out["elapsed"] = elapsed
     out["cpu_daemon"] = meter.total()

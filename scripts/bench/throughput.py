@@ -10,8 +10,8 @@ durable, so the figure counts deltas accepted, fence-checked and persisted.
 Targets, in rotated order each round:
 - `sink`        the real sink process (`streamfence.sink.process.run_sink`, spawned), calls
                 authorized first over its control socket; this process plays
-                the supervisor and drains the sink's E_EVENT frames (one per
-                accepted delta) while the load runs;
+                the supervisor and, as the calls' listener, drains their
+                events (one per accepted delta) while the load runs;
 - `ceil-db`     ZMQ + msgpack + SQLite WAL group commit, no fence, no events;
 - `ceil-nodb`   ZMQ + msgpack alone.
 With 1 producer (1 call) and 8 producers (1 call each), plus `sink 8x32`:
@@ -71,7 +71,7 @@ def run(quick: bool, rounds: int) -> Section:
                             sink.authorize(calls)
                         jobs.append(["blast", targets[target], calls, 1, per_call, DATA])
                     extra: dict[zmq.Socket[bytes], Callable[[zmq.Socket[bytes]], None]] | None = \
-                        {sink.ctl: sink.drain} if target == "sink" else None
+                        {sink.sock: sink.drain} if target == "sink" else None
                     done = producers.run(jobs, extra)
                     n = per_call * n_prod * n_calls
                     rate, acked = _rate(done, n)

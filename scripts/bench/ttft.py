@@ -44,11 +44,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx2
-import msgpack
 import openai
-import zmq
 
 from scripts.bench.common import (
+    RawClient,
     Section,
     daemon,
     emulator,
@@ -63,9 +62,7 @@ from scripts.bench.common import (
 )
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
-from streamfence.protocol.client_base import new_ref, status_msg, submit_msg
-from streamfence.protocol.codec import encode
-from streamfence.protocol.credentials import load_credentials
+from streamfence.protocol.client_base import new_ref
 from streamfence.supervisor.config import DaemonConfig
 
 DaemonFactory = Callable[..., AbstractContextManager[DaemonProcess]]
@@ -149,44 +146,26 @@ def _sdk_burst(sdk: openai.OpenAI, calls: list[Call]) -> None:
 # ---- streamfence ----------------------------------------------------------------
 
 def _sf_burst(proc: DaemonProcess, calls: list[Call]) -> None:
-    """Submit every call (subscribed) back to back on one DEALER, then read all their
-    events in one loop. The client library's wire (client_base.submit_msg, codec)
-    on a raw socket, as section 5 does: with one asyncio task per call the
+    """Submit every call (subscribed) back to back, then read all their events in
+    one loop. The client library's wire on raw sockets (common.RawClient), as
+    section 5 does: with one asyncio task per call the
     asyncio client wakes every waiting task per message (N tasks × N streams'
     events), which at 32-200 calls would measure the subscriber itself."""
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    load_credentials(proc.credentials_path).apply(sock)
-    sock.connect(proc.endpoint)
+    raw = RawClient(proc)
     try:
-        sock.send(encode(status_msg(new_ref())))  # the CURVE handshake before the burst
-        if not sock.poll(30_000):
-            raise TimeoutError("no status reply from the daemon")
-        sock.recv()
         by_ref: dict[str, Call] = {}
         by_call: dict[str, Call] = {}
         parts: dict[str, list[str]] = {}
         for call in calls:
             ref = new_ref()
             by_ref[ref] = call
-            frame = encode(submit_msg(ref, "oa", {"model": call.model, "messages": PROMPT},
-                                      session_id=None, idempotency_key=None, options=None,
-                                      subscribe=True))
+            frame = raw.submit_frame(ref, call.model, PROMPT)
             call.t0, call.w0 = time.perf_counter(), time.time()
-            sock.send(frame)
+            raw.req.send(frame)
         finished = 0
         deadline = time.monotonic() + 120.0
         while finished < len(calls) and time.monotonic() < deadline:
-            if not sock.poll(200):
-                continue
-            while True:
-                try:
-                    frame = sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                msg = msgpack.unpackb(frame)
+            for msg in raw.messages(200):
                 op = msg.get("op")
                 if op == "delta":
                     call = by_call[msg["call_id"]]
@@ -210,7 +189,7 @@ def _sf_burst(proc: DaemonProcess, calls: list[Call]) -> None:
                 elif op == "error":
                     raise RuntimeError(f"the daemon refused a call: {msg}")
     finally:
-        sock.close(linger=0)
+        raw.close()
 
 
 def _settle(proc: DaemonProcess, quiet_s: float = 0.5, timeout_s: float = 60.0) -> int:

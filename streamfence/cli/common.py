@@ -68,7 +68,7 @@ def connect(endpoint: str | None, credentials: str | None, config_path: str | No
         client = Client(endpoint, timeout_s, credentials=found)
     except CredentialsError as exc:
         raise click.ClickException(str(exc)) from None
-    except zmq.ZMQError as exc:  # an endpoint ZeroMQ cannot parse, say
+    except (zmq.ZMQError, ValueError) as exc:  # an endpoint that is not one, say
         raise click.ClickException(f"cannot connect to the daemon: {exc}") from None
     with client:
         try:

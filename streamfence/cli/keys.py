@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from streamfence.cli.common import config_option, load
-from streamfence.supervisor.keys import KeyStore, KeyStoreError
+from streamfence.protocol.keys import KeyStore, KeyStoreError
 
 
 def _store(config_path: str | None) -> tuple[KeyStore, str]:

@@ -1,8 +1,10 @@
 """Client library for the streamfence daemon, sync (`Client`) and asyncio (`AsyncClient`).
 
-Transport: one ZeroMQ DEALER socket connected to the daemon's ROUTER
-(default tcp://127.0.0.1:7755); every message is one frame holding one msgpack
-map with "v": 1 and "op" (docs/PROTOCOL.md). Both classes have the same
+Transport: a ZeroMQ DEALER socket connected to the daemon's ROUTER
+(default tcp://127.0.0.1:7755) for requests and replies, and a second DEALER
+connected to the daemon's events endpoint (the port + 1, or the ipc path +
+".events") where the calls' events arrive; every message is one frame
+holding one msgpack map with "v": 1 and "op" (docs/PROTOCOL.md). Both classes have the same
 methods; the async ones are coroutines and async iterators. Neither is safe to
 share between threads; an AsyncClient may be shared by tasks of one loop.
 
@@ -71,7 +73,15 @@ import zmq
 
 from streamfence.protocol.client_async import AsyncClient, AsyncTextStream
 from streamfence.protocol.client_base import DEFAULT_ENDPOINT
-from streamfence.protocol.client_core import ClientBase, ClientCore, Flow, TextFlow, Wait, shown_as
+from streamfence.protocol.client_core import (
+    ClientBase,
+    ClientCore,
+    Flow,
+    Send,
+    TextFlow,
+    Wait,
+    shown_as,
+)
 from streamfence.protocol.client_router import BAD_REPLY, EVENTS_LOST, CallFailed, ClientError
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME
 from streamfence.protocol.credentials import Credentials, resolve
@@ -103,21 +113,28 @@ class Client(ClientBase):
         super().__init__(endpoint, timeout_s, max_frame)
         ctx = context if context is not None else zmq.Context.instance()
         self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if creds is not None:
-            creds.apply(self._sock)
-        self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout_s * 1000)))
+        self._events: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        self._events.setsockopt(zmq.ROUTING_ID, self._core.listener.encode())
+        self._poller = zmq.Poller()
         try:
-            self._sock.connect(endpoint)
+            for sock, where in ((self._sock, endpoint), (self._events, self._core.events_endpoint)):
+                sock.setsockopt(zmq.LINGER, 0)
+                if creds is not None:
+                    creds.apply(sock)
+                sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout_s * 1000)))
+                sock.connect(where)
+                self._poller.register(sock, zmq.POLLIN)
         except BaseException:
             self._sock.close(linger=0)
+            self._events.close(linger=0)
             raise
 
     def close(self) -> None:
-        """Close the socket (linger 0: unsent requests are dropped). Idempotent."""
+        """Close the sockets (linger 0: unsent requests are dropped). Idempotent."""
         if not self._closed:
             self._closed = True
             self._sock.close(linger=0)
+            self._events.close(linger=0)
 
     def __enter__(self) -> Client:
         return self
@@ -173,7 +190,7 @@ class Client(ClientBase):
                     if isinstance(effect, Wait):
                         self._pump(effect.deadline)
                     else:
-                        self._send(effect.frames, effect.what)
+                        self._send(effect)
                 except BaseException as exc:
                     effect = flow.throw(exc)
                 else:
@@ -182,27 +199,29 @@ class Client(ClientBase):
             value: T = stop.value
             return value
 
-    def _send(self, frames: list[bytes], what: str) -> None:
+    def _send(self, effect: Send) -> None:
         self._check_open()
         try:
-            self._sock.send_multipart(frames)
+            (self._events if effect.to_events else self._sock).send_multipart(effect.frames)
         except zmq.Again:
-            raise self._core.send_failed(what) from None
+            raise self._core.send_failed(effect.what) from None
 
     def _pump(self, deadline: float) -> None:
-        """Wait for frames until `deadline`; route those ready, up to a reply someone awaits."""
+        """Wait for frames until `deadline`; route those ready (events first, then
+        replies), up to a reply someone awaits."""
         self._check_open()
         wait_ms = max(0, math.ceil((deadline - monotonic()) * 1000))
-        if not self._sock.poll(wait_ms, zmq.POLLIN):
+        if not self._poller.poll(wait_ms):
             return
         route = self._core.router.route
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if route(frames):
-                return
+        for sock in (self._events, self._sock):
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if route(frames):
+                    return
 
 
 class TextStream(TextFlow):

@@ -25,7 +25,15 @@ import zmq
 import zmq.asyncio
 
 from streamfence.protocol.client_base import DEFAULT_ENDPOINT
-from streamfence.protocol.client_core import ClientBase, ClientCore, Flow, TextFlow, Wait, shown_as
+from streamfence.protocol.client_core import (
+    ClientBase,
+    ClientCore,
+    Flow,
+    Send,
+    TextFlow,
+    Wait,
+    shown_as,
+)
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME
 from streamfence.protocol.credentials import Credentials, resolve
 
@@ -53,22 +61,29 @@ class AsyncClient(ClientBase):
         super().__init__(endpoint, timeout_s, max_frame)
         ctx = context if context is not None else zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if creds is not None:
-            creds.apply(self._sock)
+        self._events: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
+        self._events.setsockopt(zmq.ROUTING_ID, self._core.listener.encode())
+        self._poller = zmq.asyncio.Poller()
         try:
-            self._sock.connect(endpoint)
+            for sock, where in ((self._sock, endpoint), (self._events, self._core.events_endpoint)):
+                sock.setsockopt(zmq.LINGER, 0)
+                if creds is not None:
+                    creds.apply(sock)
+                sock.connect(where)
+                self._poller.register(sock, zmq.POLLIN)
         except BaseException:
             self._sock.close(linger=0)
+            self._events.close(linger=0)
             raise
         self._cond = asyncio.Condition()
         self._pumping = False
 
     def close(self) -> None:
-        """Close the socket (linger 0: unsent requests are dropped). Idempotent."""
+        """Close the sockets (linger 0: unsent requests are dropped). Idempotent."""
         if not self._closed:
             self._closed = True
             self._sock.close(linger=0)
+            self._events.close(linger=0)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -119,7 +134,7 @@ class AsyncClient(ClientBase):
                     if isinstance(effect, Wait):
                         await self._pump(effect.deadline)
                     else:
-                        await self._send(effect.frames, effect.what)
+                        await self._send(effect)
                 except BaseException as exc:
                     effect = flow.throw(exc)
                 else:
@@ -128,12 +143,13 @@ class AsyncClient(ClientBase):
             value: T = stop.value
             return value
 
-    async def _send(self, frames: list[bytes], what: str) -> None:
+    async def _send(self, effect: Send) -> None:
         self._check_open()
+        sock = self._events if effect.to_events else self._sock
         try:
-            await asyncio.wait_for(self._sock.send_multipart(frames), self.timeout_s)
+            await asyncio.wait_for(sock.send_multipart(effect.frames), self.timeout_s)
         except (TimeoutError, zmq.Again):
-            raise self._core.send_failed(what) from None
+            raise self._core.send_failed(effect.what) from None
 
     async def _pump(self, deadline: float) -> None:
         """Wait for frames until `deadline` and route them, or, if another task
@@ -149,18 +165,25 @@ class AsyncClient(ClientBase):
             self._pumping = True
         try:
             wait_ms = max(0, math.ceil((deadline - monotonic()) * 1000))
-            if await self._sock.poll(wait_ms):
-                while True:
-                    try:
-                        frames = await self._sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if self._core.router.route(frames):
-                        break
+            if await self._poller.poll(wait_ms):
+                await self._route_ready()
         finally:
             async with self._cond:
                 self._pumping = False
                 self._cond.notify_all()
+
+
+    async def _route_ready(self) -> None:
+        """Route what both sockets hold (events first), up to a reply someone awaits."""
+        route = self._core.router.route
+        for sock in (self._events, self._sock):
+            while True:
+                try:
+                    frames = await sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if route(frames):
+                    return
 
 
 class AsyncTextStream(TextFlow):

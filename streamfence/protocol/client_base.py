@@ -35,7 +35,8 @@ def checked(msg: dict[str, Any]) -> dict[str, Any]:
 
 def submit_msg(ref: str, provider: str, request: Mapping[str, Any], *, session_id: str | None,
                idempotency_key: str | None, options: Mapping[str, Any] | CallOptions | None,
-               subscribe: bool) -> dict[str, Any]:
+               listener: str | None) -> dict[str, Any]:
+    """`listener`: the events socket connection that follows the call (None: none)."""
     call: dict[str, Any] = {"provider": provider, "request": dict(request)}
     if session_id is not None:
         call["session_id"] = session_id
@@ -44,8 +45,10 @@ def submit_msg(ref: str, provider: str, request: Mapping[str, Any], *, session_i
     if options is not None:
         opts = options.to_map() if isinstance(options, CallOptions) else dict(options)
         call["options"] = {k: v for k, v in opts.items() if v is not None}
-    return checked({"v": VERSION, "op": Op.SUBMIT.value, "ref": ref, "call": call,
-                    "subscribe": subscribe})
+    msg = {"v": VERSION, "op": Op.SUBMIT.value, "ref": ref, "call": call}
+    if listener is not None:
+        msg["listener"] = listener
+    return checked(msg)
 
 
 def call_msg(op: Op, ref: str, call_id: str, **extra: Any) -> dict[str, Any]:
@@ -55,6 +58,11 @@ def call_msg(op: Op, ref: str, call_id: str, **extra: Any) -> dict[str, Any]:
 
 def status_msg(ref: str) -> dict[str, Any]:
     return checked({"v": VERSION, "op": Op.STATUS.value, "ref": ref})
+
+
+def listen_msg() -> dict[str, Any]:
+    """The one message of the events socket (answered `listening`)."""
+    return {"v": VERSION, "op": Op.LISTEN.value}
 
 
 def raw_ref(msg: Mapping[str, Any]) -> str | None:

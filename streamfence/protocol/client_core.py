@@ -6,12 +6,22 @@ ClientError / TimeoutError). A shell (the sync `Client`, the asyncio
 `AsyncClient`) runs a flow to its end by performing each effect on its socket
 and resuming the flow with nothing:
 
-    Send(frames, what)  send the frames. A failure (a send timeout, raised
-                        as `core.send_failed(what)`, or a closed client) is
-                        thrown into the flow, whose cleanup then runs.
-    Wait(deadline)      receive frames, routing each through `core.router`,
-                        until one answers a waiting request or `deadline`
-                        passes; returning early is allowed.
+    Send(frames, what, to_events)
+                        send the frames, on the request socket, or with
+                        `to_events` on the events socket. A failure (a send
+                        timeout, raised as `core.send_failed(what)`, or a
+                        closed client) is thrown into the flow, whose cleanup
+                        then runs.
+    Wait(deadline)      receive frames from both sockets, routing each through
+                        `core.router`, until one answers a waiting request or
+                        `deadline` passes; returning early is allowed.
+
+Two sockets, one endpoint to configure (docs/PROTOCOL.md §1): requests go to
+the client endpoint; the calls' events come from the daemon's events
+endpoint (`messages.events_endpoint`), where the client's DEALER has its
+`listener` id (a fresh secret) as routing id. Before the first request that
+names the listener, the client says `listen` there and waits for
+`listening`, so its events connection is up before events are sent to it.
 
 Deadlines are `time.monotonic()` values, the only clock read here. What to
 send, which reply ops are valid, what to raise, when `events()` re-subscribes
@@ -36,6 +46,7 @@ from streamfence.protocol.client_base import (
     call_msg,
     expect_reply,
     finished_ok,
+    listen_msg,
     new_ref,
     raw_ref,
     status_msg,
@@ -44,7 +55,7 @@ from streamfence.protocol.client_base import (
 )
 from streamfence.protocol.client_router import BAD_REPLY, EVENTS_LOST, ClientError, Router
 from streamfence.protocol.codec import encode
-from streamfence.protocol.messages import Op
+from streamfence.protocol.messages import Op, events_endpoint
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -54,6 +65,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Send:
     frames: list[bytes]
     what: str  # names the request in a send-timeout error
+    to_events: bool = False  # on the events socket (`listen`)
 
 
 @dataclass(slots=True)
@@ -84,6 +96,8 @@ class ClientCore:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.endpoint = endpoint
+        self.events_endpoint = events_endpoint(endpoint)
+        self.listener = new_ref()  # the events socket's routing id: a secret (uuid4 hex)
         self.timeout_s = float(timeout_s)
         self.router = Router(max_frame)
 
@@ -95,6 +109,19 @@ class ClientCore:
         ref_text = f"ref {ref}" if ref is not None else "no ref"
         return TimeoutError(f"no reply to {what} ({ref_text}) from {self.endpoint} "
                             f"within {timeout_s:g} s")
+
+    def _listen(self) -> Flow[None]:
+        """Make sure the events connection is up (until the first `listening`;
+        tasks of an AsyncClient that ask at once may each say `listen`)."""
+        if self.router.listening:
+            return
+        yield Send([encode(listen_msg())], "listen", to_events=True)
+        deadline = monotonic() + self.timeout_s
+        while not self.router.listening:
+            if monotonic() >= deadline:
+                raise TimeoutError(f"no answer to listen from the events endpoint "
+                                   f"{self.events_endpoint} within {self.timeout_s:g} s")
+            yield Wait(deadline)
 
     def _exchange(self, msg: dict[str, Any], what: str, timeout_s: float) -> Flow[dict[str, Any]]:
         """Send `msg` and return the reply that echoes its ref."""
@@ -154,10 +181,18 @@ class ClientCore:
         the daemon would refuse: the same validation runs here first).
         """
         msg = submit_msg(new_ref(), provider, request, session_id=session_id,
-                         idempotency_key=idempotency_key, options=options, subscribe=subscribe)
+                         idempotency_key=idempotency_key, options=options,
+                         listener=self.listener if subscribe else None)
+        if subscribe:
+            yield from self._listen()
         call_id = accepted_call_id((yield from self._exchange(msg, "submit", self.timeout_s)))
         if subscribe:
-            self.router.reading(call_id, 0)
+            if self.router.is_finished(call_id):
+                # A duplicate of a call read to its done already: its replay may have
+                # come (on the other socket) before `accepted`, and was dropped.
+                yield from self.subscribe(call_id, 0)
+            else:
+                self.router.reading(call_id, 0)
         return call_id
 
     def subscribe(self, call_id: str, from_seq: int = 0) -> Flow[None]:
@@ -167,7 +202,8 @@ class ClientCore:
         events (or its error) come through `events(call_id)`.
         """
         ref = new_ref()
-        msg = call_msg(Op.SUBSCRIBE, ref, call_id, from_seq=from_seq)
+        msg = call_msg(Op.SUBSCRIBE, ref, call_id, from_seq=from_seq, listener=self.listener)
+        yield from self._listen()
         self.router.subscribing(ref, call_id, from_seq)
         yield Send([encode(msg)], f"subscribe of call {call_id}")
 

@@ -12,6 +12,8 @@ it, without a socket, so it is shared by both flavours and testable alone:
   could not read the request: `bad_frame`, `too_large`, a missing or invalid
   ref). It goes to a raw request waiting for exactly that, or else to the only
   request outstanding, or is logged and discarded.
+- `listening` is the events socket's answer to `listen`: the client's
+  events connection is up (`listening` becomes True).
 - `delta`, `reset` and `done` without a ref are pushed events. They are
   buffered per call in a heap keyed by `seq` until the caller asks for them,
   whether or not anyone is reading that call yet; an event already seen
@@ -139,6 +141,7 @@ class Router:
         self._streams: dict[str, CallStream] = {}
         self._finished: OrderedDict[str, int] = OrderedDict()  # call_id -> seq of its done
         self._order = itertools.count()
+        self.listening = False  # the events socket answered `listen`
 
     # ---- requests ---------------------------------------------------------
 
@@ -260,6 +263,9 @@ class Router:
             return self._route_unattributed(msg)
         if ref is None and op in _EVENT_OPS:
             self._route_event(msg)
+        elif ref is None and op == Op.LISTENING:
+            self.listening = True
+            return True
         else:
             log.warning("unexpected message from the daemon discarded: op=%r ref=%r", op, ref)
         return False

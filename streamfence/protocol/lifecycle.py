@@ -34,6 +34,7 @@ class ExitCode(IntEnum):
     PARENT_GONE = 4  # any child: the parent died before the death signal was armed
     SINK_UNREACHABLE = 5  # worker: no ack from the sink for its final message
     CRASHED = 6  # worker: an unexpected exception ended its loop
+    CANNOT_BIND = 7  # sink: the events endpoint is in use or not bindable
 
 
 def die_with_parent(expected_parent: int) -> bool:

@@ -8,6 +8,7 @@ names live in one place. docs/PROTOCOL.md is the prose version of this module.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -16,6 +17,20 @@ from streamfence.protocol.errors import ErrorCode, ProtocolError
 
 VERSION = 1
 MAX_REF_LEN = 256
+LISTENER_RE = re.compile(r"[A-Za-z0-9_-]{16,64}")  # a listener id: a secret, 16-64 chars
+
+
+def events_endpoint(endpoint: str) -> str:
+    """The events endpoint of the daemon whose client endpoint is `endpoint`:
+    tcp://HOST:PORT -> tcp://HOST:PORT+1, ipc://PATH -> ipc://PATH.events
+    (docs/PROTOCOL.md §1). Raises ValueError for anything else."""
+    if endpoint.startswith("ipc://"):
+        return endpoint + ".events"
+    host, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit() and 0 < int(port) < 65535:
+        return f"{host}:{int(port) + 1}"
+    raise ValueError(f"endpoint {endpoint!r} is neither tcp://HOST:PORT (a port below 65535) "
+                     "nor ipc://PATH")
 
 
 class Op(StrEnum):
@@ -25,6 +40,9 @@ class Op(StrEnum):
     RESULT = "result"
     CANCEL = "cancel"
     STATUS = "status"
+    # client -> daemon's events socket, and its answer
+    LISTEN = "listen"
+    LISTENING = "listening"
     # daemon -> client
     ACCEPTED = "accepted"
     ERROR = "error"
@@ -98,13 +116,14 @@ class CallSpec:
 class Submit:
     ref: str
     call: CallSpec
-    subscribe: bool = True
+    listener: str | None = None  # subscribed from seq 1 (None: nobody)
 
 
 @dataclass(frozen=True, slots=True)
 class Subscribe:
     ref: str
     call_id: str
+    listener: str
     from_seq: int = 0
 
 
@@ -229,14 +248,18 @@ def parse_request(obj: Any) -> Request:
                             f"protocol version {obj['v']!r} is not supported; this daemon speaks v{VERSION}")
     op = _get(obj, "op", str, "")
     if op == Op.SUBMIT:
+        ref, call = _ref(obj), _call(_get(obj, "call", dict, ""))
         subscribe = _get(obj, "subscribe", bool, "", required=False)
-        return Submit(ref=_ref(obj), call=_call(_get(obj, "call", dict, "")),
-                      subscribe=True if subscribe is None else subscribe)
+        listener = _listener(obj, required=bool(subscribe))
+        return Submit(ref=ref, call=call, listener=None if subscribe is False else listener)
     if op == Op.SUBSCRIBE:
+        ref, call_id = _ref(obj), _get(obj, "call_id", str, "")
         from_seq = _get(obj, "from_seq", int, "", required=False) or 0
         if from_seq < 0:
             raise _bad("from_seq", "must not be negative")
-        return Subscribe(ref=_ref(obj), call_id=_get(obj, "call_id", str, ""), from_seq=from_seq)
+        listener = _listener(obj, required=True)
+        assert listener is not None
+        return Subscribe(ref=ref, call_id=call_id, listener=listener, from_seq=from_seq)
     if op == Op.RESULT:
         wait = _get(obj, "wait_s", (int, float), "", required=False) or 0.0
         if not (0 <= wait <= 3600):
@@ -247,6 +270,28 @@ def parse_request(obj: Any) -> Request:
     if op == Op.STATUS:
         return Status(ref=_ref(obj))
     raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
+
+
+def parse_listen(obj: Any) -> None:
+    """Validate a message on the events socket: only `listen` is taken there."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE,
+                            f"a message must be a map, got {type(obj).__name__}")
+    if obj.get("v") != VERSION or isinstance(obj.get("v"), bool):
+        raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
+                            f"protocol version {obj.get('v')!r} is not supported; this daemon "
+                            f"speaks v{VERSION}")
+    if obj.get("op") != Op.LISTEN:
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"the events socket takes only 'listen', got "
+                            f"{obj.get('op')!r}; requests go to the client endpoint")
+
+
+def _listener(m: dict[str, Any], required: bool) -> str | None:
+    """Where a call's events go: the id of a connection to the events socket."""
+    listener: str | None = _get(m, "listener", str, "", required=required)
+    if listener is not None and not LISTENER_RE.fullmatch(listener):
+        raise _bad("listener", "must be 16 to 64 characters from A-Z a-z 0-9 _ -")
+    return listener
 
 
 def ref_of(obj: Any) -> str | None:
@@ -267,6 +312,10 @@ def error_msg(ref: str | None, code: ErrorCode, message: str) -> dict[str, Any]:
 def accepted_msg(ref: str, call_id: str, duplicate: bool = False) -> dict[str, Any]:
     return {"v": VERSION, "op": Op.ACCEPTED.value, "ref": ref, "call_id": call_id,
             "duplicate": duplicate}
+
+
+def listening_msg() -> dict[str, Any]:
+    return {"v": VERSION, "op": Op.LISTENING.value}
 
 
 def pending_msg(ref: str, call_id: str) -> dict[str, Any]:

@@ -5,13 +5,14 @@ Duties (`run_sink` is the entry point the supervisor starts with
 
 - listen on the worker wire `sink.stream` (workers' T_DELTA, T_FINAL over
   AF_UNIX stream connections, sink/streams.py), bind ROUTER `sink.in` (the
-  same messages as ZeroMQ frames, for tests and tools) and ROUTER `sink.ctl`
-  (the supervisor: C_AUTHORIZE, C_FENCE, C_FINISH, C_STATS), see
-  streamfence.protocol.internal;
+  same messages as ZeroMQ frames, for tests and tools), ROUTER `sink.ctl`
+  (the supervisor: C_AUTHORIZE, C_FENCE, C_FINISH, C_STATS, C_SUBSCRIBE), see
+  streamfence.protocol.internal, and the public events socket (the calls'
+  subscribers, sink/subscribers.py);
 - per delta: the fence check (`FenceTable.check`); on ACCEPT assign the call's
   next public seq, build the public delta event, queue it for the store,
-  accumulate content, and queue `[E_EVENT, call_id, seq, event]` for the
-  supervisor (`peer.SupervisorPeer`, which keeps events while it is away);
+  accumulate content, and, if the call has listeners, queue the event for
+  them;
 - group commit: when 1000 events are pending, when the input runs dry (at
   most once per 0.2 ms: tiny commits churn the WAL), or 5 ms after the first
   pending event; queued events are sent right after the commit that stored
@@ -48,6 +49,7 @@ from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted
 from streamfence.protocol.errors import ProtocolError
 from streamfence.protocol.internal import T_DELTA, Endpoints
 from streamfence.protocol.internal.control import BadFrame, encode_refused, parse_control
+from streamfence.protocol.keys import KeyStore
 from streamfence.protocol.lifecycle import ExitCode, die_with_parent, expected_parent_pid
 from streamfence.protocol.logs import route_logs_to
 from streamfence.sink.content import check_tool_fragment
@@ -56,6 +58,7 @@ from streamfence.sink.peer import SupervisorPeer
 from streamfence.sink.state import COMMIT_AFTER_S, COMMIT_EVERY, IDLE_COMMIT_GAP_S, SinkState, log
 from streamfence.sink.store import TranscriptStore
 from streamfence.sink.streams import READ_BYTES, WorkerStreams
+from streamfence.sink.subscribers import Subscribers
 from streamfence.sink.wire import KIND_TAIL, TOOL_CALL, parse_final
 
 CTL_BURST = 100
@@ -67,19 +70,24 @@ _STREAM_ERRORS = (ValueError, msgpack.UnpackException, msgpack.BufferFull, Recur
 
 
 class Sink:
-    """Owns the two ROUTER sockets, the loop, signal handling and the per-delta
-    hot path; `state` (SinkState) owns the fence, the calls, the store and the
-    counters, `peer` (SupervisorPeer) who gets the events."""
+    """Owns the worker and control sockets, the loop, signal handling and the
+    per-delta hot path; `state` (SinkState) owns the fence, the calls, the
+    store and the counters, `peer` (SupervisorPeer) what goes to the
+    supervisor, `subscribers` the events socket."""
 
-    def __init__(self, runtime_dir: str, db_path: str,
-                 control_identity: bytes | None = None, retention_days: float = 0.0) -> None:
+    def __init__(self, runtime_dir: str, db_path: str, events_endpoint: str,
+                 keys_dir: str | None = None, control_identity: bytes | None = None,
+                 retention_days: float = 0.0) -> None:
         ep = Endpoints(runtime_dir)
         self.ctx = zmq.Context()
         self.sin = self._router(ep.sink_in)
         self.streams = WorkerStreams(ep.sink_stream)
         self.ctl = self._router(ep.sink_ctl)
         self.peer = SupervisorPeer(self.ctl, control_identity)
-        self.state = SinkState(TranscriptStore(db_path), self.peer, retention_days)
+        self.subscribers = Subscribers(self.ctx, events_endpoint,
+                                       KeyStore(keys_dir) if keys_dir is not None else None)
+        self.state = SinkState(TranscriptStore(db_path), self.peer, self.subscribers,
+                               retention_days)
         self._signals: list[int] = []
         self._stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
@@ -111,6 +119,7 @@ class Sink:
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self.sin, zmq.POLLIN)
+        poller.register(self.subscribers.socket, zmq.POLLIN)
         streams_fd = self.streams.fileno()
         poller.register(streams_fd, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -131,6 +140,8 @@ class Sink:
                 self._drain_signals()
             if self.ctl in ready:
                 self._drain_ctl()
+            if self.subscribers.socket in ready:
+                self.subscribers.drain()
             idle = True
             if streams_fd in ready:
                 idle = self._drain_streams()
@@ -164,6 +175,7 @@ class Sink:
         self.sin.close()
         self.streams.close()
         self.ctl.close()
+        self.subscribers.close()
         self.ctx.term()
         self.state.store.close()
         self._wake_r.close()
@@ -232,7 +244,7 @@ class Sink:
         """Decoded worker messages from one sender (the per-delta hot path, a
         loop with locals on purpose): the fence check, then, accepted, the
         call's next public seq, the public event built from pre-encoded pieces,
-        queued for the store and (after its commit) for the supervisor.
+        queued for the store and (after its commit) for the call's listeners.
         Anything else goes out of line; `reply` sends a final's ack back."""
         state = self.state
         check = state.fence.check
@@ -273,8 +285,7 @@ class Sink:
                 live = lives[call]
                 pseq = live.seq + 1
                 live.seq = pseq
-                pseq_b = pack(pseq)
-                event = live.prefix + pseq_b + tail + pack(data)
+                event = live.prefix + pack(pseq) + tail + pack(data)
                 pending = live.pending
                 if not pending:
                     live.pending_seq = pseq
@@ -282,7 +293,9 @@ class Sink:
                 pending.append(event)
                 live.add[kind](data)
                 n += 1
-                outbox_append(live.head + pseq_b + pack(event))  # sent after its commit
+                subs = live.subs
+                if subs:
+                    outbox_append((subs, event))  # sent after its commit
         finally:
             state.pending_events += n
             state.accepted += n
@@ -354,21 +367,29 @@ def _setup_logging(level: str | int) -> None:
         level.upper() if isinstance(level, str) else level)
 
 
-def run_sink(runtime_dir: str, db_path: str, log_level: str | int = "INFO",
-             control_identity: bytes | None = None, log_to_supervisor: bool = False,
-             retention_days: float = 0.0) -> None:
+def run_sink(runtime_dir: str, db_path: str, events_endpoint: str, keys_dir: str | None = None,
+             log_level: str | int = "INFO", control_identity: bytes | None = None,
+             log_to_supervisor: bool = False, retention_days: float = 0.0) -> None:
     """Process entry point: serve until SIGTERM (or the parent's death).
 
+    `events_endpoint`: where subscribers connect (bound here); `keys_dir`:
+    the key store that authenticates them (None: no authentication).
     `control_identity`: the ZeroMQ identity of the supervisor's control
     socket; control messages from any other peer are refused and counted.
-    `retention_days`: finished calls older than this are pruned (0: never)."""
+    `retention_days`: finished calls older than this are pruned (0: never).
+    Exits with ExitCode.CANNOT_BIND if the events endpoint cannot be bound."""
     log_sock = _route_logs(runtime_dir, log_level) if log_to_supervisor else None
     if log_sock is None:
         _setup_logging(log_level)
     if not die_with_parent(expected_parent_pid()):
         log.error("sink: parent already gone at start; exiting")
         sys.exit(ExitCode.PARENT_GONE)
-    sink = Sink(runtime_dir, db_path, control_identity, retention_days)
+    try:
+        sink = Sink(runtime_dir, db_path, events_endpoint, keys_dir, control_identity,
+                    retention_days)
+    except zmq.ZMQError as exc:
+        log.error("sink: cannot bind the events endpoint %s: %s", events_endpoint, exc)
+        sys.exit(ExitCode.CANNOT_BIND)
     try:
         sink.serve()
     finally:

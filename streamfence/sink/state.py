@@ -2,19 +2,20 @@
 
 `SinkState` owns the fence table, one `LiveCall` per known call, the
 transcript store, the commit schedule and the counters. It implements the
-control ops (authorize / fence / finish / stats), worker finals, drop
-accounting and commits, and publishes through the `Publisher` it is given
-(`peer.SupervisorPeer`); `process.Sink` owns the sockets, the loop and the
-per-delta hot path.
+control ops (authorize / fence / finish / stats / subscribe), worker finals,
+drop accounting and commits; it sends the calls' events to their listeners
+through `subscribers.Subscribers` and attempt endings to the supervisor
+through the `Publisher` it is given (`peer.SupervisorPeer`); `process.Sink`
+owns the sockets, the loop and the per-delta hot path.
 
 Invariants:
 - every call in the fence table has a LiveCall (created and evicted together);
 - a LiveCall's `pending` holds accepted events not yet handed to the store,
   and the calls with pending events are listed in `dirty` (the hot path
   appends; `flush_pending` turns each into one row per call);
-- durable before visible: an accepted event's E_EVENT waits in `outbox` until
-  the commit that stores it, and every ack, reply or event is sent after the
-  commit covering what it reports. So whatever a client has seen survives a
+- durable before visible: an accepted event waits in `outbox` (with its call's
+  listeners) until the commit that stores it, and every ack, reply or event
+  is sent after the commit covering what it reports. So whatever a client has seen survives a
   kill -9 of the whole daemon, and a restarted sink never re-uses a seq.
 
 Retention (`[daemon] retention_days`, passed at spawn; 0: keep forever): the
@@ -43,23 +44,24 @@ import msgpack
 from streamfence.protocol.codec import encode
 from streamfence.protocol.internal import T_FINAL_ACK
 from streamfence.protocol.internal.control import (
+    FROM_NOW,
+    AddSubscriber,
     AttemptStats,
     Authorize,
     ControlOp,
     Fence,
     Finish,
     encode_ended,
-    encode_event,
     encode_final_refused,
     encode_ok,
     encode_refused,
-    event_head,
     stats_to_wire,
 )
 from streamfence.protocol.messages import done_event, reset_event
 from streamfence.sink.content import Content
 from streamfence.sink.fence import AuthorizeRefusal, FenceTable, FinalVerdict, Verdict
 from streamfence.sink.store import TranscriptStore
+from streamfence.sink.subscribers import Outbox
 from streamfence.sink.wire import Final, delta_prefix
 
 log = logging.getLogger("streamfence.sink")
@@ -99,7 +101,17 @@ class Publisher(Protocol):
 
     def publish(self, frame: bytes) -> None: ...
 
-    def publish_all(self, frames: list[bytes]) -> None: ...
+    def stats(self) -> dict[str, int]: ...
+
+
+class Listeners(Protocol):
+    """Where the calls' events go (`subscribers.Subscribers`)."""
+
+    def deliver(self, outbox: Outbox) -> None: ...
+
+    def send_event(self, subs: set[bytes], event: bytes) -> None: ...
+
+    def replay(self, listener: bytes, events: list[bytes]) -> bool: ...
 
     def stats(self) -> dict[str, int]: ...
 
@@ -108,8 +120,8 @@ class LiveCall:
     """One call's runtime state beside its fence entry: public seq, the current
     attempt's content, events accepted but not yet stored, drops per attempt."""
 
-    __slots__ = ("add", "attempt", "call_id", "content", "drops", "head", "model",
-                 "pending", "pending_seq", "prefix", "seq")
+    __slots__ = ("add", "attempt", "call_id", "content", "drops", "model",
+                 "pending", "pending_seq", "prefix", "seq", "subs")
 
     def __init__(self, call_id: str, last_seq: int) -> None:
         self.call_id = call_id
@@ -118,7 +130,7 @@ class LiveCall:
         self.content = Content()
         self.add = self.content.add
         self.prefix = b""  # encoded delta event up to "seq" for (call, attempt)
-        self.head = event_head(call_id)
+        self.subs: set[bytes] = set()  # the listeners following the call
         self.pending: list[bytes] = []
         self.pending_seq = 0  # public seq of pending[0]
         self.drops: dict[int, int] = {}  # attempt -> refused deltas carrying it
@@ -144,10 +156,11 @@ class SinkState:
     schedule (`pending_events`, `commit_due`, `last_commit`, `outbox`) and the
     counters. The hot path in process.py works on these directly, by design."""
 
-    def __init__(self, store: TranscriptStore, peer: Publisher,
+    def __init__(self, store: TranscriptStore, peer: Publisher, listeners: Listeners,
                  retention_days: float = 0.0) -> None:
         self.store = store
         self.peer = peer
+        self.listeners = listeners
         self.retention_s = max(0.0, retention_days) * 86400.0
         # monotonic time of the next prune transaction (None: retention is off)
         self.prune_due: float | None = (time.monotonic() + PRUNE_FIRST_S
@@ -158,7 +171,7 @@ class SinkState:
         self.pending_events = 0
         self.commit_due: float | None = None
         self.last_commit = 0.0
-        self.outbox: list[bytes] = []  # E_EVENT frames waiting for their commit
+        self.outbox: Outbox = []  # events waiting for their commit, with their listeners
         self.finished: deque[str] = deque()
         self.pack = msgpack.Packer(use_bin_type=True, datetime=False).pack
         self.accepted = 0
@@ -229,7 +242,7 @@ class SinkState:
         self.commit_due = None
         self.last_commit = time.monotonic()
         if self.outbox:
-            self.peer.publish_all(self.outbox)
+            self.listeners.deliver(self.outbox)
             self.outbox.clear()  # in place: the hot path holds a bound append
 
     # ---- retention -------------------------------------------------------------------
@@ -267,6 +280,8 @@ class SinkState:
             return self._fence(op)
         if isinstance(op, Finish):
             return self._finish(op)
+        if isinstance(op, AddSubscriber):
+            return self._add_subscriber(op)
         return encode_ok(op.req, self.stats())
 
     def _authorize(self, op: Authorize) -> bytes:
@@ -280,16 +295,15 @@ class SinkState:
         self.flush_pending()  # the old attempt's pending run keeps its attempt number
         live.start_attempt(op.attempt, op.model)
         self.store.set_epoch(op.call_id, op.attempt)
-        out = None
+        reset = None
         if op.reset:
             live.seq += 1
-            body = encode(reset_event(op.call_id, op.attempt, live.seq))
-            self.store.add(op.call_id, live.seq, live.seq, op.attempt, "reset", body)
-            out = encode_event(op.call_id, live.seq, body)
+            reset = encode(reset_event(op.call_id, op.attempt, live.seq))
+            self.store.add(op.call_id, live.seq, live.seq, op.attempt, "reset", reset)
         # Durable before the ack: after a restart no epoch may be handed out twice.
         self.commit()
-        if out is not None:
-            self.peer.publish(out)
+        if reset is not None:
+            self.listeners.send_event(live.subs, reset)
         log.debug("sink: authorized call=%s attempt=%d reset=%s", op.call_id, op.attempt, op.reset)
         return encode_ok(op.req, stats_to_wire(prev))
 
@@ -334,12 +348,35 @@ class SinkState:
         self.store.add(op.call_id, live.seq, live.seq, epoch, "done", body)
         self.store.set_done(op.call_id, epoch, op.status.value, live.seq)
         self.commit()  # committed before anyone can see it
-        self.peer.publish(encode_event(op.call_id, live.seq, body))
+        self.listeners.send_event(live.subs, body)
+        live.subs = set()  # the done is the last event
         live.content = Content()  # free the text; the store has it
         live.add = live.content.add
         self._remember_finished(op.call_id)
         log.debug("sink: done call=%s status=%s seq=%d", op.call_id, op.status.value, live.seq)
         return encode_ok(op.req, done)
+
+    def _add_subscriber(self, op: AddSubscriber) -> bytes:
+        """C_SUBSCRIBE (everything accepted is committed: `handle_control`): replay
+        the stored events after `from_seq`, then, for a call that has not
+        ended, follow it. The supervisor checked that the subscriber may see it."""
+        listener = op.listener.encode()
+        view = self.fence.view(op.call_id)
+        if op.live and (view is None or not view.finished):
+            live = self._live(op.call_id)  # a queued call is not known here yet
+            if (op.from_seq == FROM_NOW or op.from_seq >= live.seq
+                    or self.listeners.replay(listener,
+                                             self.store.events_after(op.call_id, op.from_seq))):
+                live.subs.add(listener)  # not if the replay found it unconnected
+            return encode_ok(op.req, None)
+        if op.from_seq == FROM_NOW:
+            return encode_ok(op.req, None)  # ended: nothing comes from now on
+        events = self.store.events_after(op.call_id, op.from_seq)
+        if not events and op.from_seq == 0:
+            # Pruned by retention before the journal's row: the call no longer exists.
+            return encode_refused(op.req, f"unknown_call: no event of call {op.call_id} is stored")
+        self.listeners.replay(listener, events)
+        return encode_ok(op.req, None)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -358,7 +395,9 @@ class SinkState:
             "calls_pruned": self.store.pruned,
             "pending_events": self.pending_events,
             "acks_unroutable": self.acks_unroutable,
+            "subscribed_calls": sum(1 for lv in self.lives.values() if lv.subs),
             **self.peer.stats(),
+            **self.listeners.stats(),
         }
 
     # ---- worker finals -------------------------------------------------------------

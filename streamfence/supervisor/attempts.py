@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import random
 import time
 from collections import Counter, deque
@@ -20,6 +21,7 @@ from streamfence.protocol.internal.control import AttemptStats, Ended, FinalRefu
 from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome
 from streamfence.protocol.internal.workers import AttemptSettings, RunAttempt
 from streamfence.protocol.messages import CallStatus, DeltaKind, visible_chars
+from streamfence.sink.store import events_after
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.calls import (
     BUSY_STATES,
@@ -72,8 +74,9 @@ class AttemptDriver:
 
     def __init__(self, config: DaemonConfig, journal: Journal, pool: Pool, sink: SinkLink,
                  clients: Clients, breakers: Breakers, counters: Counter[str],
-                 clock: Callable[[], float], rng: random.Random) -> None:
+                 clock: Callable[[], float], rng: random.Random, transcript_path: str) -> None:
         self._config = config
+        self._transcript_path = transcript_path
         self._journal = journal
         self._pool = pool
         self._sink = sink
@@ -309,8 +312,8 @@ class AttemptDriver:
             ended_stats, outcome = call.ended
             self._decide(call, ended_stats, outcome, outcome.error)
             return
-        # Without the sink's answer: what subscribers saw of the attempt.
-        stats = reply if isinstance(reply, AttemptStats) else self._stats_from_events(call)
+        # Without the sink's answer: what subscribers could see of the attempt.
+        stats = reply if isinstance(reply, AttemptStats) else self._stats_from_transcript(call)
         reason = call.fence_reason
         assert reason is not None, "fenced without a reason"
         if reason is FenceReason.STALE:
@@ -432,11 +435,13 @@ class AttemptDriver:
                 call.to(CallEvent.FENCE)
                 self._fenced(call, call.epoch, SINK_LOST)
 
-    def _stats_from_events(self, call: Call) -> AttemptStats:
-        """The current attempt's stats as subscribers saw them (every published
-        event was committed first, so this is what the transcript holds)."""
+    def _stats_from_transcript(self, call: Call) -> AttemptStats:
+        """The current attempt's stats as the transcript holds them (events are
+        sent only after their commit: what subscribers could see)."""
         visible = fragments = accepted = 0
-        for frame in self._clients.published(call.call_id):
+        stored = events_after(self._transcript_path, call.call_id) \
+            if os.path.exists(self._transcript_path) else []  # no sink ever started
+        for frame in stored:
             event = msgpack.unpackb(frame, raw=False)
             if event.get("op") == "reset":
                 visible = fragments = accepted = 0

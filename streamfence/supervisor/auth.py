@@ -17,8 +17,8 @@ from typing import Any
 import zmq
 
 from streamfence.protocol.credentials import LOCAL_NAME
+from streamfence.protocol.keys import KeyStore, make_curve_server, start_authenticator
 from streamfence.supervisor.identities import Identity, identity_named
-from streamfence.supervisor.keys import KeyStore, make_curve_server, start_authenticator
 
 log = logging.getLogger("streamfence.auth")
 

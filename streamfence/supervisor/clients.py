@@ -1,5 +1,5 @@
-"""What the daemon sends to clients: replies, the events of subscribed calls,
-and the answers owed to `result` requests that wait."""
+"""What the daemon sends to clients on the client endpoint: replies, and the
+answers owed to `result` requests that wait (the events go from the sink)."""
 
 from __future__ import annotations
 
@@ -14,59 +14,29 @@ from streamfence.supervisor.timers import Deadlines
 
 
 class Clients:
-    """Owns the client ROUTER socket's sending side, the subscribers of live
-    calls (identity -> next seq owed), each live call's event buffer (every
-    event published so far, index = seq - 1, for late subscribers), and the
-    `result` requests waiting for a call's end."""
+    """Owns the client ROUTER socket's sending side, the listeners following each
+    live call (so a restarted sink can be told again: the events themselves
+    go from the sink to them), and the `result` requests waiting for a
+    call's end."""
 
     def __init__(self, socket: zmq.Socket[bytes]) -> None:
         self.socket = socket
         self._send_multipart = socket.send_multipart
-        self._subscribers: dict[str, dict[bytes, int]] = {}
-        self._events: dict[str, list[bytes]] = {}
+        self._listeners: dict[str, set[str]] = {}
         self._waiters: dict[str, list[tuple[bytes, str, float]]] = {}
         self._waits_due: Deadlines[str] = Deadlines()  # call -> its first waiter's end
 
     def send(self, identity: bytes, msg: dict[str, Any]) -> None:
         self._send_multipart([identity, encode(msg)])
 
-    def send_frames(self, identity: bytes, frames: list[bytes]) -> None:
-        for frame in frames:
-            self._send_multipart([identity, frame])
+    # ---- listeners of live calls -----------------------------------------------------
+    def follow(self, call_id: str, listener: str) -> None:
+        """`listener` subscribed to the live call `call_id` (at the sink)."""
+        self._listeners.setdefault(call_id, set()).add(listener)
 
-    # ---- live calls --------------------------------------------------------------
-    def open(self, call_id: str, events: list[bytes], subscriber: bytes | None = None) -> None:
-        """A call became live: `events` are those it published already (recovery)."""
-        self._events[call_id] = events
-        if subscriber is not None:
-            self._subscribers.setdefault(call_id, {})[subscriber] = 1
-
-    def subscribe(self, identity: bytes, call_id: str, from_seq: int) -> bool:
-        """Replay a live call's buffer after `from_seq`, then follow it. False if
-        the call is not live."""
-        live = self._events.get(call_id)
-        if live is None:
-            return False
-        self.send_frames(identity, live[from_seq:])
-        self._subscribers.setdefault(call_id, {})[identity] = len(live) + 1
-        return True
-
-    def published(self, call_id: str) -> list[bytes]:
-        """The events a live call published so far (do not modify)."""
-        return self._events.get(call_id, [])
-
-    def on_event(self, call_id: str, seq: int, frame: bytes) -> None:
-        """An event the sink committed: buffer it, and send it to the subscribers."""
-        buffer = self._events.get(call_id)
-        if buffer is not None and seq == len(buffer) + 1:
-            buffer.append(frame)
-        subs = self._subscribers.get(call_id)
-        if subs:
-            send = self._send_multipart
-            for identity, owed in subs.items():
-                if seq >= owed:
-                    send([identity, frame])
-                    subs[identity] = seq + 1
+    def following(self) -> list[tuple[str, str]]:
+        """(call, listener) of every live call's subscription."""
+        return [(c, lst) for c, listeners in self._listeners.items() for lst in listeners]
 
     def on_call_done(self, call_id: str, done: dict[str, Any],
                      diagnostics: Callable[[], list[dict[str, Any]]]) -> None:
@@ -78,8 +48,7 @@ class Clients:
             reply = dict(done, diagnostics=diagnostics())
             for identity, ref, _ in waiters:
                 self.send(identity, dict(reply, ref=ref))
-        self._subscribers.pop(call_id, None)
-        self._events.pop(call_id, None)
+        self._listeners.pop(call_id, None)
 
     # ---- `result` requests that wait ---------------------------------------------
     def wait_result(self, call_id: str, identity: bytes, ref: str, until: float) -> None:

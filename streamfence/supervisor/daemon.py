@@ -37,6 +37,7 @@ import multiprocess
 import zmq
 
 from streamfence.protocol.internal import L_RECORD, Endpoints
+from streamfence.protocol.internal.control import FROM_NOW
 from streamfence.protocol.internal.workers import (
     StopZygote,
     WorkerExited,
@@ -47,6 +48,9 @@ from streamfence.protocol.internal.workers import (
     decode_zygote_event,
     encode_zygote,
 )
+from streamfence.protocol.keys import KeyStore
+from streamfence.protocol.lifecycle import ExitCode
+from streamfence.protocol.messages import events_endpoint
 from streamfence.sink.process import run_sink
 from streamfence.supervisor import statedir
 from streamfence.supervisor.attempts import AttemptDriver
@@ -56,7 +60,6 @@ from streamfence.supervisor.clients import Clients
 from streamfence.supervisor.config import DaemonConfig
 from streamfence.supervisor.front import Front
 from streamfence.supervisor.journal import Journal
-from streamfence.supervisor.keys import KeyStore
 from streamfence.supervisor.logs import emit_child_record
 from streamfence.supervisor.pool import Pool, WorkerState, exit_text
 from streamfence.supervisor.recovery import recover_calls
@@ -108,6 +111,10 @@ class Daemon:
         except statedir.StateDirError as exc:
             raise StartupError(str(exc)) from None
         self.keys = KeyStore(state_dir / "keys")
+        try:
+            self.events_endpoint = events_endpoint(config.endpoint)
+        except ValueError as exc:
+            raise StartupError(f"daemon.endpoint: {exc}") from None
         self.runtime_dir = config.runtime_dir()
         self.endpoints = Endpoints(self.runtime_dir)
         self.transcript_path = os.path.abspath(os.path.join(config.state_dir, "transcript.db"))
@@ -129,8 +136,10 @@ class Daemon:
     def _start_sink(self) -> None:
         self._sink = self._mp.Process(
             target=run_sink, name="sink",
-            args=(self.runtime_dir, self.transcript_path, self.config.log_level,
-                  self._control_identity, True, self.config.retention_days))
+            args=(self.runtime_dir, self.transcript_path, self.events_endpoint,
+                  str(self.keys.dir) if self.config.auth == "curve" else None,
+                  self.config.log_level, self._control_identity, True,
+                  self.config.retention_days))
         self._sink.start()
 
     def _start_zygote(self) -> None:
@@ -188,20 +197,19 @@ class Daemon:
         pool = Pool(self._to_zygote, workers_sock, live, slots=cfg.workers_max,
                     spare=cfg.workers_spare, max_workers=cfg.workers_max)
         clients = Clients(front_sock)
-        sink = SinkLink(sink_sock, clients.on_event)
+        sink = SinkLink(sink_sock)
         breakers = Breakers(cfg.breaker_threshold, cfg.breaker_cooldown_s, clock)
         driver = AttemptDriver(cfg, journal, pool, sink, clients, breakers, counters, clock,
-                               random.Random())
+                               random.Random(), self.transcript_path)
         status = functools.partial(status_of, pool, driver, breakers, sink, counters, self._pids,
                                    lambda: self.auth.refused)
-        front = Front(cfg, journal, driver, clients, breakers, counters, clock,
+        front = Front(cfg, journal, driver, clients, sink, breakers, counters, clock,
                       self.transcript_path, status)
         parts = Parts(journal, pool, clients, sink, breakers, driver, front, counters, logs_sock)
 
         self._start_sink()
         self._start_zygote()
-        for call, events in recover_calls(journal, cfg.providers, self.transcript_path):
-            clients.open(call.call_id, events)
+        for call in recover_calls(journal, cfg.providers, self.transcript_path):
             driver.enqueue(call)
         pool.maintain()
         return parts
@@ -367,6 +375,11 @@ class Daemon:
         now = time.monotonic()
         self._sink_deaths = [t for t in self._sink_deaths if now - t < SINK_RESTART_WINDOW_S]
         self._sink_deaths.append(now)
+        if self._sink.exitcode == ExitCode.CANNOT_BIND:
+            log.critical("the sink cannot bind the events endpoint %s (the client endpoint's "
+                         "port + 1, or its path + '.events': docs/PROTOCOL.md §1); stopping",
+                         self.events_endpoint)
+            return False
         if len(self._sink_deaths) > SINK_RESTARTS_MAX:
             log.critical("the sink died %d times in %.0fs; stopping (the journal keeps every "
                          "accepted call for the next start)", len(self._sink_deaths),
@@ -377,6 +390,10 @@ class Daemon:
         self._start_sink()
         p.counters["sink_restarts"] += 1
         p.driver.on_sink_restart()
+        # The new sink knows no subscriber: tell it again who follows the live
+        # calls (from now on; a client repairs a gap from its last seq).
+        for call_id, listener in p.clients.following():
+            p.sink.subscribe(call_id, listener, FROM_NOW, True, lambda _: None)
         return True
 
     def _restart_zygote(self, p: Parts) -> None:

@@ -33,7 +33,7 @@ from streamfence.protocol.messages import (
     pending_msg,
     ref_of,
 )
-from streamfence.sink.store import events_after, stored_done
+from streamfence.sink.store import stored_done
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.calls import Call
@@ -42,6 +42,7 @@ from streamfence.supervisor.config import DaemonConfig
 from streamfence.supervisor.identities import Identity, SubmitRate
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.requests import check_request
+from streamfence.supervisor.sinklink import Refused, SinkLink, SinkLost
 from streamfence.supervisor.timeouts import attempt_timeouts
 
 log = logging.getLogger("streamfence.front")
@@ -57,17 +58,19 @@ class Front:
     """Owns request handling: the `accepted` replies waiting for this turn's
     journal commit, the idempotency keys seen this turn, and whether new calls
     are accepted; counts calls accepted, bad input and refusals. New calls go
-    to the AttemptDriver; everything sent to clients goes through Clients.
+    to the AttemptDriver; replies go through Clients; subscriptions to the
+    sink, which sends the events.
     `status` gives a status reply's body (each owner's view) to a callback."""
 
     def __init__(self, config: DaemonConfig, journal: Journal, driver: AttemptDriver,
-                 clients: Clients, breakers: Breakers, counters: Counter[str],
+                 clients: Clients, sink: SinkLink, breakers: Breakers, counters: Counter[str],
                  clock: Callable[[], float], transcript_path: str,
                  status: Callable[[Identity, Callable[[dict[str, Any]], None]], None]) -> None:
         self._config = config
         self._journal = journal
         self._driver = driver
         self._clients = clients
+        self._sink = sink
         self._breakers = breakers
         self._clock = clock
         self._transcript_path = transcript_path
@@ -146,8 +149,7 @@ class Front:
             # The same call again: its id, and nothing new starts.
             # Subscribed after `accepted` goes out, so the replay follows the reply.
             self._accepts.append((identity, accepted_msg(req.ref, existing, duplicate=True),
-                                  Subscribe(ref=req.ref, call_id=existing)
-                                  if req.subscribe else None))
+                                  self._subscription(req, existing)))
             return
         refusal = self._breakers.admit((spec.session_id or "-", spec.provider))
         if refusal is not None:
@@ -188,10 +190,16 @@ class Front:
         call = Call(call_id=call_id, owner=user.name, spec=spec, profile=profile,
                     timeouts=attempt_timeouts(spec.options, profile, spec.request),
                     max_attempts=max_attempts, deadline=deadline)
-        self._clients.open(call_id, [], identity if req.subscribe else None)
         self._driver.enqueue(call)
         self._counters["calls_accepted"] += 1
-        self._accepts.append((identity, accepted_msg(req.ref, call_id), None))
+        self._accepts.append((identity, accepted_msg(req.ref, call_id),
+                              self._subscription(req, call_id)))
+
+    @staticmethod
+    def _subscription(req: Submit, call_id: str) -> Subscribe | None:
+        """A submit's listener follows the call from seq 1 (after `accepted`)."""
+        return None if req.listener is None else \
+            Subscribe(ref=req.ref, call_id=call_id, listener=req.listener)
 
     def flush_accepts(self) -> None:
         """Journal commit first, then the `accepted` replies of this turn."""
@@ -206,17 +214,22 @@ class Front:
         self._idem_in_turn.clear()
 
     def _subscribe(self, identity: bytes, req: Subscribe) -> None:
-        """Replay, then follow live. Success has no reply (the events are the
-        answer); an unknown call gets an error with the ref."""
-        if self._clients.subscribe(identity, req.call_id, req.from_seq):
-            return
-        # A finished call: its events from the sink's transcript. None at all
-        # (pruned by retention before the journal's row): it no longer exists.
-        events = events_after(self._transcript_path, req.call_id, req.from_seq)
-        if not events and req.from_seq == 0:
-            self._error(identity, req.ref, ErrorCode.UNKNOWN_CALL, f"no call {req.call_id!r}")
-            return
-        self._clients.send_frames(identity, events)
+        """The sink replays the call's stored events to the listener, then (a
+        live call) follows it. Success has no reply (the events are the
+        answer); a call whose events are gone gets an error with the ref."""
+        live = self._driver.has_call(req.call_id)
+        if live:
+            self._clients.follow(req.call_id, req.listener)
+
+        def answered(reply: Refused | SinkLost | None) -> None:
+            if isinstance(reply, Refused):
+                self._error(identity, req.ref, ErrorCode.UNKNOWN_CALL, f"no call {req.call_id!r}")
+            elif isinstance(reply, SinkLost) and not live:
+                self._error(identity, req.ref, ErrorCode.INTERNAL,
+                            "the sink restarted before it answered; subscribe again")
+            # A live call's listeners are subscribed again at the restarted sink.
+
+        self._sink.subscribe(req.call_id, req.listener, req.from_seq, live, answered)
 
     def _done_of(self, call_id: str) -> dict[str, Any] | None:
         """A finished call's done event: stored once, in the transcript."""

@@ -1,7 +1,7 @@
 """Who a client is, and what it may do (docs/SECURITY.md).
 
 A client's identity is the name its CURVE key is registered under
-(`supervisor/keys.py`); the front learns it from ZeroMQ's ZAP for every
+(`protocol/keys.py`); the front learns it from ZeroMQ's ZAP for every
 message, never from the message. `[identities.NAME]` tables in the config
 limit what each identity may do:
 

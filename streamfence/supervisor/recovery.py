@@ -13,7 +13,7 @@ import time
 import msgpack
 
 from streamfence.protocol.messages import CallOptions, CallSpec, OnPartial
-from streamfence.sink.store import TranscriptReader, events_after
+from streamfence.sink.store import TranscriptReader
 from streamfence.supervisor.calls import Call
 from streamfence.supervisor.config import ProviderProfile
 from streamfence.supervisor.journal import Journal
@@ -23,12 +23,12 @@ log = logging.getLogger("streamfence.supervisor")
 
 
 def recover_calls(journal: Journal, providers: dict[str, ProviderProfile],
-                  transcript_path: str) -> list[tuple[Call, list[bytes]]]:
-    """The calls to run again, each with the events it published already
-    (subscribers that come back resume from what the transcript holds)."""
+                  transcript_path: str) -> list[Call]:
+    """The calls to run again (subscribers that come back resume from what the
+    transcript holds: the sink serves it)."""
     reader = TranscriptReader(transcript_path) if os.path.exists(
         transcript_path) else None
-    recovered: list[tuple[Call, list[bytes]]] = []
+    recovered: list[Call] = []
     for jc in journal.unfinished():
         stored = reader.done_event(jc.call_id) if reader is not None else None
         if stored is not None:
@@ -63,7 +63,7 @@ def recover_calls(journal: Journal, providers: dict[str, ProviderProfile],
                     # always gets at least one more (the crash was ours).
                     attempts=min(jc.attempts, max_attempts - 1))
         call.delivered = jc.epoch > 0  # the transcript may hold an earlier attempt's text
-        recovered.append((call, events_after(transcript_path, jc.call_id, 0)))
+        recovered.append(call)
         log.info("recovered unfinished call %s (last epoch %d)", jc.call_id, jc.epoch)
     if reader is not None:
         reader.close()

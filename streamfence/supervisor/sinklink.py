@@ -1,8 +1,9 @@
 """The supervisor's end of the sink's control socket.
 
-Replies and events share one socket, so their order is the sink's order: an
-attempt's E_ENDED that the sink produced before a fence arrives before that
-fence's reply. The attempt driver relies on this.
+Replies and attempt endings share one socket, so their order is the sink's
+order: an attempt's E_ENDED that the sink produced before a fence arrives
+before that fence's reply. The attempt driver relies on this. The calls'
+events do not come here: the sink sends them to the subscribers itself.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Any, Protocol, TypeVar
 import msgpack
 import zmq
 
-from streamfence.protocol.internal import E_EVENT, E_EVENTS
 from streamfence.protocol.internal.control import (
+    AddSubscriber,
     AttemptStats,
     Authorize,
     BadFrame,
@@ -73,14 +74,11 @@ class AttemptEvents(Protocol):
 
 class SinkLink:
     """Owns the supervisor's end of `sink.ctl`: request ids, the callbacks of
-    requests in flight, and the sink's last counters (for `status` when the sink is gone). Accepted
-    events go to `on_event` (the client fan-out); attempt endings to the
-    AttemptEvents given to `drain`."""
+    requests in flight, and the sink's last counters (for `status` when the
+    sink is gone). Attempt endings go to the AttemptEvents given to `drain`."""
 
-    def __init__(self, socket: zmq.Socket[bytes],
-                 on_event: Callable[[str, int, bytes], None]) -> None:
+    def __init__(self, socket: zmq.Socket[bytes]) -> None:
         self.socket = socket
-        self._on_event = on_event
         self._next_req = 1
         self._pending: dict[int, Callable[[Reply | SinkLost], None]] = {}
         self.stats: dict[str, Any] = {}
@@ -115,6 +113,13 @@ class SinkLink:
         self._request(lambda req: Finish(req, call_id, status, error, attempts, meta),
                       _as_map, reply)
 
+    def subscribe(self, call_id: str, listener: str, from_seq: int, live: bool,
+                  reply: Callable[[Refused | SinkLost | None], None]) -> None:
+        """`listener` gets the call's events after `from_seq` (FROM_NOW: only new
+        ones) from the sink; `live`: the call has not ended."""
+        self._request(lambda req: AddSubscriber(req, call_id, listener, from_seq, live),
+                      lambda _: None, reply)
+
     def read_stats(self, reply: Callable[[dict[str, Any]], None]) -> None:
         """Ask the sink for its counters; `reply` gets them (the last known
         ones if the sink died before answering)."""
@@ -136,26 +141,14 @@ class SinkLink:
     def drain(self, attempts: AttemptEvents, limit: int = 10_000) -> int:
         """Handle what the sink sent, without blocking. Returns messages handled."""
         n = 0
-        on_event = self._on_event
-        unpackb = msgpack.unpackb
         while n < limit:
             try:
                 frame = self.socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             n += 1
-            raw = unpackb(frame, raw=False)
-            tag = raw[0]
-            # The hot path: one E_EVENTS per sink commit, E_EVENT when it held one event.
-            if tag == E_EVENTS:
-                for _, call_id, seq, event in raw[1]:
-                    on_event(call_id, seq, event)
-                continue
-            if tag == E_EVENT:
-                on_event(raw[1], raw[2], raw[3])
-                continue
             try:
-                msg = parse_from_sink(raw)
+                msg = parse_from_sink(msgpack.unpackb(frame, raw=False))
             except (BadFrame, BadOutcome) as exc:
                 log.warning("bad message from the sink: %s", exc)
                 continue

@@ -7,7 +7,7 @@ but the worker wire, an AF_UNIX stream socket with msgpack as its framing):
 
     worker ──► sink (AF_UNIX stream)    "sink.stream" deltas, finals; sink acks finals
     (tests, tools) DEALER ──► sink      "sink.in"   the same, one ZeroMQ frame each
-    supervisor DEALER ◄─► sink ROUTER   "sink.ctl"  authorize/fence/finish + events
+    supervisor DEALER ◄─► sink ROUTER   "sink.ctl"  authorize/fence/finish/subscribe
     worker DEALER ◄─► supervisor ROUTER "workers"   hello, run, idle
     worker PUSH ──► supervisor PULL     "logs"      log records of every child
     supervisor ◄─► zygote               a pipe      fork requests, exits (`workers`)
@@ -29,19 +29,19 @@ Sink -> worker:
     [T_FINAL_ACK, call_id, attempt, accepted: bool, reason: str]
 
 Supervisor -> sink ("sink.ctl"), each carries a request id echoed by the reply
-(records `Authorize`, `Fence`, `Finish`, `Stats`; `control.encode_control` /
-`control.parse_control`):
+(records `Authorize`, `Fence`, `Finish`, `Stats`, `AddSubscriber`;
+`control.encode_control` / `control.parse_control`):
     [C_AUTHORIZE, req, call_id, attempt, reset: bool, model: str|None]
     [C_FENCE, req, call_id, attempt]
     [C_FINISH, req, call_id, status, error, attempts, meta]   meta: FinishMeta map
     [C_STATS, req]
-Sink -> supervisor (`control.parse_from_sink`; the events, one per delta, are
-destructured in place by `supervisor.sinklink.SinkLink.drain`):
+    [C_SUBSCRIBE, req, call_id, listener, from_seq, live: bool]   from_seq -1: from now
+Sink -> supervisor (`control.parse_from_sink`; the events themselves go from
+the sink to the subscribers' listeners, never through the supervisor):
     [R_OK, req, payload]       `encode_ok`: AttemptStats for AUTHORIZE/FENCE,
-                               the done event for FINISH, counters for STATS
+                               the done event for FINISH, counters for STATS,
+                               nil for SUBSCRIBE
     [R_REFUSED, req, reason]   `encode_refused`
-    [E_EVENT, call_id, seq, event_bytes]            `event_head` / `encode_event`
-    [E_EVENTS, [[E_EVENT, call_id, seq, event_bytes], ...]]   `EVENTS_BATCH_HEAD`
     [E_ENDED, call_id, attempt, stats, outcome]     `encode_ended`
     [E_FINAL_REFUSED, call_id, attempt, reason]     `encode_final_refused`
 AttemptStats: [attempt, accepted, dropped, visible_chars, tool_fragments,
@@ -76,12 +76,11 @@ C_AUTHORIZE = 10
 C_FENCE = 11
 C_FINISH = 12
 C_STATS = 13
+C_SUBSCRIBE = 14
 R_OK = 20
 R_REFUSED = 21
-E_EVENT = 30
 E_ENDED = 31
 E_FINAL_REFUSED = 32
-E_EVENTS = 33
 
 # supervisor <-> worker
 W_RUN = 40

@@ -13,9 +13,8 @@ from streamfence.protocol.internal import (
     C_FENCE,
     C_FINISH,
     C_STATS,
+    C_SUBSCRIBE,
     E_ENDED,
-    E_EVENT,
-    E_EVENTS,
     E_FINAL_REFUSED,
     R_OK,
     R_REFUSED,
@@ -25,7 +24,7 @@ from streamfence.protocol.internal.outcome import (
     outcome_from_wire,
     outcome_to_wire,
 )
-from streamfence.protocol.messages import CallStatus
+from streamfence.protocol.messages import LISTENER_RE, CallStatus
 
 # ---- supervisor <-> sink ("sink.ctl") ----------------------------------------
 # Each message: a record, one builder (`encode_*`) and one parser. The sink
@@ -154,7 +153,25 @@ class Stats:
     req: int | str
 
 
-ControlOp = Authorize | Fence | Finish | Stats
+FROM_NOW = -1  # AddSubscriber.from_seq: no replay, the events committed from now on
+
+
+@dataclass(frozen=True, slots=True)
+class AddSubscriber:
+    """C_SUBSCRIBE: send the call's events after `from_seq` to `listener` (a
+    connection to the events socket), then its new ones as they commit.
+    `live`: the call has not ended (the sink may not know it yet: queued);
+    otherwise its events are replayed from the transcript and the reply is
+    refused if it holds none."""
+
+    req: int | str
+    call_id: str
+    listener: str
+    from_seq: int
+    live: bool
+
+
+ControlOp = Authorize | Fence | Finish | Stats | AddSubscriber
 
 
 def encode_control(op: ControlOp) -> bytes:
@@ -166,6 +183,8 @@ def encode_control(op: ControlOp) -> bytes:
     elif isinstance(op, Finish):
         msg = [C_FINISH, op.req, op.call_id, op.status.value, op.error, op.attempts,
                meta_to_wire(op.meta)]
+    elif isinstance(op, AddSubscriber):
+        msg = [C_SUBSCRIBE, op.req, op.call_id, op.listener, op.from_seq, op.live]
     else:
         msg = [C_STATS, op.req]
     packed: bytes = msgpack.packb(msg, use_bin_type=True)
@@ -174,7 +193,8 @@ def encode_control(op: ControlOp) -> bytes:
 
 MAX_CALL_ID = 256
 MAX_REQ_STR = 256
-_CONTROL_ARITY = {C_AUTHORIZE: (5, 6), C_FENCE: (4,), C_FINISH: (7,), C_STATS: (2,)}
+_CONTROL_ARITY = {C_AUTHORIZE: (5, 6), C_FENCE: (4,), C_FINISH: (7,), C_STATS: (2,),
+                  C_SUBSCRIBE: (6,)}
 
 
 def check_call_id(value: Any, req: int | str | None = None) -> str:
@@ -207,6 +227,14 @@ def parse_control(obj: Any) -> ControlOp:
     call_id = check_call_id(obj[2], req)
     if tag == C_FENCE:
         return Fence(req, call_id, check_int(obj[3], "attempt", 1, req))
+    if tag == C_SUBSCRIBE:
+        listener, live = obj[3], obj[5]
+        if type(listener) is not str or not LISTENER_RE.fullmatch(listener):
+            raise BadFrame("listener must be a listener id", req)
+        if type(live) is not bool:
+            raise BadFrame("live must be a boolean", req)
+        return AddSubscriber(req, call_id, listener, check_int(obj[4], "from_seq", FROM_NOW, req),
+                             live)
     if tag == C_AUTHORIZE:
         reset = obj[4]
         if type(reset) is not bool:
@@ -238,28 +266,6 @@ def encode_ok(req: int | str, payload: Any) -> bytes:
 def encode_refused(req: int | str, reason: str) -> bytes:
     packed: bytes = msgpack.packb([R_REFUSED, req, reason], use_bin_type=True)
     return packed
-
-
-# E_EVENT [E_EVENT, call_id, seq, event_bytes]: an accepted public event
-# (delta/reset/done), encoded as the map a subscriber receives (forwarded as is).
-# E_EVENTS [E_EVENTS, [E_EVENT message, ...]]: the events of one commit, one
-# decode per batch. Events go out only after the commit that stores them, in
-# order: a subscriber never sees an event the transcript does not hold.
-
-
-def event_head(call_id: str) -> bytes:
-    """`[E_EVENT, call_id, ` pre-encoded: the sink's hot path appends the packed
-    seq and event bytes."""
-    head: bytes = b"\x94" + msgpack.packb(E_EVENT) + msgpack.packb(call_id, use_bin_type=True)
-    return head
-
-
-def encode_event(call_id: str, seq: int, event: bytes) -> bytes:
-    packed: bytes = msgpack.packb([E_EVENT, call_id, seq, event], use_bin_type=True)
-    return packed
-
-
-EVENTS_BATCH_HEAD = b"\x92" + msgpack.packb(E_EVENTS)  # then an array of E_EVENT messages
 
 
 def encode_ended(call_id: str, attempt: int, stats: AttemptStats,
@@ -304,11 +310,8 @@ FromSink = Reply | Ended | FinalRefused
 
 
 def parse_from_sink(msg: list[Any]) -> FromSink:
-    """A decoded sink.ctl message other than E_EVENT / E_EVENTS, on the
-    supervisor's side (its own sink: a malformed outcome raises BadOutcome, an
-    unknown tag BadFrame). The events, one per delta, are destructured in
-    place by the supervisor's hot loop (`SinkLink.drain`): an E_EVENT is
-    `[tag, call_id, seq, event]`, an E_EVENTS `[tag, [E_EVENT, ...]]`."""
+    """A decoded sink.ctl message, on the supervisor's side (its own sink: a
+    malformed outcome raises BadOutcome, an unknown tag BadFrame)."""
     tag = msg[0]
     if tag in (R_OK, R_REFUSED):
         return Reply(msg[1], tag == R_OK, msg[2])

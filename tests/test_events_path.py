@@ -1,0 +1,144 @@
+"""The events path (docs/ARCHITECTURE.md §1): the sink sends each call's events
+to its subscribers' listeners itself; the supervisor is not on the per-delta
+path. Shown by freezing the supervisor (SIGSTOP) in the middle of a stream:
+the deltas keep arriving. Also: the events socket answers only registered
+keys, each listener receives only the calls it subscribed, and a client says
+`listen` once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.protocol.credentials import load_credentials
+from streamfence.protocol.messages import events_endpoint
+from tests.harness import DaemonProcess
+
+pytestmark = pytest.mark.slow
+
+CHUNKS = 60
+GAP_S = 0.05  # the emulator's pace: 3 s for the stream
+FROZEN_DELTAS = 10  # deltas that must arrive while the supervisor is stopped
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory,
+           emulator: EmulatorProcess) -> Iterator[DaemonProcess]:
+    proc = DaemonProcess(tmp_path_factory.mktemp("events") / "state",
+                         {"emu": {"kind": "openai", "base_url": emulator.openai_base_url,
+                                  "stale_timeout_s": 30.0}},
+                         daemon={"workers_spare": 2})
+    with proc:
+        yield proc
+    assert not proc.survivors
+
+
+def _req(key: str) -> dict[str, Any]:
+    return {"model": f"gpt-emu#{key}", "messages": [{"role": "user", "content": key}]}
+
+
+def test_deltas_reach_the_subscriber_while_the_supervisor_is_frozen(
+        daemon: DaemonProcess, emu: EmulatorClient) -> None:
+    key = f"frozen-{uuid.uuid4().hex[:8]}"
+    emu.script(key, [{"fault": "ok", "chunks": CHUNKS, "chunk_delay_s": GAP_S}])
+    supervisor = daemon.proc.pid
+    with daemon.client(timeout_s=30.0) as client:
+        call_id = client.submit("emu", _req(key))
+        events = client.events(call_id, timeout_s=20.0)
+        first = next(events)
+        assert first["op"] == "delta", first
+        os.kill(supervisor, signal.SIGSTOP)
+        try:
+            frozen: list[dict[str, Any]] = []
+            while len(frozen) < FROZEN_DELTAS:  # each wait bounded by events()'s timeout
+                frozen.append(next(events))
+            assert all(e["op"] == "delta" for e in frozen), frozen
+            assert _state(supervisor) == "T", "the supervisor was not stopped all along"
+        finally:
+            os.kill(supervisor, signal.SIGCONT)
+        rest = list(events)
+    seqs = [e["seq"] for e in [first, *frozen, *rest]]
+    assert seqs == list(range(1, len(seqs) + 1)), seqs
+    done = rest[-1]
+    assert done["op"] == "done" and done["status"] == "completed", done
+    assert done["response"]["content"] == emu.log(key)[0]["text"]
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _dealer(ctx: zmq.Context[Any], daemon: DaemonProcess, routing_id: bytes,
+            credentials: Any) -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    if credentials is not None:
+        credentials.apply(sock)
+    sock.connect(events_endpoint(daemon.endpoint))
+    return sock
+
+
+def test_the_events_socket_hears_only_registered_keys(daemon: DaemonProcess) -> None:
+    """A CURVE client with an unregistered key gets no answer to `listen`; the
+    admin's key gets `listening`. (Same key store as the client endpoint.)"""
+    ctx = zmq.Context.instance()
+    good = load_credentials(daemon.credentials_path)
+    stranger = replace(good, public_key=(pair := zmq.curve_keypair())[0], secret_key=pair[1])
+    ok = _dealer(ctx, daemon, b"l-" + uuid.uuid4().hex.encode(), good)
+    bad = _dealer(ctx, daemon, b"l-" + uuid.uuid4().hex.encode(), stranger)
+    try:
+        for sock in (ok, bad):
+            sock.send(msgpack.packb({"v": 1, "op": "listen"}), zmq.NOBLOCK)
+        assert ok.poll(10_000), "no answer to listen from a registered key"
+        assert msgpack.unpackb(ok.recv()) == {"v": 1, "op": "listening"}
+        assert not bad.poll(1_000), "an unregistered key was answered on the events socket"
+    finally:
+        ok.close()
+        bad.close()
+    sink = _sink_stats(daemon)
+    assert sink["events_auth_refused"] >= 1, sink
+
+
+def test_a_subscriber_receives_only_the_calls_it_subscribed(
+        daemon: DaemonProcess, emu: EmulatorClient) -> None:
+    """Two clients stream at once; each listener gets its own call's events only."""
+    keys = [f"own-{i}-{uuid.uuid4().hex[:6]}" for i in range(2)]
+    for k in keys:
+        emu.script(k, [{"fault": "ok", "chunks": 20, "chunk_delay_s": 0.01}])
+    with daemon.client() as a, daemon.client() as b:
+        calls = [a.submit("emu", _req(keys[0])), b.submit("emu", _req(keys[1]))]
+        got = [list(a.events(calls[0], timeout_s=20.0)), list(b.events(calls[1], timeout_s=20.0))]
+        for client, other in ((a, calls[1]), (b, calls[0])):
+            # Nothing of the other call was received (buffered or handed out).
+            assert client._core.router.next_event(other) is None, "another client's events came"
+        for events, call in zip(got, calls, strict=True):
+            assert {e["call_id"] for e in events} == {call}
+            assert events[-1]["op"] == "done"
+
+
+def _sink_stats(daemon: DaemonProcess) -> dict[str, Any]:
+    with daemon.client() as admin:
+        sink: dict[str, Any] = admin.status()["sink"]
+        return sink
+
+
+def test_a_client_says_listen_once(daemon: DaemonProcess, emu: EmulatorClient) -> None:
+    before = _sink_stats(daemon)["listens"]
+    with daemon.client() as client:
+        for _ in range(3):
+            k = f"once-{uuid.uuid4().hex[:6]}"
+            emu.script(k, [{"fault": "ok", "chunks": 3}])
+            call_id = client.submit("emu", _req(k))
+            assert list(client.events(call_id, timeout_s=20.0))[-1]["op"] == "done"
+    assert _sink_stats(daemon)["listens"] - before == 1
