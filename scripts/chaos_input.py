@@ -1,5 +1,6 @@
 """Chaos: malformed, oversized, truncated and forged frames on the front
-socket and on the sink's sockets, while a load of real calls runs.
+socket, the events socket and the sink's internal sockets, while a load of
+real calls runs.
 
     python -m scripts.chaos_input [--seed N] [--calls 2000] [--duration 60]
 
@@ -30,6 +31,7 @@ from streamfence.protocol.internal import (
     T_FINAL,
     Endpoints,
 )
+from streamfence.protocol.messages import events_endpoint
 
 
 def steps(rng: random.Random) -> list[dict[str, Any]]:
@@ -86,12 +88,15 @@ def attacker(state: ChaosState, rng: random.Random) -> None:
     ep = Endpoints(os.path.join(str(state.daemon.state_dir), "run"))
     ctx = zmq.Context()
     front = ctx.socket(zmq.DEALER)
+    events = ctx.socket(zmq.DEALER)
     sink_in = ctx.socket(zmq.DEALER)
-    for sock in (front, sink_in):
+    for sock in (front, events, sink_in):
         sock.linger = 0
         sock.sndhwm = 1000
-    load_credentials(state.daemon.credentials_path).apply(front)
+    for sock in (front, events):
+        load_credentials(state.daemon.credentials_path).apply(sock)
     front.connect(state.daemon.endpoint)
+    events.connect(events_endpoint(state.daemon.endpoint))
     sink_in.connect(ep.sink_in)
     try:
         with state.daemon.client(timeout_s=5.0) as client:
@@ -100,11 +105,17 @@ def attacker(state: ChaosState, rng: random.Random) -> None:
             while not state.stop.wait(rng.uniform(0.0, 0.004)):
                 n += 1
                 try:
-                    if rng.random() < 0.5:
+                    roll = rng.random()
+                    if roll < 0.4:
                         front.send_multipart(_garbage(rng), zmq.NOBLOCK)
                         state.count("garbage frames to the front socket")
                         while front.poll(0):
                             front.recv_multipart()
+                    elif roll < 0.5:
+                        events.send_multipart(_garbage(rng), zmq.NOBLOCK)
+                        state.count("garbage frames to the events socket")
+                        while events.poll(0):
+                            events.recv_multipart()
                     else:
                         if n % 25 == 1:
                             live = client.status()["calls"]["running"]
@@ -114,6 +125,7 @@ def attacker(state: ChaosState, rng: random.Random) -> None:
                     continue
     finally:
         front.close()
+        events.close()
         sink_in.close()
         ctx.term()
 

@@ -528,7 +528,7 @@ def test_a_listener_gets_the_replay_then_the_live_events_ending_with_the_done(
     stats = sup.stats()
     assert stats["events_sent"] == 9 + 9 + 6, stats
     assert stats["subscribed_calls"] == 0 and stats["listens"] == 3, stats
-    assert stats["listeners_lost"] == 0 and stats["events_dropped_full"] == 0, stats
+    assert stats["events_unroutable"] == 0 and stats["events_dropped_full"] == 0, stats
 
 
 @pytest.mark.parametrize("live", [False, True])

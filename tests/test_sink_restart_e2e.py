@@ -24,7 +24,11 @@ def _req(key: str) -> dict[str, Any]:
 def test_sink_kill_9_mid_stream(make_daemon: Any, emu: EmulatorClient, policy: str) -> None:
     emu.script("sinkdeath", [{"fault": "ok", "chunks": 40, "chunk_delay_s": 0.05}])
     daemon: DaemonProcess = make_daemon()
-    with daemon.client() as client:
+    # The client probes a silent call only after 20 s: the rest of the stream must
+    # come before that (the supervisor subscribes the listener at the new sink, and
+    # the client subscribes again from its last seq once its events connection is
+    # made again), within the 10 s allowed below.
+    with daemon.client(timeout_s=20.0) as client:
         call_id = client.submit("emu", _req("sinkdeath"), options={"on_partial": policy})
         events: list[dict[str, Any]] = []
         for event in client.events(call_id, timeout_s=20.0):
@@ -33,7 +37,7 @@ def test_sink_kill_9_mid_stream(make_daemon: Any, emu: EmulatorClient, policy: s
                 break
         sink_pid = client.status()["processes"]["sink"]
         os.kill(sink_pid, signal.SIGKILL)
-        events += list(client.events(call_id, timeout_s=30.0))
+        events += list(client.events(call_id, timeout_s=10.0))
         status = client.status()
         assert status["counters"]["sink_restarts"] == 1
         assert status["processes"]["sink"] != sink_pid

@@ -214,8 +214,8 @@ def _settle(extra: dict[zmq.Socket[bytes], Any], seconds: float = 0.15) -> None:
 
 def _report(sec: Section, results: dict[str, list[tuple[float, float, float, int]]]) -> None:
     names = {"hop": "worker → one ZeroMQ ipc hop (the machine's floor)",
-             "sink": "worker → sink → control peer (no supervisor)",
-             "daemon": "worker → sink → supervisor → subscriber"}
+             "sink": "worker → a lone sink → a listener",
+             "daemon": "worker → the daemon's sink → subscriber"}
     for variant, runs in results.items():
         p50 = median([x[0] for x in runs])
         p99 = median([x[1] for x in runs])

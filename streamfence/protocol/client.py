@@ -128,6 +128,9 @@ class Client(ClientBase):
             self._sock.close(linger=0)
             self._events.close(linger=0)
             raise
+        # Each handshake of the events connection (a reconnect: resubscribe).
+        self._monitor = self._events.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._poller.register(self._monitor, zmq.POLLIN)
 
     def close(self) -> None:
         """Close the sockets (linger 0: unsent requests are dropped). Idempotent."""
@@ -135,6 +138,7 @@ class Client(ClientBase):
             self._closed = True
             self._sock.close(linger=0)
             self._events.close(linger=0)
+            self._monitor.close(linger=0)
 
     def __enter__(self) -> Client:
         return self
@@ -213,6 +217,9 @@ class Client(ClientBase):
         wait_ms = max(0, math.ceil((deadline - monotonic()) * 1000))
         if not self._poller.poll(wait_ms):
             return
+        while self._monitor.poll(0):
+            self._monitor.recv_multipart()
+            self._core.router.handshake()
         route = self._core.router.route
         for sock in (self._events, self._sock):
             while True:

@@ -75,6 +75,10 @@ class AsyncClient(ClientBase):
             self._sock.close(linger=0)
             self._events.close(linger=0)
             raise
+        # Each handshake of the events connection (a reconnect: resubscribe).
+        self._monitor: zmq.asyncio.Socket = self._events.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._cond = asyncio.Condition()
         self._pumping = False
 
@@ -84,6 +88,7 @@ class AsyncClient(ClientBase):
             self._closed = True
             self._sock.close(linger=0)
             self._events.close(linger=0)
+            self._monitor.close(linger=0)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -175,6 +180,12 @@ class AsyncClient(ClientBase):
 
     async def _route_ready(self) -> None:
         """Route what both sockets hold (events first), up to a reply someone awaits."""
+        while True:
+            try:
+                await self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._core.router.handshake()
         route = self._core.router.route
         for sock in (self._events, self._sock):
             while True:

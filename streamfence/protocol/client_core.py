@@ -258,7 +258,8 @@ class EventReader:
     and asks `result` with wait_s 0, whose missing answer raises TimeoutError.
     A probe that finds the call done hands that done event to the stream; if
     the events before it still have not come by the next probe, EVENTS_LOST
-    is raised.
+    is raised. When the events connection was made again (the router counts
+    reconnects), it re-subscribes from the last seq at once.
     """
 
     def __init__(self, core: ClientCore, call_id: str, limit: float | None) -> None:
@@ -268,6 +269,7 @@ class EventReader:
         self.limit = limit
         self.last_event = self.quiet_since = monotonic()
         self.done_probes = 0  # probes in a row that found the call done
+        self.reconnects = core.router.reconnects  # the router's count, as last acted on
         self.ended = False  # its done was handed out, or it had ended before
         self._wait = Wait(0.0)  # reused: the wait path allocates no effect per event
 
@@ -291,6 +293,9 @@ class EventReader:
                 self.ended = True
                 break
             gap_from = router.gap(call_id)
+            if router.reconnects != self.reconnects:
+                self.reconnects = router.reconnects
+                gap_from = router.last_seq(call_id)
             if gap_from is not None:
                 yield from self._core.subscribe(call_id, gap_from)
             if self._probe_due(monotonic()):
@@ -330,7 +335,8 @@ class EventReader:
                               f"{reply.get('seq')}) but its events after seq "
                               f"{router.last_seq(call_id)} did not arrive after re-subscribing",
                               reply)
-        router.deliver({k: v for k, v in reply.items() if k != "ref"})
+        # The done event as stored: without the reply's ref and diagnostics.
+        router.deliver({k: v for k, v in reply.items() if k not in ("ref", "diagnostics")})
 
 
 class TextFlow:

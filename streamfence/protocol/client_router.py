@@ -13,7 +13,11 @@ it, without a socket, so it is shared by both flavours and testable alone:
   ref). It goes to a raw request waiting for exactly that, or else to the only
   request outstanding, or is logged and discarded.
 - `listening` is the events socket's answer to `listen`: the client's
-  events connection is up (`listening` becomes True).
+  events connection is up (`listening` becomes True). The shell reports
+  each handshake of that connection (`handshake`); one after the first is a
+  reconnect (the daemon or its sink restarted, or the network blinked), and
+  readers subscribe again from their last seq at once instead of at their
+  next probe.
 - `delta`, `reset` and `done` without a ref are pushed events. They are
   buffered per call in a heap keyed by `seq` until the caller asks for them,
   whether or not anyone is reading that call yet; an event already seen
@@ -142,6 +146,8 @@ class Router:
         self._finished: OrderedDict[str, int] = OrderedDict()  # call_id -> seq of its done
         self._order = itertools.count()
         self.listening = False  # the events socket answered `listen`
+        self.handshakes = 0  # of the events connection (reported by the shell)
+        self.reconnects = 0  # handshakes after the first
 
     # ---- requests ---------------------------------------------------------
 
@@ -169,6 +175,13 @@ class Router:
             return None
         self._raw_waiters = max(0, self._raw_waiters - 1)
         return self._unattributed.popleft()
+
+    def handshake(self) -> None:
+        """The events connection was made; again, after the first: events may
+        have been missed."""
+        self.handshakes += 1
+        if self.handshakes > 1:
+            self.reconnects += 1
 
     def subscribing(self, ref: str, call_id: str, from_seq: int) -> None:
         """A subscribe was sent: its error reply belongs to the call's stream."""

@@ -14,9 +14,10 @@ commit that stores it. The supervisor is off the per-delta path
 
 Delivery has the client endpoint's rules (PROTOCOL §5): at most `SNDHWM`
 messages queued per listener. An event a listener cannot take now (its queue
-is full) is dropped and counted; one for a listener that is not connected
-ends that subscription. Either way the client sees a gap in seq, or silence,
-and subscribes again from its last seq.
+is full, or it is not connected: say, reconnecting to a restarted sink) is
+dropped and counted, and the subscription stays until the call's done; the
+client sees a gap in seq, or silence, and subscribes again from its last
+seq. A replay to a listener that is not connected starts no subscription.
 """
 
 from __future__ import annotations
@@ -65,14 +66,13 @@ class Subscribers:
         self._send = _raw_send.__get__(sock)
         self.sent = 0  # events handed to ZeroMQ
         self.dropped_full = 0  # events dropped: the listener's queue was full
-        self.lost_listeners = 0  # subscriptions ended: the listener was not connected
+        self.unroutable = 0  # events dropped: the listener was not connected
         self.listens = 0
         self.bad_input = 0
 
     def deliver(self, outbox: Outbox) -> None:
         """The events of one commit, each to its call's listeners."""
         send = self._send
-        gone: list[tuple[set[bytes], bytes]] = []
         n = 0
         for subs, event in outbox:
             for listener in subs:
@@ -83,10 +83,8 @@ class Subscribers:
                 except zmq.Again:
                     self.dropped_full += 1
                 except zmq.ZMQError:
-                    gone.append((subs, listener))
+                    self.unroutable += 1
         self.sent += n
-        for subs, listener in gone:
-            self._lose(subs, listener)
 
     def send_event(self, subs: set[bytes], event: bytes) -> None:
         """One event (a reset, a done) to a call's listeners."""
@@ -102,15 +100,10 @@ class Subscribers:
             except zmq.Again:
                 self.dropped_full += 1
             except zmq.ZMQError:
-                self.lost_listeners += 1
+                self.unroutable += 1
+                log.debug("sink: listener %r is not connected; no replay", listener)
                 return False
         return True
-
-    def _lose(self, subs: set[bytes], listener: bytes) -> None:
-        if listener in subs:
-            subs.discard(listener)
-            self.lost_listeners += 1
-            log.debug("sink: listener %r is not connected; its subscription ends", listener)
 
     def drain(self) -> None:
         """What clients sent on the events socket: `listen`, answered `listening`;
@@ -140,7 +133,7 @@ class Subscribers:
 
     def stats(self) -> dict[str, int]:
         return {"events_sent": self.sent, "events_dropped_full": self.dropped_full,
-                "listeners_lost": self.lost_listeners, "listens": self.listens,
+                "events_unroutable": self.unroutable, "listens": self.listens,
                 "events_bad_input": self.bad_input,
                 "events_auth_refused": self._zap.refused if self._zap is not None else 0}
 

@@ -9,7 +9,7 @@
 - `delta_prefix` / `KIND_TAIL` are the constant parts of the public delta
   event, so the hot path packs only seq and data. They are derived from
   `protocol.messages.delta_event`, and a test checks the bytes equal
-  `encode(delta_event(...))`. (The E_EVENT wrapper is `protocol.internal.event_head`.)
+  `encode(delta_event(...))`: those bytes are stored, and sent to subscribers as they are.
 
 The supervisor's control messages are parsed by `protocol.internal.parse_control`.
 """
