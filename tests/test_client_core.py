@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from streamfence.protocol.client_core import ClientCore, Flow, Send, Wait
+from streamfence.protocol.client_router import ClientError, Router
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted, encode
 from streamfence.protocol.messages import (
     CallStatus,
@@ -199,3 +200,18 @@ def test_a_duplicate_submit_gets_the_replay_routed_before_its_accepted() -> None
 
     assert read(drive(c.submit("openai", {"model": "m"}, idempotency_key="dup"), daemon)) == [1, 2]
     assert read(drive(c.submit("openai", {"model": "m"}, idempotency_key="dup"), daemon)) == [1, 2]
+
+
+def test_the_router_takes_a_batch_of_events_as_if_each_came_alone() -> None:
+    """The events socket may send an array of event maps (one commit's worth)."""
+    router = Router()
+    router.reading("c", 0)
+    batch = b"\x93" + b"".join(encode(e) for e in (
+        delta_event("c", 1, 2, "text", "b"), delta_event("c", 1, 1, "text", "a"),
+        done_event("c", 3, CallStatus.COMPLETED, None, None, 1)))
+    assert router.route([batch]) is False
+    assert [router.next_event("c")["seq"] for _ in range(3)] == [1, 2, 3]  # type: ignore[index]
+    for bad in ([{"v": 1, "op": "accepted", "ref": "r"}], [1], [{"v": 1, "op": "delta",
+                                                               "ref": "r", "call_id": "c"}]):
+        with pytest.raises(ClientError, match="not all events"):
+            router.route([encode(bad)])

@@ -409,7 +409,8 @@ def test_another_identitys_call_is_invisible(daemon: DaemonProcess, emu: Emulato
                 assert time.monotonic() < deadline, f"no done for mallory's call: {frames}"
                 frame = _recv(events, 30)
                 assert frame is not None, f"mallory's call went silent: {frames}"
-                frames.append(msgpack.unpackb(frame, raw=False))
+                got = msgpack.unpackb(frame, raw=False)
+                frames.extend(got if isinstance(got, list) else [got])  # a batch, or one
         finally:
             sock.close()
             events.close()

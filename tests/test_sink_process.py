@@ -12,6 +12,7 @@ process started is killed and joined in teardown.
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -79,6 +80,7 @@ class Listener:
         self.sock.setsockopt(zmq.ROUTING_ID, self.id.encode())
         self.sock.connect(endpoint)
         self.inbox: list[tuple[bytes, dict[str, Any]]] = []
+        self.frames = 0  # frames received (a batch is one)
         self.last_seq: dict[str, int] = {}
         self.sock.send(LISTEN)
         # Answered once the connection is up: from then on, events can reach it.
@@ -105,15 +107,33 @@ class Listener:
                                      f"last events: {[e for _, e in self.inbox[-5:]]!r}")
             if self.sock.poll(int(left * 1000) + 1):
                 frames = self.sock.recv_multipart()
-                assert len(frames) == 1, f"an event is one frame, got {len(frames)}"
-                event = msgpack.unpackb(frames[0])
-                assert isinstance(event, dict) and event.get("v") == 1, event
-                self.inbox.append((frames[0], event))
+                self.frames += 1
+                assert len(frames) == 1, f"a message is one frame, got {len(frames)}"
+                for piece in split_events(frames[0]):
+                    event = msgpack.unpackb(piece)
+                    assert isinstance(event, dict) and event.get("v") == 1, event
+                    self.inbox.append((piece, event))
 
     def events(self, call: str, count: int, timeout: float = WAIT_S) -> list[dict[str, Any]]:
         """The next `count` events of `call`, decoded."""
         return [self.next(call, f"event #{i + 1} of {count} for {call}", timeout)[1]
                 for i in range(count)]
+
+
+def split_events(frame: bytes) -> list[bytes]:
+    """The event maps of one events-socket frame, each as its own bytes: the
+    frame itself, or the elements of a batch (a msgpack array of them)."""
+    if not frame or (frame[0] not in (0xdc, 0xdd) and not 0x90 <= frame[0] <= 0x9f):
+        return [frame]
+    unpacker = msgpack.Unpacker()
+    unpacker.feed(frame)
+    pieces = []
+    for _ in range(unpacker.read_array_header()):
+        start = unpacker.tell()
+        unpacker.skip()
+        pieces.append(frame[start:unpacker.tell()])
+    assert unpacker.tell() == len(frame), "trailing bytes after a batch"
+    return pieces
 
 
 class Supervisor:
@@ -613,6 +633,28 @@ def test_every_event_a_listener_receives_is_already_in_the_transcript(
         assert check(151, "the reset or attempt 2's delta") == ["reset"] + ["delta"] * 150
         sup.ok(C_FINISH, call, "completed", None, 2, {"finish_reason": "stop"})
         assert check(1, "the done") == ["done"]
+    finally:
+        reader.close()
+
+
+def test_the_events_of_one_commit_reach_a_listener_as_one_batch(sink: SinkUnderTest) -> None:
+    """200 deltas waiting when the sink wakes are committed together and sent as
+    a few array frames, each element the stored event's exact bytes."""
+    call, sup = "batched", sink.sup
+    sup.ok(C_AUTHORIZE, call, 1, False)
+    worker = sink.worker()
+    os.kill(sink.proc.pid, signal.SIGSTOP)
+    try:
+        for seq in range(1, 201):
+            worker.send(delta(call, 1, seq, f"{seq},"))
+    finally:
+        os.kill(sink.proc.pid, signal.SIGCONT)
+    got = [sink.listener.next(call, f"delta #{i + 1}") for i in range(200)]
+    assert [e["seq"] for _, e in got] == list(range(1, 201))
+    assert sink.listener.frames <= 10, f"{sink.listener.frames} frames for 200 events"
+    reader = TranscriptReader(sink.db_path)
+    try:
+        assert [raw for raw, _ in got] == reader.events_after(call, 0)
     finally:
         reader.close()
 

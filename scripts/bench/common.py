@@ -326,19 +326,23 @@ class RawClient:
         for sock in (self.req, self.events):
             while True:
                 try:
-                    msg = msgpack.unpackb(sock.recv(zmq.NOBLOCK))
+                    got = msgpack.unpackb(sock.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
-                call_id = msg.get("call_id")
-                if msg.get("op") == "accepted":
-                    self._known.add(call_id)
-                    out.append(msg)
-                    out.extend(self._early.pop(call_id, []))
-                elif "ref" not in msg and call_id not in self._known:
-                    self._early.setdefault(call_id, []).append(msg)
-                else:
-                    out.append(msg)
+                for msg in got if isinstance(got, list) else [got]:  # a batch of events, or one
+                    self._take(msg, out)
         return out
+
+    def _take(self, msg: dict[str, Any], out: list[dict[str, Any]]) -> None:
+        call_id: str = msg.get("call_id", "")
+        if msg.get("op") == "accepted":
+            self._known.add(call_id)
+            out.append(msg)
+            out.extend(self._early.pop(call_id, []))
+        elif "ref" not in msg and call_id not in self._known:
+            self._early.setdefault(call_id, []).append(msg)
+        else:
+            out.append(msg)
 
     def close(self) -> None:
         self.req.close(linger=0)

@@ -106,9 +106,10 @@ class StalledCall:
             except zmq.Again:
                 return
             now = now_ns()
-            event = unpackb(frame)
-            if event.get("op") == "delta":
-                out.append(now - int(event["data"][:19]))
+            got = unpackb(frame)
+            for event in got if isinstance(got, list) else [got]:  # a batch, or one event
+                if event.get("op") == "delta":
+                    out.append(now - int(event["data"][:19]))
 
     def close(self) -> None:
         with self.proc.client(timeout_s=10.0) as client:
@@ -135,7 +136,9 @@ def _hop_into(out: list[int]) -> Callable[[zmq.Socket[bytes]], None]:
 def _stamps_into(out: list[int]) -> Callable[[bytes, int], None]:
     """Handler of the sink's events (a public event map's bytes) + receive time."""
     def on_event(frame: bytes, now: int) -> None:
-        out.append(now - int(msgpack.unpackb(frame)["data"][:19]))
+        got = msgpack.unpackb(frame)
+        for event in got if isinstance(got, list) else [got]:  # a batch, or one event
+            out.append(now - int(event["data"][:19]))
     return on_event
 
 

@@ -327,6 +327,18 @@ def _wait_path(path: str, proc: Any, timeout_s: float = 60.0) -> None:
 
 # ---- standalone sink ---------------------------------------------------------------------
 
+def _events_in(frame: bytes) -> int:
+    """How many events an events-socket frame holds (its array header, or 1)."""
+    head = frame[0]
+    if 0x90 <= head <= 0x9f:
+        return head - 0x90
+    if head == 0xdc:
+        return int.from_bytes(frame[1:3], "big")
+    if head == 0xdd:
+        return int.from_bytes(frame[1:5], "big")
+    return 1
+
+
 class SinkUnderTest:
     """The real sink process (`streamfence.sink.process.run_sink`, spawned as the daemon does,
     with a secret control identity), a control link that plays the
@@ -373,8 +385,10 @@ class SinkUnderTest:
         return int(self.proc.pid)
 
     def drain(self, sock: zmq.Socket[bytes]) -> None:
-        """Take every event waiting on the listener (one public event map per
-        frame): counted, and handed to `on_event` with the receive time."""
+        """Take every frame waiting on the listener (one event map, or a batch:
+        an array of them): the events counted (from the frame's first bytes,
+        as a subscriber that only counts would), each frame handed to
+        `on_event` with the receive time."""
         recv, now_ns = self.sock.recv, time.monotonic_ns
         handler = self.on_event
         while True:
@@ -382,7 +396,7 @@ class SinkUnderTest:
                 frame = recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.events += 1
+            self.events += _events_in(frame)
             if handler is not None:
                 handler(frame, now_ns())
 

@@ -18,7 +18,9 @@ it, without a socket, so it is shared by both flavours and testable alone:
   reconnect (the daemon or its sink restarted, or the network blinked), and
   readers subscribe again from their last seq at once instead of at their
   next probe.
-- `delta`, `reset` and `done` without a ref are pushed events. They are
+- `delta`, `reset` and `done` without a ref are pushed events; an array
+  of them (the events socket's batch: one commit's events for this client)
+  is routed element by element. They are
   buffered per call in a heap keyed by `seq` until the caller asks for them,
   whether or not anyone is reading that call yet; an event already seen
   (seq at or below the last one handed out, or already buffered) is a
@@ -266,6 +268,13 @@ class Router:
             msg = decode_untrusted(frames[0], self.max_frame)
         except ProtocolError as exc:
             raise ClientError(BAD_REPLY, f"the daemon sent an undecodable frame: {exc}") from None
+        if isinstance(msg, list):
+            for event in msg:
+                if not isinstance(event, dict) or event.get("ref") is not None \
+                        or event.get("op") not in _EVENT_OPS:
+                    raise ClientError(BAD_REPLY, "the daemon sent an array that is not all events")
+                self._route_event(event)
+            return False
         if not isinstance(msg, dict):
             raise ClientError(BAD_REPLY, f"the daemon sent a {type(msg).__name__}, not a map")
         ref = msg.get("ref")

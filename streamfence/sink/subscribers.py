@@ -12,6 +12,11 @@ the transcript holds after S, then sends each new event of C right after the
 commit that stores it. The supervisor is off the per-delta path
 (docs/ARCHITECTURE.md §1).
 
+Each frame holds one event map or, when a commit (or a replay) has several
+for one listener, a msgpack array of them in order (at most `BATCH_MAX`
+events, about `BATCH_BYTES`): the stored bytes joined behind an array
+header, one send per listener per commit instead of one per event.
+
 Delivery has the client endpoint's rules (PROTOCOL §5): at most `SNDHWM`
 messages queued per listener. An event a listener cannot take now (its queue
 is full, or it is not connected: say, reconnecting to a restarted sink) is
@@ -23,9 +28,9 @@ seq. A replay to a listener that is not connected starts no subscription.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import Any
 
+import msgpack
 import zmq
 import zmq.backend
 
@@ -37,6 +42,8 @@ from streamfence.protocol.messages import error_msg, listening_msg, parse_listen
 log = logging.getLogger("streamfence.sink")
 
 SEND_HWM = 100_000  # messages queued per listener (as the client endpoint's SNDHWM)
+BATCH_MAX = 4096  # events per frame at most ...
+BATCH_BYTES = 1 << 20  # ... and about this many bytes
 MAX_LISTEN_FRAME = 4096  # what a client may send here: `listen`
 LISTEN_BURST = 100  # inbound messages handled per loop turn
 _raw_send = zmq.backend.Socket.send  # the compiled send, under pyzmq's Python-level one
@@ -64,6 +71,7 @@ class Subscribers:
         sock.bind(endpoint)
         self.socket = sock
         self._send = _raw_send.__get__(sock)
+        self._array_header = msgpack.Packer().pack_array_header
         self.sent = 0  # events handed to ZeroMQ
         self.dropped_full = 0  # events dropped: the listener's queue was full
         self.unroutable = 0  # events dropped: the listener was not connected
@@ -71,39 +79,60 @@ class Subscribers:
         self.bad_input = 0
 
     def deliver(self, outbox: Outbox) -> None:
-        """The events of one commit, each to its call's listeners."""
-        send = self._send
-        n = 0
+        """The events of one commit, to their calls' listeners: one frame per
+        listener (a batch when it has several)."""
+        if len(outbox) == 1:  # a model's pace: one event per commit
+            subs, event = outbox[0]
+            for listener in subs:
+                self._frame(listener, event, 1)
+            return
+        by_listener: dict[bytes, list[bytes]] = {}
         for subs, event in outbox:
             for listener in subs:
-                try:
-                    send(listener, _MORE)
-                    send(event, _NOBLOCK)
-                    n += 1
-                except zmq.Again:
-                    self.dropped_full += 1
-                except zmq.ZMQError:
-                    self.unroutable += 1
-        self.sent += n
+                got = by_listener.get(listener)
+                if got is None:
+                    by_listener[listener] = [event]
+                else:
+                    got.append(event)
+        for listener, events in by_listener.items():
+            self._batches(listener, events)
 
     def send_event(self, subs: set[bytes], event: bytes) -> None:
         """One event (a reset, a done) to a call's listeners."""
-        self.deliver([(subs, event)])
+        for listener in subs:
+            self._frame(listener, event, 1)
 
-    def replay(self, listener: bytes, events: Iterable[bytes]) -> bool:
+    def replay(self, listener: bytes, events: list[bytes]) -> bool:
         """Stored events to one listener; False if it is not connected."""
-        for event in events:
-            try:
-                self._send(listener, _MORE)
-                self._send(event, _NOBLOCK)
-                self.sent += 1
-            except zmq.Again:
-                self.dropped_full += 1
-            except zmq.ZMQError:
-                self.unroutable += 1
-                log.debug("sink: listener %r is not connected; no replay", listener)
-                return False
+        return self._batches(listener, events)
+
+    def _batches(self, listener: bytes, events: list[bytes]) -> bool:
+        if len(events) == 1:
+            return self._frame(listener, events[0], 1)
+        start, size = 0, 0
+        for i, event in enumerate(events):
+            size += len(event)
+            if i + 1 - start == BATCH_MAX or size >= BATCH_BYTES or i + 1 == len(events):
+                n = i + 1 - start
+                if not self._frame(listener, self._array_header(n) + b"".join(events[start:i + 1]),
+                                   n):
+                    return False
+                start, size = i + 1, 0
         return True
+
+    def _frame(self, listener: bytes, frame: bytes, events: int) -> bool:
+        """One frame of `events` events to `listener`; False if it is not connected."""
+        try:
+            self._send(listener, _MORE)
+            self._send(frame, _NOBLOCK)
+            self.sent += events
+            return True
+        except zmq.Again:
+            self.dropped_full += events
+            return True
+        except zmq.ZMQError:
+            self.unroutable += events
+            return False
 
     def drain(self) -> None:
         """What clients sent on the events socket: `listen`, answered `listening`;
