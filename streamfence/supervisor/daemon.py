@@ -429,14 +429,30 @@ class Daemon:
 
 
 def _raise_fd_limit(workers_max: int) -> None:
-    """The supervisor holds ~2 descriptors per worker (measured: 1,044 at 500
-    workers), over the usual soft limit of 1,024: raise the soft limit
-    towards the hard one rather than fail at scale."""
+    """Raise the soft limit on open files to the hard one (the children inherit
+    it), and say what it is. The supervisor holds ~2 descriptors per worker
+    (measured: 1,044 at 500 workers) and one per client connection, the sink
+    one per worker and per events connection: the usual soft limit of 1,024
+    runs out at scale, and a process out of descriptors cannot even accept
+    the connection that would tell it so."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:  # Linux caps NOFILE at fs.nr_open
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                target = int(f.read())
+        except (OSError, ValueError):
+            target = soft
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-files limit from %d to %d: %s",
+                        soft, target, exc)
+    shown = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    log.info("open files: soft limit %s (hard %s)", soft, shown)
     want = 256 + 4 * workers_max
     if soft != resource.RLIM_INFINITY and soft < want:
-        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-        if new < want:
-            log.warning("file descriptor limit %d is low for workers_max=%d; raise the hard "
-                        "limit (systemd: LimitNOFILE)", new, workers_max)
+        log.warning("open-files limit %d is low for workers_max=%d; raise the hard limit "
+                    "(systemd: LimitNOFILE)", soft, workers_max)
