@@ -16,6 +16,7 @@ from typing import Any
 
 import msgpack
 
+from streamfence.protocol.codec import encode
 from streamfence.protocol.errors import ErrorCode
 from streamfence.protocol.internal.control import AttemptStats, Ended, FinalRefused, FinishMeta
 from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome
@@ -67,7 +68,8 @@ def _breaker_key(call: Call) -> tuple[str, str]:
 class AttemptDriver:
     """Owns the live calls (`Call`: state machine, epochs, the decision being
     written), the run queue, the reservation tokens and the per-profile
-    fall-backs; counts retries and calls by status. Talks to the sink through
+    fall-backs; counts the live calls and their request bytes per owner (the
+    byte budgets), retries and calls by status. Talks to the sink through
     the SinkLink, to workers through the Pool, records in the Journal, and
     tells Clients `on_call_done` when a call's done event is stored.
     """
@@ -87,6 +89,10 @@ class AttemptDriver:
         self._fallbacks = Fallbacks(clock)
         self._calls: dict[str, Call] = {}
         self._in_flight: Counter[str] = Counter()  # owner -> live calls
+        # The request bytes of the live calls (`Call.request_bytes`): per owner
+        # and in all; taken in `enqueue`, given back in `_forget`, as in_flight.
+        self._in_flight_bytes: Counter[str] = Counter()
+        self._bytes_total = 0
         self._queue: deque[str] = deque()
         # Each live call's next check (stale, first chunk, backoff over, deadline).
         self._due: Deadlines[str] = Deadlines()
@@ -98,6 +104,11 @@ class AttemptDriver:
         """A new (or recovered) call, to run when a worker is free."""
         self._calls[call.call_id] = call
         self._in_flight[call.owner] += 1
+        if not call.request_bytes:
+            # A recovered call has no submit frame: its journaled request's encoding.
+            call.request_bytes = len(encode(call.spec.request))
+        self._in_flight_bytes[call.owner] += call.request_bytes
+        self._bytes_total += call.request_bytes
         self._queue.append(call.call_id)
         self._arm_deadline(call)
 
@@ -114,6 +125,11 @@ class AttemptDriver:
     def in_flight(self, owner: str) -> int:
         """Calls of `owner` accepted and not yet done."""
         return self._in_flight[owner]
+
+    def in_flight_bytes(self, owner: str | None = None) -> int:
+        """The request bytes of the calls accepted and not yet done: `owner`'s,
+        or every call's."""
+        return self._bytes_total if owner is None else self._in_flight_bytes[owner]
 
     def queued(self) -> int:
         return len(self._queue)
@@ -136,13 +152,18 @@ class AttemptDriver:
         # AUTHORIZING / FENCING: the pending reply sees cancel_requested.
 
     def status(self, owner: str | None = None) -> dict[str, Any]:
-        """Live calls by state, and the first 100 of them; only `owner`'s if given."""
+        """Live calls by state, the bytes their requests hold (all of them also
+        per owner, and the budget), and the first 100 of them; only `owner`'s if given."""
         calls = [c for c in self._calls.values() if owner is None or c.owner == owner]
         by_state: dict[str, int] = {}
         for call in calls:
             by_state[call.state.value] = by_state.get(call.state.value, 0) + 1
         queued = sum(1 for c in calls if c.state is CallState.QUEUED)
-        return {"active": len(calls), "queued": queued, "by_state": by_state,
+        held: dict[str, Any] = {"in_flight_bytes": self.in_flight_bytes(owner)}
+        if owner is None:
+            held.update(in_flight_bytes_max=self._config.in_flight_bytes_max,
+                        in_flight_bytes_by_owner=dict(self._in_flight_bytes))
+        return {"active": len(calls), "queued": queued, "by_state": by_state, **held,
                 "running": [{"call_id": c.call_id, "owner": c.owner, "state": c.state.value,
                              "attempt": c.epoch, "session_id": c.spec.session_id,
                              "provider": c.profile.name} for c in calls[:100]]}
@@ -418,10 +439,20 @@ class AttemptDriver:
         log.info("call %s after %d attempt(s)", status, call.attempts, extra=_ctx(call))
         self._clients.on_call_done(call.call_id, done,
                                    functools.partial(self._journal.attempts_of, call.call_id))
+        self._forget(call)
+
+    def _forget(self, call: Call) -> None:
+        """A done call is no longer live: its count and its request bytes go
+        back to its owner's and the daemon's budgets (the only way out of
+        `_calls`)."""
         del self._calls[call.call_id]
-        self._in_flight[call.owner] -= 1
-        if not self._in_flight[call.owner]:
-            del self._in_flight[call.owner]
+        owner = call.owner
+        self._in_flight[owner] -= 1
+        self._in_flight_bytes[owner] -= call.request_bytes
+        self._bytes_total -= call.request_bytes
+        if not self._in_flight[owner]:
+            del self._in_flight[owner]
+            del self._in_flight_bytes[owner]
 
     # ---- the sink died ---------------------------------------------------------
     def on_sink_restart(self) -> None:

@@ -124,6 +124,10 @@ class Call:
     notice: str | None = None  # the next attempt's first delta (a user-visible warning)
     finishing: Finish | None = None  # the decision being written by the sink
     probe_next: bool = False  # run the next attempt non-streaming, to learn a clear error
+    # The request's size, counted against the byte budgets while the call is
+    # live (AttemptDriver): the Front sets it at submit; 0 means not measured
+    # yet (a recovered call), and AttemptDriver.enqueue measures it then.
+    request_bytes: int = 0
 
     def to(self, event: CallEvent) -> None:
         nxt = _TRANSITIONS[self.state].get(event)

@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 from streamfence.supervisor.identities import Identity, parse_identities
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7755"
+DEFAULT_IN_FLIGHT_BYTES_MAX = 256 * 1024 * 1024
 KINDS = ("openai", "anthropic", "bedrock")
 
 
@@ -59,6 +60,9 @@ class DaemonConfig:
     workers_max: int = 64
     workers_spare: int = 32  # ready for a burst of 32 at an idle daemon (~9 MiB each)
     queue_max: int = 10_000
+    # Total size of the requests of the calls accepted and not done (queued
+    # or running); a submit that would pass it is refused `overloaded`. 0: no limit.
+    in_flight_bytes_max: int = DEFAULT_IN_FLIGHT_BYTES_MAX
     backoff_base_s: float = 1.0
     backoff_max_s: float = 4.0
     breaker_threshold: int = 5
@@ -84,8 +88,8 @@ class DaemonConfig:
 
 _DAEMON_TYPES: dict[str, tuple[type, ...]] = {
     "endpoint": (str,), "state_dir": (str,), "max_frame_bytes": (int,), "workers_max": (int,),
-    "workers_spare": (int,), "queue_max": (int,), "backoff_base_s": (int, float),
-    "backoff_max_s": (int, float), "breaker_threshold": (int,),
+    "workers_spare": (int,), "queue_max": (int,), "in_flight_bytes_max": (int,),
+    "backoff_base_s": (int, float), "backoff_max_s": (int, float), "breaker_threshold": (int,),
     "breaker_cooldown_s": (int, float), "stop_grace_s": (int, float), "log_level": (str,),
     "log_json": (bool,), "auth": (str,), "retention_days": (int, float),
 }

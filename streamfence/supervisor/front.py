@@ -103,7 +103,7 @@ class Front:
             return
         try:
             if isinstance(request, Submit):
-                self._submit(identity, user, request)
+                self._submit(identity, user, request, len(frames[1]))
             elif isinstance(request, Status):
                 ref = request.ref
                 self._status(user, lambda body: self._clients.send(
@@ -127,7 +127,12 @@ class Front:
         return owner is not None and (owner == user.name or user.is_admin)
 
     # ---- ops -----------------------------------------------------------------
-    def _submit(self, identity: bytes, user: Identity, req: Submit) -> None:
+    def _submit(self, identity: bytes, user: Identity, req: Submit, size: int) -> None:
+        """`size`: the submit frame's length, which the byte budgets count as
+        the request's size. Why the frame and not `encode(request)`: it is at
+        hand for free (encoding again is a pass over up to max_frame_bytes per
+        submit), and it is an honest upper bound of the request's encoding,
+        which the frame holds next to an envelope of some 100 bytes."""
         spec = req.call
         if not self.accepting:
             self._error(identity, req.ref, ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
@@ -160,11 +165,21 @@ class Front:
             self._error(identity, req.ref, ErrorCode.OVERLOADED,
                         f"{queued} calls are queued (queue_max); retry later")
             return
+        refusal = self._over_in_flight_bytes(size)
+        if refusal is not None:
+            self._counters["refused_bytes.in_flight_bytes_max"] += 1
+            self._error(identity, req.ref, ErrorCode.OVERLOADED, refusal)
+            return
         in_flight = self._driver.in_flight(user.name)
         if user.max_in_flight and in_flight >= user.max_in_flight:
             self._error(identity, req.ref, ErrorCode.TOO_MANY_CALLS,
                         f"{in_flight} calls of {user.name!r} are not done yet (max_in_flight "
                         f"{user.max_in_flight}); submit again when one ends")
+            return
+        refusal = self._over_max_in_flight_bytes(user, size)
+        if refusal is not None:
+            self._counters["refused_bytes.max_in_flight_bytes"] += 1
+            self._error(identity, req.ref, ErrorCode.TOO_MANY_CALLS, refusal)
             return
         wait_s = self._rate.admit(user.name, user.submits_per_s)
         if wait_s is not None:
@@ -189,11 +204,40 @@ class Front:
                     if spec.options.deadline_s is not None else None)
         call = Call(call_id=call_id, owner=user.name, spec=spec, profile=profile,
                     timeouts=attempt_timeouts(spec.options, profile, spec.request),
-                    max_attempts=max_attempts, deadline=deadline)
+                    max_attempts=max_attempts, deadline=deadline, request_bytes=size)
         self._driver.enqueue(call)
         self._counters["calls_accepted"] += 1
         self._accepts.append((identity, accepted_msg(req.ref, call_id),
                               self._subscription(req, call_id)))
+
+    def _over_in_flight_bytes(self, size: int) -> str | None:
+        """Why a request of `size` bytes would pass the daemon's byte budget
+        (`in_flight_bytes_max`: the requests of every call accepted and not
+        done), or None if it fits."""
+        budget = self._config.in_flight_bytes_max
+        held = self._driver.in_flight_bytes()
+        if not budget or held + size <= budget:
+            return None
+        if size > budget:
+            return (f"the request is {_size(size)}, more than in_flight_bytes_max "
+                    f"({_size(budget)}) allows for all calls together; it can never be accepted")
+        return (f"accepted calls hold {_size(held)} of requests and this one is {_size(size)} "
+                f"(in_flight_bytes_max {_size(budget)}); retry later")
+
+    def _over_max_in_flight_bytes(self, user: Identity, size: int) -> str | None:
+        """Why a request of `size` bytes would pass `user`'s byte budget
+        (`max_in_flight_bytes`: the requests of its calls accepted and not
+        done), or None if it fits."""
+        budget = user.max_in_flight_bytes
+        held = self._driver.in_flight_bytes(user.name)
+        if not budget or held + size <= budget:
+            return None
+        if size > budget:
+            return (f"the request is {_size(size)}, more than {user.name!r} may have in flight "
+                    f"(max_in_flight_bytes {_size(budget)}); it can never be accepted")
+        return (f"calls of {user.name!r} not done yet hold {_size(held)} of requests and this "
+                f"one is {_size(size)} (max_in_flight_bytes {_size(budget)}); submit again "
+                f"when one ends")
 
     @staticmethod
     def _subscription(req: Submit, call_id: str) -> Subscribe | None:
@@ -261,3 +305,13 @@ class Front:
         self._clients.send(identity, {"v": 1, "op": "cancelling", "ref": req.ref,
                                       "call_id": req.call_id})
         self._driver.cancel(req.call_id)
+
+
+def _size(n: int) -> str:
+    """`n` bytes for a message: "256 MiB", "255.9 MiB", "12.5 KiB", "900 bytes".
+    Rounded down, so a total just under a budget never reads as the budget."""
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            tenths = n * 10 // scale
+            return f"{tenths // 10} {unit}" if tenths % 10 == 0 else f"{tenths / 10:.1f} {unit}"
+    return f"{n} bytes"

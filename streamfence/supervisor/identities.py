@@ -9,14 +9,15 @@ limit what each identity may do:
     role = "client"            # "admin" also sees every call and the whole status
     providers = ["openai"]     # profiles it may use (default: all)
     max_in_flight = 8          # calls accepted and not yet done (0: no limit)
+    max_in_flight_bytes = 67108864  # their requests' bytes (default 64 MiB; 0: no limit)
     submits_per_s = 5          # sustained submit rate, bursts of as many (0: no limit)
     max_tokens = 4096          # cap on the wire's output-token limit (0: none)
     n = 1                      # cap on OpenAI's `n` (0: none)
 
 A registered key without a table gets the defaults (role "client", no
-limits). The daemon's own user's identity, `local`, is an admin unless a
-table says otherwise. `SubmitRate` is the token bucket behind
-`submits_per_s`.
+limits but `max_in_flight_bytes`, 64 MiB). The daemon's own user's
+identity, `local`, is an admin unless a table says otherwise. `SubmitRate`
+is the token bucket behind `submits_per_s`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from enum import StrEnum
 from typing import Any
 
 from streamfence.protocol.credentials import LOCAL_NAME
+
+DEFAULT_MAX_IN_FLIGHT_BYTES = 64 * 1024 * 1024
 
 
 class Role(StrEnum):
@@ -40,6 +43,7 @@ class Identity:
     role: Role = Role.CLIENT
     providers: frozenset[str] | None = None  # None: every profile
     max_in_flight: int = 0
+    max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES
     submits_per_s: float = 0.0
     caps: Mapping[str, int] = field(default_factory=dict)  # request field caps
 
@@ -51,7 +55,8 @@ class Identity:
         return self.providers is None or provider in self.providers
 
 
-_KEYS = {"role", "providers", "max_in_flight", "submits_per_s", "max_tokens", "n"}
+_KEYS = {"role", "providers", "max_in_flight", "max_in_flight_bytes", "submits_per_s",
+         "max_tokens", "n"}
 
 
 def parse_identities(tables: Any, where: str,
@@ -75,8 +80,9 @@ def parse_identities(tables: Any, where: str,
                 isinstance(p, str) for p in providers)):
             raise error(f"{at}.providers: must be a list of profile names")
         numbers: dict[str, float] = {}
-        for key in ("max_in_flight", "submits_per_s", "max_tokens", "n"):
-            value = table.get(key, 0)
+        for key in ("max_in_flight", "max_in_flight_bytes", "submits_per_s", "max_tokens", "n"):
+            value = table.get(key, DEFAULT_MAX_IN_FLIGHT_BYTES if key == "max_in_flight_bytes"
+                              else 0)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise error(f"{at}.{key}: must be a number >= 0, got {value!r}")
             if key != "submits_per_s" and not isinstance(value, int):
@@ -86,6 +92,7 @@ def parse_identities(tables: Any, where: str,
             name=name, role=Role(role),
             providers=None if providers is None else frozenset(providers),
             max_in_flight=int(numbers["max_in_flight"]),
+            max_in_flight_bytes=int(numbers["max_in_flight_bytes"]),
             submits_per_s=float(numbers["submits_per_s"]),
             caps={k: int(numbers[k]) for k in ("max_tokens", "n") if numbers[k]})
     return out

@@ -21,10 +21,13 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers, sink: SinkL
     """Give `reply` the body of a `status_reply`: each owner's own view. An
     identity that is not an admin sees only its own calls (docs/SECURITY.md);
     an admin's reply waits for the sink's counters (asked for, not polled, so
-    an idle daemon sleeps)."""
+    an idle daemon sleeps). `calls.in_flight_bytes` is the request bytes the
+    calls accepted and not done hold (the byte budgets: front.py); an admin
+    also sees them per owner and `in_flight_bytes_max`."""
     if not user.is_admin:
-        reply({"identity": user.name, "role": user.role.value,
-               "calls": driver.status(owner=user.name)})
+        # Its calls' request bytes (`in_flight_bytes`) next to its budget for them.
+        calls = dict(driver.status(owner=user.name), max_in_flight_bytes=user.max_in_flight_bytes)
+        reply({"identity": user.name, "role": user.role.value, "calls": calls})
         return
     body = {"identity": user.name, "role": user.role.value,
             "processes": pids(),
