@@ -41,7 +41,7 @@ from streamfence.protocol.messages import (
     error_msg,
     events_endpoint,
     listening_msg,
-    parse_listen,
+    parse_listener_msg,
     parse_request,
     reset_event,
 )
@@ -138,10 +138,12 @@ class Peer:
             if len(frames) != 1:
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"{len(frames)} frames, not 1")
             msg = decode_untrusted(frames[0], self._max_frame)
-            parse_listen(msg)
+            read = parse_listener_msg(msg)
         except ProtocolError as exc:
             ev.send_multipart([ident, encode(error_msg(None, exc.code, exc.message))])
             return
+        if read is not None:
+            return  # an ack: this fake daemon sends little, it needs none
         with self._lock:
             self.received.append(msg)
             self.listen_ids.append(ident)

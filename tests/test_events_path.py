@@ -21,6 +21,7 @@ import zmq
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.protocol.credentials import load_credentials
 from streamfence.protocol.messages import events_endpoint
+from streamfence.sink.store import TranscriptReader
 from tests.harness import DaemonProcess
 
 pytestmark = pytest.mark.slow
@@ -142,3 +143,53 @@ def test_a_client_says_listen_once(daemon: DaemonProcess, emu: EmulatorClient) -
             call_id = client.submit("emu", _req(k))
             assert list(client.events(call_id, timeout_s=20.0))[-1]["op"] == "done"
     assert _sink_stats(daemon)["listens"] - before == 1
+
+
+BIG_ANSWER = 40 << 20  # bytes of text: well past the 16 MiB frame limit and the 1 MiB kept
+
+
+def test_a_40_mb_answer_is_received_whole_and_stored(
+        daemon: DaemonProcess, emu: EmulatorClient) -> None:
+    """The done event stays small (`content_omitted`); the client assembles the
+    answer from the deltas, which are the transcript's."""
+    key = f"huge-{uuid.uuid4().hex[:8]}"
+    piece = "".join(chr(ord("a") + i % 26) for i in range(4095)) + "\n"
+    text = piece * (BIG_ANSWER // len(piece))
+    emu.script(key, [{"fault": "ok", "chunks": len(text) // len(piece), "text": text}])
+    with daemon.client(timeout_s=30.0) as client:
+        done = client.run("emu", _req(key), timeout_s=60.0)
+        call_id = done["call_id"]
+        # The raw done event, as the daemon stores and sends it.
+        stored = client.result(call_id)
+    assert done["status"] == "completed", {k: done[k] for k in ("status", "error")}
+    assert done["response"]["content"] == text, \
+        f"the assembled answer has {len(done['response']['content'])} of {len(text)} bytes"
+    assert stored is not None and stored["response"]["content_omitted"] is True
+    assert stored["response"]["content"] == "" and len(msgpack.packb(stored)) < 4096
+    reader = TranscriptReader(str(daemon.state_dir / "transcript.db"))
+    try:
+        deltas = [msgpack.unpackb(e) for e in reader.events_after(call_id, 0)]
+    finally:
+        reader.close()
+    assert "".join(e["data"] for e in deltas if e["op"] == "delta") == text
+
+
+def test_a_consumer_that_falls_a_window_behind_resumes_once_and_misses_nothing(
+        daemon: DaemonProcess, emu: EmulatorClient) -> None:
+    """The client reads nothing until the call has ended: the events socket cuts
+    it off after a window; reading, it sees the cut_off, subscribes again once
+    from its last seq, and the replay (paced by its acks) fills the rest."""
+    key = f"lag-{uuid.uuid4().hex[:8]}"
+    chunks = 2000  # 4 KiB each: 8 MiB, twice the window
+    emu.script(key, [{"fault": "ok", "chunks": chunks, "text": "x" * 4095 * chunks}])
+    cut_before = _sink_stats(daemon)["events_cut_offs"]
+    with daemon.client(timeout_s=30.0) as client, daemon.client() as watcher:
+        call_id = client.submit("emu", _req(key))
+        assert watcher.result(call_id, wait_s=60.0) is not None, "the call did not end in 60 s"
+        subscribes = client._core.subscribes
+        events = list(client.events(call_id, timeout_s=30.0))
+        resubscribed = client._core.subscribes - subscribes
+    assert [e["seq"] for e in events] == list(range(1, chunks + 2))
+    assert "".join(e["data"] for e in events[:-1]) == "x" * 4095 * chunks
+    assert _sink_stats(daemon)["events_cut_offs"] - cut_before == 1
+    assert resubscribed == 1, f"{resubscribed} subscribes after the cut_off (expected one)"

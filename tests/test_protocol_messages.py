@@ -1,5 +1,5 @@
 """streamfence.protocol.messages: parse_request for every op and every way to get it
-wrong, parse_listen (the events socket), and the events endpoint's address."""
+wrong, parse_listener_msg (the events socket), and the events endpoint's address."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from streamfence.protocol.messages import (
     error_msg,
     events_endpoint,
     listening_msg,
-    parse_listen,
+    parse_listener_msg,
     parse_request,
     pending_msg,
     ref_of,
@@ -389,9 +389,11 @@ def test_reply_and_event_builders_carry_v_and_op() -> None:
 
 # ---- the events socket: `listen`, and where it is ------------------------------------
 
-def test_parse_listen_takes_listen_only() -> None:
-    parse_listen({"v": 1, "op": "listen"})  # no exception: taken
-    parse_listen({"v": 1, "op": "listen", "extra": 1})  # unknown fields ignored
+def test_parse_listener_msg_takes_listen_and_ack() -> None:
+    assert parse_listener_msg({"v": 1, "op": "listen"}) is None
+    assert parse_listener_msg({"v": 1, "op": "listen", "extra": 1}) is None  # unknown: ignored
+    assert parse_listener_msg({"v": 1, "op": "ack", "read": 0}) == 0
+    assert parse_listener_msg({"v": 1, "op": "ack", "read": 1 << 40}) == 1 << 40
     assert listening_msg() == {"v": 1, "op": "listening"}
     assert decode_untrusted(encode(listening_msg())) == listening_msg()
     # on the client endpoint `listen` is not a request, and `listening` is a reply
@@ -406,15 +408,20 @@ def test_parse_listen_takes_listen_only() -> None:
     ({"op": "listen"}, ErrorCode.UNSUPPORTED_VERSION, "protocol version None is not supported"),
     ({"v": 2, "op": "listen"}, ErrorCode.UNSUPPORTED_VERSION, "protocol version 2"),
     ({"v": True, "op": "listen"}, ErrorCode.UNSUPPORTED_VERSION, "protocol version True"),
-    ({"v": 1}, ErrorCode.UNKNOWN_OP, "the events socket takes only 'listen', got None"),
+    ({"v": 1}, ErrorCode.UNKNOWN_OP, "the events socket takes only 'listen' and 'ack', got None"),
+    ({"v": 1, "op": "ack"}, ErrorCode.BAD_MESSAGE, "field 'read' is missing"),
+    ({"v": 1, "op": "ack", "read": -1}, ErrorCode.BAD_MESSAGE, "field 'read' must be at least 0"),
+    ({"v": 1, "op": "ack", "read": True}, ErrorCode.BAD_MESSAGE, "got bool"),
+    ({"v": 1, "op": "ack", "read": 1.5}, ErrorCode.BAD_MESSAGE, "must be an integer"),
     ({"v": 1, "op": "submit", "ref": "r"}, ErrorCode.UNKNOWN_OP,
      "got 'submit'; requests go to the client endpoint"),
     ({"v": 1, "op": "LISTEN"}, ErrorCode.UNKNOWN_OP, "got 'LISTEN'"),
     ({"v": 1, "op": b"listen"}, ErrorCode.UNKNOWN_OP, "got b'listen'"),
-], ids=["list", "nil", "no-v", "v2", "v-true", "no-op", "submit", "upper", "bytes"])
+], ids=["list", "nil", "no-v", "v2", "v-true", "no-op", "ack-no-read", "ack-negative",
+        "ack-bool", "ack-float", "submit", "upper", "bytes"])
 def test_parse_listen_refuses_anything_else(obj: Any, code: ErrorCode, why: str) -> None:
     with pytest.raises(ProtocolError) as info:
-        parse_listen(obj)
+        parse_listener_msg(obj)
     assert info.value.code is code and why in info.value.message
 
 
@@ -444,7 +451,7 @@ def test_events_endpoint_of_anything_else_is_a_value_error(endpoint: str) -> Non
 def test_empty_response_has_every_normalized_field() -> None:
     assert set(empty_response()) == {"content", "reasoning", "tool_calls", "refusal",
                                      "finish_reason", "usage", "model", "provider_response_id",
-                                     "partial", "dropped_tool_names"}
+                                     "partial", "dropped_tool_names", "content_omitted"}
 
 
 @pytest.mark.parametrize(("obj", "ref"), [

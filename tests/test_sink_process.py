@@ -86,7 +86,9 @@ class Listener:
         # Answered once the connection is up: from then on, events can reach it.
         assert self.sock.poll(int(timeout * 1000)), \
             f"no answer to `listen` on {endpoint} within {timeout}s"
-        reply = msgpack.unpackb(self.sock.recv())
+        frame = self.sock.recv()
+        self.read = len(frame)  # bytes received since `listen` (PROTOCOL §5)
+        reply = msgpack.unpackb(frame)
         assert reply == LISTENING, f"expected {LISTENING}, got {reply}"
 
     def next(self, call: str, what: str, timeout: float = WAIT_S) -> tuple[bytes, dict[str, Any]]:
@@ -109,6 +111,8 @@ class Listener:
                 frames = self.sock.recv_multipart()
                 self.frames += 1
                 assert len(frames) == 1, f"a message is one frame, got {len(frames)}"
+                self.read += len(frames[0])  # acked at once: this listener keeps up
+                self.sock.send(encode({"v": 1, "op": "ack", "read": self.read}))
                 for piece in split_events(frames[0]):
                     event = msgpack.unpackb(piece)
                     assert isinstance(event, dict) and event.get("v") == 1, event

@@ -302,6 +302,7 @@ class RawClient:
             creds.apply(sock)
             sock.connect(where)
             self.poller.register(sock, zmq.POLLIN)
+        self.read = self._acked = 0  # bytes read on the events socket, and acknowledged
         self._known: set[str] = set()
         self._early: dict[str, list[dict[str, Any]]] = {}
         # Both handshakes (CURVE, and `listen` on the events socket) before any timing.
@@ -310,7 +311,8 @@ class RawClient:
         for sock in (self.req, self.events):
             if not sock.poll(30_000):
                 raise TimeoutError("the daemon did not answer a status / listen within 30 s")
-            sock.recv()
+            frame = sock.recv()
+        self.read = len(frame)  # `listening`
 
     def submit_frame(self, ref: str, model: str, messages: list[dict[str, Any]]) -> bytes:
         """A submit whose events come to this client's listener."""
@@ -326,11 +328,17 @@ class RawClient:
         for sock in (self.req, self.events):
             while True:
                 try:
-                    got = msgpack.unpackb(sock.recv(zmq.NOBLOCK))
+                    frame = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                if sock is self.events:
+                    self.read += len(frame)
+                got = msgpack.unpackb(frame)
                 for msg in got if isinstance(got, list) else [got]:  # a batch of events, or one
                     self._take(msg, out)
+        if self.read - self._acked >= 64 << 10:  # flow control (PROTOCOL §5), as the library
+            self._acked = self.read
+            self.events.send(encode({"v": 1, "op": "ack", "read": self.read}))
         return out
 
     def _take(self, msg: dict[str, Any], out: list[dict[str, Any]]) -> None:

@@ -375,7 +375,8 @@ class SinkUnderTest:
         self.sock.send(msgpack.packb({"v": 1, "op": "listen"}))
         if not self.sock.poll(30_000):
             raise RuntimeError("the sink's events socket did not answer listen within 30 s")
-        self.sock.recv()
+        self.read = len(self.sock.recv())  # bytes read since `listen`, and acknowledged
+        self._acked = 0
         self.events: int = 0
         self.on_event: Callable[[bytes, int], None] | None = None
         self._req: int = 0
@@ -395,10 +396,14 @@ class SinkUnderTest:
             try:
                 frame = recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
+            self.read += len(frame)
             self.events += _events_in(frame)
             if handler is not None:
                 handler(frame, now_ns())
+        if self.read - self._acked >= 64 << 10:  # flow control (PROTOCOL §5)
+            self._acked = self.read
+            self.sock.send(msgpack.packb({"v": 1, "op": "ack", "read": self.read}))
 
     def request(self, msg: list[Any], timeout_s: float = 30.0) -> list[Any]:
         self._req += 1

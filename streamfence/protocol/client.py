@@ -62,6 +62,7 @@ Layout: the protocol logic is written once, without I/O, in `client_core`
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -220,15 +221,21 @@ class Client(ClientBase):
         while self._monitor.poll(0):
             self._monitor.recv_multipart()
             self._core.router.handshake()
-        route = self._core.router.route
-        for sock in (self._events, self._sock):
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if route(frames):
-                    return
+        router = self._core.router
+        try:
+            for sock, route in ((self._events, router.read_events), (self._sock, router.route)):
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if route(frames):
+                        return
+        finally:
+            ack = router.ack_due(monotonic())
+            if ack is not None:
+                with contextlib.suppress(zmq.Again):  # the next one carries the total
+                    self._events.send(ack, zmq.NOBLOCK)
 
 
 class TextStream(TextFlow):

@@ -186,15 +186,21 @@ class AsyncClient(ClientBase):
             except zmq.Again:
                 break
             self._core.router.handshake()
-        route = self._core.router.route
-        for sock in (self._events, self._sock):
-            while True:
-                try:
-                    frames = await sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if route(frames):
-                    return
+        router = self._core.router
+        try:
+            for sock, route in ((self._events, router.read_events), (self._sock, router.route)):
+                while True:
+                    try:
+                        frames = await sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if route(frames):
+                        return
+        finally:
+            ack = router.ack_due(monotonic())
+            if ack is not None:
+                with contextlib.suppress(zmq.Again):  # the next one carries the total
+                    await self._events.send(ack, zmq.NOBLOCK)
 
 
 class AsyncTextStream(TextFlow):

@@ -61,8 +61,10 @@ def status_msg(ref: str) -> dict[str, Any]:
 
 
 def listen_msg() -> dict[str, Any]:
-    """The one message of the events socket (answered `listening`)."""
+    """What the events socket takes first (answered `listening`); then only `ack`
+    (client_router.Router.ack_due)."""
     return {"v": VERSION, "op": Op.LISTEN.value}
+
 
 
 def raw_ref(msg: Mapping[str, Any]) -> str | None:

@@ -100,6 +100,7 @@ class ClientCore:
         self.listener = new_ref()  # the events socket's routing id: a secret (uuid4 hex)
         self.timeout_s = float(timeout_s)
         self.router = Router(max_frame)
+        self.subscribes = 0  # subscribe requests sent (a gap, a cut_off, a probe, the caller)
 
     def send_failed(self, what: str) -> TimeoutError:
         return TimeoutError(f"could not send {what} to {self.endpoint} within "
@@ -115,6 +116,7 @@ class ClientCore:
         tasks of an AsyncClient that ask at once may each say `listen`)."""
         if self.router.listening:
             return
+        self.router.listen_sent()
         yield Send([encode(listen_msg())], "listen", to_events=True)
         deadline = monotonic() + self.timeout_s
         while not self.router.listening:
@@ -203,6 +205,7 @@ class ClientCore:
         """
         ref = new_ref()
         msg = call_msg(Op.SUBSCRIBE, ref, call_id, from_seq=from_seq, listener=self.listener)
+        self.subscribes += 1
         yield from self._listen()
         self.router.subscribing(ref, call_id, from_seq)
         yield Send([encode(msg)], f"subscribe of call {call_id}")
@@ -235,13 +238,49 @@ class ClientCore:
 
     def run(self, /, provider: str, request: Mapping[str, Any], *,
             timeout_s: float | None = None, **submit_kw: Any) -> Flow[dict[str, Any]]:
-        """Submit and return the call's done event, whatever its status."""
+        """Submit and return the call's done event, whatever its status.
+
+        An answer too large for the done event (`response.content_omitted`) is
+        assembled here from the winning attempt's deltas."""
         call_id = yield from self.submit(provider, request, subscribe=True, **submit_kw)
         events = self.events(call_id, timeout_s)
+        answer = _Answer()
         while (event := events.take() or (yield from events.wait())) is not None:
             if event["op"] == Op.DONE:
-                return event
+                return answer.fill(event)
+            answer.add(event)
         raise ClientError(BAD_REPLY, f"the events of call {call_id} ended without a done")
+
+
+_ANSWER_FIELDS = {"text": "content", "reasoning": "reasoning", "refusal": "refusal"}
+
+
+class _Answer:
+    """The text deltas of a call's latest attempt, for a done event whose
+    response omits them (`content_omitted`, PROTOCOL §6)."""
+
+    def __init__(self) -> None:
+        self.attempt = 0
+        self.parts: dict[str, list[str]] = {field: [] for field in _ANSWER_FIELDS.values()}
+
+    def add(self, event: Mapping[str, Any]) -> None:
+        attempt = event.get("attempt", 0)
+        if attempt != self.attempt:  # a new attempt: the response is its content only
+            self.attempt = attempt
+            for parts in self.parts.values():
+                parts.clear()
+        field = _ANSWER_FIELDS.get(event.get("kind", ""))
+        if event["op"] == Op.DELTA and field is not None and isinstance(event.get("data"), str):
+            self.parts[field].append(event["data"])
+
+    def fill(self, done: dict[str, Any]) -> dict[str, Any]:
+        response = done.get("response")
+        if not isinstance(response, dict) or not response.get("content_omitted"):
+            return done
+        response = {**response, "content": "".join(self.parts["content"]),
+                    "reasoning": "".join(self.parts["reasoning"]),
+                    "refusal": "".join(self.parts["refusal"]) or None}
+        return {**done, "response": response}
 
 
 class EventReader:
@@ -293,6 +332,8 @@ class EventReader:
                 self.ended = True
                 break
             gap_from = router.gap(call_id)
+            if router.take_cut(call_id):
+                gap_from = router.last_seq(call_id)
             if router.reconnects != self.reconnects:
                 self.reconnects = router.reconnects
                 gap_from = router.last_seq(call_id)

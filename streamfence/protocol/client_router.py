@@ -18,6 +18,12 @@ it, without a socket, so it is shared by both flavours and testable alone:
   reconnect (the daemon or its sink restarted, or the network blinked), and
   readers subscribe again from their last seq at once instead of at their
   next probe.
+- `cut_off`: the events socket stopped sending a call to this client after
+  the seq it names (the client fell a window behind, PROTOCOL §5); the
+  call's reader subscribes again from its last seq, once, when it has
+  handed out what it holds. The shell counts the bytes it reads on the
+  events socket (`read_events`) and says `ack` with the total now and then
+  (`ack_due`), which is what lets the daemon send more.
 - `delta`, `reset` and `done` without a ref are pushed events; an array
   of them (the events socket's batch: one commit's events for this client)
   is routed element by element. They are
@@ -26,7 +32,7 @@ it, without a socket, so it is shared by both flavours and testable alone:
   (seq at or below the last one handed out, or already buffered) is a
   duplicate from a replay and is discarded.
 
-Nothing here blocks or reads a clock.
+Nothing here blocks or reads a clock (the shell passes the time to `ack_due`).
 """
 
 from __future__ import annotations
@@ -39,9 +45,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted
+from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted, encode
 from streamfence.protocol.errors import ProtocolError
-from streamfence.protocol.messages import Op
+from streamfence.protocol.messages import VERSION, Op
 
 log = logging.getLogger("streamfence.client")
 
@@ -50,6 +56,8 @@ EVENTS_LOST = "events_lost"  # client-side code: the call ended but its events n
 _EVENT_OPS = frozenset({Op.DELTA.value, Op.RESET.value, Op.DONE.value})
 _KEEP_FINISHED = 4096  # finished calls remembered to discard late duplicates
 _KEEP_SUBSCRIBE_REFS = 1024  # a subscribe's success has no reply: keep the latest refs only
+ACK_EVERY = 64 << 10  # say `ack` after this many bytes read on the events socket ...
+ACK_AFTER_S = 0.05  # ... or this long after the last one, if anything was read
 
 
 class ClientError(Exception):
@@ -96,6 +104,7 @@ class CallStream:
     error: ClientError | None = None  # the error reply to a subscribe of this call
     finished: bool = False  # its done event was handed out
     refill_for: int = -1  # `last` at which a refilling subscribe was already sent
+    cut: bool = False  # the events socket cut this call off: subscribe again
 
     def push(self, seq: int, event: dict[str, Any], order: int) -> None:
         if self.finished or seq <= self.last or seq in self.buffered:
@@ -150,6 +159,9 @@ class Router:
         self.listening = False  # the events socket answered `listen`
         self.handshakes = 0  # of the events connection (reported by the shell)
         self.reconnects = 0  # handshakes after the first
+        self.read = 0  # bytes read on the events socket since `listen` was sent
+        self._acked = 0  # the `read` figure last sent in an `ack`
+        self._acked_at = 0.0
 
     # ---- requests ---------------------------------------------------------
 
@@ -184,6 +196,32 @@ class Router:
         self.handshakes += 1
         if self.handshakes > 1:
             self.reconnects += 1
+            self.listening = False  # a new connection: say `listen` on it again
+
+    def listen_sent(self) -> None:
+        """`listen` went out: the daemon counts this connection's bytes afresh."""
+        self.read = self._acked = 0
+
+    def read_events(self, frames: list[bytes]) -> bool:
+        """Route a message read on the events socket, counting its bytes."""
+        self.read += sum(len(f) for f in frames)
+        return self.route(frames)
+
+    def ack_due(self, now: float) -> bytes | None:
+        """The `ack` to send now, if one is due (`ACK_EVERY`, `ACK_AFTER_S`)."""
+        newly = self.read - self._acked
+        if newly <= 0 or (newly < ACK_EVERY and now - self._acked_at < ACK_AFTER_S):
+            return None
+        self._acked, self._acked_at = self.read, now
+        return encode({"v": VERSION, "op": Op.ACK.value, "read": self.read})
+
+    def take_cut(self, call_id: str) -> bool:
+        """True once after the events socket cut `call_id` off."""
+        s = self._streams.get(call_id)
+        if s is None or not s.cut:
+            return False
+        s.cut = False
+        return True
 
     def subscribing(self, ref: str, call_id: str, from_seq: int) -> None:
         """A subscribe was sent: its error reply belongs to the call's stream."""
@@ -288,6 +326,12 @@ class Router:
         elif ref is None and op == Op.LISTENING:
             self.listening = True
             return True
+        elif ref is None and op == Op.CUT_OFF:
+            call_id = msg.get("call_id")
+            if isinstance(call_id, str) and not self.is_finished(call_id):
+                log.debug("call %s cut off after seq %r: %s", call_id, msg.get("seq"),
+                          msg.get("reason"))
+                self.stream(call_id).cut = True
         else:
             log.warning("unexpected message from the daemon discarded: op=%r ref=%r", op, ref)
         return False

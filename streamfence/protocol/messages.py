@@ -40,8 +40,9 @@ class Op(StrEnum):
     RESULT = "result"
     CANCEL = "cancel"
     STATUS = "status"
-    # client -> daemon's events socket, and its answer
+    # client -> daemon's events socket, and the answer to `listen`
     LISTEN = "listen"
+    ACK = "ack"
     LISTENING = "listening"
     # daemon -> client
     ACCEPTED = "accepted"
@@ -52,6 +53,7 @@ class Op(StrEnum):
     DELTA = "delta"
     RESET = "reset"
     DONE = "done"
+    CUT_OFF = "cut_off"
 
 
 class DeltaKind(StrEnum):
@@ -272,8 +274,9 @@ def parse_request(obj: Any) -> Request:
     raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
 
 
-def parse_listen(obj: Any) -> None:
-    """Validate a message on the events socket: only `listen` is taken there."""
+def parse_listener_msg(obj: Any) -> int | None:
+    """Validate a message on the events socket: `listen` (None) or `ack`, whose
+    `read` (the bytes of frames read since the last `listen`) is returned."""
     if not isinstance(obj, dict):
         raise ProtocolError(ErrorCode.BAD_MESSAGE,
                             f"a message must be a map, got {type(obj).__name__}")
@@ -281,9 +284,16 @@ def parse_listen(obj: Any) -> None:
         raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
                             f"protocol version {obj.get('v')!r} is not supported; this daemon "
                             f"speaks v{VERSION}")
-    if obj.get("op") != Op.LISTEN:
-        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"the events socket takes only 'listen', got "
-                            f"{obj.get('op')!r}; requests go to the client endpoint")
+    op = obj.get("op")
+    if op == Op.LISTEN:
+        return None
+    if op == Op.ACK:
+        read: int = _get(obj, "read", int, "")
+        if read < 0:
+            raise _bad("read", "must be at least 0")
+        return read
+    raise ProtocolError(ErrorCode.UNKNOWN_OP, f"the events socket takes only 'listen' and "
+                        f"'ack', got {op!r}; requests go to the client endpoint")
 
 
 def _listener(m: dict[str, Any], required: bool) -> str | None:
@@ -331,6 +341,13 @@ def reset_event(call_id: str, attempt: int, seq: int) -> dict[str, Any]:
     return {"v": VERSION, "op": Op.RESET.value, "call_id": call_id, "attempt": attempt, "seq": seq}
 
 
+def cut_off_event(call_id: str, seq: int, reason: str) -> dict[str, Any]:
+    """The events socket stopped sending `call_id` to this listener after `seq`:
+    subscribe again from there (PROTOCOL §5, "Flow control")."""
+    return {"v": VERSION, "op": Op.CUT_OFF.value, "call_id": call_id, "seq": seq,
+            "reason": reason}
+
+
 def done_event(call_id: str, seq: int, status: CallStatus, response: dict[str, Any] | None,
                error: dict[str, Any] | None, attempts: int) -> dict[str, Any]:
     return {"v": VERSION, "op": Op.DONE.value, "call_id": call_id, "seq": seq,
@@ -341,4 +358,5 @@ def empty_response() -> dict[str, Any]:
     """The normalized response of a `done` event (docs/PROTOCOL.md §6), every field present."""
     return {"content": "", "reasoning": "", "tool_calls": [], "refusal": None,
             "finish_reason": None, "usage": None, "model": None,
-            "provider_response_id": None, "partial": False, "dropped_tool_names": []}
+            "provider_response_id": None, "partial": False, "dropped_tool_names": [],
+            "content_omitted": False}

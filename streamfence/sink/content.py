@@ -14,6 +14,12 @@ Contract:
   the first non-empty `id` and `name` are kept (assigned, not appended) and
   `arguments` fragments are joined in arrival order.
 - `notice` deltas are user-visible warnings, kept apart from the content.
+- Memory is bounded: once an attempt's text deltas (text, reasoning,
+  refusal) pass `KEEP_BYTES` (`spill`, called by the sink at a commit), they
+  are only counted from then on, and the `done` response says
+  `content_omitted`: the deltas in the transcript are the answer, and the
+  client library assembles it from them (PROTOCOL §6). Tool-call fragments
+  are kept: the response's tool calls are assembled here.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from streamfence.protocol.messages import DeltaKind, empty_response, visible_cha
 
 TEXT = DeltaKind.TEXT.value
 REFUSAL = DeltaKind.REFUSAL.value
+
+REASONING = DeltaKind.REASONING.value
+KEEP_BYTES = 1 << 20  # an attempt's text kept for its done response, about; then counted only
 
 _TOOL_KEYS = frozenset(("index", "id", "name", "arguments"))
 MAX_TOOL_INDEX = 4096
@@ -51,7 +60,8 @@ def check_tool_fragment(data: Any) -> dict[str, Any]:
 class Content:
     """Accumulated content of one attempt."""
 
-    __slots__ = ("add", "notices", "reasoning", "refusal", "text", "tools")
+    __slots__ = ("add", "notices", "omitted", "omitted_visible", "reasoning", "refusal",
+                 "text", "tools")
 
     def __init__(self) -> None:
         self.text: list[str] = []
@@ -59,20 +69,51 @@ class Content:
         self.refusal: list[str] = []
         self.tools: list[dict[str, Any]] = []
         self.notices: list[str] = []
+        self.omitted = -1  # text deltas counted, not kept (-1: every one is kept)
+        self.omitted_visible = 0  # ... and their visible characters
         # kind -> bound append: the hot path does one dict lookup and one call.
         self.add: dict[str, Callable[[Any], None]] = {
-            DeltaKind.TEXT.value: self.text.append,
-            DeltaKind.REASONING.value: self.reasoning.append,
-            DeltaKind.REFUSAL.value: self.refusal.append,
+            TEXT: self.text.append,
+            REASONING: self.reasoning.append,
+            REFUSAL: self.refusal.append,
             DeltaKind.TOOL_CALL.value: self.tools.append,
             DeltaKind.NOTICE.value: self.notices.append,
         }
+
+    def spill(self) -> None:
+        """From now on count the text deltas instead of keeping them (see the
+        module docstring). `add` is changed in place: the hot path holds it."""
+        if self.omitted >= 0:
+            return
+        self.omitted_visible = self.visible_chars()
+        self.omitted = len(self.text) + len(self.reasoning) + len(self.refusal)
+        for kept in (self.text, self.reasoning, self.refusal):
+            kept.clear()
+        self.add[TEXT] = self._count_text
+        self.add[REASONING] = self._count
+        self.add[REFUSAL] = self._count_refusal
+
+    def _count(self, data: str) -> None:
+        self.omitted += 1
+
+    def _count_text(self, data: str) -> None:
+        self.omitted += 1
+        self.omitted_visible += visible_chars(TEXT, data)
+
+    def _count_refusal(self, data: str) -> None:
+        self.omitted += 1
+        self.omitted_visible += visible_chars(REFUSAL, data)
+
+    def deltas(self) -> int:
+        """Accepted deltas of this attempt (kept or counted)."""
+        return (len(self.text) + len(self.reasoning) + len(self.refusal) + len(self.tools)
+                + len(self.notices) + max(0, self.omitted))
 
     def visible_chars(self) -> int:
         """What a user has seen of this attempt (`protocol.messages.visible_chars`,
         per accepted delta): the supervisor's "visible text delivered" test."""
         return (sum(visible_chars(TEXT, d) for d in self.text)
-                + sum(visible_chars(REFUSAL, d) for d in self.refusal))
+                + sum(visible_chars(REFUSAL, d) for d in self.refusal) + self.omitted_visible)
 
     def tool_fragments(self) -> int:
         return len(self.tools)
@@ -103,9 +144,12 @@ class Content:
     def build_response(self, meta: FinishMeta) -> dict[str, Any]:
         """The normalized `done` response: this content plus C_FINISH's `meta`."""
         response = empty_response()
-        response["content"] = "".join(self.text)
-        response["reasoning"] = "".join(self.reasoning)
-        response["refusal"] = "".join(self.refusal) if self.refusal else None
+        if self.omitted >= 0:
+            response["content_omitted"] = True
+        else:
+            response["content"] = "".join(self.text)
+            response["reasoning"] = "".join(self.reasoning)
+            response["refusal"] = "".join(self.refusal) if self.refusal else None
         response["tool_calls"] = self.tool_calls(frozenset(meta.dropped_tool_indexes))
         for key in ("finish_reason", "usage", "model", "provider_response_id"):
             value = getattr(meta, key)

@@ -62,7 +62,6 @@ from streamfence.sink.subscribers import Subscribers
 from streamfence.sink.wire import KIND_TAIL, TOOL_CALL, parse_final
 
 CTL_BURST = 100
-IDLE_POLL_MS = 60_000  # nothing due: the loop is event driven (signals wake it)
 
 _ACCEPT = Verdict.ACCEPT
 _PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException)
@@ -127,12 +126,15 @@ class Sink:
         log.info("sink: serving pid=%s in=%s", os.getpid(), self.sin.getsockopt_string(zmq.LAST_ENDPOINT))
         state = self.state
         idle = True  # the input ran dry in the last drain
+        subscribers = self.subscribers
+        replaying = False  # a replay could take more at the end of the last turn
         while not self._stopping:
-            timeout = IDLE_POLL_MS
+            timeout = 0 if replaying else \
+                max(0, int((subscribers.ping_due - time.monotonic()) * 1000) + 1)
             if state.commit_due is not None:
                 due = min(state.commit_due, state.last_commit + IDLE_COMMIT_GAP_S) \
                     if idle else state.commit_due
-                timeout = max(0, int((due - time.monotonic()) * 1000) + 1)
+                timeout = min(timeout, max(0, int((due - time.monotonic()) * 1000) + 1))
             if state.prune_due is not None:
                 timeout = min(timeout, max(0, int((state.prune_due - time.monotonic()) * 1000) + 1))
             ready = dict(poller.poll(timeout))
@@ -140,8 +142,8 @@ class Sink:
                 self._drain_signals()
             if self.ctl in ready:
                 self._drain_ctl()
-            if self.subscribers.socket in ready:
-                self.subscribers.drain()
+            if subscribers.socket in ready:
+                subscribers.drain()
             idle = True
             if streams_fd in ready:
                 idle = self._drain_streams()
@@ -156,6 +158,9 @@ class Sink:
                     state.commit()
             if state.prune_due is not None and time.monotonic() >= state.prune_due:
                 state.prune()
+            replaying = bool(state.replays) and state.serve_replays()
+            if time.monotonic() >= subscribers.ping_due:
+                subscribers.ping()
         log.info("sink: stopping; final commit")
         state.commit()
 

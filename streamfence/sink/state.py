@@ -58,10 +58,10 @@ from streamfence.protocol.internal.control import (
     stats_to_wire,
 )
 from streamfence.protocol.messages import done_event, reset_event
-from streamfence.sink.content import Content
+from streamfence.sink.content import KEEP_BYTES, Content
 from streamfence.sink.fence import AuthorizeRefusal, FenceTable, FinalVerdict, Verdict
 from streamfence.sink.store import TranscriptStore
-from streamfence.sink.subscribers import Outbox
+from streamfence.sink.subscribers import Cuts, Outbox
 from streamfence.sink.wire import Final, delta_prefix
 
 log = logging.getLogger("streamfence.sink")
@@ -78,6 +78,8 @@ PRUNE_EVERY_S = 5.0  # ... between prune transactions ...
 PRUNE_BACKLOG_S = 0.05  # ... or this, while finished calls are still due
 PRUNE_FIRST_S = 10.0  # the first one this long after start
 PRUNE_GRACE_MAX_S = 60.0
+REPLAY_BUDGET_S = 0.002  # replays: time spent per loop turn, at most ...
+REPLAY_ROWS = 8  # ... in slices of this many stored rows (each up to COMMIT_EVERY events)
 
 
 def prune_grace_s(retention_s: float) -> float:
@@ -107,20 +109,34 @@ class Publisher(Protocol):
 class Listeners(Protocol):
     """Where the calls' events go (`subscribers.Subscribers`)."""
 
-    def deliver(self, outbox: Outbox) -> None: ...
+    def deliver(self, outbox: Outbox) -> Cuts: ...
 
-    def send_event(self, subs: set[bytes], event: bytes) -> None: ...
+    def replay(self, listener: bytes, events: list[bytes]) -> int: ...
 
-    def replay(self, listener: bytes, events: list[bytes]) -> bool: ...
+    def room(self, listener: bytes) -> int: ...
+
+    def cut_off(self, listener: bytes, call_id: str, seq: int) -> None: ...
 
     def stats(self) -> dict[str, int]: ...
+
+
+class Replay:
+    """A listener's replay of one call from the transcript, served in slices
+    (`SinkState.serve_replays`): `seq` is the last seq sent; `follow`: join the
+    live feed once caught up, if the call has not ended."""
+
+    __slots__ = ("follow", "seq")
+
+    def __init__(self, seq: int, follow: bool) -> None:
+        self.seq = seq
+        self.follow = follow
 
 
 class LiveCall:
     """One call's runtime state beside its fence entry: public seq, the current
     attempt's content, events accepted but not yet stored, drops per attempt."""
 
-    __slots__ = ("add", "attempt", "call_id", "content", "drops", "model",
+    __slots__ = ("add", "attempt", "call_id", "content", "drops", "kept", "model",
                  "pending", "pending_seq", "prefix", "seq", "subs")
 
     def __init__(self, call_id: str, last_seq: int) -> None:
@@ -129,6 +145,7 @@ class LiveCall:
         self.attempt = 0  # attempt whose content is held (0: none yet)
         self.content = Content()
         self.add = self.content.add
+        self.kept = 0  # bytes of this attempt's stored events, until content.spill()
         self.prefix = b""  # encoded delta event up to "seq" for (call, attempt)
         self.subs: set[bytes] = set()  # the listeners following the call
         self.pending: list[bytes] = []
@@ -140,13 +157,13 @@ class LiveCall:
         self.attempt = attempt
         self.content = Content()
         self.add = self.content.add
+        self.kept = 0
         self.prefix = delta_prefix(self.call_id, attempt)
         self.model = model
 
     def stats(self, closed: bool) -> AttemptStats:
         c = self.content
-        # One list entry per accepted delta, and seqs are contiguous from 1.
-        accepted = len(c.text) + len(c.reasoning) + len(c.refusal) + len(c.tools) + len(c.notices)
+        accepted = c.deltas()  # seqs are contiguous from 1
         return AttemptStats(self.attempt, accepted, self.drops.get(self.attempt, 0),
                             c.visible_chars(), c.tool_fragments(), accepted, closed)
 
@@ -172,6 +189,7 @@ class SinkState:
         self.commit_due: float | None = None
         self.last_commit = 0.0
         self.outbox: Outbox = []  # events waiting for their commit, with their listeners
+        self.replays: dict[tuple[bytes, str], Replay] = {}  # (listener, call_id) -> its replay
         self.finished: deque[str] = deque()
         self.pack = msgpack.Packer(use_bin_type=True, datetime=False).pack
         self.accepted = 0
@@ -201,6 +219,9 @@ class SinkState:
             event = msgpack.unpackb(body)
             if event["op"] == "delta" and event["attempt"] == epoch:
                 live.add[event["kind"]](event["data"])
+                live.kept += len(body)
+                if live.kept >= KEEP_BYTES:
+                    live.content.spill()
 
     # ---- calls -------------------------------------------------------------------
 
@@ -231,6 +252,10 @@ class SinkState:
         for live in self.dirty:
             if live.pending:
                 self.store.add_run(live.call_id, live.pending_seq, live.attempt, live.pending)
+                if live.kept < KEEP_BYTES:  # the answer held in memory is bounded
+                    live.kept += sum(map(len, live.pending))
+                    if live.kept >= KEEP_BYTES:
+                        live.content.spill()
                 live.pending = []
         self.dirty.clear()
 
@@ -242,8 +267,31 @@ class SinkState:
         self.commit_due = None
         self.last_commit = time.monotonic()
         if self.outbox:
-            self.listeners.deliver(self.outbox)
+            cuts = self.listeners.deliver(self.outbox)
             self.outbox.clear()  # in place: the hot path holds a bound append
+            if cuts:
+                self._cut_off(cuts)
+
+    def _send_event(self, subs: set[bytes], event: bytes) -> None:
+        """One event (a reset, a done) to a call's listeners, after its commit."""
+        if subs:
+            cuts = self.listeners.deliver([(subs, event)])
+            if cuts:
+                self._cut_off(cuts)
+
+    def _cut_off(self, cuts: Cuts) -> None:
+        """Listeners that had no room for events: each stops following those
+        calls and is told the last seq it was sent (a rare path: decode)."""
+        for listener, events in cuts:
+            first: dict[str, int] = {}
+            for body in events:
+                event = msgpack.unpackb(body)
+                first.setdefault(event["call_id"], event["seq"])
+            for call_id, seq in first.items():
+                live = self.lives.get(call_id)
+                if live is not None:
+                    live.subs.discard(listener)
+                self.listeners.cut_off(listener, call_id, seq - 1)
 
     # ---- retention -------------------------------------------------------------------
 
@@ -303,7 +351,7 @@ class SinkState:
         # Durable before the ack: after a restart no epoch may be handed out twice.
         self.commit()
         if reset is not None:
-            self.listeners.send_event(live.subs, reset)
+            self._send_event(live.subs, reset)
         log.debug("sink: authorized call=%s attempt=%d reset=%s", op.call_id, op.attempt, op.reset)
         return encode_ok(op.req, stats_to_wire(prev))
 
@@ -348,7 +396,7 @@ class SinkState:
         self.store.add(op.call_id, live.seq, live.seq, epoch, "done", body)
         self.store.set_done(op.call_id, epoch, op.status.value, live.seq)
         self.commit()  # committed before anyone can see it
-        self.listeners.send_event(live.subs, body)
+        self._send_event(live.subs, body)
         live.subs = set()  # the done is the last event
         live.content = Content()  # free the text; the store has it
         live.add = live.content.add
@@ -357,26 +405,67 @@ class SinkState:
         return encode_ok(op.req, done)
 
     def _add_subscriber(self, op: AddSubscriber) -> bytes:
-        """C_SUBSCRIBE (everything accepted is committed: `handle_control`): replay
-        the stored events after `from_seq`, then, for a call that has not
-        ended, follow it. The supervisor checked that the subscriber may see it."""
+        """C_SUBSCRIBE: the listener gets the stored events after `from_seq` (a
+        replay in slices, `serve_replays`), then, for a call that has not ended,
+        follows it. It replaces the listener's earlier subscription to the call.
+        The supervisor checked that the subscriber may see it."""
         listener = op.listener.encode()
+        key = (listener, op.call_id)
+        self.replays.pop(key, None)
         view = self.fence.view(op.call_id)
         if op.live and (view is None or not view.finished):
             live = self._live(op.call_id)  # a queued call is not known here yet
-            if (op.from_seq == FROM_NOW or op.from_seq >= live.seq
-                    or self.listeners.replay(listener,
-                                             self.store.events_after(op.call_id, op.from_seq))):
-                live.subs.add(listener)  # not if the replay found it unconnected
+            live.subs.discard(listener)
+            if op.from_seq == FROM_NOW or op.from_seq >= live.seq:
+                live.subs.add(listener)
+            else:
+                self.replays[key] = Replay(op.from_seq, follow=True)
             return encode_ok(op.req, None)
         if op.from_seq == FROM_NOW:
             return encode_ok(op.req, None)  # ended: nothing comes from now on
-        events = self.store.events_after(op.call_id, op.from_seq)
-        if not events and op.from_seq == 0:
+        if op.from_seq == 0 and not self.store.events_after(op.call_id, 0, max_rows=1):
             # Pruned by retention before the journal's row: the call no longer exists.
             return encode_refused(op.req, f"unknown_call: no event of call {op.call_id} is stored")
-        self.listeners.replay(listener, events)
+        self.replays[key] = Replay(op.from_seq, follow=False)
         return encode_ok(op.req, None)
+
+    def serve_replays(self) -> bool:
+        """One slice of each replay that has room, for at most REPLAY_BUDGET_S in
+        all, so no replay holds the loop; True if one could take more now.
+
+        A replay that finds nothing more stored after its seq has caught up:
+        once everything accepted for the call is stored (a commit first, if
+        events wait), the listener joins the live feed, so it gets no gap and
+        no repeat; for an ended call the replay just ends."""
+        listeners, started = self.listeners, time.monotonic()
+        more = False
+        for key in list(self.replays):
+            if time.monotonic() - started >= REPLAY_BUDGET_S:
+                return True
+            listener, call_id = key
+            replay = self.replays.pop(key)  # put back at the end: round robin
+            if listeners.room(listener) <= 0:
+                self.replays[key] = replay
+                continue
+            events = self.store.events_after(call_id, replay.seq, max_rows=REPLAY_ROWS)
+            if events:
+                sent = listeners.replay(listener, events)
+                if sent >= 0:  # else not connected: the replay ends, nothing follows
+                    replay.seq += sent
+                    self.replays[key] = replay
+                    more = True
+                continue
+            live = self.lives.get(call_id)
+            view = self.fence.view(call_id)
+            if live is None or view is None or view.finished or not replay.follow:
+                continue  # ended: all sent
+            if live.seq > replay.seq:  # accepted, not stored yet
+                self.commit()
+                self.replays[key] = replay
+                more = True
+                continue
+            live.subs.add(listener)
+        return more
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -396,6 +485,7 @@ class SinkState:
             "pending_events": self.pending_events,
             "acks_unroutable": self.acks_unroutable,
             "subscribed_calls": sum(1 for lv in self.lives.values() if lv.subs),
+            "replays": len(self.replays),
             **self.peer.stats(),
             **self.listeners.stats(),
         }

@@ -136,10 +136,15 @@ def split_events(body: bytes) -> list[bytes]:
     return out
 
 
-def _events_after(conn: sqlite3.Connection, call_id: str, from_seq: int) -> list[bytes]:
+def _events_after(conn: sqlite3.Connection, call_id: str, from_seq: int,
+                  max_rows: int = -1) -> list[bytes]:
+    # From the row holding from_seq + 1 (found by the index, not by a scan of the
+    # call's earlier rows): a replay in slices reads each row once.
     rows = conn.execute(
-        "SELECT seq, body FROM events WHERE call_id = ? AND last_seq > ? ORDER BY seq",
-        (call_id, from_seq),
+        "SELECT seq, body FROM events WHERE call_id = ?1 AND last_seq > ?2 AND seq >= "
+        "(SELECT coalesce(max(seq), 0) FROM events WHERE call_id = ?1 AND seq <= ?2 + 1) "
+        "ORDER BY seq LIMIT ?3",
+        (call_id, from_seq, max_rows),
     ).fetchall()
     out: list[bytes] = []
     for seq, body in rows:
@@ -337,8 +342,9 @@ class TranscriptStore:
         ).fetchall()
         return [CallRow(c, int(e), None, _last_seq(self._conn, c)) for c, e in rows]
 
-    def events_after(self, call_id: str, from_seq: int = 0) -> list[bytes]:
-        return _events_after(self._conn, call_id, from_seq)
+    def events_after(self, call_id: str, from_seq: int = 0, max_rows: int = -1) -> list[bytes]:
+        """Stored events after `from_seq`, from at most `max_rows` rows (-1: all)."""
+        return _events_after(self._conn, call_id, from_seq, max_rows)
 
     def done_event(self, call_id: str) -> bytes | None:
         return _done_event(self._conn, call_id)
