@@ -24,6 +24,27 @@ INJECTED = {"chaos_workers": "worker SIGKILLs", "chaos_daemon": "daemon SIGKILL 
             "chaos_input": "forged frames to the sink's worker socket"}
 
 
+# chaos_clients: the verdict's lines that must say ok (its latency lines are
+# printed, not asserted here: issue 12's p99 bound is not met on a loaded
+# 2-core runner yet; the 60 s runs' figures are in docs/PERFORMANCE.md).
+CLIENTS_OK = ("peak RSS of the supervisor", "peak RSS of the sink", "peak RSS of the zygote",
+              "peak RSS of the worker", "slow readers", "SIGTERM during the storm",
+              "the storm happened")
+
+
+@pytest.mark.timeout(240)
+def test_chaos_clients_storm_happens_and_calls_stay_exact() -> None:
+    proc = subprocess.run([sys.executable, "-m", "scripts.chaos_clients", "--seed", "14",
+                           "--calls", "200", "--duration", "6", "--replay-deltas", "10000"],
+                          capture_output=True, text=True, timeout=220)
+    report = proc.stdout + proc.stderr[-3000:]
+    assert "verdict: PASS" in proc.stdout, report
+    lines = proc.stdout.splitlines()
+    for what in CLIENTS_OK:
+        assert any(line.strip().startswith(f"ok   {what}") for line in lines), report
+    assert any("latency of a well-behaved client" in line for line in lines), report
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("script", sorted(RUNS))
 def test_chaos_script_passes(script: str) -> None:

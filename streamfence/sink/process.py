@@ -62,6 +62,7 @@ from streamfence.sink.subscribers import Subscribers
 from streamfence.sink.wire import KIND_TAIL, TOOL_CALL, parse_final
 
 CTL_BURST = 100
+IDLE_POLL_MS = 60_000  # nothing due: the loop is event driven (signals wake it)
 
 _ACCEPT = Verdict.ACCEPT
 _PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException)
@@ -130,7 +131,7 @@ class Sink:
         subscribers = self.subscribers
         replaying = False  # a replay could take more at the end of the last turn
         while not self._stopping:
-            timeout = 0 if replaying else \
+            timeout = 0 if replaying else IDLE_POLL_MS if not subscribers.outstanding else \
                 max(0, int((subscribers.ping_due - time.monotonic()) * 1000) + 1)
             if state.commit_due is not None:
                 due = min(state.commit_due, state.last_commit + IDLE_COMMIT_GAP_S) \
@@ -160,7 +161,7 @@ class Sink:
             if state.prune_due is not None and time.monotonic() >= state.prune_due:
                 state.prune()
             replaying = bool(state.replays) and state.serve_replays()
-            if time.monotonic() >= subscribers.ping_due:
+            if subscribers.outstanding and time.monotonic() >= subscribers.ping_due:
                 subscribers.ping()
         log.info("sink: stopping; final commit")
         state.commit()

@@ -62,7 +62,9 @@ log = logging.getLogger("streamfence.sink")
 
 WINDOW_BYTES = 4 << 20  # unacknowledged bytes one listener may have
 BUFFER_BYTES = 256 << 20  # ... and all listeners together
-SEND_HWM = 100_000  # messages queued per listener (more than a window of small frames)
+# Frames queued per listener: far more than an acking client lets pile up (it
+# acks every 64 KiB or 50 ms), and with BATCH_BYTES the bound for one that lies.
+SEND_HWM = 1024
 BATCH_MAX = 4096  # events per frame at most ...
 BATCH_BYTES = 256 << 10  # ... and about this many bytes
 MAX_LISTEN_FRAME = 4096  # what a client may send here: `listen`, `ack`

@@ -1,0 +1,404 @@
+"""Chaos: heavy and hostile clients, all at once, against a daemon serving normal calls.
+
+    python -m scripts.chaos_clients [--seed N] [--calls 2000] [--duration 60]
+
+The daemon starts with an open-files soft limit of 1,024 (it raises its own).
+For --duration seconds, beside a load of normal calls (the verdict's):
+- replay storms: listeners that subscribe again and again from seq 0 to a
+  long finished call of their own, and never read;
+- subscribers that never read, on streams of 8 MB;
+- slow readers (the client library, a pause per event) on streams of 3 MB;
+- giant submits (12 MB requests) and many submits (1 MB requests, pipelined);
+- 2,000 idle connections: half authenticated ZeroMQ peers, half raw socket
+  connections that never speak (opened again when the daemon closes them).
+A well-behaved client meanwhile times `status` and `submit`. Then, with the
+storm still on, the daemon gets SIGTERM.
+
+Verdict: every normal call completes exactly; each slow reader got its
+whole answer, subscribing again at most a few times; `status` and `submit`
+p99 under 50 ms; the RSS of each daemon process under its bound
+(docs/SECURITY.md, "Limits"); the daemon exits within stop_grace_s of
+SIGTERM; and the storm really happened (the attackers' counts, and the
+sink's cut-offs). Loopback only; every loop ends with --duration.
+"""
+
+from __future__ import annotations
+
+import random
+import resource
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import psutil
+import zmq
+
+from scripts.chaos_common import ChaosState, chaos_run, parser, run_load, seeded, verdict
+from streamfence.protocol.client import Client
+from streamfence.protocol.credentials import Credentials
+from streamfence.protocol.keys import KeyStore
+from streamfence.protocol.messages import events_endpoint
+
+MIB = 1 << 20
+# The documented bounds (docs/SECURITY.md, "Limits"), per process.
+RSS_BOUND = {"supervisor": 512 * MIB, "sink": 512 * MIB, "zygote": 256 * MIB,
+             "worker": 256 * MIB}
+P99_BOUND_S = 0.050
+STOP_GRACE_S = 10.0
+SLOW_RESUBSCRIBES_MAX = 4
+
+
+def steps(rng: random.Random) -> list[dict[str, Any]]:
+    return [{"fault": "ok", "chunks": rng.randint(10, 40),
+             "chunk_delay_s": rng.uniform(0.005, 0.02)}]
+
+
+def options(rng: random.Random) -> dict[str, Any]:
+    return {}
+
+
+def _request(key: str, content: str = "hi") -> dict[str, Any]:
+    return {"model": f"gpt-emu#{key}", "messages": [{"role": "user", "content": content}]}
+
+
+def _submit(ref: str, key: str, listener: str | None, content: str = "hi") -> bytes:
+    msg: dict[str, Any] = {"v": 1, "op": "submit", "ref": ref,
+                           "call": {"provider": "emu", "request": _request(key, content)}}
+    if listener is not None:
+        msg["listener"] = listener
+    return msgpack.packb(msg)
+
+
+class Raw:
+    """A hostile client on raw sockets: requests, and an events connection it
+    may never read."""
+
+    def __init__(self, ctx: zmq.Context[Any], state: ChaosState, creds: Credentials) -> None:
+        self.listener = uuid.uuid4().hex
+        self.req = ctx.socket(zmq.DEALER)
+        self.events = ctx.socket(zmq.DEALER)
+        self.events.setsockopt(zmq.ROUTING_ID, self.listener.encode())
+        for sock, where in ((self.req, state.daemon.endpoint),
+                            (self.events, events_endpoint(state.daemon.endpoint))):
+            sock.linger = 0
+            sock.sndhwm = 1000
+            creds.apply(sock)
+            sock.connect(where)
+        self.events.send(msgpack.packb({"v": 1, "op": "listen"}))
+
+    def replies(self, timeout_ms: int = 0) -> list[dict[str, Any]]:
+        out = []
+        if self.req.poll(timeout_ms):
+            while True:
+                try:
+                    out.append(msgpack.unpackb(self.req.recv(zmq.NOBLOCK)))
+                except zmq.Again:
+                    return out
+        return out
+
+    def close(self) -> None:
+        self.req.close()
+        self.events.close()
+
+
+class Storm:
+    def __init__(self, state: ChaosState, rng: random.Random, duration: float) -> None:
+        self.state, self.rng = state, rng
+        self.stop = threading.Event()
+        self.stopping = threading.Event()  # SIGTERM was sent
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.ctx.max_sockets = 8192
+        keys = KeyStore(state.daemon.state_dir / "keys")
+        self.creds = {name: keys.register(name, state.daemon.endpoint)
+                      for name in ("replayer", "silent", "slow", "giant", "many", "idle")}
+        self.latency: dict[str, list[float]] = {"status": [], "submit": []}
+        self.slow: list[tuple[bool, int]] = []  # (answer exact, subscribes) per slow call
+        self.threads: list[threading.Thread] = []
+        self.duration = duration
+
+    def spawn(self, target: Callable[..., None], *args: Any) -> None:
+        t = threading.Thread(target=self._guard, args=(target, *args), daemon=True)
+        self.threads.append(t)
+        t.start()
+
+    def _guard(self, target: Callable[..., None], *args: Any) -> None:
+        try:
+            target(*args)
+        except Exception as exc:  # an attacker's failure is reported, never hidden
+            if not self.stopping.is_set():  # (after SIGTERM the daemon says shutting_down)
+                self.state.count(f"attacker error {type(exc).__name__}: {str(exc)[:80]}")
+
+    # ---- the attackers -------------------------------------------------------------
+
+    def replay_storm(self, listeners: int, deltas: int) -> None:
+        key = f"long-{uuid.uuid4().hex[:8]}"
+        self.state.emu.script(key, [{"fault": "ok", "chunks": deltas, "text": "t " * deltas}])
+        with Client(self.state.daemon.endpoint, 120.0, credentials=self.creds["replayer"]) as c:
+            call_id = c.run("emu", _request(key), timeout_s=300.0)["call_id"]
+        raws = [Raw(self.ctx, self.state, self.creds["replayer"]) for _ in range(listeners)]
+        try:
+            while not self.stop.wait(0.002):
+                raw = self.rng.choice(raws)
+                try:
+                    raw.req.send(msgpack.packb(
+                        {"v": 1, "op": "subscribe", "ref": uuid.uuid4().hex, "call_id": call_id,
+                         "from_seq": 0, "listener": raw.listener}), zmq.NOBLOCK)
+                    self.state.count("replay subscribes from seq 0 (never read)")
+                except zmq.Again:
+                    pass
+                raw.replies()
+        finally:
+            for raw in raws:
+                raw.close()
+
+    def silent_subscribers(self, n: int) -> None:
+        raws = [Raw(self.ctx, self.state, self.creds["silent"]) for _ in range(n)]
+        try:
+            while not self.stop.is_set():
+                for raw in raws:
+                    key = f"silent-{uuid.uuid4().hex[:8]}"
+                    self.state.emu.script(key, [{"fault": "ok", "chunks": 2000,
+                                                 "text": "s" * (8 * MIB)}])
+                    raw.req.send(_submit(uuid.uuid4().hex, key, raw.listener))
+                    self.state.count("8 MB streams to subscribers that never read")
+                    raw.replies()
+                self.stop.wait(5.0)
+        finally:
+            for raw in raws:
+                raw.close()
+
+    def slow_reader(self) -> None:
+        with Client(self.state.daemon.endpoint, 10.0, credentials=self.creds["slow"]) as c:
+            while not self.stop.is_set():
+                key = f"slow-{uuid.uuid4().hex[:8]}"
+                text = "".join(chr(97 + i % 26) for i in range(1023)) * 3000
+                self.state.emu.script(key, [{"fault": "ok", "chunks": 3000, "text": text}])
+                before = c._core.subscribes
+                call_id = c.submit("emu", _request(key))
+                got = []
+                for event in c.events(call_id, timeout_s=60.0):
+                    if event["op"] == "delta":
+                        got.append(event["data"])
+                        time.sleep(0.001)  # the slow consumer itself, not a synchronization
+                self.slow.append(("".join(got) == text, c._core.subscribes - before))
+                self.state.count("slow readers' calls")
+
+    def submits(self, who: str, size: int, pipeline: int) -> None:
+        raw = Raw(self.ctx, self.state, self.creds[who])
+        body = "g" * size
+        outstanding = 0
+        try:
+            while not self.stop.is_set():
+                while outstanding < pipeline:
+                    key = f"{who}-{uuid.uuid4().hex[:8]}"
+                    self.state.emu.script(key, [{"fault": "ok", "chunks": 2}])
+                    raw.req.send(_submit(uuid.uuid4().hex, key, None, body))
+                    outstanding += 1
+                for reply in raw.replies(100):
+                    outstanding -= 1
+                    what = reply.get("code") if reply.get("op") == "error" else reply.get("op")
+                    self.state.count(f"{size // MIB} MB submits: {what}")
+        finally:
+            raw.close()
+
+    def idle_connections(self, n: int) -> None:
+        path = self.state.daemon.endpoint.removeprefix("ipc://")
+        peers = []
+        for _ in range(n // 2):
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            self.creds["idle"].apply(sock)
+            sock.connect(self.state.daemon.endpoint)
+            peers.append(sock)
+        self.state.count("idle authenticated connections", len(peers))
+        raw: list[socket.socket] = []
+        try:
+            while not self.stop.is_set():
+                raw = [s for s in raw if _open(s)]
+                while len(raw) < n - n // 2:
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    s.setblocking(False)
+                    try:
+                        s.connect(path)
+                    except OSError:
+                        s.close()
+                        break
+                    raw.append(s)
+                    self.state.count("raw connections that never speak")
+                self.stop.wait(0.5)
+        finally:
+            for s in raw:
+                s.close()
+            for sock in peers:
+                sock.close()
+
+    # ---- the well-behaved client ------------------------------------------------------
+
+    def probe(self) -> None:
+        with self.state.daemon.client(timeout_s=10.0) as c:
+            n = 0
+            while not self.stop.wait(0.02):
+                n += 1
+                t0 = time.perf_counter()
+                c.status()
+                self.latency["status"].append(time.perf_counter() - t0)
+                if n % 5 == 0:
+                    key = f"probe-{uuid.uuid4().hex[:8]}"
+                    self.state.emu.script(key, [{"fault": "ok", "chunks": 2}])
+                    t0 = time.perf_counter()
+                    c.submit("emu", _request(key), subscribe=False)
+                    self.latency["submit"].append(time.perf_counter() - t0)
+
+
+def _open(s: socket.socket) -> bool:
+    try:
+        if s.recv(1, socket.MSG_PEEK) == b"":
+            s.close()
+            return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        s.close()
+        return False
+    return True
+
+
+def _rss(sup: int, roles: dict[int, str], peak: dict[str, int]) -> None:
+    try:
+        procs = [psutil.Process(sup), *psutil.Process(sup).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            rss = p.memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+        role = roles.get(p.pid, "worker")
+        peak[role] = max(peak.get(role, 0), rss)
+
+
+def _p99(values: list[float]) -> float:
+    if not values:
+        return float("inf")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+def main() -> int:
+    p = parser(__doc__.split("\n\n")[0], calls=2000, duration=60.0)
+    p.add_argument("--replay-deltas", type=int, default=200_000,
+                   help="deltas of the long call the replay storm subscribes to")
+    p.add_argument("--idle", type=int, default=2000, help="idle connections held")
+    p.add_argument("--skip", default="", help="attackers left out, comma separated: "
+                   "idle,replay,silent,slow,giant,many")
+    args = p.parse_args()
+    args.concurrency = min(args.concurrency, 8)
+    rng = seeded(args)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))  # the daemon inherits it
+    with chaos_run({"workers_max": args.workers_max, "stop_grace_s": STOP_GRACE_S}) as state:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # ours: the idle connections
+        sup = state.daemon.proc.pid if state.daemon.proc else 0
+        with state.daemon.client() as admin:
+            roles = {pid: role for role, pid in admin.status()["processes"].items()}
+        storm = Storm(state, random.Random(rng.random()), args.duration)
+        peak: dict[str, int] = {}
+        sampling = threading.Event()
+
+        def sample() -> None:
+            while not sampling.wait(0.25):
+                _rss(sup, roles, peak)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        skip = set(filter(None, args.skip.split(",")))
+        attackers: dict[str, list[tuple[Callable[..., None], tuple[Any, ...]]]] = {
+            "idle": [(storm.idle_connections, (args.idle,))],
+            "replay": [(storm.replay_storm, (30, args.replay_deltas))],
+            "silent": [(storm.silent_subscribers, (5,))],
+            "slow": [(storm.slow_reader, ())] * 3,
+            "giant": [(storm.submits, ("giant", 12 * MIB, 4))],
+            "many": [(storm.submits, ("many", 1 * MIB, 20))],
+        }
+        for name, runs in attackers.items():
+            for target, targs in runs if name not in skip else []:
+                storm.spawn(target, *targs)
+        args.skipped = skip
+        storm.spawn(storm.probe)
+        run_load(state, args, rng, steps, options)
+        with state.daemon.client(timeout_s=10.0) as admin:
+            sink = admin.status()["sink"]
+        # SIGTERM with the storm still on.
+        t0 = time.monotonic()
+        stopped_in = None
+        storm.stopping.set()
+        if state.daemon.proc is not None:
+            state.daemon.proc.send_signal(signal.SIGTERM)
+            try:
+                state.daemon.proc.wait(timeout=STOP_GRACE_S + 5)
+                stopped_in = time.monotonic() - t0
+            except Exception:
+                stopped_in = None
+        storm.stop.set()
+        sampling.set()
+        for t in storm.threads:
+            t.join(timeout=30)
+        sampler.join(timeout=5)
+        storm.ctx.destroy(linger=0)
+        ok = verdict(state, "chaos_clients: heavy and hostile clients, all at once")
+        checks = _checks(storm, peak, sink, stopped_in, args)
+    return 0 if ok and all(checks) else 1
+
+
+def _checks(storm: Storm, peak: dict[str, int], sink: dict[str, Any],
+            stopped_in: float | None, args: Any) -> list[bool]:
+    checks = []
+
+    def check(what: str, good: bool) -> None:
+        checks.append(good)
+        print(f"  {'ok  ' if good else 'FAIL'} {what}")
+
+    print("  sink: events_cut_offs = {events_cut_offs}, replays = {replays}, "
+          "events_unacked_bytes = {events_unacked_bytes}".format(**sink))
+    for what in ("status", "submit"):
+        values = storm.latency[what]
+        p50 = sorted(values)[len(values) // 2] if values else float("inf")
+        check(f"{what} latency of a well-behaved client: p50 {p50 * 1000:.1f} ms, "
+              f"p99 {_p99(values) * 1000:.1f} ms over {len(values)} (bound "
+              f"{P99_BOUND_S * 1000:.0f} ms)", _p99(values) < P99_BOUND_S)
+    for role in ("supervisor", "sink", "zygote", "worker"):
+        got = peak.get(role, 0)
+        check(f"peak RSS of the {role}: {got / MIB:.0f} MiB (bound {RSS_BOUND[role] // MIB} MiB)",
+              0 < got <= RSS_BOUND[role])
+    slow_ok = [exact for exact, _ in storm.slow]
+    resubs = [n for _, n in storm.slow]
+    check(f"slow readers: {sum(slow_ok)} of {len(slow_ok)} answers exact, subscribes again "
+          f"per call at most {max(resubs, default=0)} (bound {SLOW_RESUBSCRIBES_MAX})",
+          "slow" in args.skipped
+          or (bool(slow_ok) and all(slow_ok) and max(resubs) <= SLOW_RESUBSCRIBES_MAX))
+    check(f"SIGTERM during the storm: exited in "
+          f"{'never' if stopped_in is None else f'{stopped_in:.1f} s'} (stop_grace_s "
+          f"{STOP_GRACE_S:g})", stopped_in is not None and stopped_in <= STOP_GRACE_S)
+    faults = storm.state.faults
+    skip = args.skipped
+    check("the storm happened (replay subscribes, cut-offs, refused giant submits, "
+          f"{args.idle} idle connections; skipped: {','.join(sorted(skip)) or 'none'})",
+          ("replay" in skip or faults.get("replay subscribes from seq 0 (never read)", 0) > 0)
+          and ("silent" in skip or sink["events_cut_offs"] > 0)
+          and ("giant" in skip or any(k.startswith("12 MB submits: ")
+                                      and not k.endswith("accepted") for k in faults))
+          and ("idle" in skip or faults.get("idle authenticated connections", 0)
+               + faults.get("raw connections that never speak", 0) >= args.idle)
+          and not any(k.startswith("attacker error") for k in faults))
+    print(f"  verdict (limits): {'PASS' if all(checks) else 'FAIL'}")
+    return checks
+
+
+if __name__ == "__main__":
+    sys.exit(main())
