@@ -18,7 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
+import msgpack
 import pytest
+import zmq
 
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
@@ -41,12 +43,16 @@ from tests.wires import profile_for, request_for
 PAD = 10_000  # a request's text: ~10 KB on the wire
 BUDGET = 25_000  # in_flight_bytes_max: two such requests fit, a third does not
 HEAVY_MAX = 15_000  # heavy's max_in_flight_bytes: one fits, two do not
+TRICKLE_RATE = 5_000  # trickle's submit_bytes_per_s: one ~10 KB request, then a wait
 STALL = {"fault": "stall", "after": 1, "stall_s": 60.0}
 IDENTITIES = f"""
 [identities.heavy]
 max_in_flight_bytes = {HEAVY_MAX}
 
 [identities.light]
+
+[identities.trickle]
+submit_bytes_per_s = {TRICKLE_RATE}
 """
 
 
@@ -165,6 +171,48 @@ def test_identity_budget_refuses_too_many_calls_others_go_on(daemon: DaemonProce
         assert done is not None and done["status"] == "completed", done
     assert emu.log("b-never") == []
     assert _counter(daemon, "refused_bytes.max_in_flight_bytes") == refused_before + 1
+
+
+def test_identity_byte_rate_refuses_rate_limited_with_the_wait(daemon: DaemonProcess,
+                                                               emu: EmulatorClient) -> None:
+    """`submit_bytes_per_s`: a burst of one request, then `rate_limited` naming
+    the wait; another identity is not slowed."""
+    refused_before = _counter(daemon, "refused_bytes.submit_bytes_per_s")
+    trickle = _register(daemon, "trickle")
+    with Client(daemon.endpoint, credentials=trickle, timeout_s=10.0) as t:
+        emu.script("c-first", [{"fault": "ok", "chunks": 2}])
+        first = t.submit("emu", _request("c-first"), subscribe=False)
+        exc = _refusal(t, _request("c-never"))
+        assert exc.code == "rate_limited", exc
+        assert exc.message.startswith("'trickle' may submit 4.8 KiB of requests per second "
+                                      "(submit_bytes_per_s); retry in "), exc.message
+        wait_s = float(exc.message.rsplit("retry in ", 1)[1].rstrip("s"))
+        assert 1.0 < wait_s <= 2.5, exc.message  # ~10 KB at 5 KB/s
+        done = t.result(first, wait_s=10.0)
+        assert done is not None and done["status"] == "completed", done
+    with daemon.client() as admin:  # the local identity's default rate is 4 MiB/s
+        emu.script("c-other", [{"fault": "ok", "chunks": 2}])
+        admin.submit("emu", _request("c-other"), subscribe=False)
+    assert emu.log("c-never") == []
+    assert _counter(daemon, "refused_bytes.submit_bytes_per_s") == refused_before + 1
+
+
+def test_a_large_submit_over_a_limit_is_refused_before_it_is_read(daemon: DaemonProcess) -> None:
+    """A frame of 100 KB whose body after its first bytes is not even msgpack:
+    decoded, it would be `bad_frame`; it is refused `overloaded` with its ref,
+    from its size and its first bytes alone."""
+    prefix = encode({"v": 1, "op": "submit", "ref": "early-1"})[1:]  # the map's pairs
+    frame = b"\x84" + prefix + encode("call") + b"\xc1" * 100_000  # 0xc1: never valid
+    ctx = zmq.Context.instance()
+    sock = daemon.socket(ctx)
+    try:
+        sock.send(frame)
+        assert sock.poll(10_000), "no reply to a 100 KB submit over the budget within 10 s"
+        reply = msgpack.unpackb(sock.recv())
+    finally:
+        sock.close(linger=0)
+    assert (reply["op"], reply["ref"], reply["code"]) == ("error", "early-1", "overloaded"), reply
+    assert "can never be accepted" in reply["message"], reply
 
 
 class _Sink:

@@ -330,7 +330,8 @@ class Daemon:
             if user is None:
                 p.counters["refused.unauthenticated"] += 1
                 continue  # a revoked key: no reply, as for a key never registered
-            p.front.handle([f.bytes for f in frames], user)
+            # The body as a view: a large one refused unread is never copied.
+            p.front.handle([frames[0].bytes, *(f.buffer for f in frames[1:])], user)
 
     def _log_ready(self, pool: Pool) -> None:
         if not self._ready_logged and self._zygote_ready:

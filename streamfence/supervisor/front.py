@@ -15,13 +15,16 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
+
+import msgpack
 
 from streamfence.protocol.codec import decode_untrusted
 from streamfence.protocol.errors import ErrorCode, ProtocolError
 from streamfence.protocol.messages import (
+    MAX_REF_LEN,
     Cancel,
     Result,
     Status,
@@ -44,6 +47,9 @@ from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.requests import check_request
 from streamfence.supervisor.sinklink import Refused, SinkLink, SinkLost
 from streamfence.supervisor.timeouts import attempt_timeouts
+
+EARLY_CHECK_BYTES = 64 << 10  # a submit this large meets its byte limits before it is decoded
+PEEK_BYTES = 512  # where its op and ref are looked for
 
 log = logging.getLogger("streamfence.front")
 
@@ -78,6 +84,7 @@ class Front:
         self._accepts: list[tuple[bytes, dict[str, Any], Subscribe | None]] = []
         self._idem_in_turn: dict[tuple[str, str], str] = {}
         self._rate = SubmitRate(clock)
+        self._byte_rate = SubmitRate(clock)  # request bytes per second, per identity
         self.accepting = True
         self._counters = counters
 
@@ -87,23 +94,28 @@ class Front:
         self._clients.send(identity, error_msg(ref, code, message))
 
     # ---- one frame ---------------------------------------------------------
-    def handle(self, frames: list[bytes], user: Identity) -> None:
-        """One client message from `user` (the identity its key is registered as)."""
-        identity = frames[0]
+    def handle(self, frames: Sequence[bytes | memoryview], user: Identity) -> None:
+        """One client message from `user` (the identity its key is registered as):
+        its routing id, then its frames (views of the received buffers)."""
+        identity = bytes(frames[0])
         if len(frames) != 2:
             self._error(identity, None, ErrorCode.BAD_FRAME,
                         f"a request must be exactly one frame, got {len(frames) - 1}")
             return
+        body = frames[1]
+        if len(body) >= EARLY_CHECK_BYTES and self._refused_unread(identity, user, body):
+            return
+        body = bytes(body)
         obj: Any = None
         try:
-            obj = decode_untrusted(frames[1], self._config.max_frame_bytes)
+            obj = decode_untrusted(body, self._config.max_frame_bytes)
             request = parse_request(obj)
         except ProtocolError as exc:
             self._error(identity, ref_of(obj), exc.code, exc.message)
             return
         try:
             if isinstance(request, Submit):
-                self._submit(identity, user, request, len(frames[1]))
+                self._submit(identity, user, request, len(body))
             elif isinstance(request, Status):
                 ref = request.ref
                 self._status(user, lambda body: self._clients.send(
@@ -187,6 +199,10 @@ class Front:
                         f"{user.name!r} may submit {user.submits_per_s:g} calls per second; "
                         f"retry in {wait_s:.2f}s")
             return
+        wait_s = self._byte_rate.admit(user.name, user.submit_bytes_per_s, size)
+        if wait_s is not None:
+            self._byte_rate_refused(identity, user, req.ref, wait_s)
+            return
         try:
             request = check_request(profile.kind, spec.request, user.caps)
         except ProtocolError as exc:
@@ -209,6 +225,37 @@ class Front:
         self._counters["calls_accepted"] += 1
         self._accepts.append((identity, accepted_msg(req.ref, call_id),
                               self._subscription(req, call_id)))
+
+    def _refused_unread(self, identity: bytes, user: Identity, frame: bytes | memoryview) -> bool:
+        """Refuse a large submit over a byte limit before decoding it: a client
+        that sends giant requests again and again must not cost the loop their
+        decoding (the checks are _submit's, whose byte rate takes the tokens)."""
+        op, ref = _peek_op_ref(frame)
+        if op != "submit":
+            return False
+        size = len(frame)
+        refusal = self._over_in_flight_bytes(size)
+        if refusal is not None:
+            self._counters["refused_bytes.in_flight_bytes_max"] += 1
+            self._error(identity, ref, ErrorCode.OVERLOADED, refusal)
+            return True
+        refusal = self._over_max_in_flight_bytes(user, size)
+        if refusal is not None:
+            self._counters["refused_bytes.max_in_flight_bytes"] += 1
+            self._error(identity, ref, ErrorCode.TOO_MANY_CALLS, refusal)
+            return True
+        wait_s = self._byte_rate.wait(user.name, user.submit_bytes_per_s, size)
+        if wait_s is not None:
+            self._byte_rate_refused(identity, user, ref, wait_s)
+            return True
+        return False
+
+    def _byte_rate_refused(self, identity: bytes, user: Identity, ref: str | None,
+                           wait_s: float) -> None:
+        self._counters["refused_bytes.submit_bytes_per_s"] += 1
+        self._error(identity, ref, ErrorCode.RATE_LIMITED,
+                    f"{user.name!r} may submit {_size(int(user.submit_bytes_per_s))} of requests "
+                    f"per second (submit_bytes_per_s); retry in {wait_s:.2f}s")
 
     def _over_in_flight_bytes(self, size: int) -> str | None:
         """Why a request of `size` bytes would pass the daemon's byte budget
@@ -305,6 +352,28 @@ class Front:
         self._clients.send(identity, {"v": 1, "op": "cancelling", "ref": req.ref,
                                       "call_id": req.call_id})
         self._driver.cancel(req.call_id)
+
+
+def _peek_op_ref(frame: bytes | memoryview) -> tuple[Any, str | None]:
+    """The `op` and `ref` of a request map, read from its first bytes only
+    (clients put them before `call`); (None, None) if they are not there."""
+    unpacker = msgpack.Unpacker(raw=False, max_str_len=PEEK_BYTES, max_bin_len=PEEK_BYTES,
+                                max_array_len=64, max_map_len=64)
+    unpacker.feed(frame[:PEEK_BYTES])
+    found: dict[str, Any] = {}
+    try:
+        for _ in range(min(unpacker.read_map_header(), 16)):
+            key = unpacker.unpack()
+            if key in ("op", "ref"):
+                found[key] = unpacker.unpack()
+                if len(found) == 2:
+                    break
+            else:
+                unpacker.skip()
+    except (msgpack.OutOfData, ValueError, TypeError, msgpack.UnpackException):
+        pass
+    ref = found.get("ref")
+    return found.get("op"), ref if isinstance(ref, str) and len(ref) <= MAX_REF_LEN else None
 
 
 def _size(n: int) -> str:

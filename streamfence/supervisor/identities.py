@@ -11,11 +11,13 @@ limit what each identity may do:
     max_in_flight = 8          # calls accepted and not yet done (0: no limit)
     max_in_flight_bytes = 67108864  # their requests' bytes (default 64 MiB; 0: no limit)
     submits_per_s = 5          # sustained submit rate, bursts of as many (0: no limit)
+    submit_bytes_per_s = 4194304  # request bytes per second (default 4 MiB/s; bursts of
+                               # a second's worth or one request; 0: no limit)
     max_tokens = 4096          # cap on the wire's output-token limit (0: none)
     n = 1                      # cap on OpenAI's `n` (0: none)
 
 A registered key without a table gets the defaults (role "client", no
-limits but `max_in_flight_bytes`, 64 MiB). The daemon's own user's
+limits but `max_in_flight_bytes`, 64 MiB, and `submit_bytes_per_s`, 4 MiB/s). The daemon's own user's
 identity, `local`, is an admin unless a table says otherwise. `SubmitRate`
 is the token bucket behind `submits_per_s`.
 """
@@ -30,6 +32,12 @@ from typing import Any
 from streamfence.protocol.credentials import LOCAL_NAME
 
 DEFAULT_MAX_IN_FLIGHT_BYTES = 64 * 1024 * 1024
+# Request bytes an identity may submit per second: the supervisor decodes,
+# checks and journals (with an fsync) every byte in its one loop, so one
+# client's giant requests must not take it from the others.
+DEFAULT_SUBMIT_BYTES_PER_S = 4 * 1024 * 1024
+_DEFAULTS = {"max_in_flight_bytes": DEFAULT_MAX_IN_FLIGHT_BYTES,
+             "submit_bytes_per_s": DEFAULT_SUBMIT_BYTES_PER_S}
 
 
 class Role(StrEnum):
@@ -45,6 +53,7 @@ class Identity:
     max_in_flight: int = 0
     max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES
     submits_per_s: float = 0.0
+    submit_bytes_per_s: float = DEFAULT_SUBMIT_BYTES_PER_S
     caps: Mapping[str, int] = field(default_factory=dict)  # request field caps
 
     @property
@@ -56,7 +65,7 @@ class Identity:
 
 
 _KEYS = {"role", "providers", "max_in_flight", "max_in_flight_bytes", "submits_per_s",
-         "max_tokens", "n"}
+         "submit_bytes_per_s", "max_tokens", "n"}
 
 
 def parse_identities(tables: Any, where: str,
@@ -80,12 +89,12 @@ def parse_identities(tables: Any, where: str,
                 isinstance(p, str) for p in providers)):
             raise error(f"{at}.providers: must be a list of profile names")
         numbers: dict[str, float] = {}
-        for key in ("max_in_flight", "max_in_flight_bytes", "submits_per_s", "max_tokens", "n"):
-            value = table.get(key, DEFAULT_MAX_IN_FLIGHT_BYTES if key == "max_in_flight_bytes"
-                              else 0)
+        for key in ("max_in_flight", "max_in_flight_bytes", "submits_per_s",
+                    "submit_bytes_per_s", "max_tokens", "n"):
+            value = table.get(key, _DEFAULTS.get(key, 0))
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise error(f"{at}.{key}: must be a number >= 0, got {value!r}")
-            if key != "submits_per_s" and not isinstance(value, int):
+            if key not in ("submits_per_s", "submit_bytes_per_s") and not isinstance(value, int):
                 raise error(f"{at}.{key}: must be a whole number, got {value!r}")
             numbers[key] = value
         out[name] = Identity(
@@ -94,6 +103,7 @@ def parse_identities(tables: Any, where: str,
             max_in_flight=int(numbers["max_in_flight"]),
             max_in_flight_bytes=int(numbers["max_in_flight_bytes"]),
             submits_per_s=float(numbers["submits_per_s"]),
+            submit_bytes_per_s=float(numbers["submit_bytes_per_s"]),
             caps={k: int(numbers[k]) for k in ("max_tokens", "n") if numbers[k]})
     return out
 
@@ -107,23 +117,35 @@ def identity_named(name: str, configured: Mapping[str, Identity]) -> Identity:
 
 
 class SubmitRate:
-    """Token buckets per identity: `rate` submits per second, bursts of
-    max(1, rate). `admit` is O(1) and needs no timer."""
+    """Token buckets per identity: `rate` per second (submits, or bytes with
+    `cost`), bursts of a second's worth (or of one submit's cost, if more).
+    `admit` is O(1) and needs no timer."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._buckets: dict[str, tuple[float, float]] = {}  # name -> (tokens, at)
 
-    def admit(self, name: str, rate: float) -> float | None:
-        """None if a submit may go now (and take a token), else the seconds to wait."""
+    def admit(self, name: str, rate: float, cost: float = 1.0) -> float | None:
+        """None if a submit costing `cost` may go now (and take its tokens),
+        else the seconds to wait."""
         if rate <= 0:
             return None
-        burst = max(1.0, rate)
-        now = self._clock()
-        tokens, at = self._buckets.get(name, (burst, now))
-        tokens = min(burst, tokens + (now - at) * rate)
-        if tokens >= 1.0:
-            self._buckets[name] = (tokens - 1.0, now)
+        tokens, now = self._tokens(name, rate, cost)
+        if tokens >= cost:
+            self._buckets[name] = (tokens - cost, now)
             return None
         self._buckets[name] = (tokens, now)
-        return (1.0 - tokens) / rate
+        return (cost - tokens) / rate
+
+    def wait(self, name: str, rate: float, cost: float = 1.0) -> float | None:
+        """What `admit` would answer, taking nothing."""
+        if rate <= 0:
+            return None
+        tokens, _ = self._tokens(name, rate, cost)
+        return None if tokens >= cost else (cost - tokens) / rate
+
+    def _tokens(self, name: str, rate: float, cost: float) -> tuple[float, float]:
+        burst = max(1.0, cost, rate)
+        now = self._clock()
+        tokens, at = self._buckets.get(name, (burst, now))
+        return min(burst, tokens + (now - at) * rate), now
