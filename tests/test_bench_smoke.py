@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_bench_quick_smoke() -> None:
     # The sink + producers (throughput) and the real daemon + emulator
     # (failover): the two kinds of set-up every section is built from.

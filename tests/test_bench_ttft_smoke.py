@@ -11,6 +11,7 @@ from scripts.bench import capacity, report, ttft
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.timeout(180)
 def test_ttft_section_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ttft, "REPEAT_MIN", 4)  # the "again" burst too, on 4 calls
@@ -26,6 +27,7 @@ def test_ttft_section_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.timeout(180)
 def test_capacity_section_smoke() -> None:
     sec = capacity.run(True, 1, top=4, chunks=5, bound_s=30.0)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 RUNS = {
     # Short on purpose (CI's 15 minutes): each still injects its fault many times

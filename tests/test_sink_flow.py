@@ -140,9 +140,11 @@ def test_a_live_subscriber_a_window_behind_is_cut_off_and_resumes_with_no_gap_or
     assert [e["seq"] for e in sink.transcript(call)] == list(range(1, n + 2))
 
 
-def test_a_replay_waits_for_acks_and_is_never_cut_off(sink: SinkUnderTest) -> None:
-    call, sup, n = "replayed", sink.sup, 200
-    sup.followed.add(call)  # stored only: the harness's listener does not follow it
+def _stored(sink: SinkUnderTest, call: str, n: int) -> zmq.Socket[bytes]:
+    """A call of `n` big deltas, ended and stored, that no listener follows;
+    the worker socket that wrote it."""
+    sup = sink.sup
+    sup.followed.add(call)  # the harness's listener does not follow it
     sup.ok(C_AUTHORIZE, call, 1, False)
     worker = sink.worker()
     for seq in range(1, n + 1):
@@ -150,6 +152,12 @@ def test_a_replay_waits_for_acks_and_is_never_cut_off(sink: SinkUnderTest) -> No
     worker.send(final(call, 1, n))
     assert recv_ack(worker)[3] is True
     sup.ok(C_FINISH, call, "completed", None, 1, {"finish_reason": "stop"})
+    return worker
+
+
+def test_a_replay_waits_for_acks_and_is_never_cut_off(sink: SinkUnderTest) -> None:
+    call, sup, n = "replayed", sink.sup, 200
+    worker = _stored(sink, call, n)
 
     reader = RawListener(sink)
     sup.subscribe(call, reader)
@@ -175,14 +183,7 @@ def test_a_replay_waits_for_acks_and_is_never_cut_off(sink: SinkUnderTest) -> No
 
 def test_repeated_subscriptions_to_one_call_replace_each_other(sink: SinkUnderTest) -> None:
     call, sup, n = "storm", sink.sup, 150
-    sup.followed.add(call)  # stored only: the harness's listener does not follow it
-    sup.ok(C_AUTHORIZE, call, 1, False)
-    worker = sink.worker()
-    for seq in range(1, n + 1):
-        worker.send(delta(call, 1, seq, BIG))
-    worker.send(final(call, 1, n))
-    assert recv_ack(worker)[3] is True
-    sup.ok(C_FINISH, call, "completed", None, 1, {"finish_reason": "stop"})
+    _stored(sink, call, n)
 
     storm = RawListener(sink)
     for _ in range(100):
