@@ -176,13 +176,17 @@ def test_identity_budget_refuses_too_many_calls_others_go_on(daemon: DaemonProce
 def test_identity_byte_rate_refuses_rate_limited_with_the_wait(daemon: DaemonProcess,
                                                                emu: EmulatorClient) -> None:
     """`submit_bytes_per_s`: a burst of one request, then `rate_limited` naming
-    the wait; another identity is not slowed."""
+    the wait, answered when the wait is over; another identity is not slowed."""
     refused_before = _counter(daemon, "refused_bytes.submit_bytes_per_s")
     trickle = _register(daemon, "trickle")
     with Client(daemon.endpoint, credentials=trickle, timeout_s=10.0) as t:
         emu.script("c-first", [{"fault": "ok", "chunks": 2}])
         first = t.submit("emu", _request("c-first"), subscribe=False)
+        asked = time.monotonic()
         exc = _refusal(t, _request("c-never"))
+        # Throttled as Kafka does: the refusal comes when the wait is over (at
+        # most 1 s), so a client that waits for replies keeps to its quota.
+        assert time.monotonic() - asked >= 0.9, "the rate refusal was not held back"
         assert exc.code == "rate_limited", exc
         assert exc.message.startswith("'trickle' may submit 4.8 KiB of requests per second "
                                       "(submit_bytes_per_s); retry in "), exc.message

@@ -77,7 +77,7 @@ class Sink:
 
     def __init__(self, runtime_dir: str, db_path: str, events_endpoint: str,
                  keys_dir: str | None = None, control_identity: bytes | None = None,
-                 retention_days: float = 0.0, max_connections: int = 0) -> None:
+                 retention_days: float = 0.0) -> None:
         ep = Endpoints(runtime_dir)
         self.ctx = zmq.Context()
         self.sin = self._router(ep.sink_in)
@@ -85,8 +85,7 @@ class Sink:
         self.ctl = self._router(ep.sink_ctl)
         self.peer = SupervisorPeer(self.ctl, control_identity)
         self.subscribers = Subscribers(self.ctx, events_endpoint,
-                                       KeyStore(keys_dir) if keys_dir is not None else None,
-                                       max_connections)
+                                       KeyStore(keys_dir) if keys_dir is not None else None)
         self.state = SinkState(TranscriptStore(db_path), self.peer, self.subscribers,
                                retention_days)
         self._signals: list[int] = []
@@ -376,8 +375,7 @@ def _setup_logging(level: str | int) -> None:
 
 def run_sink(runtime_dir: str, db_path: str, events_endpoint: str, keys_dir: str | None = None,
              log_level: str | int = "INFO", control_identity: bytes | None = None,
-             log_to_supervisor: bool = False, retention_days: float = 0.0,
-             max_connections: int = 0) -> None:
+             log_to_supervisor: bool = False, retention_days: float = 0.0) -> None:
     """Process entry point: serve until SIGTERM (or the parent's death).
 
     `events_endpoint`: where subscribers connect (bound here); `keys_dir`:
@@ -385,7 +383,6 @@ def run_sink(runtime_dir: str, db_path: str, events_endpoint: str, keys_dir: str
     `control_identity`: the ZeroMQ identity of the supervisor's control
     socket; control messages from any other peer are refused and counted.
     `retention_days`: finished calls older than this are pruned (0: never).
-    `max_connections`: the events socket's cap on connections (with keys; 0: none).
     Exits with ExitCode.CANNOT_BIND if the events endpoint cannot be bound."""
     log_sock = _route_logs(runtime_dir, log_level) if log_to_supervisor else None
     if log_sock is None:
@@ -395,7 +392,7 @@ def run_sink(runtime_dir: str, db_path: str, events_endpoint: str, keys_dir: str
         sys.exit(ExitCode.PARENT_GONE)
     try:
         sink = Sink(runtime_dir, db_path, events_endpoint, keys_dir, control_identity,
-                    retention_days, max_connections)
+                    retention_days)
     except zmq.ZMQError as exc:
         log.error("sink: cannot bind the events endpoint %s: %s", events_endpoint, exc)
         sys.exit(ExitCode.CANNOT_BIND)

@@ -28,7 +28,7 @@ once per run. Replay stays a straight read: split each body at msgpack object
 boundaries (`Unpacker.skip` + `tell`, no decoding).
 
 Checkpoints: the writer connection has auto-checkpoint off; a `Checkpointer`
-(protocol/checkpoints.py) thread with its own connection runs PASSIVE
+(sink/checkpoints.py) thread with its own connection runs PASSIVE
 checkpoints every 0.25 s. sqlite3 releases the GIL while it works, so the
 checkpoint's fsync never stalls the sink loop (measured at 1k deltas/s: p99 latency 4.7 ms inline, 0.24 ms here).
 
@@ -62,7 +62,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from streamfence.protocol import retention
-from streamfence.protocol.checkpoints import Checkpointer
+from streamfence.sink.checkpoints import Checkpointer
 
 SCHEMA_VERSION = 2
 

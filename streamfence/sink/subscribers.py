@@ -45,12 +45,7 @@ import zmq.backend
 
 from streamfence.protocol.codec import decode_untrusted, encode
 from streamfence.protocol.errors import ErrorCode, ProtocolError
-from streamfence.protocol.keys import (
-    ConnectionCap,
-    KeyStore,
-    make_curve_server,
-    start_authenticator,
-)
+from streamfence.protocol.keys import KeyStore, make_curve_server, start_authenticator
 from streamfence.protocol.messages import (
     cut_off_event,
     error_msg,
@@ -87,7 +82,7 @@ class Subscribers:
     the hot path looks; a cut-off is carried out there too."""
 
     def __init__(self, ctx: zmq.Context[Any], endpoint: str, keys: KeyStore | None,
-                 max_connections: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown listener is an error we see
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
@@ -95,12 +90,7 @@ class Subscribers:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_LISTEN_FRAME)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
-        # The client socket's cap on connections, here too (docs/SECURITY.md), with CURVE.
-        self._cap = ConnectionCap(max_connections) if keys is not None and max_connections \
-            else None
-        if self._cap is not None:
-            self._cap.watch(sock)
-        self._zap = start_authenticator(ctx, keys, self._cap) if keys is not None else None
+        self._zap = start_authenticator(ctx, keys) if keys is not None else None
         if keys is not None:
             make_curve_server(sock, keys)
         sock.bind(endpoint)
@@ -281,9 +271,7 @@ class Subscribers:
                 "events_unroutable": self.unroutable, "events_cut_offs": self.cut_offs,
                 "events_unacked_bytes": self.outstanding, "listens": self.listens,
                 "events_acks": self.acks, "events_bad_input": self.bad_input,
-                "events_auth_refused": self._zap.refused if self._zap is not None else 0,
-                "events_connections": self._cap.live if self._cap is not None else 0,
-                "events_connections_refused": self._cap.refused if self._cap is not None else 0}
+                "events_auth_refused": self._zap.refused if self._zap is not None else 0}
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -1,8 +1,13 @@
-"""What the daemon sends to clients on the client endpoint: replies, and the
-answers owed to `result` requests that wait (the events go from the sink)."""
+"""What the daemon sends to clients on the client endpoint: replies, replies
+held back (a refusal for a rate is answered when the wait is over, as Kafka
+throttles a client over its quota: one that waits for its replies then
+cannot send faster than its quota allows), and the answers owed to `result`
+requests that wait (the events go from the sink)."""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +16,8 @@ import zmq
 from streamfence.protocol.codec import encode
 from streamfence.protocol.messages import pending_msg
 from streamfence.supervisor.timers import Deadlines
+
+HELD_MAX = 10_000  # replies held back at most (a bound on their memory)
 
 
 class Clients:
@@ -25,9 +32,18 @@ class Clients:
         self._listeners: dict[str, set[str]] = {}
         self._waiters: dict[str, list[tuple[bytes, str, float]]] = {}
         self._waits_due: Deadlines[str] = Deadlines()  # call -> its first waiter's end
+        self._held: list[tuple[float, int, bytes, bytes]] = []  # (when, order, identity, frame)
+        self._order = itertools.count()
 
     def send(self, identity: bytes, msg: dict[str, Any]) -> None:
         self._send_multipart([identity, encode(msg)])
+
+    def send_at(self, identity: bytes, msg: dict[str, Any], when: float) -> None:
+        """Send `msg` at `when` (monotonic seconds); at once if HELD_MAX replies wait."""
+        if len(self._held) >= HELD_MAX:
+            self.send(identity, msg)
+            return
+        heapq.heappush(self._held, (when, next(self._order), identity, encode(msg)))
 
     # ---- listeners of live calls -----------------------------------------------------
     def follow(self, call_id: str, listener: str) -> None:
@@ -57,11 +73,18 @@ class Clients:
         self._waits_due.arm(call_id, min(w[2] for w in waiters))
 
     def next_due(self) -> float | None:
-        """When the next wait runs out (monotonic seconds)."""
-        return self._waits_due.next_due()
+        """When the next wait runs out or a held reply is due (monotonic seconds)."""
+        due = self._waits_due.next_due()
+        if self._held and (due is None or self._held[0][0] < due):
+            return self._held[0][0]
+        return due
 
     def expire_waiters(self, now: float) -> None:
-        """Waits that ran out get `pending`."""
+        """Waits that ran out get `pending`; held replies whose time came go."""
+        held = self._held
+        while held and held[0][0] <= now:
+            _, _, identity, frame = heapq.heappop(held)
+            self._send_multipart([identity, frame])
         for call_id in self._waits_due.pop_due(now):
             keep = []
             for identity, ref, until in self._waiters.pop(call_id, []):

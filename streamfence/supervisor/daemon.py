@@ -143,11 +143,11 @@ class Daemon:
             args=(self.runtime_dir, self.transcript_path, self.events_endpoint,
                   str(self.keys.dir) if self.config.auth == "curve" else None,
                   self.config.log_level, self._control_identity, True,
-                  self.config.retention_days, self._max_connections()))
+                  self.config.retention_days))
         self._sink.start()
 
     def _max_connections(self) -> int:
-        """The cap on connections of the client socket, and of the events socket."""
+        """The cap on connections of the client socket."""
         return self.config.max_connections or default_max_connections(self.config.workers_max)
 
     def _start_zygote(self) -> None:

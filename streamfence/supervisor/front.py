@@ -50,6 +50,7 @@ from streamfence.supervisor.timeouts import attempt_timeouts
 
 EARLY_CHECK_BYTES = 64 << 10  # a submit this large meets its byte limits before it is decoded
 PEEK_BYTES = 512  # where its op and ref are looked for
+HOLD_MAX_S = 1.0  # a rate refusal is answered after its wait, at most this much later
 
 log = logging.getLogger("streamfence.front")
 
@@ -88,10 +89,16 @@ class Front:
         self.accepting = True
         self._counters = counters
 
-    def _error(self, identity: bytes, ref: str | None, code: ErrorCode, message: str) -> None:
+    def _error(self, identity: bytes, ref: str | None, code: ErrorCode, message: str,
+               hold_s: float = 0.0) -> None:
+        """Refuse a request; `hold_s`: answer that much later (a rate's wait)."""
         kind = "bad_input." if code in BAD_INPUT else "refused."
         self._counters[kind + code.value] += 1
-        self._clients.send(identity, error_msg(ref, code, message))
+        if hold_s > 0:
+            self._clients.send_at(identity, error_msg(ref, code, message),
+                                  self._clock() + min(hold_s, HOLD_MAX_S))
+        else:
+            self._clients.send(identity, error_msg(ref, code, message))
 
     # ---- one frame ---------------------------------------------------------
     def handle(self, frames: Sequence[bytes | memoryview], user: Identity) -> None:
@@ -197,7 +204,7 @@ class Front:
         if wait_s is not None:
             self._error(identity, req.ref, ErrorCode.RATE_LIMITED,
                         f"{user.name!r} may submit {user.submits_per_s:g} calls per second; "
-                        f"retry in {wait_s:.2f}s")
+                        f"retry in {wait_s:.2f}s", hold_s=wait_s)
             return
         wait_s = self._byte_rate.admit(user.name, user.submit_bytes_per_s, size)
         if wait_s is not None:
@@ -255,7 +262,7 @@ class Front:
         self._counters["refused_bytes.submit_bytes_per_s"] += 1
         self._error(identity, ref, ErrorCode.RATE_LIMITED,
                     f"{user.name!r} may submit {_size(int(user.submit_bytes_per_s))} of requests "
-                    f"per second (submit_bytes_per_s); retry in {wait_s:.2f}s")
+                    f"per second (submit_bytes_per_s); retry in {wait_s:.2f}s", hold_s=wait_s)
 
     def _over_in_flight_bytes(self, size: int) -> str | None:
         """Why a request of `size` bytes would pass the daemon's byte budget

@@ -41,7 +41,6 @@ from typing import Any
 import msgpack
 
 from streamfence.protocol import retention
-from streamfence.protocol.checkpoints import Checkpointer
 from streamfence.protocol.internal.outcome import AttemptOutcome
 
 log = logging.getLogger("streamfence.journal")
@@ -125,17 +124,10 @@ class Journal:
     """Owns journal.db: every accepted call, each attempt's epoch and end, each
     finished call's done event. Writes are grouped until `commit`."""
 
-    def __init__(self, path: str, background_checkpoints: bool = True) -> None:
+    def __init__(self, path: str) -> None:
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
-        # Not in the loop's commits: a checkpoint after a large request copies
-        # and syncs megabytes (protocol/checkpoints.py).
-        self._checkpointer: Checkpointer | None = None
-        if background_checkpoints:
-            self._db.execute("PRAGMA wal_autocheckpoint=0")
-            self._checkpointer = Checkpointer(path)
-            self._checkpointer.start()
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(calls)")}
         if columns and "owner" not in columns:
             self._db.executescript("BEGIN;" + _ADD_OWNERS.format(schema=_SCHEMA) + "COMMIT;")
@@ -153,8 +145,6 @@ class Journal:
         if self._in_tx:
             self._db.execute("COMMIT")
             self._in_tx = False
-            if self._checkpointer is not None:
-                self._checkpointer.wake()
 
     def add_call(self, call_id: str, owner: str, idempotency_key: str | None,
                  session_id: str | None, provider: str, request: dict[str, Any],
@@ -283,8 +273,6 @@ class Journal:
 
     def close(self) -> None:
         self.commit()
-        if self._checkpointer is not None:
-            self._checkpointer.stop()
         self._db.close()
 
 

@@ -1,12 +1,11 @@
-"""WAL checkpoints on a thread and a connection of their own.
+"""The transcript's WAL checkpoints, on a thread and a connection of their own.
 
-Both SQLite writers of the daemon (the sink's transcript, the supervisor's
-journal) turn auto-checkpoint off on their loop's connection: an automatic
+The sink's writer connection turns auto-checkpoint off: an automatic
 checkpoint runs inside the commit that passes the WAL's threshold, copying
 the WAL into the database and syncing it, in the loop. A `Checkpointer`
 does it instead on its own thread (sqlite3 releases the GIL while it
 works), PASSIVE (it never waits for or blocks the writer), at most once per
-`every_s` and only after a commit, so an idle process sleeps.
+`every_s` and only after a commit, so an idle sink sleeps.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import os
 import sqlite3
 import threading
 
-log = logging.getLogger("streamfence.checkpoints")
+log = logging.getLogger("streamfence.sink")
 
 CHECKPOINT_EVERY_S = 0.25
 
