@@ -261,13 +261,24 @@ class _CappedThread(AuthenticationThread):
                 self.poller.register(sock, zmq.POLLIN)
             self.started.set()
             while True:
-                events = dict(await self.poller.poll())
-                if monitor in events:
-                    self._cap.drain()
-                if self.pipe in events and self._handle_pipe_message(self.pipe.recv_multipart()):
-                    return
-                if zap in events:
-                    await self.authenticator.handle_zap_message(zap.recv_multipart())
+                # Every socket is read until it is empty: a ZeroMQ socket's
+                # descriptor signals edges, and a request left behind one would
+                # wait for an unrelated wake-up (a handshake that never completes).
+                await self.poller.poll()
+                self._cap.drain()
+                while True:
+                    try:
+                        command = self.pipe.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if self._handle_pipe_message(command):
+                        return
+                while True:
+                    try:
+                        request = zap.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    await self.authenticator.handle_zap_message(request)
         finally:
             self._cap.close()
 
