@@ -18,10 +18,6 @@ accept a CURVE client only if its key is registered. The connection's User-Id
 is the client's public key (Z85); the supervisor maps it to the identity on
 every message through `identity_of`, so a revoked or rotated key stops at
 once, also on a connection made before.
-
-`ConnectionCap` bounds the live connections of one socket (the supervisor's
-client socket): the same ZAP thread reads that socket's monitor and refuses
-the handshake of a connection beyond the cap (docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -31,16 +27,11 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import zmq
-import zmq.asyncio
 import zmq.auth
-from zmq.auth.base import Authenticator
-from zmq.auth.thread import AuthenticationThread, ThreadAuthenticator
-from zmq.utils.monitor import parse_monitor_message
+from zmq.auth.thread import ThreadAuthenticator
 
 from streamfence.protocol.credentials import Credentials, write_credentials
 
@@ -52,7 +43,6 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # in the same tick as a read leaves it unchanged. A read this close to the last
 # change is not trusted (read again next time), as git treats "racy" entries.
 _RACY_NS = 100_000_000
-CAP_WARN_EVERY_S = 10.0  # the "at the cap" WARNING: at most one line per this many seconds
 
 
 class KeyStoreError(Exception):
@@ -161,163 +151,11 @@ class KeyStore:
         return by_key
 
 
-class ConnectionCap:
-    """At most `limit` live connections on one bound socket (docs/SECURITY.md).
-
-    The socket's monitor reports each connection it accepts (by its file
-    descriptor) and each it drops; a connection counts from its accept to its
-    close, handshake done or not, since what the cap guards is descriptors.
-    The ZAP handler asks `admit` for every handshake of the socket's ZAP
-    domain and refuses one that finds more than `limit` live (the connection
-    asking counts): ZAP status 400, on which libzmq closes the connection at
-    once, and the client does not retry on that socket. Not 300 ("try
-    later"): libzmq keeps such a connection until the handshake timer ends
-    it, and the client comes back 100 ms later, so each refused client would
-    hold a descriptor nearly all the time. Connections still in their
-    handshake count too, so a burst that crosses the cap may have a few
-    refused that would have fit once the others settled.
-
-    Owned by the ZAP thread once it runs (`open`, `drain`, `admit`, `close`);
-    `live` and `refused` are ints that other threads only read."""
-
-    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic) -> None:
-        if limit < 1:
-            raise ValueError(f"connection cap {limit}: must be at least 1")
-        self.limit = limit
-        self.live = 0  # connections accepted and not yet closed
-        self.refused = 0  # handshakes refused at the cap
-        self._clock = clock
-        self._fds: set[int] = set()
-        self._addr = f"inproc://streamfence.cap.{id(self):x}"
-        self._monitor: zmq.Socket[bytes] | None = None
-        self._warned_at: float | None = None
-
-    def watch(self, sock: zmq.Socket[bytes]) -> None:
-        """Monitor `sock`: call before it binds and before the ZAP thread starts."""
-        sock.monitor(self._addr, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-
-    def open(self, context: zmq.Context[Any]) -> zmq.Socket[bytes]:
-        """(ZAP thread) Connect to the monitor; the thread polls what this returns."""
-        monitor: zmq.Socket[bytes] = context.socket(zmq.PAIR, socket_class=zmq.Socket)
-        monitor.linger = 0
-        monitor.connect(self._addr)
-        self._monitor = monitor
-        return monitor
-
-    def close(self) -> None:
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
-            self._monitor = None
-
-    def drain(self) -> None:
-        """(ZAP thread) Apply every monitor event queued so far."""
-        if self._monitor is None:
-            return
-        while True:
-            try:
-                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            event = parse_monitor_message(frames)
-            if event["event"] == zmq.EVENT_ACCEPTED:
-                self._fds.add(event["value"])
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
-                # A descriptor is closed only after this event, so its next
-                # accept comes after it: a set keyed by descriptor is exact.
-                self._fds.discard(event["value"])
-        self.live = len(self._fds)
-
-    def admit(self) -> bool:
-        """(ZAP thread) May the connection now handshaking go on? libzmq
-        reports a connection's accept before its handshake starts, so it is
-        queued on the monitor before its ZAP request arrives here."""
-        self.drain()
-        if self.live <= self.limit:
-            return True
-        self.refused += 1
-        now = self._clock()
-        if self._warned_at is None or now - self._warned_at >= CAP_WARN_EVERY_S:
-            self._warned_at = now
-            log.warning("client connections at the cap (%d); refusing new connections "
-                        "(%d refused so far)", self.limit, self.refused)
-        return False
-
-
-class _CappedThread(AuthenticationThread):
-    """pyzmq's ZAP thread, also reading a `ConnectionCap`'s monitor (drained as
-    soon as it has events, so the count is current and its queue never grows)."""
-
-    def __init__(self, authenticator: Authenticator, pipe: zmq.Socket[bytes],
-                 cap: ConnectionCap) -> None:
-        super().__init__(authenticator, pipe)
-        self._cap = cap
-
-    async def _run(self) -> None:
-        zap = self.authenticator.zap_socket
-        monitor = self._cap.open(self.authenticator.context)
-        try:
-            self.poller = zmq.asyncio.Poller()
-            for sock in (self.pipe, zap, monitor):
-                self.poller.register(sock, zmq.POLLIN)
-            self.started.set()
-            while True:
-                # Every socket is read until it is empty: a ZeroMQ socket's
-                # descriptor signals edges, and a request left behind one would
-                # wait for an unrelated wake-up (a handshake that never completes).
-                await self.poller.poll()
-                self._cap.drain()
-                while True:
-                    try:
-                        command = self.pipe.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if self._handle_pipe_message(command):
-                        return
-                while True:
-                    try:
-                        request = zap.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    await self.authenticator.handle_zap_message(request)
-        finally:
-            self._cap.close()
-
-
-class ZapAuthenticator(ThreadAuthenticator):
-    """pyzmq's ZAP thread over the key store (and a `ConnectionCap`, if given)."""
-
-    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], store: KeyStore,
-                 cap: ConnectionCap | None = None) -> None:
+class _Authenticator(ThreadAuthenticator):
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], store: KeyStore) -> None:
         super().__init__(context, log=logging.getLogger("streamfence.auth.zap"))
         self._store = store
-        self._cap = cap
         self.refused = 0  # handshakes refused (read by the loop for `status`)
-
-    def start(self) -> None:
-        if self._cap is None:
-            super().start()
-            return
-        # ThreadAuthenticator.start (pyzmq 27), with the thread that also
-        # reads the cap's monitor.
-        Authenticator.start(self)
-        self.pipe = self.context.socket(zmq.PAIR, socket_class=zmq.Socket)
-        self.pipe.linger = 1
-        self.pipe.bind(self.pipe_endpoint)
-        thread_pipe = self.context.socket(zmq.PAIR, socket_class=zmq.Socket)
-        thread_pipe.linger = 1
-        thread_pipe.connect(self.pipe_endpoint)
-        self.thread = _CappedThread(self, thread_pipe, self._cap)
-        self.thread.start()
-        if not self.thread.started.wait(timeout=10):
-            raise RuntimeError("the ZAP authenticator thread did not start")
-
-    async def handle_zap_message(self, msg: list[bytes]) -> None:
-        # [version, request id, domain, address, identity, mechanism, ...]
-        if (self._cap is not None and len(msg) >= 3 and msg[2] == ZAP_DOMAIN.encode()
-                and not self._cap.admit()):
-            self._send_zap_reply(msg[1], b"400", b"connection cap reached")
-            return
-        await super().handle_zap_message(msg)
 
     # pyzmq calls this with the Z85 key: the credentials-provider protocol.
     def callback(self, domain: str, key: bytes) -> bool:
@@ -328,13 +166,11 @@ class ZapAuthenticator(ThreadAuthenticator):
         return False
 
 
-def start_authenticator(context: zmq.Context[zmq.Socket[bytes]], store: KeyStore,
-                        cap: ConnectionCap | None = None) -> ZapAuthenticator:
+def start_authenticator(context: zmq.Context[zmq.Socket[bytes]],
+                        store: KeyStore) -> _Authenticator:
     """Start ZAP for `context`: CURVE clients of ZAP_DOMAIN are accepted only
-    with a registered key; with `cap` (already watching its socket), a
-    handshake of ZAP_DOMAIN beyond the cap is refused, NULL ones included.
-    Stop it with `.stop()`."""
-    auth = ZapAuthenticator(context, store, cap)
+    with a registered key. Stop it with `.stop()`."""
+    auth = _Authenticator(context, store)
     auth.start()
     auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=auth)
     return auth

@@ -64,7 +64,6 @@ BATCH_MAX = 4096  # events per frame at most ...
 BATCH_BYTES = 256 << 10  # ... and about this many bytes
 MAX_LISTEN_FRAME = 4096  # what a client may send here: `listen`, `ack`
 LISTEN_BURST = 100  # inbound messages handled per loop turn
-HANDSHAKE_IVL_MS = 5000  # a connection that never completes its handshake is closed
 PING_AFTER_S = 10.0  # a silent listener holding bytes is checked after this long
 _PING = msgpack.packb([])  # an empty batch: no event, one byte
 _raw_send = zmq.backend.Socket.send  # the compiled send, under pyzmq's Python-level one
@@ -89,7 +88,6 @@ class Subscribers:
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_LISTEN_FRAME)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         self._zap = start_authenticator(ctx, keys) if keys is not None else None
         if keys is not None:
             make_curve_server(sock, keys)

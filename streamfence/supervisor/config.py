@@ -63,7 +63,6 @@ class DaemonConfig:
     # Total size of the requests of the calls accepted and not done (queued
     # or running); a submit that would pass it is refused `overloaded`. 0: no limit.
     in_flight_bytes_max: int = DEFAULT_IN_FLIGHT_BYTES_MAX
-    max_connections: int = 0  # client connections at once; 0: from the open-files limit
     backoff_base_s: float = 1.0
     backoff_max_s: float = 4.0
     breaker_threshold: int = 5
@@ -90,7 +89,6 @@ class DaemonConfig:
 _DAEMON_TYPES: dict[str, tuple[type, ...]] = {
     "endpoint": (str,), "state_dir": (str,), "max_frame_bytes": (int,), "workers_max": (int,),
     "workers_spare": (int,), "queue_max": (int,), "in_flight_bytes_max": (int,),
-    "max_connections": (int,),
     "backoff_base_s": (int, float), "backoff_max_s": (int, float), "breaker_threshold": (int,),
     "breaker_cooldown_s": (int, float), "stop_grace_s": (int, float), "log_level": (str,),
     "log_json": (bool,), "auth": (str,), "retention_days": (int, float),

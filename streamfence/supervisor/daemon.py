@@ -54,7 +54,7 @@ from streamfence.protocol.messages import events_endpoint
 from streamfence.sink.process import run_sink
 from streamfence.supervisor import statedir
 from streamfence.supervisor.attempts import AttemptDriver
-from streamfence.supervisor.auth import ClientAuth, default_max_connections
+from streamfence.supervisor.auth import ClientAuth
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.clients import Clients
 from streamfence.supervisor.config import DaemonConfig
@@ -73,10 +73,6 @@ log = logging.getLogger("streamfence.supervisor")
 IDLE_WAKE_S = 60.0  # the longest sleep: nothing is due (the loop is event driven)
 SINK_RESTARTS_MAX = 5  # within SINK_RESTART_WINDOW_S, else the daemon stops
 SINK_RESTART_WINDOW_S = 60.0
-# A connection that has not finished its ZMTP handshake by then is closed
-# (libzmq's default is 30 s): a raw TCP connect that never speaks holds a
-# descriptor, and a slot under the connection cap, for 5 s at most.
-FRONT_HANDSHAKE_IVL_MS = 5000
 
 
 class StartupError(Exception):
@@ -146,10 +142,6 @@ class Daemon:
                   self.config.retention_days))
         self._sink.start()
 
-    def _max_connections(self) -> int:
-        """The cap on connections of the client socket."""
-        return self.config.max_connections or default_max_connections(self.config.workers_max)
-
     def _start_zygote(self) -> None:
         parent_conn, child_conn = self._mp.Pipe(duplex=True)
         self._zygote = self._mp.Process(
@@ -189,10 +181,8 @@ class Daemon:
         # Refuse absurd frames at the transport (the peer is cut off), but let
         # moderately oversized ones through so they get a `too_large` reply.
         front_sock = self._socket(zmq.ROUTER, MAXMSGSIZE=cfg.max_frame_bytes * 4,
-                                  SNDHWM=100_000, HANDSHAKE_IVL=FRONT_HANDSHAKE_IVL_MS)
-        max_connections = self._max_connections()
-        self.auth.secure(front_sock, max_connections)
-        log.info("client connections: at most %d", max_connections)
+                                  SNDHWM=100_000)
+        self.auth.secure(front_sock)
         try:
             front_sock.bind(cfg.endpoint)
         except zmq.ZMQError as exc:
@@ -212,7 +202,7 @@ class Daemon:
         driver = AttemptDriver(cfg, journal, pool, sink, clients, breakers, counters, clock,
                                random.Random(), self.transcript_path)
         status = functools.partial(status_of, pool, driver, breakers, sink, counters, self._pids,
-                                   self.auth)
+                                   lambda: self.auth.refused)
         front = Front(cfg, journal, driver, clients, sink, breakers, counters, clock,
                       self.transcript_path, status)
         parts = Parts(journal, pool, clients, sink, breakers, driver, front, counters, logs_sock)

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 from streamfence.supervisor.attempts import AttemptDriver
-from streamfence.supervisor.auth import ClientAuth
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.identities import Identity
 from streamfence.supervisor.pool import Pool
@@ -17,7 +16,7 @@ from streamfence.supervisor.sinklink import SinkLink
 
 def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers, sink: SinkLink,
               counters: Counter[str], pids: Callable[[], dict[str, int]],
-              auth: ClientAuth, user: Identity,
+              auth_refused: Callable[[], int], user: Identity,
               reply: Callable[[dict[str, Any]], None]) -> None:
     """Give `reply` the body of a `status_reply`: each owner's own view. An
     identity that is not an admin sees only its own calls (docs/SECURITY.md);
@@ -37,7 +36,5 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers, sink: SinkL
                      "spawned_total": pool.spawned_total, "killed_total": pool.killed_total},
             "calls": driver.status(),
             "breakers": breakers.snapshot(),
-            "connections": {"live": auth.connections, "max": auth.max_connections},
-            "counters": dict(counters, auth_refused=auth.refused,
-                             connections_refused=auth.connections_refused)}
+            "counters": dict(counters, auth_refused=auth_refused())}
     sink.read_stats(lambda stats: reply(dict(body, sink=stats)))
