@@ -66,7 +66,6 @@ def listen_msg() -> dict[str, Any]:
     return {"v": VERSION, "op": Op.LISTEN.value}
 
 
-
 def raw_ref(msg: Mapping[str, Any]) -> str | None:
     """The ref the daemon will echo for `msg`, or None if it cannot echo one."""
     ref = msg.get("ref")

@@ -14,9 +14,9 @@ Contract:
   the first non-empty `id` and `name` are kept (assigned, not appended) and
   `arguments` fragments are joined in arrival order.
 - `notice` deltas are user-visible warnings, kept apart from the content.
-- Memory is bounded: once an attempt's text deltas (text, reasoning,
-  refusal) pass `KEEP_BYTES` (`spill`, called by the sink at a commit), they
-  are only counted from then on, and the `done` response says
+- Memory is bounded: once an attempt's stored events pass `KEEP_BYTES`
+  (`stored`, told by the sink at each commit), its text deltas (text,
+  reasoning, refusal) are only counted from then on, and the `done` response says
   `content_omitted`: the deltas in the transcript are the answer, and the
   client library assembles it from them (PROTOCOL §6). Tool-call fragments
   are kept: the response's tool calls are assembled here.
@@ -60,8 +60,8 @@ def check_tool_fragment(data: Any) -> dict[str, Any]:
 class Content:
     """Accumulated content of one attempt."""
 
-    __slots__ = ("add", "notices", "omitted", "omitted_visible", "reasoning", "refusal",
-                 "text", "tools")
+    __slots__ = ("add", "kept", "notices", "omitted", "omitted_visible", "reasoning",
+                 "refusal", "text", "tools")
 
     def __init__(self) -> None:
         self.text: list[str] = []
@@ -69,6 +69,7 @@ class Content:
         self.refusal: list[str] = []
         self.tools: list[dict[str, Any]] = []
         self.notices: list[str] = []
+        self.kept = 0  # bytes of this attempt's stored events, until `spill`
         self.omitted = -1  # text deltas counted, not kept (-1: every one is kept)
         self.omitted_visible = 0  # ... and their visible characters
         # kind -> bound append: the hot path does one dict lookup and one call.
@@ -79,6 +80,13 @@ class Content:
             DeltaKind.TOOL_CALL.value: self.tools.append,
             DeltaKind.NOTICE.value: self.notices.append,
         }
+
+    def stored(self, events: list[bytes]) -> None:
+        """`events` of this attempt are stored: past KEEP_BYTES in all, spill."""
+        if self.omitted < 0:
+            self.kept += sum(map(len, events))
+            if self.kept >= KEEP_BYTES:
+                self.spill()
 
     def spill(self) -> None:
         """From now on count the text deltas instead of keeping them (see the

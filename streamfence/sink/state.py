@@ -58,7 +58,7 @@ from streamfence.protocol.internal.control import (
     stats_to_wire,
 )
 from streamfence.protocol.messages import done_event, reset_event
-from streamfence.sink.content import KEEP_BYTES, Content
+from streamfence.sink.content import Content
 from streamfence.sink.fence import AuthorizeRefusal, FenceTable, FinalVerdict, Verdict
 from streamfence.sink.store import TranscriptStore
 from streamfence.sink.subscribers import Cuts, Outbox
@@ -136,7 +136,7 @@ class LiveCall:
     """One call's runtime state beside its fence entry: public seq, the current
     attempt's content, events accepted but not yet stored, drops per attempt."""
 
-    __slots__ = ("add", "attempt", "call_id", "content", "drops", "kept", "model",
+    __slots__ = ("add", "attempt", "call_id", "content", "drops", "model",
                  "pending", "pending_seq", "prefix", "seq", "subs")
 
     def __init__(self, call_id: str, last_seq: int) -> None:
@@ -145,7 +145,6 @@ class LiveCall:
         self.attempt = 0  # attempt whose content is held (0: none yet)
         self.content = Content()
         self.add = self.content.add
-        self.kept = 0  # bytes of this attempt's stored events, until content.spill()
         self.prefix = b""  # encoded delta event up to "seq" for (call, attempt)
         self.subs: set[bytes] = set()  # the listeners following the call
         self.pending: list[bytes] = []
@@ -157,7 +156,6 @@ class LiveCall:
         self.attempt = attempt
         self.content = Content()
         self.add = self.content.add
-        self.kept = 0
         self.prefix = delta_prefix(self.call_id, attempt)
         self.model = model
 
@@ -219,9 +217,7 @@ class SinkState:
             event = msgpack.unpackb(body)
             if event["op"] == "delta" and event["attempt"] == epoch:
                 live.add[event["kind"]](event["data"])
-                live.kept += len(body)
-                if live.kept >= KEEP_BYTES:
-                    live.content.spill()
+                live.content.stored([body])
 
     # ---- calls -------------------------------------------------------------------
 
@@ -252,10 +248,7 @@ class SinkState:
         for live in self.dirty:
             if live.pending:
                 self.store.add_run(live.call_id, live.pending_seq, live.attempt, live.pending)
-                if live.kept < KEEP_BYTES:  # the answer held in memory is bounded
-                    live.kept += sum(map(len, live.pending))
-                    if live.kept >= KEEP_BYTES:
-                        live.content.spill()
+                live.content.stored(live.pending)  # the answer held in memory is bounded
                 live.pending = []
         self.dirty.clear()
 

@@ -184,10 +184,7 @@ class Front:
             self._error(identity, req.ref, ErrorCode.OVERLOADED,
                         f"{queued} calls are queued (queue_max); retry later")
             return
-        refusal = self._over_in_flight_bytes(size)
-        if refusal is not None:
-            self._counters["refused_bytes.in_flight_bytes_max"] += 1
-            self._error(identity, req.ref, ErrorCode.OVERLOADED, refusal)
+        if self._over_in_flight_bytes(identity, req.ref, size):
             return
         in_flight = self._driver.in_flight(user.name)
         if user.max_in_flight and in_flight >= user.max_in_flight:
@@ -195,10 +192,7 @@ class Front:
                         f"{in_flight} calls of {user.name!r} are not done yet (max_in_flight "
                         f"{user.max_in_flight}); submit again when one ends")
             return
-        refusal = self._over_max_in_flight_bytes(user, size)
-        if refusal is not None:
-            self._counters["refused_bytes.max_in_flight_bytes"] += 1
-            self._error(identity, req.ref, ErrorCode.TOO_MANY_CALLS, refusal)
+        if self._over_max_in_flight_bytes(identity, user, req.ref, size):
             return
         wait_s = self._rate.admit(user.name, user.submits_per_s)
         if wait_s is not None:
@@ -241,15 +235,8 @@ class Front:
         if op != "submit":
             return False
         size = len(frame)
-        refusal = self._over_in_flight_bytes(size)
-        if refusal is not None:
-            self._counters["refused_bytes.in_flight_bytes_max"] += 1
-            self._error(identity, ref, ErrorCode.OVERLOADED, refusal)
-            return True
-        refusal = self._over_max_in_flight_bytes(user, size)
-        if refusal is not None:
-            self._counters["refused_bytes.max_in_flight_bytes"] += 1
-            self._error(identity, ref, ErrorCode.TOO_MANY_CALLS, refusal)
+        if (self._over_in_flight_bytes(identity, ref, size)
+                or self._over_max_in_flight_bytes(identity, user, ref, size)):
             return True
         wait_s = self._byte_rate.wait(user.name, user.submit_bytes_per_s, size)
         if wait_s is not None:
@@ -264,34 +251,43 @@ class Front:
                     f"{user.name!r} may submit {_size(int(user.submit_bytes_per_s))} of requests "
                     f"per second (submit_bytes_per_s); retry in {wait_s:.2f}s", hold_s=wait_s)
 
-    def _over_in_flight_bytes(self, size: int) -> str | None:
-        """Why a request of `size` bytes would pass the daemon's byte budget
-        (`in_flight_bytes_max`: the requests of every call accepted and not
-        done), or None if it fits."""
+    def _over_in_flight_bytes(self, identity: bytes, ref: str | None, size: int) -> bool:
+        """Refuse (`overloaded`) a request of `size` bytes that would pass the
+        daemon's byte budget (`in_flight_bytes_max`: the requests of every
+        call accepted and not done); False if it fits."""
         budget = self._config.in_flight_bytes_max
         held = self._driver.in_flight_bytes()
         if not budget or held + size <= budget:
-            return None
+            return False
         if size > budget:
-            return (f"the request is {_size(size)}, more than in_flight_bytes_max "
-                    f"({_size(budget)}) allows for all calls together; it can never be accepted")
-        return (f"accepted calls hold {_size(held)} of requests and this one is {_size(size)} "
-                f"(in_flight_bytes_max {_size(budget)}); retry later")
+            why = (f"the request is {_size(size)}, more than in_flight_bytes_max "
+                   f"({_size(budget)}) allows for all calls together; it can never be accepted")
+        else:
+            why = (f"accepted calls hold {_size(held)} of requests and this one is "
+                   f"{_size(size)} (in_flight_bytes_max {_size(budget)}); retry later")
+        self._counters["refused_bytes.in_flight_bytes_max"] += 1
+        self._error(identity, ref, ErrorCode.OVERLOADED, why)
+        return True
 
-    def _over_max_in_flight_bytes(self, user: Identity, size: int) -> str | None:
-        """Why a request of `size` bytes would pass `user`'s byte budget
-        (`max_in_flight_bytes`: the requests of its calls accepted and not
-        done), or None if it fits."""
+    def _over_max_in_flight_bytes(self, identity: bytes, user: Identity, ref: str | None,
+                                  size: int) -> bool:
+        """Refuse (`too_many_calls`) a request of `size` bytes that would pass
+        `user`'s byte budget (`max_in_flight_bytes`: the requests of its calls
+        accepted and not done); False if it fits."""
         budget = user.max_in_flight_bytes
         held = self._driver.in_flight_bytes(user.name)
         if not budget or held + size <= budget:
-            return None
+            return False
         if size > budget:
-            return (f"the request is {_size(size)}, more than {user.name!r} may have in flight "
-                    f"(max_in_flight_bytes {_size(budget)}); it can never be accepted")
-        return (f"calls of {user.name!r} not done yet hold {_size(held)} of requests and this "
-                f"one is {_size(size)} (max_in_flight_bytes {_size(budget)}); submit again "
-                f"when one ends")
+            why = (f"the request is {_size(size)}, more than {user.name!r} may have in flight "
+                   f"(max_in_flight_bytes {_size(budget)}); it can never be accepted")
+        else:
+            why = (f"calls of {user.name!r} not done yet hold {_size(held)} of requests and "
+                   f"this one is {_size(size)} (max_in_flight_bytes {_size(budget)}); submit "
+                   f"again when one ends")
+        self._counters["refused_bytes.max_in_flight_bytes"] += 1
+        self._error(identity, ref, ErrorCode.TOO_MANY_CALLS, why)
+        return True
 
     @staticmethod
     def _subscription(req: Submit, call_id: str) -> Subscribe | None:
