@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient
+from streamfence.devtools.emulator.state import messages_digest
+from streamfence.supervisor.journal import FILE_BYTES
 from tests.harness import DaemonProcess, wait_until
 
 pytestmark = pytest.mark.slow
@@ -64,3 +66,34 @@ def test_kill_9_of_the_daemon_then_restart_resumes_the_call(make_daemon: Any,
     attempts = {e["attempt"] for e in rest if e["op"] == "delta"}
     assert attempts and min(attempts) > 1  # a new epoch, never a reused attempt number
     assert [e["seq"] for e in seen + rest] == list(range(1, len(seen) + len(rest) + 1))
+
+
+def test_a_large_request_survives_kill_9_in_its_file(make_daemon: Any,
+                                                     emu: EmulatorClient) -> None:
+    """A request of FILE_BYTES or more is journaled as a file (off the loop):
+    accepted means that file is durable, a restart runs the call again with
+    the same request, and the file goes when the call is done."""
+    emu.script("large", [{"fault": "stall", "after": 2, "stall_s": 30.0}])
+    request = {"model": "gpt-emu#large",
+               "messages": [{"role": "user", "content": "y" * FILE_BYTES}]}
+    daemon: DaemonProcess = make_daemon()
+    files = daemon.state_dir / "requests"
+    with daemon.client() as client:
+        call_id = client.submit("emu", request)
+        assert [p.name for p in files.iterdir()] == [call_id]
+        wait_until(lambda: any(r["chunks_sent"] >= 2 for r in emu.log("large")), 10,
+                   "the first attempt to be streaming")
+    assert daemon.proc is not None
+    daemon.proc.kill()
+    daemon.proc.wait(timeout=10)
+    daemon.stop()
+    again: DaemonProcess = make_daemon(start=False)
+    again.start()
+    with again.client() as client:
+        client.subscribe(call_id, from_seq=0)
+        done = list(client.events(call_id, timeout_s=30.0))[-1]
+    assert done["status"] == "completed", done
+    first, second = emu.log("large")
+    assert first["request"]["messages_sha256"] == messages_digest(request["messages"])
+    assert second["request"]["messages_sha256"] == messages_digest(request["messages"])
+    wait_until(lambda: not any(files.iterdir()), 10, "the done call's request file to go")

@@ -137,7 +137,8 @@ def _ops(call_id: str, ref: str = "r") -> list[dict[str, Any]]:
 def _journaled(daemon: DaemonProcess, owner: str) -> list[dict[str, Any]]:
     """The requests of `owner`'s calls in the journal (what was accepted)."""
     return [msgpack.unpackb(row[0], raw=False) for row in
-            daemon.journal_rows("SELECT request FROM calls WHERE owner = ?", owner)]
+            daemon.journal_rows("SELECT q.request FROM requests q JOIN calls USING (call_id) "
+                                       "WHERE owner = ?", owner)]
 
 
 def _model_keys(requests: list[dict[str, Any]]) -> list[str]:

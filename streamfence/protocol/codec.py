@@ -46,7 +46,7 @@ def encode(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True, datetime=False)  # type: ignore[no-any-return]
 
 
-def decode_untrusted(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Any:
+def decode_untrusted(frame: bytes | memoryview, max_frame: int = DEFAULT_MAX_FRAME) -> Any:
     """Decode one frame that came from outside the process.
 
     Raises ProtocolError(too_large) above `max_frame` bytes and

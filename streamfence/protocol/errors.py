@@ -25,6 +25,7 @@ class ErrorCode(StrEnum):
     RATE_LIMITED = "rate_limited"  # over the submitter's submits_per_s
     CANCELLED = "cancelled"
     SHUTTING_DOWN = "shutting_down"
+    STORAGE_ERROR = "storage_error"  # the daemon could not store the request: not accepted
     # Outcomes of a call, carried in the `error` of a `done` event.
     PROVIDER_ERROR = "provider_error"  # the provider answered with a non-retryable error
     CREDENTIALS_MISSING = "credentials_missing"  # the profile's api_key_env is not set

@@ -100,8 +100,10 @@ class AttemptDriver:
         self._counters = counters
 
     # ---- what the front and recovery ask -------------------------------------------
-    def enqueue(self, call: Call) -> None:
-        """A new (or recovered) call, to run when a worker is free."""
+    def enqueue(self, call: Call, staged: bool = False) -> None:
+        """A new (or recovered) call, to run when a worker is free; a `staged`
+        one (its request file not durable yet) counts against the budgets at
+        once but waits for `release`."""
         self._calls[call.call_id] = call
         self._in_flight[call.owner] += 1
         if not call.request_bytes:
@@ -109,8 +111,18 @@ class AttemptDriver:
             call.request_bytes = len(encode(call.spec.request))
         self._in_flight_bytes[call.owner] += call.request_bytes
         self._bytes_total += call.request_bytes
-        self._queue.append(call.call_id)
+        if not staged:
+            self.release(call.call_id)
+
+    def release(self, call_id: str) -> None:
+        """A call is accepted: it joins the queue (its deadline runs from now on)."""
+        call = self._calls[call_id]
+        self._queue.append(call_id)
         self._arm_deadline(call)
+
+    def drop(self, call_id: str) -> None:
+        """A staged call that was never accepted (its request could not be stored)."""
+        self._forget(self._calls[call_id])
 
     def _arm_deadline(self, call: Call) -> None:
         """A queued call's only timer is its deadline."""

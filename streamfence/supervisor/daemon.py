@@ -242,6 +242,8 @@ class Daemon:
         sink_fd = self._sink.sentinel
         poller.register(sink_fd, zmq.POLLIN)
         poller.register(wake_r, zmq.POLLIN)
+        request_files = p.journal.files.fileno()
+        poller.register(request_files, zmq.POLLIN)
         log.info("supervisor up: endpoint=%s state_dir=%s runtime_dir=%s",
                  self.config.endpoint, self.config.state_dir, self.runtime_dir)
         code = 0
@@ -263,6 +265,8 @@ class Daemon:
                             pass
                 if front_sock in ready:
                     self._drain_front(p)
+                if request_files in ready:
+                    p.front.on_stored()
                 if sink_sock in ready:
                     p.sink.drain(p.driver)
                 if workers_sock in ready and p.pool.drain():
@@ -419,6 +423,7 @@ class Daemon:
                 if proc.is_alive():
                     proc.kill()
                     proc.join(timeout=1.0)
+        p.front.abandon_staged()
         p.journal.close()
         for sock in (p.clients.socket, p.sink.socket, p.pool.socket, p.logs):
             sock.close(linger=0)

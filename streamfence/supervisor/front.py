@@ -3,7 +3,9 @@ request (echoing its `ref`).
 
 Bad input never raises out of here: it becomes an `error` reply with a
 precise code, counted under `bad_input.<code>`. Submits are answered only
-after the journal commit of the loop turn (see `flush_accepts`).
+after the journal commit of the loop turn (see `flush_accepts`); a large
+request's, only after its request file is durable too (`on_stored`: the file
+is written off the loop, and the reply waits in `_staged`).
 
 Every request comes with the identity that sent it (docs/SECURITY.md): a call
 belongs to its submitter, and another identity's call answers exactly as a
@@ -61,10 +63,13 @@ BAD_INPUT = frozenset({ErrorCode.BAD_FRAME, ErrorCode.TOO_LARGE, ErrorCode.BAD_M
                        ErrorCode.UNKNOWN_PROVIDER, ErrorCode.UNKNOWN_CALL})
 
 
+Accept = tuple[bytes, dict[str, Any], Subscribe | None]  # routing id, reply, then subscribe
+
+
 class Front:
     """Owns request handling: the `accepted` replies waiting for this turn's
-    journal commit, the idempotency keys seen this turn, and whether new calls
-    are accepted; counts calls accepted, bad input and refusals. New calls go
+    journal commit or for a request file, the idempotency keys seen this turn,
+    and whether new calls are accepted; counts calls accepted, bad input and refusals. New calls go
     to the AttemptDriver; replies go through Clients; subscriptions to the
     sink, which sends the events.
     `status` gives a status reply's body (each owner's view) to a callback."""
@@ -82,7 +87,8 @@ class Front:
         self._clock = clock
         self._transcript_path = transcript_path
         self._status = status
-        self._accepts: list[tuple[bytes, dict[str, Any], Subscribe | None]] = []
+        self._accepts: list[Accept] = []
+        self._staged: dict[str, list[Accept]] = {}  # by call id, until its file is durable
         self._idem_in_turn: dict[tuple[str, str], str] = {}
         self._rate = SubmitRate(clock)
         self._byte_rate = SubmitRate(clock)  # request bytes per second, per identity
@@ -112,7 +118,6 @@ class Front:
         body = frames[1]
         if len(body) >= EARLY_CHECK_BYTES and self._refused_unread(identity, user, body):
             return
-        body = bytes(body)
         obj: Any = None
         try:
             obj = decode_untrusted(body, self._config.max_frame_bytes)
@@ -172,8 +177,9 @@ class Front:
         if existing is not None:
             # The same call again: its id, and nothing new starts.
             # Subscribed after `accepted` goes out, so the replay follows the reply.
-            self._accepts.append((identity, accepted_msg(req.ref, existing, duplicate=True),
-                                  self._subscription(req, existing)))
+            self._staged.get(existing, self._accepts).append(
+                (identity, accepted_msg(req.ref, existing, duplicate=True),
+                 self._subscription(req, existing)))
             return
         refusal = self._breakers.admit((spec.session_id or "-", spec.provider))
         if refusal is not None:
@@ -212,8 +218,9 @@ class Front:
         if request != spec.request:
             spec = replace(spec, request=request)
         call_id = uuid.uuid4().hex
-        self._journal.add_call(call_id, user.name, spec.idempotency_key, spec.session_id,
-                               spec.provider, spec.request, spec.options.to_map())
+        staged = self._journal.add_call(call_id, user.name, spec.idempotency_key,
+                                        spec.session_id, spec.provider, spec.request,
+                                        spec.options.to_map())
         if spec.idempotency_key is not None:
             self._idem_in_turn[(user.name, spec.idempotency_key)] = call_id
         max_attempts = spec.options.max_attempts or profile.max_attempts
@@ -222,10 +229,45 @@ class Front:
         call = Call(call_id=call_id, owner=user.name, spec=spec, profile=profile,
                     timeouts=attempt_timeouts(spec.options, profile, spec.request),
                     max_attempts=max_attempts, deadline=deadline, request_bytes=size)
-        self._driver.enqueue(call)
-        self._counters["calls_accepted"] += 1
-        self._accepts.append((identity, accepted_msg(req.ref, call_id),
-                              self._subscription(req, call_id)))
+        self._driver.enqueue(call, staged=staged)
+        reply = (identity, accepted_msg(req.ref, call_id), self._subscription(req, call_id))
+        if staged:
+            self._staged[call_id] = [reply]
+        else:
+            self._counters["calls_accepted"] += 1
+            self._accepts.append(reply)
+
+    def on_stored(self) -> None:
+        """Request files done since last asked: each call is accepted at this
+        turn's commit, or, if its file could not be written, refused
+        (`storage_error`) and forgotten."""
+        for call_id, error in self._journal.stored():
+            replies = self._staged.pop(call_id, [])
+            live = self._driver.has_call(call_id)  # not if an admin cancelled it meanwhile
+            if error is None:
+                self._counters["calls_accepted"] += 1
+                if live:
+                    self._driver.release(call_id)
+                self._accepts.extend(replies)
+                continue
+            log.error("the request of call %s could not be stored (%s); it is refused",
+                      call_id, error)
+            if live:
+                self._driver.drop(call_id)
+            for identity, msg, _ in replies:
+                self._error(identity, msg["ref"], ErrorCode.STORAGE_ERROR,
+                            f"the daemon could not store the request ({error.strerror}); "
+                            f"it was not accepted")
+
+    def abandon_staged(self) -> None:
+        """At shutdown: calls whose request file is not durable were never
+        accepted (the journal forgets them at the next start); say so."""
+        for replies in self._staged.values():
+            for identity, msg, _ in replies:
+                self._error(identity, msg["ref"], ErrorCode.SHUTTING_DOWN,
+                            "the daemon stopped before the request was stored; it was not "
+                            "accepted")
+        self._staged.clear()
 
     def _refused_unread(self, identity: bytes, user: Identity, frame: bytes | memoryview) -> bool:
         """Refuse a large submit over a byte limit before decoding it: a client

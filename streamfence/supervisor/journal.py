@@ -9,6 +9,19 @@ A finished call keeps its status here; its `done` event (the whole answer)
 is stored once, in the sink's transcript, where `result` and `cancel` read it
 (the `done` column is left from earlier versions and no longer written).
 
+A call's request and options are in `requests`, written once, not in its
+row of `calls`: SQLite rewrites a whole row on every UPDATE, and a call's row
+is updated at each attempt and at its end, so a 12 MB request stored there
+was rewritten three times. Journals of earlier versions keep theirs in
+`calls` (read where `requests` has none).
+
+A request of `FILE_BYTES` or more is stored as a file instead, written and
+synced by a thread (streamfence.supervisor.request_files): its call's row is
+`staging` until then, and the front sends `accepted` only after `stored()`
+has said so and the row (now `pending`) is committed. At start, a `staging`
+row (never accepted) is deleted with its file, and files of calls that are
+done or unknown are removed; a done call's file is removed at once.
+
 Attempt epochs are journaled before the sink is asked to authorize them, so
 an attempt number is never reused across restarts (Kafka-style producer
 epochs). The journal never holds a credential: requests carry none, and
@@ -36,12 +49,14 @@ import logging
 import sqlite3
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
 
 from streamfence.protocol import retention
 from streamfence.protocol.internal.outcome import AttemptOutcome
+from streamfence.supervisor.request_files import RequestFiles
 
 log = logging.getLogger("streamfence.journal")
 
@@ -64,6 +79,11 @@ CREATE TABLE IF NOT EXISTS calls (
     UNIQUE (owner, idempotency_key)
 );
 CREATE INDEX IF NOT EXISTS calls_finished ON calls (finished) WHERE state = 'done';
+CREATE TABLE IF NOT EXISTS requests (
+    call_id TEXT PRIMARY KEY,
+    request BLOB,  -- NULL: in the call's request file
+    options BLOB NOT NULL
+);
 CREATE TABLE IF NOT EXISTS attempts (
     call_id TEXT NOT NULL,
     attempt INTEGER NOT NULL,
@@ -82,6 +102,7 @@ CREATE TABLE IF NOT EXISTS attempts (
 );
 """
 
+FILE_BYTES = 256 << 10  # a request this large (encoded) is stored as a file, off the loop
 PRUNE_BATCH = retention.BATCH  # finished calls deleted per transaction, at most ...
 PRUNE_BUDGET_S = 0.003  # ... and none after this much time spent deleting (in the loop)
 PRUNE_EVERY_S = 5.0  # between prune transactions of the loop ...
@@ -91,7 +112,8 @@ _FINISHED_INDEX = ("CREATE INDEX IF NOT EXISTS calls_finished ON calls (finished
                    "WHERE state = 'done'")
 _OLDEST_DONE = ("SELECT call_id FROM calls WHERE state = 'done' AND finished < ? "
                 "ORDER BY finished LIMIT ?")
-_PRUNE_DELETES = ("DELETE FROM attempts WHERE call_id = ?", "DELETE FROM calls WHERE call_id = ?")
+_PRUNE_DELETES = ("DELETE FROM attempts WHERE call_id = ?", "DELETE FROM requests WHERE call_id = ?",
+                  "DELETE FROM calls WHERE call_id = ?")
 
 # Journals written before calls had owners: their calls belong to `local`.
 _ADD_OWNERS = """
@@ -121,17 +143,20 @@ class JournaledCall:
 
 
 class Journal:
-    """Owns journal.db: every accepted call, each attempt's epoch and end, each
-    finished call's done event. Writes are grouped until `commit`."""
+    """Owns journal.db (every accepted call, each attempt's epoch and end, each
+    finished call's status) and, through `files`, the large requests' files.
+    Writes are grouped until `commit`."""
 
     def __init__(self, path: str) -> None:
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.files = RequestFiles(Path(path).parent / "requests")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(calls)")}
         if columns and "owner" not in columns:
             self._db.executescript("BEGIN;" + _ADD_OWNERS.format(schema=_SCHEMA) + "COMMIT;")
         self._db.executescript(_SCHEMA)
+        self._sweep()
         self._in_tx = False
         self._prune_due = 0.0  # monotonic time of the next prune transaction
         self.prune_more = False  # the last prune left finished calls that were due
@@ -146,15 +171,59 @@ class Journal:
             self._db.execute("COMMIT")
             self._in_tx = False
 
+    def _sweep(self) -> None:
+        """At open: calls still `staging` were never accepted (their file was
+        not durable when the daemon stopped): gone, with their rows. Files of
+        calls not live (done, or never accepted) are removed."""
+        staging = [r[0] for r in self._db.execute(
+            "SELECT call_id FROM calls WHERE state = 'staging'")]
+        for call_id in staging:
+            self._db.execute("DELETE FROM requests WHERE call_id = ?", (call_id,))
+            self._db.execute("DELETE FROM calls WHERE call_id = ?", (call_id,))
+        if staging:
+            log.info("journal: %d call(s) whose request was still being stored were never "
+                     "accepted; removed", len(staging))
+        live = {r[0] for r in self._db.execute(
+            "SELECT call_id FROM calls WHERE state NOT IN ('done', 'staging')")}
+        for call_id in self.files.names():
+            if call_id not in live:
+                self.files.remove(call_id)
+
     def add_call(self, call_id: str, owner: str, idempotency_key: str | None,
                  session_id: str | None, provider: str, request: dict[str, Any],
-                 options: dict[str, Any]) -> None:
+                 options: dict[str, Any]) -> bool:
+        """Journal a new call. True: its request goes to a file, and the call
+        is accepted only once `stored()` names it; False: it is in this turn's
+        transaction, accepted at its commit."""
+        body = msgpack.packb(request)
+        in_file = len(body) >= FILE_BYTES
         self._begin()
         self._db.execute(
             "INSERT INTO calls (call_id, owner, idempotency_key, session_id, provider, request, "
-            "options, state, created) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
+            "options, state, created) VALUES (?, ?, ?, ?, ?, x'', x'', ?, ?)",
             (call_id, owner, idempotency_key, session_id, provider,
-             msgpack.packb(request), msgpack.packb(options), time.time()))
+             "staging" if in_file else "pending", time.time()))
+        self._db.execute("INSERT INTO requests (call_id, request, options) VALUES (?, ?, ?)",
+                         (call_id, None if in_file else body, msgpack.packb(options)))
+        if in_file:
+            self.files.write(call_id, body)
+        return in_file
+
+    def stored(self) -> list[tuple[str, OSError | None]]:
+        """The staging calls whose request file is now durable (their rows turn
+        `pending` in this turn's transaction), or could not be written (their
+        rows are deleted: never accepted); the loop asks when `files` wakes it."""
+        written = self.files.written()
+        if written:
+            self._begin()
+        for call_id, error in written:
+            if error is None:
+                self._db.execute("UPDATE calls SET state = 'pending' WHERE call_id = ? AND "
+                                 "state = 'staging'", (call_id,))
+            else:
+                self._db.execute("DELETE FROM requests WHERE call_id = ?", (call_id,))
+                self._db.execute("DELETE FROM calls WHERE call_id = ?", (call_id,))
+        return written
 
     def call_by_idempotency_key(self, owner: str, key: str) -> str | None:
         """Idempotency keys are scoped to their owner: another identity's key is
@@ -205,6 +274,7 @@ class Journal:
         self._db.execute("UPDATE calls SET state = 'done', status = ?, finished = ?, done = NULL "
                          "WHERE call_id = ?", (status, time.time(), call_id))
         self.commit()
+        self.files.remove(call_id)
 
     def is_finished(self, call_id: str) -> bool:
         row = self._db.execute("SELECT state FROM calls WHERE call_id = ?", (call_id,)).fetchone()
@@ -212,12 +282,24 @@ class Journal:
 
     def unfinished(self) -> list[JournaledCall]:
         rows = self._db.execute(
-            "SELECT call_id, owner, idempotency_key, session_id, provider, request, options, "
-            "state, epoch, attempts, created FROM calls WHERE state != 'done' ORDER BY created"
-        ).fetchall()
-        return [JournaledCall(r[0], r[1], r[2], r[3], r[4], msgpack.unpackb(r[5], raw=False),
-                              msgpack.unpackb(r[6], raw=False), r[7], r[8], r[9], r[10])
-                for r in rows]
+            "SELECT call_id, owner, idempotency_key, session_id, provider, "
+            "COALESCE(q.request, c.request), COALESCE(q.options, c.options), state, epoch, "
+            "attempts, created, q.call_id IS NOT NULL AND q.request IS NULL "
+            "FROM calls c LEFT JOIN requests q USING (call_id) "
+            "WHERE state NOT IN ('done', 'staging') ORDER BY created").fetchall()
+        calls = []
+        for r in rows:
+            try:
+                body = self.files.read(r[0]) if r[11] else r[5]
+            except OSError as exc:
+                log.error("journal: accepted call %s cannot run again: its request file is "
+                          "unreadable (%s); left as is", r[0], exc)
+                continue
+            calls.append(JournaledCall(r[0], r[1], r[2], r[3], r[4],
+                                       msgpack.unpackb(body, raw=False),
+                                       msgpack.unpackb(r[6], raw=False), r[7], r[8], r[9],
+                                       r[10]))
+        return calls
 
     def attempts_of(self, call_id: str) -> list[dict[str, Any]]:
         cur = self._db.execute("SELECT * FROM attempts WHERE call_id = ? ORDER BY attempt",
@@ -274,6 +356,7 @@ class Journal:
     def close(self) -> None:
         self.commit()
         self._db.close()
+        self.files.close()
 
 
 def prune_journal(path: str, older_than: float, batch: int = PRUNE_BATCH,

@@ -22,7 +22,8 @@ Contract
                     key itself is never stored or logged)
   ``stream_options``, ``has_stream_options``  as sent in the request body
   ``request``       the request body as sent; a body over 64 KiB is kept
-                    without its messages (``message_count``, ``roles`` and
+                    without its messages (``message_count``, ``roles``,
+                    ``messages_sha256`` (`messages_digest`) and
                     ``messages_dropped: true`` instead)
   ``started``, ``ended``, ``last_write``  wall-clock ``time.time()`` stamps
   ``text``, ``reasoning_text``, ``refusal``, ``tool_call``  the full
@@ -42,6 +43,8 @@ No I/O here; the asyncio server is single-threaded, so no locks.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -185,4 +188,10 @@ def summarize_request(body: dict[str, Any], size: int) -> dict[str, Any]:
         out["message_count"] = len(messages)
         out["roles"] = [m.get("role") if isinstance(m, dict) else None for m in messages]
         out["messages_dropped"] = True
+        # What a test compares instead: the messages, as canonical JSON.
+        out["messages_sha256"] = messages_digest(messages)
     return out
+
+
+def messages_digest(messages: Any) -> str:
+    return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()

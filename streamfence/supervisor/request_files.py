@@ -1,0 +1,107 @@
+"""Large requests, journaled as files written and synced on a thread.
+
+Storing a 12 MB request in journal.db costs the loop about 70 ms (SQLite
+writes it page by page into the WAL, then syncs it), and every other client
+waits that long. A file written with one `write` and synced by a thread of
+its own costs the loop nothing: `os.write` and `os.fsync` let go of the GIL.
+The journal (the only user of this class) keeps the call's row in state
+`staging` until the file is durable, and the call is accepted only then.
+
+Files are `<dir>/<call_id>`, written as `<call_id>.part` and renamed once
+synced (then the directory is synced), so a file under its final name is
+whole. The journal removes a call's file when the call is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import threading
+from collections import deque
+from pathlib import Path
+
+STOP_JOIN_S = 10.0  # at shutdown, for the files still being written
+
+
+class RequestFiles:
+    """Owns the directory of request files and the thread that writes them."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(mode=0o700, exist_ok=True)
+        self.dir = directory
+        self._todo: queue.SimpleQueue[tuple[str, bytes] | None] = queue.SimpleQueue()
+        self._done: deque[tuple[str, OSError | None]] = deque()
+        # The loop polls `fileno()`; the thread writes a byte there per file.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._thread = threading.Thread(target=self._run, name="request-files", daemon=True)
+        self._thread.start()
+
+    def fileno(self) -> int:
+        return self._wake_r.fileno()
+
+    def write(self, call_id: str, body: bytes) -> None:
+        """Write and sync `body` as `call_id`'s file; `written()` says when."""
+        self._todo.put((call_id, body))
+
+    def written(self) -> list[tuple[str, OSError | None]]:
+        """The files finished since the last call: (call id, None) once durable,
+        or (call id, the error) if it could not be written (nothing is left)."""
+        with contextlib.suppress(BlockingIOError):
+            while self._wake_r.recv(4096):
+                pass
+        out: list[tuple[str, OSError | None]] = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def read(self, call_id: str) -> bytes:
+        return (self.dir / call_id).read_bytes()
+
+    def remove(self, call_id: str) -> None:
+        for name in (call_id, call_id + ".part"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.dir / name)
+
+    def names(self) -> list[str]:
+        """The call ids that have a file (whole or not), for the journal's sweep at start."""
+        return sorted({p.name.removesuffix(".part") for p in self.dir.iterdir()})
+
+    def close(self) -> None:
+        self._todo.put(None)
+        self._thread.join(timeout=STOP_JOIN_S)
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _run(self) -> None:
+        while (item := self._todo.get()) is not None:
+            call_id, body = item
+            error: OSError | None = None
+            try:
+                self._write(call_id, body)
+            except OSError as exc:
+                error = exc
+                with contextlib.suppress(OSError):  # the thread must outlive any one file
+                    self.remove(call_id)
+            self._done.append((call_id, error))
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"x")
+
+    def _write(self, call_id: str, body: bytes) -> None:
+        part = self.dir / (call_id + ".part")
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(body)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(part, self.dir / call_id)
+        dir_fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
