@@ -994,3 +994,27 @@ def test_router_events_without_call_id_or_seq_are_discarded() -> None:
     r.route(_frame({"v": 1, "op": "delta", "seq": 1}))
     r.route(_frame({"v": 1, "op": "frobnicate"}))
     assert r.next_event("c") is None
+
+
+def test_closing_clients_never_freezes_their_context(tmp_path: Path) -> None:
+    """libzmq's I/O thread sends monitor events with a blocking send. A client
+    that closed its monitor while its events connection's handshake was still
+    in flight froze that thread, and with it every socket of the context: all
+    the clients of a program then got no reply and no error. Here 100 clients
+    are opened and closed at once against a live peer, then one message goes
+    through the same context."""
+    endpoint = f"ipc://{Path(tempfile.mkdtemp(prefix='sfz')) / 'd.sock'}"
+    ctx: zmq.Context[Any] = zmq.Context()
+    front, events = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    front.bind(endpoint)
+    events.bind(events_endpoint(endpoint))
+    for _ in range(100):
+        Client(endpoint, context=ctx).close()
+    probe = ctx.socket(zmq.DEALER)
+    probe.connect(endpoint)
+    probe.send(b"ping", zmq.NOBLOCK)
+    assert front.poll(5000), ("a message through the clients' context did not arrive within "
+                              "5 s: its I/O thread is frozen")
+    for sock in (probe, front, events):
+        sock.close(linger=0)
+    ctx.term()

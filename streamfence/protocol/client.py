@@ -84,6 +84,7 @@ from streamfence.protocol.client_core import (
     shown_as,
 )
 from streamfence.protocol.client_router import BAD_REPLY, EVENTS_LOST, CallFailed, ClientError
+from streamfence.protocol.client_sockets import close_sockets
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME
 from streamfence.protocol.credentials import Credentials, resolve
 
@@ -137,9 +138,7 @@ class Client(ClientBase):
         """Close the sockets (linger 0: unsent requests are dropped). Idempotent."""
         if not self._closed:
             self._closed = True
-            self._sock.close(linger=0)
-            self._events.close(linger=0)
-            self._monitor.close(linger=0)
+            close_sockets(self._sock, self._events, self._monitor)
 
     def __enter__(self) -> Client:
         return self

@@ -34,6 +34,7 @@ from streamfence.protocol.client_core import (
     Wait,
     shown_as,
 )
+from streamfence.protocol.client_sockets import close_sockets
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME
 from streamfence.protocol.credentials import Credentials, resolve
 
@@ -86,9 +87,7 @@ class AsyncClient(ClientBase):
         """Close the sockets (linger 0: unsent requests are dropped). Idempotent."""
         if not self._closed:
             self._closed = True
-            self._sock.close(linger=0)
-            self._events.close(linger=0)
-            self._monitor.close(linger=0)
+            close_sockets(self._sock, self._events, self._monitor)
 
     async def __aenter__(self) -> AsyncClient:
         return self
