@@ -155,10 +155,17 @@ class _Authenticator(ThreadAuthenticator):
     def __init__(self, context: zmq.Context[zmq.Socket[bytes]], store: KeyStore) -> None:
         super().__init__(context, log=logging.getLogger("streamfence.auth.zap"))
         self._store = store
-        self.refused = 0  # handshakes refused (read by the loop for `status`)
+        self.refused = 0  # handshakes refused for their key (read by the loop for `status`)
+        # Set by the owner's loop while its connection cap is reached: new
+        # handshakes are refused (counted in `refused_full`), whatever the key.
+        self.full = False
+        self.refused_full = 0
 
     # pyzmq calls this with the Z85 key: the credentials-provider protocol.
     def callback(self, domain: str, key: bytes) -> bool:
+        if self.full:
+            self.refused_full += 1
+            return False
         if self._store.identity_of(key) is not None:
             return True
         self.refused += 1

@@ -60,6 +60,10 @@ class DaemonConfig:
     workers_max: int = 64
     workers_spare: int = 32  # ready for a burst of 32 at an idle daemon (~9 MiB each)
     queue_max: int = 10_000
+    # Client connections at once (curve: past it, new handshakes are refused
+    # at ZAP; a connection that never finishes its handshake is closed by
+    # libzmq after 30 s). 0: no cap.
+    max_connections: int = 10_000
     # Total size of the requests of the calls accepted and not done (queued
     # or running); a submit that would pass it is refused `overloaded`. 0: no limit.
     in_flight_bytes_max: int = DEFAULT_IN_FLIGHT_BYTES_MAX
@@ -89,6 +93,7 @@ class DaemonConfig:
 _DAEMON_TYPES: dict[str, tuple[type, ...]] = {
     "endpoint": (str,), "state_dir": (str,), "max_frame_bytes": (int,), "workers_max": (int,),
     "workers_spare": (int,), "queue_max": (int,), "in_flight_bytes_max": (int,),
+    "max_connections": (int,),
     "backoff_base_s": (int, float), "backoff_max_s": (int, float), "breaker_threshold": (int,),
     "breaker_cooldown_s": (int, float), "stop_grace_s": (int, float), "log_level": (str,),
     "log_json": (bool,), "auth": (str,), "retention_days": (int, float),

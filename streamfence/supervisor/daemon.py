@@ -128,7 +128,7 @@ class Daemon:
         self._sink_deaths: list[float] = []
         self.ctx = zmq.Context()
         self.auth = ClientAuth(self.ctx, self.keys, config.auth, config.identities,
-                               config.endpoint)
+                               config.endpoint, config.max_connections)
         # The sink obeys only this identity (passed to it at spawn, never sent).
         self._control_identity = b"sup-" + secrets.token_hex(16).encode()
 
@@ -202,7 +202,7 @@ class Daemon:
         driver = AttemptDriver(cfg, journal, pool, sink, clients, breakers, counters, clock,
                                random.Random(), self.transcript_path)
         status = functools.partial(status_of, pool, driver, breakers, sink, counters, self._pids,
-                                   lambda: self.auth.refused)
+                                   self.auth.counts)
         front = Front(cfg, journal, driver, clients, sink, breakers, counters, clock,
                       self.transcript_path, status)
         parts = Parts(journal, pool, clients, sink, breakers, driver, front, counters, logs_sock)
@@ -244,6 +244,8 @@ class Daemon:
         poller.register(wake_r, zmq.POLLIN)
         request_files = p.journal.files.fileno()
         poller.register(request_files, zmq.POLLIN)
+        connections = self.auth.monitor
+        poller.register(connections, zmq.POLLIN)
         log.info("supervisor up: endpoint=%s state_dir=%s runtime_dir=%s",
                  self.config.endpoint, self.config.state_dir, self.runtime_dir)
         code = 0
@@ -267,6 +269,8 @@ class Daemon:
                     self._drain_front(p)
                 if request_files in ready:
                     p.front.on_stored()
+                if connections in ready:
+                    self.auth.on_monitor()
                 if sink_sock in ready:
                     p.sink.drain(p.driver)
                 if workers_sock in ready and p.pool.drain():
@@ -425,6 +429,7 @@ class Daemon:
                     proc.join(timeout=1.0)
         p.front.abandon_staged()
         p.journal.close()
+        self.auth.close_monitor(p.clients.socket)
         for sock in (p.clients.socket, p.sink.socket, p.pool.socket, p.logs):
             sock.close(linger=0)
         self.auth.stop()

@@ -16,7 +16,7 @@ from streamfence.supervisor.sinklink import SinkLink
 
 def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers, sink: SinkLink,
               counters: Counter[str], pids: Callable[[], dict[str, int]],
-              auth_refused: Callable[[], int], user: Identity,
+              auth_counts: Callable[[], dict[str, int]], user: Identity,
               reply: Callable[[dict[str, Any]], None]) -> None:
     """Give `reply` the body of a `status_reply`: each owner's own view. An
     identity that is not an admin sees only its own calls (docs/SECURITY.md);
@@ -36,5 +36,5 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers, sink: SinkL
                      "spawned_total": pool.spawned_total, "killed_total": pool.killed_total},
             "calls": driver.status(),
             "breakers": breakers.snapshot(),
-            "counters": dict(counters, auth_refused=auth_refused())}
+            "counters": dict(counters, **auth_counts())}
     sink.read_stats(lambda stats: reply(dict(body, sink=stats)))

@@ -1,0 +1,47 @@
+"""`[daemon] max_connections`: the supervisor counts its client connections
+(its socket's monitor) and, at the cap, refuses new CURVE handshakes at ZAP,
+saying so once in its log; a connection that closes makes room again."""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+
+from tests.harness import DaemonProcess, wait_until
+
+CAP = 3
+
+
+def _logged(daemon: DaemonProcess, text: str) -> bool:
+    return any(text in r.get("message", "") for r in daemon.log_records())
+
+
+def test_at_the_cap_new_clients_are_refused_until_one_closes(make_daemon: Any) -> None:
+    daemon: DaemonProcess = make_daemon(daemon={"max_connections": CAP})
+    with ExitStack() as stack:
+        held = [stack.enter_context(daemon.client()) for _ in range(CAP)]
+        for client in held:
+            client.status()  # each one's handshake is done: CAP connections
+        counters = held[0].status()["counters"]
+        assert counters["connections"] == CAP, counters
+
+        refused = stack.enter_context(daemon.client(timeout_s=2.0))
+        with pytest.raises(TimeoutError):
+            refused.status()  # its handshake was refused: no answer
+        wait_until(lambda: _logged(daemon, f"connection cap reached (max_connections {CAP})"),
+                   10, "the cap to be logged")
+        counters = held[0].status()["counters"]
+        assert counters["refused.max_connections"] >= 1, counters
+        assert counters["connections"] <= CAP + 1, counters  # the refused one, until it goes
+
+        held.pop().close()
+        wait_until(lambda: _logged(daemon, "below the connection cap again"), 10,
+                   "the daemon to see a connection close")
+        with daemon.client(timeout_s=5.0) as newcomer:
+            assert newcomer.status()["identity"] == "local"
+    reached = [r for r in daemon.log_records()
+               if "connection cap reached" in r.get("message", "")]
+    assert len(reached) == 1, json.dumps(reached)  # said once, not per refused handshake
