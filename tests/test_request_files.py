@@ -1,5 +1,6 @@
 """Large requests are journaled as files written off the loop
-(streamfence.supervisor.request_files): the call stays `staging` until its
+(streamfence.supervisor.request_files): the submit frame as sent, with the
+fields the daemon set kept beside it; the call stays `staging` until its
 file is durable, a start forgets calls that never got there, a done call's
 file goes, and a file that cannot be written refuses the call."""
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import msgpack
 
+from streamfence.protocol.codec import encode
 from streamfence.supervisor.journal import FILE_BYTES, Journal
 
 
@@ -32,8 +34,16 @@ def _state(path: Path, call_id: str) -> Any:
     return None if row is None else row[0]
 
 
-def _add(journal: Journal, call_id: str, size: int) -> bool:
-    return journal.add_call(call_id, "local", None, None, "emu", _request(size), {})
+def _frame(size: int) -> bytes:
+    return encode({"v": 1, "op": "submit", "ref": "r",
+                   "call": {"provider": "emu", "request": _request(size)}})
+
+
+def _add(journal: Journal, call_id: str, size: int,
+         overrides: dict[str, Any] | None = None) -> bool:
+    request = {**_request(size), **(overrides or {})}
+    return journal.add_call(call_id, "local", None, None, "emu", request, {},
+                            memoryview(_frame(size)), overrides or {})
 
 
 def test_a_small_request_stays_in_the_journal(tmp_path: Path) -> None:
@@ -57,7 +67,7 @@ def test_a_large_request_is_staging_until_its_file_is_durable(tmp_path: Path) ->
     assert _stored(journal) == [("big", None)]
     journal.commit()
     assert _state(path, "big") == "pending"
-    assert (tmp_path / "requests" / "big").read_bytes() == msgpack.packb(_request(FILE_BYTES))
+    assert (tmp_path / "requests" / "big").read_bytes() == _frame(FILE_BYTES)  # as sent
     [call] = journal.unfinished()
     assert call.request == _request(FILE_BYTES)
     journal.finish_call("big", "completed")
@@ -115,4 +125,18 @@ def test_a_journal_of_an_earlier_version_keeps_its_requests_in_calls(tmp_path: P
     journal = Journal(str(path))
     [call] = journal.unfinished()
     assert call.call_id == "old" and call.request == _request(10)
+    journal.close()
+
+
+def test_the_fields_the_daemon_set_are_kept_beside_the_frame(tmp_path: Path) -> None:
+    """A cap filled in on admission (`max_tokens`) is not in the frame the
+    client sent: recovery (and the worker) get the request with it."""
+    journal = Journal(str(tmp_path / "journal.db"))
+    _add(journal, "capped", FILE_BYTES, {"max_tokens": 5})
+    _stored(journal)
+    journal.commit()
+    [call] = journal.unfinished()
+    assert call.request == {**_request(FILE_BYTES), "max_tokens": 5}
+    assert call.request_file == str(tmp_path / "requests" / "capped")
+    assert call.request_overrides == {"max_tokens": 5}
     journal.close()

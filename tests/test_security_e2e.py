@@ -25,11 +25,13 @@ import zmq
 import zmq.auth
 
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.emulator.state import messages_digest
 from streamfence.devtools.launcher import DaemonProcess, wait_until
 from streamfence.protocol.client import Client, ClientError
 from streamfence.protocol.credentials import Credentials, load_credentials
 from streamfence.protocol.keys import KeyStore
 from streamfence.protocol.messages import events_endpoint
+from streamfence.supervisor.journal import FILE_BYTES
 from tests.wires import WIRES, profile_for, request_for
 
 pytestmark = pytest.mark.slow
@@ -47,6 +49,9 @@ max_in_flight = 1
 submits_per_s = 1
 
 [identities.lim_cap]
+max_tokens = 100
+
+[identities.lim_cap_large]
 max_tokens = 100
 """
 
@@ -504,6 +509,21 @@ def test_max_tokens_cap(daemon: DaemonProcess, emu: EmulatorClient) -> None:
     assert "max_tokens" not in sent["openai"], sent["openai"]
     assert sent["anthropic"]["max_tokens"] == 100, sent["anthropic"]
     assert sent["bedrock"]["inferenceConfig"]["maxTokens"] == 100, sent["bedrock"]
+
+
+def test_max_tokens_cap_holds_for_a_large_request(daemon: DaemonProcess,
+                                                  emu: EmulatorClient) -> None:
+    """A large request is journaled as its submit frame (never encoded again):
+    the cap filled in on admission still reaches the provider, and the
+    messages arrive as sent."""
+    creds = _register(daemon, "lim_cap_large")
+    request = request_for("openai", "cap-large", "z" * FILE_BYTES)
+    with Client(credentials=creds, timeout_s=10.0) as client:
+        done = client.run("openai", request, timeout_s=30.0)
+    assert done["status"] == "completed", done
+    [sent] = emu.log("cap-large")
+    assert sent["request"]["max_completion_tokens"] == 100, sent["request"]
+    assert sent["request"]["messages_sha256"] == messages_digest(request["messages"])
 
 
 # ---- 5. private state ---------------------------------------------------------------

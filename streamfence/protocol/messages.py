@@ -9,10 +9,12 @@ names live in one place. docs/PROTOCOL.md is the prose version of this module.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from streamfence.protocol.codec import decode_untrusted
 from streamfence.protocol.errors import ErrorCode, ProtocolError
 
 VERSION = 1
@@ -236,6 +238,15 @@ def _call(m: dict[str, Any]) -> CallSpec:
     return CallSpec(provider=provider, request=request, session_id=session,
                     idempotency_key=idem or None,
                     options=_options(_get(m, "options", dict, "call.", required=False)))
+
+
+def submitted_request(frame: bytes, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The request of a stored submit frame, with the fields the daemon set on
+    admission (`overrides`: a capped field filled in). A large request is kept
+    as the frame its client sent (docs/ARCHITECTURE.md §4.10), never encoded
+    again; the worker and recovery read it back with this."""
+    call = decode_untrusted(frame, len(frame))["call"]
+    return {**call["request"], **overrides}
 
 
 def parse_request(obj: Any) -> Request:

@@ -261,8 +261,10 @@ class AttemptDriver:
             final_ack_timeout_s=FINAL_ACK_TIMEOUT_S, notice=call.notice)
         call.probe_next = False
         call.notice = None
+        # A large request goes as its file's name: the worker reads it there.
+        request = call.spec.request if call.request_file is None else call.request_overrides
         run = RunAttempt(call.token, call.call_id, call.epoch, call.spec.session_id or "-",
-                         call.profile.to_map(), call.spec.request, settings)
+                         call.profile.to_map(), request, settings, call.request_file)
         if not self._pool.dispatch(worker, run):
             self.fence(call, FenceReason.WORKER_DIED)
             return

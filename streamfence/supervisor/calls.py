@@ -15,7 +15,7 @@ applies the rules of "Retries and error classes" and "Partial delivery".
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -128,6 +128,10 @@ class Call:
     # live (AttemptDriver): the Front sets it at submit; 0 means not measured
     # yet (a recovered call), and AttemptDriver.enqueue measures it then.
     request_bytes: int = 0
+    # A large request's file (a stored submit frame: the worker reads it, so the
+    # request is never encoded again here) and the fields the daemon set on it.
+    request_file: str | None = None
+    request_overrides: dict[str, Any] = field(default_factory=dict)
 
     def to(self, event: CallEvent) -> None:
         nxt = _TRANSITIONS[self.state].get(event)

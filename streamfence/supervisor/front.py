@@ -63,6 +63,7 @@ BAD_INPUT = frozenset({ErrorCode.BAD_FRAME, ErrorCode.TOO_LARGE, ErrorCode.BAD_M
                        ErrorCode.UNKNOWN_PROVIDER, ErrorCode.UNKNOWN_CALL})
 
 
+_UNSET = object()
 Accept = tuple[bytes, dict[str, Any], Subscribe | None]  # routing id, reply, then subscribe
 
 
@@ -127,7 +128,7 @@ class Front:
             return
         try:
             if isinstance(request, Submit):
-                self._submit(identity, user, request, len(body))
+                self._submit(identity, user, request, body)
             elif isinstance(request, Status):
                 ref = request.ref
                 self._status(user, lambda body: self._clients.send(
@@ -151,13 +152,15 @@ class Front:
         return owner is not None and (owner == user.name or user.is_admin)
 
     # ---- ops -----------------------------------------------------------------
-    def _submit(self, identity: bytes, user: Identity, req: Submit, size: int) -> None:
-        """`size`: the submit frame's length, which the byte budgets count as
-        the request's size. Why the frame and not `encode(request)`: it is at
+    def _submit(self, identity: bytes, user: Identity, req: Submit,
+                frame: bytes | memoryview) -> None:
+        """`frame`: the submit frame; its length is what the byte budgets count
+        as the request's size. Why the frame and not `encode(request)`: it is at
         hand for free (encoding again is a pass over up to max_frame_bytes per
         submit), and it is an honest upper bound of the request's encoding,
         which the frame holds next to an envelope of some 100 bytes."""
         spec = req.call
+        size = len(frame)
         if not self.accepting:
             self._error(identity, req.ref, ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
             return
@@ -215,12 +218,15 @@ class Front:
         except ProtocolError as exc:
             self._error(identity, req.ref, exc.code, exc.message)
             return
-        if request != spec.request:
+        # The fields admission set (a cap filled in): with a large request, the
+        # journal keeps the frame as sent, and these beside it.
+        overrides = {k: v for k, v in request.items() if spec.request.get(k, _UNSET) is not v}
+        if overrides:
             spec = replace(spec, request=request)
         call_id = uuid.uuid4().hex
         staged = self._journal.add_call(call_id, user.name, spec.idempotency_key,
                                         spec.session_id, spec.provider, spec.request,
-                                        spec.options.to_map())
+                                        spec.options.to_map(), frame, overrides)
         if spec.idempotency_key is not None:
             self._idem_in_turn[(user.name, spec.idempotency_key)] = call_id
         max_attempts = spec.options.max_attempts or profile.max_attempts
@@ -228,7 +234,9 @@ class Front:
                     if spec.options.deadline_s is not None else None)
         call = Call(call_id=call_id, owner=user.name, spec=spec, profile=profile,
                     timeouts=attempt_timeouts(spec.options, profile, spec.request),
-                    max_attempts=max_attempts, deadline=deadline, request_bytes=size)
+                    max_attempts=max_attempts, deadline=deadline, request_bytes=size,
+                    request_file=self._journal.request_file(call_id) if staged else None,
+                    request_overrides=overrides)
         self._driver.enqueue(call, staged=staged)
         reply = (identity, accepted_msg(req.ref, call_id), self._subscription(req, call_id))
         if staged:

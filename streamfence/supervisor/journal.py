@@ -15,8 +15,12 @@ is updated at each attempt and at its end, so a 12 MB request stored there
 was rewritten three times. Journals of earlier versions keep theirs in
 `calls` (read where `requests` has none).
 
-A request of `FILE_BYTES` or more is stored as a file instead, written and
-synced by a thread (streamfence.supervisor.request_files): its call's row is
+A request of `FILE_BYTES` or more is stored as a file instead: the submit
+frame as the client sent it (never encoded again: the loop would spend tens
+of ms on 12 MB), written and synced by a thread
+(streamfence.supervisor.request_files), and read back by the worker and by
+recovery (`messages.submitted_request`, with the fields the daemon set on
+admission, kept in `requests.request`). Its call's row is
 `staging` until then, and the front sends `accepted` only after `stored()`
 has said so and the row (now `pending`) is committed. At start, a `staging`
 row (never accepted) is deleted with its file, and files of calls that are
@@ -55,7 +59,9 @@ from typing import Any
 import msgpack
 
 from streamfence.protocol import retention
+from streamfence.protocol.errors import ProtocolError
 from streamfence.protocol.internal.outcome import AttemptOutcome
+from streamfence.protocol.messages import submitted_request
 from streamfence.supervisor.request_files import RequestFiles
 
 log = logging.getLogger("streamfence.journal")
@@ -81,8 +87,9 @@ CREATE TABLE IF NOT EXISTS calls (
 CREATE INDEX IF NOT EXISTS calls_finished ON calls (finished) WHERE state = 'done';
 CREATE TABLE IF NOT EXISTS requests (
     call_id TEXT PRIMARY KEY,
-    request BLOB,  -- NULL: in the call's request file
-    options BLOB NOT NULL
+    request BLOB NOT NULL,  -- in_file: only the fields the daemon set (`overrides`)
+    options BLOB NOT NULL,
+    in_file INTEGER NOT NULL DEFAULT 0  -- the request is the submit frame in requests/<call_id>
 );
 CREATE TABLE IF NOT EXISTS attempts (
     call_id TEXT NOT NULL,
@@ -140,6 +147,8 @@ class JournaledCall:
     epoch: int
     attempts: int
     created: float  # wall-clock seconds
+    request_file: str | None = None  # a large request's file (the worker reads it) ...
+    request_overrides: dict[str, Any] | None = None  # ... and the fields the daemon set
 
 
 class Journal:
@@ -191,23 +200,30 @@ class Journal:
 
     def add_call(self, call_id: str, owner: str, idempotency_key: str | None,
                  session_id: str | None, provider: str, request: dict[str, Any],
-                 options: dict[str, Any]) -> bool:
-        """Journal a new call. True: its request goes to a file, and the call
-        is accepted only once `stored()` names it; False: it is in this turn's
-        transaction, accepted at its commit."""
-        body = msgpack.packb(request)
-        in_file = len(body) >= FILE_BYTES
+                 options: dict[str, Any], frame: bytes | memoryview | None = None,
+                 overrides: dict[str, Any] | None = None) -> bool:
+        """Journal a new call. `frame`: its submit frame, and `overrides` the
+        request's fields the daemon set on admission. True: the frame goes to
+        a file, and the call is accepted only once `stored()` names it; False:
+        it is in this turn's transaction, accepted at its commit."""
+        in_file = frame is not None and len(frame) >= FILE_BYTES
+        body = msgpack.packb(overrides or {}) if in_file else msgpack.packb(request)
         self._begin()
         self._db.execute(
             "INSERT INTO calls (call_id, owner, idempotency_key, session_id, provider, request, "
             "options, state, created) VALUES (?, ?, ?, ?, ?, x'', x'', ?, ?)",
             (call_id, owner, idempotency_key, session_id, provider,
              "staging" if in_file else "pending", time.time()))
-        self._db.execute("INSERT INTO requests (call_id, request, options) VALUES (?, ?, ?)",
-                         (call_id, None if in_file else body, msgpack.packb(options)))
+        self._db.execute("INSERT INTO requests (call_id, request, options, in_file) "
+                         "VALUES (?, ?, ?, ?)", (call_id, body, msgpack.packb(options), in_file))
         if in_file:
-            self.files.write(call_id, body)
+            assert frame is not None
+            self.files.write(call_id, frame)
         return in_file
+
+    def request_file(self, call_id: str) -> str:
+        """Where a call's request file is (for the worker that runs it)."""
+        return str(self.files.dir / call_id)
 
     def stored(self) -> list[tuple[str, OSError | None]]:
         """The staging calls whose request file is now durable (their rows turn
@@ -284,21 +300,23 @@ class Journal:
         rows = self._db.execute(
             "SELECT call_id, owner, idempotency_key, session_id, provider, "
             "COALESCE(q.request, c.request), COALESCE(q.options, c.options), state, epoch, "
-            "attempts, created, q.call_id IS NOT NULL AND q.request IS NULL "
+            "attempts, created, COALESCE(q.in_file, 0) "
             "FROM calls c LEFT JOIN requests q USING (call_id) "
             "WHERE state NOT IN ('done', 'staging') ORDER BY created").fetchall()
         calls = []
         for r in rows:
-            try:
-                body = self.files.read(r[0]) if r[11] else r[5]
-            except OSError as exc:
-                log.error("journal: accepted call %s cannot run again: its request file is "
-                          "unreadable (%s); left as is", r[0], exc)
-                continue
-            calls.append(JournaledCall(r[0], r[1], r[2], r[3], r[4],
-                                       msgpack.unpackb(body, raw=False),
+            request = overrides = msgpack.unpackb(r[5], raw=False)
+            if r[11]:
+                try:
+                    request = submitted_request(self.files.read(r[0]), overrides)
+                except (OSError, ProtocolError, KeyError, TypeError) as exc:
+                    log.error("journal: accepted call %s cannot run again: its request file "
+                              "is unreadable (%s); left as is", r[0], exc)
+                    continue
+            calls.append(JournaledCall(r[0], r[1], r[2], r[3], r[4], request,
                                        msgpack.unpackb(r[6], raw=False), r[7], r[8], r[9],
-                                       r[10]))
+                                       r[10], self.request_file(r[0]) if r[11] else None,
+                                       overrides if r[11] else None))
         return calls
 
     def attempts_of(self, call_id: str) -> list[dict[str, Any]]:

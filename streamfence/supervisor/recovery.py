@@ -59,6 +59,8 @@ def recover_calls(journal: Journal, providers: dict[str, ProviderProfile],
         call = Call(call_id=jc.call_id, owner=jc.owner, spec=spec, profile=profile,
                     timeouts=attempt_timeouts(options, profile, jc.request),
                     max_attempts=max_attempts, deadline=deadline, epoch=jc.epoch,
+                    request_file=jc.request_file,
+                    request_overrides=jc.request_overrides or {},
                     # Attempts spent before the restart count, but the call
                     # always gets at least one more (the crash was ours).
                     attempts=min(jc.attempts, max_attempts - 1))

@@ -31,7 +31,7 @@ class RequestFiles:
     def __init__(self, directory: Path) -> None:
         directory.mkdir(mode=0o700, exist_ok=True)
         self.dir = directory
-        self._todo: queue.SimpleQueue[tuple[str, bytes] | None] = queue.SimpleQueue()
+        self._todo: queue.SimpleQueue[tuple[str, bytes | memoryview] | None] = queue.SimpleQueue()
         self._done: deque[tuple[str, OSError | None]] = deque()
         # The loop polls `fileno()`; the thread writes a byte there per file.
         self._wake_r, self._wake_w = socket.socketpair()
@@ -42,7 +42,7 @@ class RequestFiles:
     def fileno(self) -> int:
         return self._wake_r.fileno()
 
-    def write(self, call_id: str, body: bytes) -> None:
+    def write(self, call_id: str, body: bytes | memoryview) -> None:
         """Write and sync `body` as `call_id`'s file; `written()` says when."""
         self._todo.put((call_id, body))
 
@@ -89,7 +89,7 @@ class RequestFiles:
             with contextlib.suppress(OSError):
                 self._wake_w.send(b"x")
 
-    def _write(self, call_id: str, body: bytes) -> None:
+    def _write(self, call_id: str, body: bytes | memoryview) -> None:
         part = self.dir / (call_id + ".part")
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

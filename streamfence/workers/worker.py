@@ -43,7 +43,7 @@ from streamfence.protocol.internal.outcome import AttemptDiag, outcome_to_wire
 from streamfence.protocol.internal.workers import RunAttempt, decode_run
 from streamfence.protocol.lifecycle import ExitCode
 from streamfence.protocol.logs import clear_context, route_logs_to, set_context
-from streamfence.protocol.messages import DeltaKind, visible_chars
+from streamfence.protocol.messages import DeltaKind, submitted_request, visible_chars
 from streamfence.workers.liveness import LivenessTable
 from streamfence.workers.registry import run_attempt
 from streamfence.workers.sink_channel import SinkChannel
@@ -95,11 +95,15 @@ def _run_one(run: RunAttempt, sink: SinkChannel, live: LivenessTable, slot: int)
     live.begin(slot, run.token)
     out = SinkOutput(sink, run.call_id, run.attempt, live, slot)
     started = time.monotonic_ns()
+    request = run.request
+    if run.request_file is not None:  # a large request: its submit frame, as stored
+        with open(run.request_file, "rb") as f:
+            request = submitted_request(f.read(), run.request)
     log.info("attempt started: provider=%s model=%s", run.profile.get("name"),
-             run.request.get("model"))
+             request.get("model"))
     if settings.notice:
         out.delta(NOTICE, settings.notice)
-    outcome = run_attempt(run.profile, run.request, out, settings)
+    outcome = run_attempt(run.profile, request, out, settings)
     error = outcome.error
     if error is not None:
         # The one line that explains a failed stream: ERROR (with the traceback of the

@@ -30,7 +30,10 @@ class AttemptSettings:
 @dataclass(frozen=True, slots=True)
 class RunAttempt:
     """W_RUN: run attempt `attempt` of `call_id` on this worker. `token` names the
-    reservation (echoed in W_IDLE); `profile` is the provider profile as a map."""
+    reservation (echoed in W_IDLE); `profile` is the provider profile as a map.
+    With `request_file`, the request is that file (a stored submit frame, read
+    by the worker: the supervisor never encodes a large request again) and
+    `request` only the fields the daemon set (`submitted_request`)."""
 
     token: int
     call_id: str
@@ -39,6 +42,7 @@ class RunAttempt:
     profile: dict[str, Any]
     request: dict[str, Any]
     settings: AttemptSettings
+    request_file: str | None = None
 
 
 _SETTINGS = tuple(f.name for f in fields(AttemptSettings))
@@ -50,15 +54,15 @@ def encode_run(run: RunAttempt) -> bytes:
     s = run.settings
     packed: bytes = msgpack.packb(
         [W_RUN, run.token, run.call_id, run.attempt, run.session_id, run.profile, run.request,
-         [getattr(s, name) for name in _SETTINGS]], use_bin_type=True)
+         [getattr(s, name) for name in _SETTINGS], run.request_file], use_bin_type=True)
     return packed
 
 
 def decode_run(msg: list[Any]) -> RunAttempt:
     """`msg`: the decoded W_RUN array (from the daemon's own supervisor, trusted)."""
-    _, token, call_id, attempt, session_id, profile, request, settings = msg
+    _, token, call_id, attempt, session_id, profile, request, settings, request_file = msg
     return RunAttempt(token, call_id, attempt, session_id, profile, request,
-                      AttemptSettings(*settings))
+                      AttemptSettings(*settings), request_file)
 
 
 # ---- the zygote pipe (supervisor <-> zygote) --------------------------------
