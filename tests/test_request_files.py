@@ -71,6 +71,8 @@ def test_a_large_request_is_staging_until_its_file_is_durable(tmp_path: Path) ->
     [call] = journal.unfinished()
     assert call.request == _request(FILE_BYTES)
     journal.finish_call("big", "completed")
+    assert (tmp_path / "requests" / "big").exists()  # until the finish is committed
+    journal.commit()
     assert not (tmp_path / "requests" / "big").exists()
     journal.close()
 

@@ -120,6 +120,7 @@ def test_journal_prune_tick_follows_retention_days_and_its_schedule(tmp_path: Pa
     # The next batch is not due yet: nothing happens in the next turns.
     j.add_call("old-3", "local", None, None, "emu", {}, {})
     j.finish_call("old-3", "completed")
+    j.commit()  # the loop's turn ends
     _age_journal(path, 2 * DAY, "old-3")
     assert j.prune_tick(1.0) == 0
     assert j.owner_of("old-3") == "local"

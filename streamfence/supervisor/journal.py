@@ -167,6 +167,7 @@ class Journal:
         self._db.executescript(_SCHEMA)
         self._sweep()
         self._in_tx = False
+        self._remove_after_commit: list[str] = []  # done calls' request files
         self._prune_due = 0.0  # monotonic time of the next prune transaction
         self.prune_more = False  # the last prune left finished calls that were due
 
@@ -179,6 +180,9 @@ class Journal:
         if self._in_tx:
             self._db.execute("COMMIT")
             self._in_tx = False
+        for call_id in self._remove_after_commit:
+            self.files.remove(call_id)
+        self._remove_after_commit.clear()
 
     def _sweep(self) -> None:
         """At open: calls still `staging` were never accepted (their file was
@@ -285,12 +289,13 @@ class Journal:
             (time.time(), how, finish_reason, error_class, error_code, *diag, call_id, attempt))
 
     def finish_call(self, call_id: str, status: str) -> None:
-        """The call is done (its done event is already in the transcript)."""
+        """The call is done. Its done event is already in the transcript, which
+        recovery reads first, so this joins the turn's transaction instead of
+        syncing on its own; its request file goes once that has committed."""
         self._begin()
         self._db.execute("UPDATE calls SET state = 'done', status = ?, finished = ?, done = NULL "
                          "WHERE call_id = ?", (status, time.time(), call_id))
-        self.commit()
-        self.files.remove(call_id)
+        self._remove_after_commit.append(call_id)
 
     def is_finished(self, call_id: str) -> bool:
         row = self._db.execute("SELECT state FROM calls WHERE call_id = ?", (call_id,)).fetchone()
