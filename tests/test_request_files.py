@@ -28,6 +28,13 @@ def _stored(journal: Journal, timeout_s: float = 10.0) -> list[tuple[str, OSErro
     return journal.stored()
 
 
+def _synced(journal: Journal, timeout_s: float = 10.0) -> None:
+    """Wait for the sync thread to wake the loop's descriptor, and let it run."""
+    readable, _, _ = select.select([journal.sync_fileno()], [], [], timeout_s)
+    assert readable, f"the journal was not synced within {timeout_s} s"
+    journal.on_synced()
+
+
 def _state(path: Path, call_id: str) -> Any:
     with sqlite3.connect(path) as db:
         row = db.execute("SELECT state FROM calls WHERE call_id = ?", (call_id,)).fetchone()
@@ -71,8 +78,9 @@ def test_a_large_request_is_staging_until_its_file_is_durable(tmp_path: Path) ->
     [call] = journal.unfinished()
     assert call.request == _request(FILE_BYTES)
     journal.finish_call("big", "completed")
-    assert (tmp_path / "requests" / "big").exists()  # until the finish is committed
     journal.commit()
+    assert (tmp_path / "requests" / "big").exists()  # until the finish is on disk
+    _synced(journal)
     assert not (tmp_path / "requests" / "big").exists()
     journal.close()
 

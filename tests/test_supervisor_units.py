@@ -6,6 +6,7 @@ driven end to end by the AttemptDriver against fake sockets."""
 from __future__ import annotations
 
 import random
+import select
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -323,7 +324,7 @@ def test_one_call_authorize_dispatch_end_finish(parts: dict[str, Any]) -> None:
     call = make_call()
     parts["journal"].add_call(call.call_id, "local", None, None, "emu", call.spec.request, {})
     driver.enqueue(call)
-    driver.schedule()
+    _schedule(parts)
     authorize = parse_control(msgpack.unpackb(sink_sock.sent.pop()))
     assert authorize == Authorize(1, "c1", 1, False, "m") and call.state is CallState.AUTHORIZING
     sink_sock.inbox.append(encode_ok(1, stats_to_wire(AttemptStats(0))))
@@ -348,6 +349,15 @@ def test_one_call_authorize_dispatch_end_finish(parts: dict[str, Any]) -> None:
     assert parts["journal"].attempts_of("c1")[0]["how"] == "ended"
 
 
+def _schedule(parts: dict[str, Any]) -> None:
+    """Schedule, and let the journal's sync (which the authorization waits for) come."""
+    parts["driver"].schedule()
+    journal = parts["journal"]
+    readable, _, _ = select.select([journal.sync_fileno()], [], [], 10.0)
+    assert readable, "the journal was not synced within 10 s"
+    journal.on_synced()
+
+
 def test_sink_restart_fences_the_running_attempt_and_retries(parts: dict[str, Any]) -> None:
     pool, driver, sink_sock = parts["pool"], parts["driver"], parts["sink_sock"]
     pool.maintain()
@@ -357,7 +367,7 @@ def test_sink_restart_fences_the_running_attempt_and_retries(parts: dict[str, An
     call = make_call()
     parts["journal"].add_call(call.call_id, "local", None, None, "emu", call.spec.request, {})
     driver.enqueue(call)
-    driver.schedule()
+    _schedule(parts)
     sink_sock.inbox.append(encode_ok(1, stats_to_wire(AttemptStats(0))))
     parts["sink"].drain(driver)
     assert call.state is CallState.RUNNING
@@ -390,7 +400,7 @@ def test_a_sink_restart_counts_what_the_transcript_holds_of_the_attempt(
     call = make_call()
     parts["journal"].add_call(call.call_id, "local", None, None, "emu", call.spec.request, {})
     driver.enqueue(call)
-    driver.schedule()
+    _schedule(parts)
     sink_sock.inbox.append(encode_ok(1, stats_to_wire(AttemptStats(0))))
     parts["sink"].drain(driver)
     assert call.state is CallState.RUNNING and call.epoch == 1

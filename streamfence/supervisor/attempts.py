@@ -215,14 +215,17 @@ class AttemptDriver:
         # forks while the journal commits and the sink authorizes.
         self._pool.maintain(demand=sum(1 for cid in queue if cid in self._calls))
         if started:
-            # Epochs are durable before the sink hears of them.
-            self._journal.commit()
-            for call in started:
-                reset = call.delivered  # only under on_partial=restart can this hold here
-                model = str(call.spec.request.get("model") or call.spec.request.get("modelId")
-                            or "-")
-                self._sink.authorize(call.call_id, call.epoch, reset, model,
-                                     functools.partial(self._authorized, call))
+            # Epochs are durable before the sink hears of them (AUTHORIZING
+            # calls change state only on the sink's answer, so they wait as they are).
+            self._journal.commit(then=functools.partial(self._authorize, started))
+
+    def _authorize(self, started: list[Call]) -> None:
+        for call in started:
+            reset = call.delivered  # only under on_partial=restart can this hold here
+            model = str(call.spec.request.get("model") or call.spec.request.get("modelId")
+                        or "-")
+            self._sink.authorize(call.call_id, call.epoch, reset, model,
+                                 functools.partial(self._authorized, call))
 
     def _authorized(self, call: Call, reply: StatsReply) -> None:
         worker = self._pool.get(call.worker_id)

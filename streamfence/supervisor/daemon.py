@@ -244,6 +244,8 @@ class Daemon:
         poller.register(wake_r, zmq.POLLIN)
         request_files = p.journal.files.fileno()
         poller.register(request_files, zmq.POLLIN)
+        journal_synced = p.journal.sync_fileno()
+        poller.register(journal_synced, zmq.POLLIN)
         connections = self.auth.monitor
         poller.register(connections, zmq.POLLIN)
         log.info("supervisor up: endpoint=%s state_dir=%s runtime_dir=%s",
@@ -269,6 +271,8 @@ class Daemon:
                     self._drain_front(p)
                 if request_files in ready:
                     p.front.on_stored()
+                if journal_synced in ready:
+                    p.journal.on_synced()
                 if connections in ready:
                     self.auth.on_monitor()
                 if sink_sock in ready:

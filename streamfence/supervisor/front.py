@@ -14,6 +14,7 @@ call that does not exist (`unknown_call`), unless the asker is an admin.
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from collections import Counter
@@ -346,16 +347,19 @@ class Front:
             Subscribe(ref=req.ref, call_id=call_id, listener=req.listener)
 
     def flush_accepts(self) -> None:
-        """Journal commit first, then the `accepted` replies of this turn."""
+        """Journal commit first; the `accepted` replies of this turn go once it
+        is on disk (a duplicate's too: its call may be this turn's)."""
         if not self._accepts:
             return
-        self._journal.commit()
-        for identity, msg, then_subscribe in self._accepts:
+        accepts, self._accepts = self._accepts, []
+        self._idem_in_turn.clear()
+        self._journal.commit(then=functools.partial(self._send_accepts, accepts))
+
+    def _send_accepts(self, accepts: list[Accept]) -> None:
+        for identity, msg, then_subscribe in accepts:
             self._clients.send(identity, msg)
             if then_subscribe is not None:
                 self._subscribe(identity, then_subscribe)
-        self._accepts.clear()
-        self._idem_in_turn.clear()
 
     def _subscribe(self, identity: bytes, req: Subscribe) -> None:
         """The sink replays the call's stored events to the listener, then (a

@@ -1,9 +1,12 @@
 """The durable call journal (SQLite, WAL).
 
-A call is acknowledged (`accepted`) only after its row is committed
-(synchronous=FULL: the ack survives a power cut, not just a crash). The
-supervisor groups the submits of one loop turn into one transaction, so the
-cost is one fsync per turn, not per call.
+A call is acknowledged (`accepted`) only after its row is committed and the
+WAL synced, so the ack survives a power cut, not just a crash. The loop
+commits without waiting for the disk (synchronous=NORMAL); what must be
+durable first (the `accepted` replies, an attempt's epoch before the sink
+hears of it) is a callback of `commit(then=...)`, run by `on_synced` once
+the sync thread (streamfence.supervisor.journal_sync) has fsynced the WAL:
+one fsync for all the commits before it, never in the loop.
 
 A finished call keeps its status here; its `done` event (the whole answer)
 is stored once, in the sink's transcript, where `result` and `cancel` read it
@@ -38,9 +41,8 @@ calls `prune_tick` every turn and wakes at `prune_due`; it does one small transa
 `PRUNE_EVERY_S`, or every `PRUNE_BACKLOG_S` while a backlog remains, that
 deletes at most `PRUNE_BATCH` calls and stops deleting after
 `PRUNE_BUDGET_S`, so no turn is held for more than a few milliseconds
-(measured: 0.1-0.2 ms per call). A prune commits without an fsync
-(synchronous=NORMAL for its transaction): a prune lost to a power cut is
-done again, and the next FULL commit syncs the WAL, its frames included.
+(measured: 0.1-0.2 ms per call). A prune asks for no sync: one lost to a
+power cut is done again, and the next sync covers its frames anyway.
 SQLite reuses the freed pages, so under steady load the file stops growing.
 `prune_journal` is the same delete for `streamfence prune`, from another
 process, with or without a running daemon (a busy timeout rides out the
@@ -49,9 +51,12 @@ daemon's transactions).
 
 from __future__ import annotations
 
+import functools
 import logging
 import sqlite3
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +67,7 @@ from streamfence.protocol import retention
 from streamfence.protocol.errors import ProtocolError
 from streamfence.protocol.internal.outcome import AttemptOutcome
 from streamfence.protocol.messages import submitted_request
+from streamfence.supervisor.journal_sync import WalSyncer
 from streamfence.supervisor.request_files import RequestFiles
 
 log = logging.getLogger("streamfence.journal")
@@ -160,7 +166,7 @@ class Journal:
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.files = RequestFiles(Path(path).parent / "requests")
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA synchronous=NORMAL")  # the WAL is synced by the WalSyncer
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(calls)")}
         if columns and "owner" not in columns:
             self._db.executescript("BEGIN;" + _ADD_OWNERS.format(schema=_SCHEMA) + "COMMIT;")
@@ -168,6 +174,10 @@ class Journal:
         self._sweep()
         self._in_tx = False
         self._remove_after_commit: list[str] = []  # done calls' request files
+        self._syncer = WalSyncer(path)
+        self._commits = 0  # COMMITs so far ...
+        self._synced = 0  # ... and how many of them are on disk
+        self._waiting: deque[tuple[int, Callable[[], object]]] = deque()  # (commit, then)
         self._prune_due = 0.0  # monotonic time of the next prune transaction
         self.prune_more = False  # the last prune left finished calls that were due
 
@@ -176,13 +186,43 @@ class Journal:
             self._db.execute("BEGIN")
             self._in_tx = True
 
-    def commit(self) -> None:
+    def commit(self, then: Callable[[], object] | None = None) -> None:
+        """Commit the writes so far, without waiting for the disk; `then` runs
+        (from `on_synced`) once they and every earlier commit are durable."""
         if self._in_tx:
             self._db.execute("COMMIT")
             self._in_tx = False
-        for call_id in self._remove_after_commit:
+            self._commits += 1
+        if self._remove_after_commit:
+            done = list(self._remove_after_commit)
+            self._remove_after_commit.clear()
+            self._after_sync(functools.partial(self._remove_files, done))
+        if then is not None:
+            self._after_sync(then)
+
+    def _remove_files(self, call_ids: list[str]) -> None:
+        for call_id in call_ids:
             self.files.remove(call_id)
-        self._remove_after_commit.clear()
+
+    def _after_sync(self, then: Callable[[], object]) -> None:
+        if self._commits <= self._synced:
+            then()
+            return
+        self._waiting.append((self._commits, then))
+        self._syncer.request(self._commits)
+
+    def sync_fileno(self) -> int:
+        """Readable when the sync thread has made more commits durable."""
+        return self._syncer.fileno()
+
+    def on_synced(self) -> None:
+        """Run the callbacks whose commits are durable now (the loop's turn)."""
+        self._synced = self._syncer.synced()
+        self._run_synced()
+
+    def _run_synced(self) -> None:
+        while self._waiting and self._waiting[0][0] <= self._synced:
+            self._waiting.popleft()[1]()
 
     def _sweep(self) -> None:
         """At open: calls still `staging` were never accepted (their file was
@@ -340,14 +380,8 @@ class Journal:
         time is spent. Returns the calls deleted; `prune_more` tells whether
         some were left that are due too."""
         self.commit()  # the turn's writes are never mixed with (or rolled back with) a prune
-        # No fsync for a prune: one lost to a power cut is simply done again,
-        # and the next FULL commit syncs the WAL with its frames anyway.
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        try:
-            removed, self.prune_more = retention.in_transaction(
-                self._db, "BEGIN", _OLDEST_DONE, _PRUNE_DELETES, older_than, limit, budget_s)
-        finally:
-            self._db.execute("PRAGMA synchronous=FULL")
+        removed, self.prune_more = retention.in_transaction(
+            self._db, "BEGIN", _OLDEST_DONE, _PRUNE_DELETES, older_than, limit, budget_s)
         return removed
 
     @property
@@ -377,7 +411,12 @@ class Journal:
         return removed
 
     def close(self) -> None:
+        """Commit, sync everything, run what waited for it, and close."""
         self.commit()
+        if self._commits > self._synced:
+            self._syncer.request(self._commits)
+        self._synced = self._syncer.close()
+        self._run_synced()
         self._db.close()
         self.files.close()
 
