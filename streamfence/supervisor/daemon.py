@@ -72,9 +72,10 @@ log = logging.getLogger("streamfence.supervisor")
 # libzmq's I/O threads decrypt the clients' CURVE traffic, each connection on
 # one of them. With one, a client sending 12 MB frames held every other
 # client's messages behind their decryption. Heavy-clients chaos runs, p99 of
-# a well-behaved client's status: 55-62 ms with one thread; 18, 19, 54 and
-# 66 ms in four runs with four (docs/PERFORMANCE.md).
-IO_THREADS = 4
+# a well-behaved client's status: 55-62 ms with one thread; 18-66 ms with
+# four (bimodal: on the sender's thread or not); 18-24 ms with eight, four
+# runs each (docs/PERFORMANCE.md). An idle I/O thread costs an epoll wait.
+IO_THREADS = 8
 
 IDLE_WAKE_S = 60.0  # the longest sleep: nothing is due (the loop is event driven)
 SINK_RESTARTS_MAX = 5  # within SINK_RESTART_WINDOW_S, else the daemon stops
