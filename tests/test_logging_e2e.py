@@ -30,8 +30,15 @@ def test_worker_records_carry_the_call_context_and_failures_a_traceback(
         return [r for r in daemon.log_records() if r.get("call_id") == call_id
                 and str(r.get("process_name")).startswith("worker-")]
 
+    def failed_record() -> bool:
+        return any(r["level"] == "ERROR" and "failed before delivery" in r["message"]
+                   for r in worker_records())
+
+    # The worker's records reach the log through the supervisor, in their order
+    # but not all at once: wait for the last one this test reads.
     wait_until(lambda: any(r["logger"] == "httpx2" for r in worker_records()), 10,
                "an httpx2 record from the worker in the daemon's log")
+    wait_until(failed_record, 10, "the worker's 'failed before delivery' record in the log")
     records = worker_records()
     sdk = [r for r in records if r["logger"].split(".")[0] in ("httpx2", "openai")]
     assert sdk, records
