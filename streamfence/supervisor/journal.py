@@ -27,7 +27,8 @@ admission, kept in `requests.request`). Its call's row is
 `staging` until then, and the front sends `accepted` only after `stored()`
 has said so and the row (now `pending`) is committed. At start, a `staging`
 row (never accepted) is deleted with its file, and files of calls that are
-done or unknown are removed; a done call's file is removed at once.
+done or unknown are removed; a done call's file is removed once its finish is
+synced.
 
 Attempt epochs are journaled before the sink is asked to authorize them, so
 an attempt number is never reused across restarts (Kafka-style producer

@@ -13,11 +13,11 @@ large requests' file writes on the same disk, took 20-45 ms each.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import socket
 import threading
+
+from streamfence.supervisor.wakeup import Wakeup
 
 log = logging.getLogger("streamfence.journal")
 
@@ -33,14 +33,13 @@ class WalSyncer:
         self._wanted = 0
         self._synced = 0
         self._stopping = False
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
+        self._wakeup = Wakeup()
         self._thread = threading.Thread(target=self._run, name="journal-sync", daemon=True)
         self._thread.start()
 
     def fileno(self) -> int:
         """Readable when `synced()` has moved (the loop polls it)."""
-        return self._wake_r.fileno()
+        return self._wakeup.fileno()
 
     def request(self, commit_no: int) -> None:
         with self._cond:
@@ -49,9 +48,7 @@ class WalSyncer:
                 self._cond.notify()
 
     def synced(self) -> int:
-        with contextlib.suppress(BlockingIOError):
-            while self._wake_r.recv(4096):
-                pass
+        self._wakeup.clear()
         with self._cond:
             return self._synced
 
@@ -61,8 +58,7 @@ class WalSyncer:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout=30.0)
-        self._wake_r.close()
-        self._wake_w.close()
+        self._wakeup.close()
         with self._cond:
             return self._synced
 
@@ -98,5 +94,4 @@ class WalSyncer:
                 continue
             with self._cond:
                 self._synced = max(self._synced, target)
-            with contextlib.suppress(OSError):
-                self._wake_w.send(b"x")
+            self._wakeup.set()

@@ -17,10 +17,11 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import socket
 import threading
 from collections import deque
 from pathlib import Path
+
+from streamfence.supervisor.wakeup import Wakeup
 
 STOP_JOIN_S = 10.0  # at shutdown, for the files still being written
 
@@ -33,14 +34,12 @@ class RequestFiles:
         self.dir = directory
         self._todo: queue.SimpleQueue[tuple[str, bytes | memoryview] | None] = queue.SimpleQueue()
         self._done: deque[tuple[str, OSError | None]] = deque()
-        # The loop polls `fileno()`; the thread writes a byte there per file.
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
+        self._wakeup = Wakeup()  # set per file done; the loop polls `fileno()`
         self._thread = threading.Thread(target=self._run, name="request-files", daemon=True)
         self._thread.start()
 
     def fileno(self) -> int:
-        return self._wake_r.fileno()
+        return self._wakeup.fileno()
 
     def write(self, call_id: str, body: bytes | memoryview) -> None:
         """Write and sync `body` as `call_id`'s file; `written()` says when."""
@@ -49,9 +48,7 @@ class RequestFiles:
     def written(self) -> list[tuple[str, OSError | None]]:
         """The files finished since the last call: (call id, None) once durable,
         or (call id, the error) if it could not be written (nothing is left)."""
-        with contextlib.suppress(BlockingIOError):
-            while self._wake_r.recv(4096):
-                pass
+        self._wakeup.clear()
         out: list[tuple[str, OSError | None]] = []
         while self._done:
             out.append(self._done.popleft())
@@ -72,8 +69,7 @@ class RequestFiles:
     def close(self) -> None:
         self._todo.put(None)
         self._thread.join(timeout=STOP_JOIN_S)
-        self._wake_r.close()
-        self._wake_w.close()
+        self._wakeup.close()
 
     def _run(self) -> None:
         while (item := self._todo.get()) is not None:
@@ -86,8 +82,7 @@ class RequestFiles:
                 with contextlib.suppress(OSError):  # the thread must outlive any one file
                     self.remove(call_id)
             self._done.append((call_id, error))
-            with contextlib.suppress(OSError):
-                self._wake_w.send(b"x")
+            self._wakeup.set()
 
     def _write(self, call_id: str, body: bytes | memoryview) -> None:
         part = self.dir / (call_id + ".part")
