@@ -77,6 +77,7 @@ log = logging.getLogger("streamfence.supervisor")
 # runs each (docs/PERFORMANCE.md). An idle I/O thread costs an epoll wait.
 IO_THREADS = 8
 
+FRONT_TURN_S = 0.005  # the most one turn spends reading client requests
 IDLE_WAKE_S = 60.0  # the longest sleep: nothing is due (the loop is event driven)
 SINK_RESTARTS_MAX = 5  # within SINK_RESTART_WINDOW_S, else the daemon stops
 SINK_RESTART_WINDOW_S = 60.0
@@ -330,7 +331,13 @@ class Daemon:
         return max(0, math.ceil((nearest - now) * 1000))
 
     def _drain_front(self, p: Parts) -> None:
+        # Bounded by time, not only by count: what this turn accepted is
+        # committed and answered before the next requests are read (a burst
+        # of large submits and subscribes once held one turn for 67 ms).
+        until = time.perf_counter() + FRONT_TURN_S
         for _ in range(1000):
+            if time.perf_counter() >= until:
+                return  # the socket is still readable: the next poll returns at once
             try:
                 frames = p.clients.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
