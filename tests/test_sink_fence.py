@@ -40,6 +40,18 @@ def test_authorized_attempt_accepts_contiguous_seqs() -> None:
     assert view is not None and view.last_seq == 3 and view.open
 
 
+def test_an_attempt_that_continues_an_answer_starts_after_its_last_seq() -> None:
+    """A rebind (ARCHITECTURE §2.8): attempt 2 writes on after attempt 1's seq 5."""
+    t = FenceTable()
+    assert t.authorize("c", 1) is None
+    assert [t.check("c", 1, s) for s in range(1, 6)] == [Verdict.ACCEPT] * 5
+    assert t.authorize("c", 2, after_seq=5) is None
+    assert t.check("c", 2, 1) is Verdict.DUPLICATE
+    assert t.check("c", 1, 6) is Verdict.STALE_ATTEMPT
+    assert t.check("c", 2, 6) is Verdict.ACCEPT
+    assert t.close_on_final("c", 2, 6) is FinalVerdict.ACCEPT
+
+
 def test_gap_and_duplicate_are_refused_without_consuming() -> None:
     t = FenceTable()
     t.authorize("c", 1)

@@ -26,7 +26,9 @@ import zmq
 from streamfence.protocol.codec import encode
 from streamfence.protocol.internal import (
     C_AUTHORIZE,
+    C_FENCE,
     C_FINISH,
+    C_REBIND,
     C_STATS,
     E_ENDED,
     E_FINAL_REFUSED,
@@ -35,6 +37,8 @@ from streamfence.protocol.internal import (
     T_DELTA,
     T_FINAL,
     T_FINAL_ACK,
+    T_HELLO,
+    T_REBIND,
     Endpoints,
 )
 from streamfence.protocol.internal.control import (
@@ -45,6 +49,7 @@ from streamfence.protocol.internal.control import (
     stats_from_wire,
 )
 from streamfence.protocol.internal.outcome import AttemptOutcome, outcome_from_wire, outcome_to_wire
+from streamfence.protocol.messages import visible_chars
 from streamfence.sink.process import run_sink
 from streamfence.sink.store import TranscriptReader, events_after
 
@@ -457,6 +462,82 @@ def test_final_with_wrong_last_seq_is_refused_and_reported(sink: SinkUnderTest) 
     worker.send(final(call, 1, 10))
     assert recv_ack(worker)[3:] == [True, "repeated"]
     assert sink.sup.stats()["finals_refused"] == 1
+
+
+# ---- rebind after a restart (ARCHITECTURE §2.8) ------------------------------------
+
+def recv_rebind(sock: zmq.Socket[bytes], timeout: float = WAIT_S) -> list[Any]:
+    assert sock.poll(int(timeout * 1000)), f"no T_REBIND within {timeout}s"
+    answer = msgpack.unpackb(sock.recv())
+    assert answer[0] == T_REBIND, answer
+    return answer  # type: ignore[no-any-return]
+
+
+def test_a_rebound_attempt_writes_on_after_the_stored_answer(sink: SinkUnderTest) -> None:
+    """The answer of attempt 1 (as stored) goes on as attempt 2: its worker asks
+    with its token and gets where to resume; the call's events stay one
+    contiguous answer, no reset; attempt 1 can write no more."""
+    call, sup = "rebind", sink.sup
+    sup.ok(C_AUTHORIZE, call, 1, False)
+    first = sink.worker()
+    for seq in range(1, 6):
+        first.send(delta(call, 1, seq, f"a{seq} "))
+    sink.events(call, 5)  # committed
+    stats = stats_from_wire(sup.ok(C_REBIND, call, 2, 1, 1, 7))
+    assert stats.last_seq == 5 and stats.visible_chars == sum(
+        visible_chars("text", f"a{seq} ") for seq in range(1, 6))
+    worker = sink.worker()  # the worker's new connection
+    worker.send(encode([T_HELLO, call, 1, 7]))
+    assert recv_rebind(worker) == [T_REBIND, call, 1, 2, 5]
+    first.send(delta(call, 1, 6, "stale"))
+    for seq in range(6, 9):
+        worker.send(delta(call, 2, seq, f"b{seq} "))
+    worker.send(final(call, 2, 8))
+    assert recv_ack(worker)[1:4] == [call, 2, True]
+    done = sup.ok(C_FINISH, call, "completed", None, 1, None)
+    assert done["response"]["content"] == "a1 a2 a3 a4 a5 b6 b7 b8 "
+    events = sink.transcript(call)
+    assert [e["seq"] for e in events] == list(range(1, 10))
+    assert [e["op"] for e in events] == ["delta"] * 8 + ["done"]
+    assert [e["attempt"] for e in events[:8]] == [1] * 5 + [2] * 3
+    assert sup.stats()["dropped_by_verdict"]["stale_attempt"] == 1
+
+
+def test_a_hello_before_the_rebind_waits_for_it_and_a_wrong_token_is_told_over(
+        sink: SinkUnderTest) -> None:
+    call, sup = "early-hello", sink.sup
+    sup.ok(C_AUTHORIZE, call, 1, False)
+    for seq in range(1, 4):
+        sink.worker().send(delta(call, 1, seq))
+    sink.events(call, 3)
+    sup.ok(C_FENCE, call, 1)  # as a restarted sink has it: closed, not rebound yet
+    worker, intruder = sink.worker(), sink.worker()
+    worker.send(encode([T_HELLO, call, 1, 7]))
+    assert not worker.poll(200), "a hello was answered before the supervisor decided"
+    sup.ok(C_REBIND, call, 2, 1, 1, 7)
+    assert recv_rebind(worker) == [T_REBIND, call, 1, 2, 3]
+    intruder.send(encode([T_HELLO, call, 1, 8]))
+    assert recv_rebind(intruder) == [T_REBIND, call, 1, 0, 0]
+
+
+def test_a_hello_to_the_same_open_attempt_resumes_after_its_last_seq(
+        sink: SinkUnderTest) -> None:
+    """Only the connection broke (the sink is the same): go on as yourself."""
+    call = "same-sink"
+    sink.sup.ok(C_AUTHORIZE, call, 1, False)
+    for seq in range(1, 4):
+        sink.worker().send(delta(call, 1, seq))
+    sink.events(call, 3)
+    worker = sink.worker()
+    worker.send(encode([T_HELLO, call, 1, 7]))
+    assert recv_rebind(worker) == [T_REBIND, call, 1, 1, 3]
+
+
+def test_a_rebind_is_refused_at_or_below_the_epoch(sink: SinkUnderTest) -> None:
+    call, sup = "stale-rebind", sink.sup
+    sup.ok(C_AUTHORIZE, call, 3, False)
+    reply = sup.request(C_REBIND, call, 3, 2, 2, 7)
+    assert reply[0] == R_REFUSED and "stale_epoch" in reply[2], reply
 
 
 # ---- finish ----------------------------------------------------------------------

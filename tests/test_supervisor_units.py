@@ -30,6 +30,7 @@ from streamfence.protocol.internal.control import (
     FinalRefused,
     Finish,
     FinishMeta,
+    Rebind,
     encode_ended,
     encode_final_refused,
     encode_ok,
@@ -358,7 +359,7 @@ def _schedule(parts: dict[str, Any]) -> None:
     journal.on_synced()
 
 
-def test_sink_restart_fences_the_running_attempt_and_retries(parts: dict[str, Any]) -> None:
+def _running_call(parts: dict[str, Any]) -> Call:
     pool, driver, sink_sock = parts["pool"], parts["driver"], parts["sink_sock"]
     pool.maintain()
     spawn = parts["zygote"][0]
@@ -370,12 +371,50 @@ def test_sink_restart_fences_the_running_attempt_and_retries(parts: dict[str, An
     _schedule(parts)
     sink_sock.inbox.append(encode_ok(1, stats_to_wire(AttemptStats(0))))
     parts["sink"].drain(driver)
-    assert call.state is CallState.RUNNING
-    driver.on_sink_restart()
-    assert state_of(call) is CallState.BACKOFF and call.fence_reason is FenceReason.SINK_RESTARTED
-    assert parts["counters"]["retries"] == 1
-    assert pool.get(spawn.worker_id).state is WorkerState.KILLING
-    assert parts["journal"].attempts_of("c1")[0]["how"] == "sink_restarted"
+    assert call.state is CallState.RUNNING and call.epoch == 1
+    return call
+
+
+def _sink_restart(parts: dict[str, Any]) -> Rebind:
+    """The sink died: the driver rebinds; once the new epoch is synced, the
+    rebind goes to the sink (returned)."""
+    parts["driver"].on_sink_restart()
+    journal = parts["journal"]
+    readable, _, _ = select.select([journal.sync_fileno()], [], [], 10.0)
+    assert readable, "the journal was not synced within 10 s"
+    journal.on_synced()
+    op = parse_control(msgpack.unpackb(parts["sink_sock"].sent[-1]))
+    assert isinstance(op, Rebind)
+    return op
+
+
+def test_sink_restart_rebinds_the_running_attempt_under_a_new_epoch(
+        parts: dict[str, Any]) -> None:
+    """The worker keeps its stream: no fence, no kill, no retry; a new epoch,
+    durable before the sink hears of it, for the same provider attempt."""
+    call = _running_call(parts)
+    worker = parts["pool"].get(call.worker_id)
+    op = _sink_restart(parts)
+    assert (op.call_id, op.attempt, op.from_attempt, op.content_from, op.token) == \
+        ("c1", 2, 1, 1, call.token)
+    assert state_of(call) is CallState.RUNNING and call.epoch == 2 and call.attempts == 1
+    attempts = parts["journal"].attempts_of("c1")
+    assert [(a["attempt"], a["how"]) for a in attempts] == [(1, "rebound"), (2, None)]
+    parts["sink_sock"].inbox.append(encode_ok(op.req, stats_to_wire(
+        AttemptStats(2, accepted=7, last_seq=7))))
+    parts["sink"].drain(parts["driver"])
+    assert state_of(call) is CallState.RUNNING and parts["counters"]["attempts_rebound"] == 1
+    assert worker.state is WorkerState.BUSY and parts["counters"]["retries"] == 0
+
+
+def test_a_refused_rebind_fences_the_attempt(parts: dict[str, Any]) -> None:
+    call = _running_call(parts)
+    op = _sink_restart(parts)
+    parts["sink_sock"].inbox.append(encode_refused(op.req, "stale_epoch: no"))
+    parts["sink"].drain(parts["driver"])
+    fence = parse_control(msgpack.unpackb(parts["sink_sock"].sent[-1]))
+    assert isinstance(fence, Fence) and fence.attempt == 2
+    assert call.fence_reason is FenceReason.SINK_RESTARTED
 
 
 DELTAS = [("c1", "delta", "Hel"), ("c1", "delta", "lo")]
@@ -389,21 +428,12 @@ DELTAS = [("c1", "delta", "Hel"), ("c1", "delta", "lo")]
 ], ids=["text-shown", "text-reset", "another-call", "nothing"])
 def test_a_sink_restart_counts_what_the_transcript_holds_of_the_attempt(
         parts: dict[str, Any], stored: list[tuple[str, str, str]], partial: bool) -> None:
-    """Without the dead sink's answer, the fenced attempt's stats come from the
-    transcript: visible text of the attempt makes a `continue` call partial;
-    without any, it is retried."""
-    pool, driver, sink_sock = parts["pool"], parts["driver"], parts["sink_sock"]
-    pool.maintain()
-    spawn = parts["zygote"][0]
-    pool.on_spawned(spawn.worker_id, 0)  # pid 0: the kill is a no-op
-    pool.on_hello(spawn.worker_id, 0)
-    call = make_call()
-    parts["journal"].add_call(call.call_id, "local", None, None, "emu", call.spec.request, {})
-    driver.enqueue(call)
-    _schedule(parts)
-    sink_sock.inbox.append(encode_ok(1, stats_to_wire(AttemptStats(0))))
-    parts["sink"].drain(driver)
-    assert call.state is CallState.RUNNING and call.epoch == 1
+    """Without the sink's answer (a rebind refused, then the sink lost again
+    before it answered the fence), the fenced attempt's stats come from the
+    transcript, counting every epoch of the answer: visible text makes a
+    `continue` call partial; without any, it is retried."""
+    sink_sock = parts["sink_sock"]
+    call = _running_call(parts)
     store = TranscriptStore(parts["transcript"], background_checkpoints=False)
     seqs: Counter[str] = Counter()
     for call_id, op, text in stored:
@@ -415,9 +445,13 @@ def test_a_sink_restart_counts_what_the_transcript_holds_of_the_attempt(
             store.add_run(call_id, seq, 1, [encode(delta_event(call_id, 1, seq, "text", text))])
     store.commit()
     store.close()
+    op = _sink_restart(parts)
+    sink_sock.inbox.append(encode_refused(op.req, "stale_epoch: no"))
+    parts["sink"].drain(parts["driver"])  # a fence of epoch 2 goes out
     sent_before = len(sink_sock.sent)
-    driver.on_sink_restart()
-    assert parts["journal"].attempts_of("c1")[0]["how"] == "sink_restarted"
+    parts["sink"].fail_pending()  # ... and its answer never comes
+    assert [a["how"] for a in parts["journal"].attempts_of("c1")] == ["rebound",
+                                                                       "sink_restarted"]
     if partial:
         finish = parse_control(msgpack.unpackb(sink_sock.sent[-1]))
         assert isinstance(finish, Finish) and finish.status is CallStatus.PARTIAL

@@ -111,6 +111,7 @@ class _Live:
 class _Sink:
     def __init__(self) -> None:
         self.frames: list[bytes] = []
+        self.lost = False  # the connection never breaks here
 
     def send(self, frame: bytes) -> None:
         self.frames.append(frame)
@@ -118,7 +119,7 @@ class _Sink:
 
 def test_sink_output_numbers_deltas_and_notices_visible_text() -> None:
     sink = _Sink()
-    out = SinkOutput(sink, "c1", 2, _Live(), 0)  # type: ignore[arg-type]
+    out = SinkOutput(sink, "c1", 2, 7, _Live(), 0)  # type: ignore[arg-type]
     out.delta("reasoning", "thinking")
     out.delta("text", "  \n")
     assert not out.visible

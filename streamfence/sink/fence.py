@@ -9,8 +9,9 @@ Contract (pure, no I/O, no clock):
   `authorize` and before `fence` / an accepted final / `finish`.
 - `check(call, attempt, seq)` is the whole single-writer rule: a delta is
   accepted only from the open current epoch with exactly the next seq
-  (seq starts at 1 per attempt and is contiguous). Accepting consumes the
-  seq; a refused delta never changes any state.
+  (seq starts at 1 per attempt and is contiguous; an attempt that continues
+  another's answer after a sink restart starts after that answer's last
+  seq). Accepting consumes the seq; a refused delta never changes any state.
 - The table can be rebuilt after a sink restart from the store's max epoch
   per call (`seed`); rebuilt entries are closed until the supervisor
   authorizes a higher epoch.
@@ -137,13 +138,14 @@ class FenceTable:
         if call_id not in self._calls:
             self._calls[call_id] = _Entry(epoch, _FENCED, 1, finished)
 
-    def authorize(self, call_id: str, attempt: int) -> AuthorizeRefusal | None:
-        """Make `attempt` the only writer of `call_id`. Returns None, or why not."""
+    def authorize(self, call_id: str, attempt: int, after_seq: int = 0) -> AuthorizeRefusal | None:
+        """Make `attempt` the only writer of `call_id`, its first seq
+        `after_seq` + 1. Returns None, or why not."""
         if attempt < 1:
             return AuthorizeRefusal.BAD_ATTEMPT
         e = self._calls.get(call_id)
         if e is None:
-            self._calls[call_id] = _Entry(attempt, _OPEN, 1)
+            self._calls[call_id] = _Entry(attempt, _OPEN, after_seq + 1)
             return None
         if e.finished:
             return AuthorizeRefusal.CALL_FINISHED
@@ -153,7 +155,7 @@ class FenceTable:
             return AuthorizeRefusal.STALE_EPOCH
         e.epoch = attempt
         e.state = _OPEN
-        e.next_seq = 1
+        e.next_seq = after_seq + 1
         return None
 
     def fence(self, call_id: str, attempt: int) -> bool:

@@ -47,7 +47,7 @@ import zmq
 
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted
 from streamfence.protocol.errors import ProtocolError
-from streamfence.protocol.internal import T_DELTA, Endpoints
+from streamfence.protocol.internal import T_DELTA, T_HELLO, Endpoints
 from streamfence.protocol.internal.control import BadFrame, encode_refused, parse_control
 from streamfence.protocol.keys import KeyStore
 from streamfence.protocol.lifecycle import ExitCode, die_with_parent, expected_parent_pid
@@ -59,7 +59,7 @@ from streamfence.sink.state import COMMIT_AFTER_S, COMMIT_EVERY, IDLE_COMMIT_GAP
 from streamfence.sink.store import TranscriptStore
 from streamfence.sink.streams import READ_BYTES, WorkerStreams
 from streamfence.sink.subscribers import Subscribers
-from streamfence.sink.wire import KIND_TAIL, TOOL_CALL, parse_final
+from streamfence.sink.wire import KIND_TAIL, TOOL_CALL, parse_final, parse_hello
 
 CTL_BURST = 100
 IDLE_POLL_MS = 60_000  # nothing due: the loop is event driven (signals wake it)
@@ -234,9 +234,13 @@ class Sink:
             return False  # the peer is gone (EHOSTUNREACH): nobody to answer
 
     def _out_of_line(self, msg: Any, reply: Callable[[bytes], bool]) -> None:
-        """Anything from a worker that is not a well-formed delta: a final or garbage."""
+        """Anything from a worker that is not a well-formed delta: a final, a
+        hello, or garbage."""
         state = self.state
         try:
+            if msg[0] == T_HELLO:
+                state.handle_hello(parse_hello(msg), reply)
+                return
             final = parse_final(msg)
         except BadFrame as exc:
             state.bad_frame("in", exc.reason)

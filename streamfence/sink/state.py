@@ -2,7 +2,8 @@
 
 `SinkState` owns the fence table, one `LiveCall` per known call, the
 transcript store, the commit schedule and the counters. It implements the
-control ops (authorize / fence / finish / stats / subscribe), worker finals,
+control ops (authorize / fence / rebind / finish / stats / subscribe), worker
+finals and hellos,
 drop accounting and commits; it sends the calls' events to their listeners
 through `subscribers.Subscribers` and attempt endings to the supervisor
 through the `Publisher` it is given (`peer.SupervisorPeer`); `process.Sink`
@@ -37,6 +38,7 @@ import logging
 import sqlite3
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgpack
@@ -51,6 +53,7 @@ from streamfence.protocol.internal.control import (
     ControlOp,
     Fence,
     Finish,
+    Rebind,
     encode_ended,
     encode_final_refused,
     encode_ok,
@@ -62,7 +65,7 @@ from streamfence.sink.content import Content
 from streamfence.sink.fence import AuthorizeRefusal, FenceTable, FinalVerdict, Verdict
 from streamfence.sink.store import TranscriptStore
 from streamfence.sink.subscribers import Cuts, Outbox
-from streamfence.sink.wire import Final, delta_prefix
+from streamfence.sink.wire import Final, Hello, delta_prefix, rebind_frame
 
 log = logging.getLogger("streamfence.sink")
 fence_log = logging.getLogger("streamfence.sink.fence")
@@ -159,6 +162,11 @@ class LiveCall:
         self.prefix = delta_prefix(self.call_id, attempt)
         self.model = model
 
+    def continue_attempt(self, attempt: int) -> None:
+        """`attempt` writes on the same answer (a rebind): the content stays."""
+        self.attempt = attempt
+        self.prefix = delta_prefix(self.call_id, attempt)
+
     def stats(self, closed: bool) -> AttemptStats:
         c = self.content
         accepted = c.deltas()  # seqs are contiguous from 1
@@ -196,6 +204,12 @@ class SinkState:
         self.unknown_drops: dict[tuple[str, int], int] = {}
         self.bad_frames = {"in": 0, "ctl": 0}
         self._bad_warned = {"in": -WARN_EVERY_S, "ctl": -WARN_EVERY_S}
+        # After a restart (ARCHITECTURE §2.8): per call, the rebind the
+        # supervisor made that its worker has not asked for yet, and the
+        # worker's hello that came before it.
+        self.rebinds: dict[str, tuple[Rebind, int]] = {}  # call -> (op, resume_after)
+        self.hellos: dict[str, tuple[Hello, Callable[[bytes], bool]]] = {}
+        self.rebound = 0
         self.finals_accepted = 0
         self.finals_refused = 0
         self.acks_unroutable = 0  # finals whose worker left before its ack
@@ -207,15 +221,18 @@ class SinkState:
         if self.lives:
             log.info("sink: rebuilt %d unfinished calls from %s", len(self.lives), store.path)
 
-    def _restore_content(self, live: LiveCall, epoch: int) -> None:
-        """Reload the latest attempt's content from the store after a restart, so
-        its stats (visible_chars above all) tell the supervisor what was delivered."""
+    def _restore_content(self, live: LiveCall, epoch: int, since: int | None = None) -> None:
+        """Reload attempt `epoch`'s content from the store after a restart, so
+        its stats (visible_chars above all) tell the supervisor what was
+        delivered; with `since`, the content of an answer that attempts
+        `since`..`epoch` wrote together (rebinds)."""
         if epoch < 1:
             return
         live.start_attempt(epoch, None)
+        first = epoch if since is None else since
         for body in self.store.events_after(live.call_id, 0):
             event = msgpack.unpackb(body)
-            if event["op"] == "delta" and event["attempt"] == epoch:
+            if event["op"] == "delta" and first <= event["attempt"] <= epoch:
                 live.add[event["kind"]](event["data"])
                 live.content.stored([body])
 
@@ -319,6 +336,8 @@ class SinkState:
             return self._authorize(op)
         if isinstance(op, Fence):
             return self._fence(op)
+        if isinstance(op, Rebind):
+            return self._rebind(op)
         if isinstance(op, Finish):
             return self._finish(op)
         if isinstance(op, AddSubscriber):
@@ -326,6 +345,7 @@ class SinkState:
         return encode_ok(op.req, self.stats())
 
     def _authorize(self, op: Authorize) -> bytes:
+        self._hello_over(op.call_id)
         live = self._live(op.call_id)
         prev = live.stats(closed=True)
         refusal = self.fence.authorize(op.call_id, op.attempt)
@@ -348,7 +368,7 @@ class SinkState:
         log.debug("sink: authorized call=%s attempt=%d reset=%s", op.call_id, op.attempt, op.reset)
         return encode_ok(op.req, stats_to_wire(prev))
 
-    def _refusal_reason(self, refusal: AuthorizeRefusal, op: Authorize) -> str:
+    def _refusal_reason(self, refusal: AuthorizeRefusal, op: Authorize | Rebind) -> str:
         view = self.fence.view(op.call_id)
         if refusal is AuthorizeRefusal.BAD_ATTEMPT:
             detail = f"attempt {op.attempt} must be at least 1"
@@ -359,6 +379,8 @@ class SinkState:
         return f"{refusal.value}: {detail}"
 
     def _fence(self, op: Fence) -> bytes:
+        self._hello_over(op.call_id)
+        self.rebinds.pop(op.call_id, None)
         live = self._live(op.call_id)
         prev = live.stats(closed=True)
         view = self.fence.view(op.call_id)
@@ -370,7 +392,71 @@ class SinkState:
         log.debug("sink: fenced call=%s attempt=%d", op.call_id, op.attempt)
         return encode_ok(op.req, stats_to_wire(prev))
 
+    # ---- rebinds (after a restart: docs/ARCHITECTURE.md §2.8) --------------------
+    def _rebind(self, op: Rebind) -> bytes:
+        """The running attempt `op.from_attempt` writes on as `op.attempt`: its
+        answer so far is reloaded from the store (what was durable; the rest
+        the worker sends again), and the new epoch's first seq follows it."""
+        live = self._live(op.call_id)
+        view = self.fence.view(op.call_id)
+        if view is not None and (view.finished or op.attempt <= view.epoch):
+            refusal = (AuthorizeRefusal.CALL_FINISHED if view.finished
+                       else AuthorizeRefusal.STALE_EPOCH)
+            return encode_refused(op.req, self._refusal_reason(refusal, op))
+        self.flush_pending()
+        self._restore_content(live, op.from_attempt, since=op.content_from)
+        resume_after = live.content.deltas()
+        self.fence.authorize(op.call_id, op.attempt, after_seq=resume_after)
+        live.continue_attempt(op.attempt)
+        self.store.set_epoch(op.call_id, op.attempt)
+        self.commit()  # durable before the ack, as for authorize
+        self.rebinds[op.call_id] = (op, resume_after)
+        self._hello_over(op.call_id)  # its worker may have asked already
+        self.rebound += 1
+        log.info("sink: call=%s attempt %d writes on as attempt %d after seq %d",
+                 op.call_id, op.from_attempt, op.attempt, resume_after)
+        return encode_ok(op.req, stats_to_wire(live.stats(closed=False)))
+
+    def handle_hello(self, hello: Hello, reply: Callable[[bytes], bool]) -> None:
+        """A worker whose connection broke asks how to go on: as the attempt
+        the supervisor rebound it to, or as itself if this sink still has it
+        open, or not at all. Until the supervisor decides, it waits."""
+        pending = self.rebinds.get(hello.call_id)
+        if pending is not None:
+            op, resume_after = pending
+            if op.from_attempt == hello.attempt and op.token == hello.token:
+                del self.rebinds[hello.call_id]
+                reply(rebind_frame(hello, op.attempt, resume_after))
+                return
+        self._live(hello.call_id)
+        view = self.fence.view(hello.call_id)
+        if view is not None and view.epoch == hello.attempt and not view.finished:
+            if view.open:  # the same sink: only the connection broke
+                reply(rebind_frame(hello, hello.attempt, view.last_seq))
+            else:  # the supervisor's rebind is on its way (or a fence)
+                self._hello_over(hello.call_id)
+                self.hellos[hello.call_id] = (hello, reply)
+            return
+        reply(rebind_frame(hello, 0, 0))
+
+    def _hello_over(self, call_id: str) -> None:
+        """A control op for the call came: a worker's waiting hello gets its
+        answer (rebound to it, or over)."""
+        waiting = self.hellos.pop(call_id, None)
+        if waiting is None:
+            return
+        hello, reply = waiting
+        pending = self.rebinds.get(call_id)
+        if pending is not None and pending[0].from_attempt == hello.attempt \
+                and pending[0].token == hello.token:
+            del self.rebinds[call_id]
+            reply(rebind_frame(hello, pending[0].attempt, pending[1]))
+        else:
+            reply(rebind_frame(hello, 0, 0))
+
     def _finish(self, op: Finish) -> bytes:
+        self._hello_over(op.call_id)
+        self.rebinds.pop(op.call_id, None)
         live = self._live(op.call_id)
         view = self.fence.view(op.call_id)
         if view is not None and view.finished:
@@ -477,6 +563,7 @@ class SinkState:
             "calls_pruned": self.store.pruned,
             "pending_events": self.pending_events,
             "acks_unroutable": self.acks_unroutable,
+            "attempts_rebound": self.rebound,
             "subscribed_calls": sum(1 for lv in self.lives.values() if lv.subs),
             "replays": len(self.replays),
             **self.peer.stats(),

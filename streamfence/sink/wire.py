@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamfence.protocol.codec import encode
-from streamfence.protocol.internal import T_FINAL
+from streamfence.protocol.internal import T_FINAL, T_HELLO, T_REBIND
 from streamfence.protocol.internal.control import BadFrame, check_call_id, check_int
 from streamfence.protocol.internal.outcome import AttemptOutcome, BadOutcome, outcome_from_wire
 from streamfence.protocol.messages import DeltaKind, delta_event
@@ -49,6 +49,31 @@ KIND_TAIL: dict[str, bytes] = {
     k.value: encode("kind") + encode(k.value) + encode("data") for k in DeltaKind
 }
 TOOL_CALL = DeltaKind.TOOL_CALL.value
+
+
+# ---- T_HELLO / T_REBIND ---------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """A worker's first message on a connection opened again mid-attempt."""
+
+    call_id: str
+    attempt: int
+    token: int
+
+
+def parse_hello(obj: Any) -> Hello:
+    """`[T_HELLO, call_id, attempt, token]`."""
+    if type(obj) is not list or len(obj) != 4 or obj[0] != T_HELLO or type(obj[0]) is not int:
+        raise BadFrame("not a T_HELLO array of 4 elements")
+    return Hello(check_call_id(obj[1]), check_int(obj[2], "attempt", 1),
+                 check_int(obj[3], "token", 0))
+
+
+def rebind_frame(hello: Hello, new_attempt: int, resume_after: int) -> bytes:
+    """The answer to `hello`: write on as `new_attempt` after seq `resume_after`
+    (0: the attempt is over)."""
+    return encode([T_REBIND, hello.call_id, hello.attempt, new_attempt, resume_after])
 
 
 # ---- T_FINAL -----------------------------------------------------------------

@@ -244,6 +244,7 @@ class AttemptDriver:
             return
         if call.delivered:
             call.delivered = False  # the reset voided it
+        call.content_from = call.epoch
         call.to(CallEvent.AUTHORIZED)
         if call.cancel_requested or worker is None or worker.token != call.token:
             # Cancelled while authorizing, or the reserved worker died: fence
@@ -473,27 +474,59 @@ class AttemptDriver:
 
     # ---- the sink died ---------------------------------------------------------
     def on_sink_restart(self) -> None:
-        """Fail the requests the dead sink never answered, then fence every
-        attempt still running: its worker streams to a sink that no longer
-        knows where it was."""
+        """Fail the requests the dead sink never answered, then rebind every
+        attempt still running (docs/ARCHITECTURE.md §2.8): its worker keeps its
+        provider stream and goes on under a new epoch at the new sink, from
+        what the transcript holds. The new epochs are durable first, as for
+        any attempt; the call stays RUNNING meanwhile (a fence sent after the
+        rebind closes the new epoch)."""
         self._sink.fail_pending()
+        rebound = []
         for call in list(self._calls.values()):
+            if call.state is not CallState.RUNNING:
+                continue
+            old = call.epoch
+            call.epoch += 1
+            self._journal.rebind_attempt(call.call_id, old, call.epoch)
+            worker = self._pool.get(call.worker_id)
+            if worker is not None and worker.token == call.token:
+                self._journal.set_attempt_pid(call.call_id, call.epoch, worker.pid)
+            rebound.append((call, old))
+        if rebound:
+            self._journal.commit(then=functools.partial(self._rebind, rebound))
+
+    def _rebind(self, rebound: list[tuple[Call, int]]) -> None:
+        for call, old in rebound:
             if call.state is CallState.RUNNING:
-                call.fence_reason = FenceReason.SINK_RESTARTED
-                call.to(CallEvent.FENCE)
-                self._fenced(call, call.epoch, SINK_LOST)
+                self._sink.rebind(call.call_id, call.epoch, old, call.content_from or old,
+                                  call.token, functools.partial(self._rebound, call, call.epoch))
+
+    def _rebound(self, call: Call, epoch: int, reply: StatsReply) -> None:
+        if call.epoch != epoch or call.state is not CallState.RUNNING:
+            return  # fenced or ended meanwhile: that path decides
+        if reply is SINK_LOST:
+            return  # the sink died again: on_sink_restart rebinds it again
+        if not isinstance(reply, AttemptStats):
+            log.warning("the restarted sink refused to rebind the attempt: %s", why(reply),
+                        extra=_ctx(call))
+            self.fence(call, FenceReason.SINK_RESTARTED)
+            return
+        self._counters["attempts_rebound"] += 1
+        log.info("the sink restarted: the attempt goes on as attempt %d after seq %d",
+                 epoch, reply.last_seq, extra=_ctx(call))
 
     def _stats_from_transcript(self, call: Call) -> AttemptStats:
         """The current attempt's stats as the transcript holds them (events are
         sent only after their commit: what subscribers could see)."""
         visible = fragments = accepted = 0
+        first = call.content_from or call.epoch  # a rebound attempt's answer began there
         stored = events_after(self._transcript_path, call.call_id) \
             if os.path.exists(self._transcript_path) else []  # no sink ever started
         for frame in stored:
             event = msgpack.unpackb(frame, raw=False)
             if event.get("op") == "reset":
                 visible = fragments = accepted = 0
-            elif event.get("op") == "delta" and event.get("attempt") == call.epoch:
+            elif event.get("op") == "delta" and first <= event.get("attempt", 0) <= call.epoch:
                 accepted += 1
                 visible += visible_chars(event["kind"], event["data"])
                 if event["kind"] == DeltaKind.TOOL_CALL:

@@ -306,6 +306,14 @@ class Journal:
         self._db.execute("INSERT OR REPLACE INTO attempts (call_id, attempt, started) "
                          "VALUES (?, ?, ?)", (call_id, attempt, time.time()))
 
+    def rebind_attempt(self, call_id: str, attempt: int, new_attempt: int) -> None:
+        """After a sink restart the running `attempt` goes on as `new_attempt`:
+        a new epoch, not a new provider attempt (`attempts` stays)."""
+        self.end_attempt(call_id, attempt, "rebound", None)
+        self._db.execute("UPDATE calls SET epoch = ? WHERE call_id = ?", (new_attempt, call_id))
+        self._db.execute("INSERT OR REPLACE INTO attempts (call_id, attempt, started) "
+                         "VALUES (?, ?, ?)", (call_id, new_attempt, time.time()))
+
     def set_attempt_pid(self, call_id: str, attempt: int, pid: int) -> None:
         self._begin()
         self._db.execute("UPDATE attempts SET worker_pid = ? WHERE call_id = ? AND attempt = ?",

@@ -28,6 +28,7 @@ from streamfence.protocol.internal.control import (
     FinalRefused,
     Finish,
     FinishMeta,
+    Rebind,
     Reply,
     Stats,
     encode_control,
@@ -106,6 +107,13 @@ class SinkLink:
     def fence(self, call_id: str, attempt: int, reply: Callable[[StatsReply], None]) -> None:
         """The reply carries the fenced attempt's stats."""
         self._request(lambda req: Fence(req, call_id, attempt), stats_from_wire, reply)
+
+    def rebind(self, call_id: str, attempt: int, from_attempt: int, content_from: int,
+               token: int, reply: Callable[[StatsReply], None]) -> None:
+        """The reply carries the stats of the answer so far (`last_seq`: where
+        the worker resumes)."""
+        self._request(lambda req: Rebind(req, call_id, attempt, from_attempt, content_from,
+                                         token), stats_from_wire, reply)
 
     def finish(self, call_id: str, status: CallStatus, error: dict[str, Any] | None,
                attempts: int, meta: FinishMeta, reply: Callable[[DoneReply], None]) -> None:

@@ -7,10 +7,10 @@ keeps reading its provider whatever the sink does (the liveness of the
 stream is the provider's, never the sink's). The backlog also holds what is
 sent before the sink first listens: the next send or the wait for a final's
 ack connects. A connection that breaks (the sink died) takes its backlog
-with it, since a message cut in the middle cannot open a new connection; the
-supervisor fences every running attempt when the sink restarts, and the
-fence and the acknowledged final decide what a lost message means
-(ARCHITECTURE §2.5-2.6).
+with it, since a message cut in the middle cannot open a new connection, and
+sets `lost`: the worker then asks the restarted sink where to go on
+(T_HELLO, answered by T_REBIND; workers/worker.py `SinkOutput`,
+ARCHITECTURE §2.8).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 from streamfence.protocol.codec import untrusted_unpacker
 
 RECONNECT_EVERY_S = 0.01  # while waiting for an ack with the sink away
+LOST = object()  # `wait_reply`: the connection broke while waiting
 
 
 class SinkChannel:
@@ -34,6 +35,7 @@ class SinkChannel:
         self._sock: socket.socket | None = None
         self._backlog = bytearray()
         self._replies = untrusted_unpacker()
+        self.lost = False  # a connection broke (the sink went away) since the worker last looked
 
     def _connect(self) -> bool:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -52,6 +54,7 @@ class SinkChannel:
             self._sock.close()
             self._sock = None
             self._backlog.clear()
+            self.lost = True
 
     def _flush(self) -> None:
         """Write as much of the backlog as the socket takes now."""
@@ -86,22 +89,31 @@ class SinkChannel:
         if n < len(frame):
             self._backlog += frame[n:]
 
+    def poll_reply(self) -> Any | None:
+        """The sink's next reply if one is there now (connecting and writing
+        what is queued first), else None; never waits."""
+        return self.wait_reply(0.0)
+
     def wait_reply(self, timeout_s: float) -> Any | None:
         """The sink's next reply, once everything queued is written; None if
-        none came within `timeout_s`."""
+        none came within `timeout_s`, LOST if the connection broke first."""
         deadline = time.monotonic() + timeout_s
         while True:
             with contextlib.suppress(StopIteration):
                 return next(self._replies)
+            if self.lost:
+                return LOST
             self._flush()
+            if self.lost:
+                return LOST
             left = deadline - time.monotonic()
-            if left <= 0:
-                return None
             if self._sock is None:
+                if left <= 0:
+                    return None
                 time.sleep(min(left, RECONNECT_EVERY_S))
                 continue
             writing = [self._sock] if self._backlog else []
-            readable, _, _ = select.select([self._sock], writing, [], left)
+            readable, _, _ = select.select([self._sock], writing, [], max(0.0, left))
             if readable:
                 try:
                     data = self._sock.recv(1 << 16)
@@ -113,6 +125,8 @@ class SinkChannel:
                     self._broken()
                     continue
                 self._replies.feed(data)
+            elif left <= 0:
+                return None
 
     def close(self) -> None:
         self._broken()

@@ -33,6 +33,8 @@ from streamfence.protocol.internal import (
     T_DELTA,
     T_FINAL,
     T_FINAL_ACK,
+    T_HELLO,
+    T_REBIND,
     W_EXIT,
     W_HELLO,
     W_IDLE,
@@ -46,7 +48,7 @@ from streamfence.protocol.logs import clear_context, route_logs_to, set_context
 from streamfence.protocol.messages import DeltaKind, submitted_request, visible_chars
 from streamfence.workers.liveness import LivenessTable
 from streamfence.workers.registry import run_attempt
-from streamfence.workers.sink_channel import SinkChannel
+from streamfence.workers.sink_channel import LOST, SinkChannel
 from streamfence.workers.warmup import warm_worker_in_background
 
 log = logging.getLogger("streamfence.worker")
@@ -54,25 +56,43 @@ log = logging.getLogger("streamfence.worker")
 NOTICE = DeltaKind.NOTICE.value
 
 
+KEEP_FOR_REBIND_BYTES = 32 << 20  # an answer kept to send again after a sink restart
+
+
 class SinkOutput:
     """The AttemptOutput of one attempt: owns its seq counter and pushes each delta
-    to the sink (the per-delta hot path); touches the liveness row per chunk."""
+    to the sink (the per-delta hot path); touches the liveness row per chunk.
 
-    __slots__ = ("_attempt", "_call_id", "_live", "_pack", "_send", "_slot", "exc",
-                 "first_chunk_ns", "seq", "visible")
+    It keeps the attempt's deltas (up to KEEP_FOR_REBIND_BYTES of data) so that,
+    when the sink dies mid-stream, it can go on at the restarted one
+    (ARCHITECTURE §2.8): it sends T_HELLO first on the new connection and holds
+    its deltas until the T_REBIND answer says under which attempt number and
+    after which seq to send them again. Answered 0, or with the deltas not
+    kept, it is `over`: it writes nothing more and the supervisor ends it."""
 
-    def __init__(self, sink: SinkChannel, call_id: str, attempt: int,
+    __slots__ = ("_call_id", "_chan", "_kept", "_kept_bytes", "_live", "_pack", "_rebinding",
+                 "_send", "_slot", "_token", "attempt", "exc", "first_chunk_ns", "over", "seq",
+                 "visible")
+
+    def __init__(self, sink: SinkChannel, call_id: str, attempt: int, token: int,
                  live: LivenessTable, slot: int) -> None:
+        self._chan = sink
         self._send = sink.send
         self._pack = msgpack.Packer(use_bin_type=True).pack
         self._call_id = call_id
-        self._attempt = attempt
+        self._token = token
+        self.attempt = attempt
         self._live = live
         self._slot = slot
+        self._kept: list[tuple[str, Any]] | None = []
+        self._kept_bytes = 0
+        self._rebinding = False  # a T_HELLO is out, its answer not in yet
+        self.over = False
         self.seq = 0
         self.visible = False  # any visible text yet (decides the failure's log level)
         self.first_chunk_ns = 0
         self.exc: BaseException | None = None
+        sink.lost = False  # what broke before this attempt concerns no one
 
     def chunk(self, nbytes: int) -> None:
         if not self.first_chunk_ns:
@@ -83,17 +103,102 @@ class SinkOutput:
         self.seq += 1
         if not self.visible and visible_chars(kind, data):
             self.visible = True
-        self._send(self._pack([T_DELTA, self._call_id, self._attempt, self.seq, kind, data]))
+        kept = self._kept
+        if kept is not None:
+            kept.append((kind, data))
+            self._kept_bytes += len(data) if type(data) is str else len(data["arguments"]) + 64
+            if self._kept_bytes > KEEP_FOR_REBIND_BYTES:
+                self._kept = None
+        if self._rebinding or self._chan.lost or self.over:
+            self._go_on()  # held: sent again once the restarted sink answers
+            return
+        self._send(self._pack([T_DELTA, self._call_id, self.attempt, self.seq, kind, data]))
 
     def failed(self, exc: BaseException) -> None:
         self.exc = exc
+
+    def _go_on(self, wait_s: float = 0.0) -> None:
+        """After a lost connection: say hello to the sink, and once it answers
+        send the held deltas under the attempt it names (or stop)."""
+        chan = self._chan
+        while not self.over:
+            if chan.lost:
+                chan.lost = False
+                if self._kept is None:
+                    log.warning("the sink went away mid-stream and this answer is over %d MiB "
+                                "(not kept to send again): the attempt cannot go on",
+                                KEEP_FOR_REBIND_BYTES >> 20)
+                    self.over = True
+                    return
+                self._rebinding = True
+                self._send(self._pack([T_HELLO, self._call_id, self.attempt, self._token]))
+            if not self._rebinding:
+                return
+            reply = chan.wait_reply(wait_s)
+            if reply is None:
+                return  # not answered yet: the deltas wait
+            if reply is LOST:
+                continue
+            if not (type(reply) is list and len(reply) == 5 and reply[0] == T_REBIND
+                    and reply[1] == self._call_id and reply[2] == self.attempt):
+                continue  # not for this attempt (an ack of an earlier one)
+            self._rebinding = False
+            new_attempt, after = reply[3], reply[4]
+            if not new_attempt or self._kept is None or after > self.seq:
+                log.warning("the restarted sink ended this attempt: it writes nothing more")
+                self.over = True
+                return
+            log.info("the sink restarted: attempt %d goes on as attempt %d after seq %d",
+                     self.attempt, new_attempt, after)
+            self.attempt = new_attempt
+            for seq in range(after + 1, self.seq + 1):
+                kind, data = self._kept[seq - 1]
+                self._send(self._pack([T_DELTA, self._call_id, new_attempt, seq, kind, data]))
+
+    def finish(self, outcome: Any, timeout_s: float) -> bool:
+        """Send the final message and wait for its ack (over a sink restart
+        too: the final goes again under the attempt number that goes on).
+        False if the sink refused it or the attempt is over; no ack within
+        `timeout_s`: exit with ExitCode.SINK_UNREACHABLE."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._go_on(max(0.0, deadline - time.monotonic()))
+            if self.over:
+                return False
+            if not self._rebinding:
+                self._send(self._pack([T_FINAL, self._call_id, self.attempt, self.seq, outcome]))
+                accepted = self._wait_ack(deadline)
+                if accepted is not LOST:
+                    return bool(accepted)
+            elif time.monotonic() >= deadline:
+                self._no_ack()
+
+    def _wait_ack(self, deadline: float) -> object:
+        """The final's ack (True/False), or LOST if the connection broke first."""
+        while True:
+            reply = self._chan.wait_reply(max(0.0, deadline - time.monotonic()))
+            if reply is None:
+                self._no_ack()
+            if reply is LOST:
+                return LOST
+            if reply[0] == T_FINAL_ACK and reply[1] == self._call_id and reply[2] == self.attempt:
+                if not reply[3]:
+                    log.warning("sink refused the final message: %s", reply[4])
+                return bool(reply[3])
+
+    @staticmethod
+    def _no_ack() -> NoReturn:
+        log.error("no ack from the sink for the final message within final_ack_timeout_s; "
+                  "exiting")
+        logging.shutdown()
+        os._exit(ExitCode.SINK_UNREACHABLE)
 
 
 def _run_one(run: RunAttempt, sink: SinkChannel, live: LivenessTable, slot: int) -> bool:
     settings = run.settings
     set_context(run.session_id, run.call_id, run.attempt)
     live.begin(slot, run.token)
-    out = SinkOutput(sink, run.call_id, run.attempt, live, slot)
+    out = SinkOutput(sink, run.call_id, run.attempt, run.token, live, slot)
     started = time.monotonic_ns()
     request = run.request
     if run.request_file is not None:  # a large request: its submit frame, as stored
@@ -124,27 +229,10 @@ def _run_one(run: RunAttempt, sink: SinkChannel, live: LivenessTable, slot: int)
         first_chunk_ms=(out.first_chunk_ns - started) / 1e6 if out.first_chunk_ns else None,
         chunks=chunks, bytes=nbytes, deltas=out.seq,
         duration_ms=(time.monotonic_ns() - started) / 1e6))
-    sink.send(msgpack.packb([T_FINAL, run.call_id, run.attempt, out.seq,
-                             outcome_to_wire(outcome)], use_bin_type=True))
-    accepted = _wait_final_ack(sink, run.call_id, run.attempt, settings.final_ack_timeout_s)
+    accepted = out.finish(outcome_to_wire(outcome), settings.final_ack_timeout_s)
     log.info("attempt ended: finish_reason=%s deltas=%d final_accepted=%s",
              outcome.finish_reason, out.seq, accepted)
     return accepted
-
-
-def _wait_final_ack(sink: SinkChannel, call_id: str, attempt: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        reply = sink.wait_reply(max(0.0, deadline - time.monotonic()))
-        if reply is None:
-            log.error("no ack from the sink for the final message within %.1fs; exiting",
-                      timeout_s)
-            logging.shutdown()
-            os._exit(ExitCode.SINK_UNREACHABLE)
-        if reply[0] == T_FINAL_ACK and reply[1] == call_id and reply[2] == attempt:
-            if not reply[3]:
-                log.warning("sink refused the final message: %s", reply[4])
-            return bool(reply[3])
 
 
 def worker_main(worker_id: int, slot: int, runtime_dir: str, slots: int,

@@ -25,20 +25,31 @@ Worker -> sink ("sink.stream", or "sink.in"):
     [T_FINAL, call_id, attempt, last_seq, outcome]
         outcome: `outcome.outcome_to_wire(AttemptOutcome)`. Sent exactly once
         per attempt, also when the attempt failed. The worker waits for the ack.
+    [T_HELLO, call_id, attempt, token]
+        Sent first on a connection opened again mid-attempt (the sink it
+        wrote to died): the worker holds its deltas until the answer.
 Sink -> worker:
     [T_FINAL_ACK, call_id, attempt, accepted: bool, reason: str]
+    [T_REBIND, call_id, attempt, new_attempt, resume_after]
+        The answer to T_HELLO: write on as `new_attempt`, from seq
+        resume_after + 1 (what the transcript holds of the answer is durable);
+        new_attempt 0: the attempt is over, write nothing more.
 
 Supervisor -> sink ("sink.ctl"), each carries a request id echoed by the reply
-(records `Authorize`, `Fence`, `Finish`, `Stats`, `AddSubscriber`;
+(records `Authorize`, `Fence`, `Rebind`, `Finish`, `Stats`, `AddSubscriber`;
 `control.encode_control` / `control.parse_control`):
     [C_AUTHORIZE, req, call_id, attempt, reset: bool, model: str|None]
     [C_FENCE, req, call_id, attempt]
+    [C_REBIND, req, call_id, attempt, from_attempt, content_from, token]
+        after a sink restart: the running attempt `from_attempt` (its worker
+        holds `token`) writes on as `attempt`, its answer's content being
+        every delta since attempt `content_from` (docs/ARCHITECTURE.md §2.8)
     [C_FINISH, req, call_id, status, error, attempts, meta]   meta: FinishMeta map
     [C_STATS, req]
     [C_SUBSCRIBE, req, call_id, listener, from_seq, live: bool]   from_seq -1: from now
 Sink -> supervisor (`control.parse_from_sink`; the events themselves go from
 the sink to the subscribers' listeners, never through the supervisor):
-    [R_OK, req, payload]       `encode_ok`: AttemptStats for AUTHORIZE/FENCE,
+    [R_OK, req, payload]       `encode_ok`: AttemptStats for AUTHORIZE/FENCE/REBIND,
                                the done event for FINISH, counters for STATS,
                                nil for SUBSCRIBE
     [R_REFUSED, req, reason]   `encode_refused`
@@ -70,6 +81,8 @@ from dataclasses import dataclass
 T_DELTA = 0
 T_FINAL = 1
 T_FINAL_ACK = 2
+T_HELLO = 3
+T_REBIND = 4
 
 # supervisor -> sink control
 C_AUTHORIZE = 10
@@ -77,6 +90,7 @@ C_FENCE = 11
 C_FINISH = 12
 C_STATS = 13
 C_SUBSCRIBE = 14
+C_REBIND = 15
 R_OK = 20
 R_REFUSED = 21
 E_ENDED = 31

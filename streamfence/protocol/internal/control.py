@@ -12,6 +12,7 @@ from streamfence.protocol.internal import (
     C_AUTHORIZE,
     C_FENCE,
     C_FINISH,
+    C_REBIND,
     C_STATS,
     C_SUBSCRIBE,
     E_ENDED,
@@ -134,6 +135,22 @@ class Fence:
 
 
 @dataclass(frozen=True, slots=True)
+class Rebind:
+    """C_REBIND: after a sink restart, the attempt `from_attempt` that is still
+    streaming (its worker holds `token`) writes on as `attempt`, above every
+    epoch seen: its deltas continue the answer whose content is every delta
+    since attempt `content_from`, with no reset. The sink answers the worker's
+    T_HELLO with where to resume."""
+
+    req: int | str
+    call_id: str
+    attempt: int
+    from_attempt: int
+    content_from: int
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
 class Finish:
     """C_FINISH: append, commit and publish the call's `done` event, built from the
     current attempt's content and `meta`; `status`/`error` as in the public `done`."""
@@ -171,7 +188,7 @@ class AddSubscriber:
     live: bool
 
 
-ControlOp = Authorize | Fence | Finish | Stats | AddSubscriber
+ControlOp = Authorize | Fence | Rebind | Finish | Stats | AddSubscriber
 
 
 def encode_control(op: ControlOp) -> bytes:
@@ -180,6 +197,9 @@ def encode_control(op: ControlOp) -> bytes:
         msg = [C_AUTHORIZE, op.req, op.call_id, op.attempt, op.reset, op.model]
     elif isinstance(op, Fence):
         msg = [C_FENCE, op.req, op.call_id, op.attempt]
+    elif isinstance(op, Rebind):
+        msg = [C_REBIND, op.req, op.call_id, op.attempt, op.from_attempt, op.content_from,
+               op.token]
     elif isinstance(op, Finish):
         msg = [C_FINISH, op.req, op.call_id, op.status.value, op.error, op.attempts,
                meta_to_wire(op.meta)]
@@ -194,7 +214,7 @@ def encode_control(op: ControlOp) -> bytes:
 MAX_CALL_ID = 256
 MAX_REQ_STR = 256
 _CONTROL_ARITY = {C_AUTHORIZE: (5, 6), C_FENCE: (4,), C_FINISH: (7,), C_STATS: (2,),
-                  C_SUBSCRIBE: (6,)}
+                  C_SUBSCRIBE: (6,), C_REBIND: (7,)}
 
 
 def check_call_id(value: Any, req: int | str | None = None) -> str:
@@ -227,6 +247,10 @@ def parse_control(obj: Any) -> ControlOp:
     call_id = check_call_id(obj[2], req)
     if tag == C_FENCE:
         return Fence(req, call_id, check_int(obj[3], "attempt", 1, req))
+    if tag == C_REBIND:
+        return Rebind(req, call_id, check_int(obj[3], "attempt", 1, req),
+                      check_int(obj[4], "from_attempt", 1, req),
+                      check_int(obj[5], "content_from", 1, req), check_int(obj[6], "token", 0, req))
     if tag == C_SUBSCRIBE:
         listener, live = obj[3], obj[5]
         if type(listener) is not str or not LISTENER_RE.fullmatch(listener):
