@@ -162,10 +162,12 @@ class LiveCall:
         self.prefix = delta_prefix(self.call_id, attempt)
         self.model = model
 
-    def continue_attempt(self, attempt: int) -> None:
-        """`attempt` writes on the same answer (a rebind): the content stays."""
+    def continue_attempt(self, attempt: int, shown_as: int) -> None:
+        """`attempt` writes on the same answer (a rebind): the content stays,
+        and its events keep the attempt number `shown_as` that began it (one
+        provider attempt is one attempt to a subscriber, whatever its epochs)."""
         self.attempt = attempt
-        self.prefix = delta_prefix(self.call_id, attempt)
+        self.prefix = delta_prefix(self.call_id, shown_as)
 
     def stats(self, closed: bool) -> AttemptStats:
         c = self.content
@@ -222,17 +224,27 @@ class SinkState:
             log.info("sink: rebuilt %d unfinished calls from %s", len(self.lives), store.path)
 
     def _restore_content(self, live: LiveCall, epoch: int, since: int | None = None) -> None:
-        """Reload attempt `epoch`'s content from the store after a restart, so
-        its stats (visible_chars above all) tell the supervisor what was
-        delivered; with `since`, the content of an answer that attempts
-        `since`..`epoch` wrote together (rebinds)."""
+        """Reload the content of the answer attempt `epoch` writes from the
+        store (after a restart), so its stats (visible_chars above all) tell
+        the supervisor what was delivered. With `since`: a rebind, the answer
+        that attempts `since`..`epoch` wrote together (its events carry
+        `since`). Without: the deltas after the last reset of the newest
+        attempt number among them; a rebound answer's all carry the one that
+        began it, where the store's epoch alone would find none."""
         if epoch < 1:
             return
         live.start_attempt(epoch, None)
-        first = epoch if since is None else since
+        deltas: list[tuple[dict[str, Any], bytes]] = []
         for body in self.store.events_after(live.call_id, 0):
             event = msgpack.unpackb(body)
-            if event["op"] == "delta" and first <= event["attempt"] <= epoch:
+            if event["op"] == "reset":
+                deltas.clear()
+            elif event["op"] == "delta":
+                deltas.append((event, body))
+        newest = max((e["attempt"] for e, _ in deltas), default=0)
+        for event, body in deltas:
+            if (since <= event["attempt"] <= epoch) if since is not None \
+                    else event["attempt"] == newest:
                 live.add[event["kind"]](event["data"])
                 live.content.stored([body])
 
@@ -407,7 +419,7 @@ class SinkState:
         self._restore_content(live, op.from_attempt, since=op.content_from)
         resume_after = live.content.deltas()
         self.fence.authorize(op.call_id, op.attempt, after_seq=resume_after)
-        live.continue_attempt(op.attempt)
+        live.continue_attempt(op.attempt, op.content_from)
         self.store.set_epoch(op.call_id, op.attempt)
         self.commit()  # durable before the ack, as for authorize
         self.rebinds[op.call_id] = (op, resume_after)
