@@ -5,7 +5,8 @@ Duties:
    durably before acknowledging it.
 2. Start and watch the sink (the only writer of the transcript) and the
    zygote (which forks the warm workers); every child dies with us
-   (parent-death signal), and a dead sink or zygote is restarted.
+   (parent-death signal), and a dead sink or zygote is restarted with
+   back-off (streamfence.supervisor.restarts); one that cannot start stops us.
 3. Drive each call's attempts (streamfence.supervisor.attempts): authorize at the sink,
    dispatch to a warm worker, watch liveness, fence then kill, retry.
 4. Fan accepted events out to subscribers; re-emit every child's log records.
@@ -29,6 +30,7 @@ import signal
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,8 +63,10 @@ from streamfence.supervisor.config import DaemonConfig
 from streamfence.supervisor.front import Front
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.logs import emit_child_record
+from streamfence.supervisor.notify import Notifier
 from streamfence.supervisor.pool import Pool, WorkerState, exit_text
 from streamfence.supervisor.recovery import recover_calls
+from streamfence.supervisor.restarts import GiveUp, RestartPolicy
 from streamfence.supervisor.sinklink import SinkLink
 from streamfence.supervisor.status import status_of
 from streamfence.workers.liveness import LivenessTable
@@ -79,8 +83,6 @@ IO_THREADS = 8
 
 FRONT_TURN_S = 0.005  # the most one turn spends reading client requests
 IDLE_WAKE_S = 60.0  # the longest sleep: nothing is due (the loop is event driven)
-SINK_RESTARTS_MAX = 5  # within SINK_RESTART_WINDOW_S, else the daemon stops
-SINK_RESTART_WINDOW_S = 60.0
 
 
 class StartupError(Exception):
@@ -94,7 +96,8 @@ class Parts:
     clients (the client socket's sends, subscribers, event buffers, waiters),
     sink (SinkLink: requests in flight on `sink.ctl`), breakers, driver (calls,
     queue, fall-backs), front (request handling). `counters` are tallies each
-    incremented by one owner (the daemon's: sink restarts), read by `status`."""
+    incremented by one owner (the daemon's: sink and zygote restarts), read by
+    `status`."""
 
     journal: Journal
     pool: Pool
@@ -133,7 +136,12 @@ class Daemon:
         self._zygote_conn: Any = None
         self._zygote_ready = False
         self._sink: Any = None
-        self._sink_deaths: list[float] = []
+        self._sink_restarts = RestartPolicy("sink", time.monotonic, {ExitCode.CANNOT_BIND: (
+            f"the events endpoint {self.events_endpoint} cannot be bound (the client "
+            f"endpoint's port + 1, or its path + '.events': docs/PROTOCOL.md §1)")})
+        self._zygote_restarts = RestartPolicy("zygote", time.monotonic)
+        self._zygote_backlog: list[ZygoteCommand] = []  # asked while the zygote is down
+        self._notify = Notifier()  # before any child starts: they must not inherit it
         self.ctx = zmq.Context(io_threads=IO_THREADS)
         self.auth = ClientAuth(self.ctx, self.keys, config.auth, config.identities,
                                config.endpoint, config.max_connections)
@@ -149,6 +157,7 @@ class Daemon:
                   self.config.log_level, self._control_identity, True,
                   self.config.retention_days))
         self._sink.start()
+        self._sink_restarts.started()
 
     def _start_zygote(self) -> None:
         parent_conn, child_conn = self._mp.Pipe(duplex=True)
@@ -157,15 +166,45 @@ class Daemon:
             args=(child_conn, self.runtime_dir, self.config.workers_max,
                   logging.getLevelName(self.config.log_level), os.getpid()))
         self._zygote.start()
+        self._zygote_restarts.started()
         child_conn.close()
         self._zygote_conn = parent_conn
         self._zygote_ready = False
 
     def _to_zygote(self, cmd: ZygoteCommand) -> None:
-        self._zygote_conn.send_bytes(encode_zygote(cmd))
+        if self._zygote_restarts.down:
+            self._zygote_backlog.append(cmd)  # for the next zygote, once it starts
+            return
+        # A zygote that just died (its pipe's end not yet seen) forgets what it
+        # was asked: the loop sees the end next and forgets the workers too.
+        with contextlib.suppress(OSError):
+            self._zygote_conn.send_bytes(encode_zygote(cmd))
 
-    def _pids(self) -> dict[str, int]:
-        return {"supervisor": os.getpid(), "sink": self._sink.pid, "zygote": self._zygote.pid}
+    def _pids(self) -> dict[str, int | None]:
+        """Each process's pid; None for a child that is down, awaiting its restart."""
+        return {"supervisor": os.getpid(),
+                "sink": None if self._sink_restarts.down else self._sink.pid,
+                "zygote": None if self._zygote_restarts.down else self._zygote.pid}
+
+    def _probe_sink(self, link: SinkLink) -> None:
+        """Ask the new sink for its counters: its answer shows that it serves."""
+        started = self._sink
+
+        def answered(_stats: dict[str, Any]) -> None:
+            # The link answers from its last counters when the sink died first.
+            if self._sink is started and not self._sink_restarts.down:
+                self._sink_restarts.ready()
+
+        link.read_stats(answered)
+
+    def _sink_stats(self, link: SinkLink, reply: Callable[[dict[str, Any]], None]) -> None:
+        """The sink's counters for `status`: asked for, or the last ones known, at
+        once, while the sink is down or not yet serving (status must not wait
+        for its back-off or its start)."""
+        if self._sink_restarts.serving:
+            link.read_stats(reply)
+        else:
+            reply(dict(link.stats))
 
     # ---- set-up --------------------------------------------------------------
     def _socket(self, kind: int, **options: int | bytes) -> zmq.Socket[bytes]:
@@ -209,13 +248,15 @@ class Daemon:
         breakers = Breakers(cfg.breaker_threshold, cfg.breaker_cooldown_s, clock)
         driver = AttemptDriver(cfg, journal, pool, sink, clients, breakers, counters, clock,
                                random.Random(), self.transcript_path)
-        status = functools.partial(status_of, pool, driver, breakers, sink, counters, self._pids,
-                                   self.auth.counts)
+        status = functools.partial(status_of, pool, driver, breakers,
+                                   functools.partial(self._sink_stats, sink), counters,
+                                   self._pids, self.auth.counts)
         front = Front(cfg, journal, driver, clients, sink, breakers, counters, clock,
                       self.transcript_path, status)
         parts = Parts(journal, pool, clients, sink, breakers, driver, front, counters, logs_sock)
 
         self._start_sink()
+        self._probe_sink(sink)
         self._start_zygote()
         for call in recover_calls(journal, cfg.providers, self.transcript_path):
             driver.enqueue(call)
@@ -265,6 +306,7 @@ class Daemon:
                 if self._stop and drain_until is None:
                     drain_until = time.monotonic() + self.config.stop_grace_s
                     p.front.accepting = False
+                    self._notify.stopping("stopping: letting the running attempts finish")
                     log.info("stop requested: no new calls; letting %d running attempt(s) "
                              "finish within %.0fs", p.driver.busy(), self.config.stop_grace_s)
                 if drain_until is not None and (p.driver.busy() == 0
@@ -291,17 +333,25 @@ class Daemon:
                     self._drain_logs(p.logs)
                 if sink_fd in ready:
                     poller.unregister(sink_fd)
-                    if not self._restart_sink(p):
+                    sink_fd = -1  # none until the new sink starts
+                    if not self._sink_died(p):
                         code = 1
                         break
-                    sink_fd = self._sink.sentinel
-                    poller.register(sink_fd, zmq.POLLIN)
                 if zygote_fd in ready and not self._drain_zygote(p):
                     poller.unregister(zygote_fd)
+                    zygote_fd = -1
+                    if not self._zygote_died(p):
+                        code = 1
+                        break
+                now = time.monotonic()
+                if self._sink_restarts.take_due(now):
+                    self._restart_sink(p)
+                    sink_fd = self._sink.sentinel
+                    poller.register(sink_fd, zmq.POLLIN)
+                if self._zygote_restarts.take_due(now):
                     self._restart_zygote(p)
                     zygote_fd = self._zygote_conn.fileno()
                     poller.register(zygote_fd, zmq.POLLIN)
-                now = time.monotonic()
                 p.driver.on_timers(now)
                 if drain_until is None:
                     # Before the replies: new calls' first attempts join this
@@ -324,7 +374,8 @@ class Daemon:
         (rounded up to the next ms, so it wakes at or after it)."""
         now = time.monotonic()
         due = [now + IDLE_WAKE_S, p.driver.next_due(), p.clients.next_due(),
-               p.pool.next_due(), drain_until]
+               p.pool.next_due(), drain_until, self._sink_restarts.due(),
+               self._zygote_restarts.due()]
         if self.config.retention_days > 0:
             due.append(p.journal.prune_due)
         nearest = min(d for d in due if d is not None)
@@ -354,6 +405,7 @@ class Daemon:
             self._ready_logged = True
             log.info("ready: endpoint=%s, warm workers=%d", self.config.endpoint,
                      pool.count(WorkerState.IDLE))
+            self._notify.ready(f"serving on {self.config.endpoint}")
 
     @staticmethod
     def _drain_logs(logs: zmq.Socket[bytes]) -> None:
@@ -382,6 +434,7 @@ class Daemon:
                 emit_child_record(event.fields)
             elif isinstance(event, ZygoteReady):
                 self._zygote_ready = True
+                self._zygote_restarts.ready()
             elif isinstance(event, WorkerSpawned):
                 p.pool.on_spawned(event.worker_id, event.pid)
             elif isinstance(event, WorkerExited):
@@ -393,29 +446,14 @@ class Daemon:
                 p.pool.maintain()
         return True
 
-    def _restart_sink(self, p: Parts) -> bool:
-        """The sink died: start a new one on the same store, and fence every
-        attempt in flight (the new sink rebuilds its epochs and each call's
-        last content from the store; what it had not committed was never
-        published). False if the sink is crash-looping."""
+    def _sink_died(self, p: Parts) -> bool:
+        """The sink died: fail what it never answered and fence (or rebind) the
+        attempts in flight at once, and tell the next sink who follows the live
+        calls; what is sent to it now waits in the socket until it starts, when
+        its back-off ends. False if it cannot start (the daemon stops)."""
         self._sink.join(timeout=1.0)
-        now = time.monotonic()
-        self._sink_deaths = [t for t in self._sink_deaths if now - t < SINK_RESTART_WINDOW_S]
-        self._sink_deaths.append(now)
-        if self._sink.exitcode == ExitCode.CANNOT_BIND:
-            log.critical("the sink cannot bind the events endpoint %s (the client endpoint's "
-                         "port + 1, or its path + '.events': docs/PROTOCOL.md §1); stopping",
-                         self.events_endpoint)
+        if not self._restart_later(self._sink_restarts, self._sink.exitcode):
             return False
-        if len(self._sink_deaths) > SINK_RESTARTS_MAX:
-            log.critical("the sink died %d times in %.0fs; stopping (the journal keeps every "
-                         "accepted call for the next start)", len(self._sink_deaths),
-                         SINK_RESTART_WINDOW_S)
-            return False
-        log.error("the sink exited (code %s); restarting it and retrying the attempts in "
-                  "flight", exit_text(self._sink.exitcode))
-        self._start_sink()
-        p.counters["sink_restarts"] += 1
         p.driver.on_sink_restart()
         # The new sink knows no subscriber: tell it again who follows the live
         # calls (from now on; a client repairs a gap from its last seq).
@@ -423,17 +461,46 @@ class Daemon:
             p.sink.subscribe(call_id, listener, FROM_NOW, True, lambda _: None)
         return True
 
-    def _restart_zygote(self, p: Parts) -> None:
-        log.error("the zygote exited (code %s); its workers die with it; restarting it",
-                  exit_text(self._zygote.exitcode))
+    def _restart_sink(self, p: Parts) -> None:
+        """Its back-off is over: a new sink on the same store (it rebuilds its
+        epochs and each call's last content from it; what the dead one had not
+        committed was never published)."""
+        self._start_sink()
+        p.counters["sink_restarts"] += 1
+        self._probe_sink(p.sink)
+
+    def _zygote_died(self, p: Parts) -> bool:
+        """The zygote died and its workers with it: their attempts end as killed.
+        False if it cannot start (the daemon stops)."""
         self._zygote.join(timeout=1.0)
+        self._zygote_conn.close()
+        if not self._restart_later(self._zygote_restarts, self._zygote.exitcode):
+            return False
         for worker in p.pool.on_zygote_lost():
             p.driver.on_worker_exit(worker.call_id, worker.token, -signal.SIGKILL)
+        return True
+
+    def _restart_zygote(self, p: Parts) -> None:
         self._start_zygote()
+        p.counters["zygote_restarts"] += 1
+        backlog, self._zygote_backlog = self._zygote_backlog, []
+        for cmd in backlog:
+            self._to_zygote(cmd)
         p.pool.maintain()
+
+    @staticmethod
+    def _restart_later(policy: RestartPolicy, returncode: int | None) -> bool:
+        """Whether the dead child is started again (its policy logged when)."""
+        decision = policy.died(returncode)
+        if isinstance(decision, GiveUp):
+            log.critical("%s; stopping (the journal keeps every accepted call for the next "
+                         "start)", decision.reason)
+            return False
+        return True
 
     def _shutdown(self, p: Parts) -> None:
         log.info("stopping")
+        self._notify.stopping("stopping")
         with contextlib.suppress(Exception):
             self._to_zygote(StopZygote())
         for proc in (self._zygote, self._sink):

@@ -11,17 +11,18 @@ from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.identities import Identity
 from streamfence.supervisor.pool import Pool
-from streamfence.supervisor.sinklink import SinkLink
 
 
-def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers, sink: SinkLink,
-              counters: Counter[str], pids: Callable[[], dict[str, int]],
+def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
+              sink_stats: Callable[[Callable[[dict[str, Any]], None]], None],
+              counters: Counter[str], pids: Callable[[], dict[str, int | None]],
               auth_counts: Callable[[], dict[str, int]], user: Identity,
               reply: Callable[[dict[str, Any]], None]) -> None:
     """Give `reply` the body of a `status_reply`: each owner's own view. An
     identity that is not an admin sees only its own calls (docs/SECURITY.md);
-    an admin's reply waits for the sink's counters (asked for, not polled, so
-    an idle daemon sleeps). `calls.in_flight_bytes` is the request bytes the
+    an admin's reply waits for the sink's counters (`sink_stats`: asked for,
+    not polled, so an idle daemon sleeps; the last known ones while the sink
+    is down). `calls.in_flight_bytes` is the request bytes the
     calls accepted and not done hold (the byte budgets: front.py); an admin
     also sees them per owner and `in_flight_bytes_max`."""
     if not user.is_admin:
@@ -37,4 +38,4 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers, sink: SinkL
             "calls": driver.status(),
             "breakers": breakers.snapshot(),
             "counters": dict(counters, **auth_counts())}
-    sink.read_stats(lambda stats: reply(dict(body, sink=stats)))
+    sink_stats(lambda stats: reply(dict(body, sink=stats)))
