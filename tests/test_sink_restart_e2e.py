@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -62,3 +63,44 @@ def test_sink_kill_9_mid_stream(make_daemon: Any, emu: EmulatorClient, policy: s
         client.subscribe(call_id, from_seq=0)
         replay = list(client.events(call_id, timeout_s=10.0))
     assert replay == events
+
+
+def test_a_frozen_sink_is_not_the_providers_stall(make_daemon: Any, emu: EmulatorClient) -> None:
+    """The sink is stopped (SIGSTOP) past the stale timeout while the provider
+    sends the rest of the answer: the worker waits for the sink, the watchdog
+    does not blame the provider, and once the sink runs again the call
+    completes from its one provider request (issue 13, item 5)."""
+    emu.script("frozen-sink", [{"fault": "ok", "chunks": 20, "chunk_delay_s": 0.05}])
+    daemon: DaemonProcess = make_daemon()
+    stale_s = 1.0
+    with daemon.client(timeout_s=20.0) as client:
+        call_id = client.submit("emu", _req("frozen-sink"), options={"stale_timeout_s": stale_s})
+        events = client.events(call_id, timeout_s=30.0)
+        first = [next(events) for _ in range(3)]
+        sink_pid = client.status()["processes"]["sink"]
+        os.kill(sink_pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 20.0
+            while not emu.log("frozen-sink")[0]["completed"]:
+                assert time.monotonic() < deadline, "the provider did not finish within 20 s"
+                time.sleep(0.05)
+            # The fault itself: frozen for three stale timeouts after the last chunk.
+            time.sleep(3 * stale_s)
+            assert _state(sink_pid) == "T", "the sink was not stopped all along"
+        finally:
+            os.kill(sink_pid, signal.SIGCONT)
+        rest = list(events)
+        result = client.result(call_id, wait_s=10.0)
+    done = rest[-1]
+    sent = emu.log("frozen-sink")
+    assert done["status"] == "completed", done
+    assert len(sent) == 1 and done["response"]["content"] == sent[0]["text"]
+    seqs = [e["seq"] for e in [*first, *rest]]
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert result is not None and [d["how"] for d in result["diagnostics"]] == ["ended"]
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+

@@ -53,7 +53,11 @@ from streamfence.supervisor.timers import Deadlines
 
 log = logging.getLogger("streamfence.attempts")
 
-FINAL_ACK_TIMEOUT_S = 30.0
+# How long a worker waits for the sink to acknowledge its final. Long: the
+# provider is done and a slow or frozen sink is not its fault (the stale
+# watchdog leaves such an attempt alone); a sink that dies instead is
+# restarted and the attempt rebound (ARCHITECTURE §2.8).
+FINAL_ACK_TIMEOUT_S = 600.0
 
 
 def _ctx(call: Call) -> dict[str, Any]:
@@ -320,6 +324,11 @@ class AttemptDriver:
         if worker is None:
             return  # its exit report fences it
         token, last_ns, chunks, _ = self._pool.liveness(worker)
+        if token == call.token and self._pool.stream_over(worker):
+            # The provider has sent everything: the worker waits for the sink,
+            # whose time is never the provider's stall (nor the breaker's).
+            self._arm_watch(call, time.monotonic_ns(), call.timeouts.stale_s)
+            return
         if token == call.token and chunks > 0:
             since, limit = last_ns, call.timeouts.stale_s
         else:

@@ -175,6 +175,10 @@ class Pool:
         """The worker's liveness row: (token, last chunk ns, chunks, bytes)."""
         return self._live.read(worker.slot)
 
+    def stream_over(self, worker: Worker) -> bool:
+        """The worker's provider stream has ended: it only waits for the sink."""
+        return self._live.stream_over(worker.slot)
+
     def count(self, *states: WorkerState) -> int:
         return sum(self._states[state] for state in states)
 

@@ -6,10 +6,13 @@ only a few times a second, so a store of two integers per chunk beats a
 message per chunk (or a coalescing timer) by orders of magnitude. CLOCK_MONOTONIC
 is system-wide on Linux, so the worker's and the supervisor's clocks agree.
 
-Row layout (int64 each): token, last_chunk_ns, chunks, bytes. `token` names
-the attempt run the row belongs to; the supervisor ignores a row whose token
-is not the one it handed out, so a slot reused by the next worker can never
-make a stale attempt look alive.
+Row layout (int64 each): token, last_chunk_ns, chunks, bytes, stream_over.
+`token` names the attempt run the row belongs to; the supervisor ignores a
+row whose token is not the one it handed out, so a slot reused by the next
+worker can never make a stale attempt look alive. `stream_over` is set when
+the provider's stream has ended and the worker only waits for the sink: no
+chunk is due any more, so the stale watchdog must not blame the provider
+for the sink's time (ARCHITECTURE §4.1).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import mmap
 import os
 import time
 
-FIELDS = 4
+FIELDS = 5
 _ITEM = 8
 
 
@@ -45,6 +48,7 @@ class LivenessTable:
         rows[base + 1] = 0
         rows[base + 2] = 0
         rows[base + 3] = 0
+        rows[base + 4] = 0
         rows[base] = token
 
     def touch(self, slot: int, nbytes: int) -> None:
@@ -54,6 +58,13 @@ class LivenessTable:
         rows[base + 1] = time.monotonic_ns()
         rows[base + 2] += 1
         rows[base + 3] += nbytes
+
+    def end_stream(self, slot: int) -> None:
+        """The provider's stream is over; what is left is the sink's (worker side)."""
+        self._rows[slot * FIELDS + 4] = 1
+
+    def stream_over(self, slot: int) -> bool:
+        return bool(self._rows[slot * FIELDS + 4])
 
     def read(self, slot: int) -> tuple[int, int, int, int]:
         """(token, last_chunk_ns, chunks, bytes) of a slot (supervisor side)."""

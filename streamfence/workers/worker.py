@@ -224,6 +224,7 @@ def _run_one(run: RunAttempt, sink: SinkChannel, live: LivenessTable, slot: int)
     if outcome.finish_reason == "content_filter":
         out.delta(NOTICE, "The provider stopped this answer with its content "
                           "filter (finish_reason content_filter).")
+    live.end_stream(slot)  # from here on only the sink is waited for
     _, _, chunks, nbytes = live.read(slot)
     outcome = replace(outcome, diag=AttemptDiag(
         first_chunk_ms=(out.first_chunk_ns - started) / 1e6 if out.first_chunk_ns else None,
