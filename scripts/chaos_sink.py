@@ -3,7 +3,7 @@
     python -m scripts.chaos_sink [--seed N] [--calls 2000] [--duration 60]
 
 The supervisor restarts the sink on the same store, with back-off
-(docs/ARCHITECTURE.md §4.13), and fences the attempts in flight. No accepted
+(docs/ARCHITECTURE.md §4.14), and fences the attempts in flight. No accepted
 delta may be lost or duplicated in the transcript, and every call must end
 with one answer (or partial / failed clearly).
 """

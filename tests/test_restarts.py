@@ -1,5 +1,5 @@
 """The restart policy of the sink and the zygote (supervisor/restarts.py,
-docs/ARCHITECTURE.md §4.13), on a fake clock: back-off that grows and starts
+docs/ARCHITECTURE.md §4.14), on a fake clock: back-off that grows and starts
 over, when the daemon gives up, and the log's rate limit."""
 
 from __future__ import annotations

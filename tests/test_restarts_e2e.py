@@ -1,4 +1,4 @@
-"""Crash loops back off instead of giving up (docs/ARCHITECTURE.md §4.13), on
+"""Crash loops back off instead of giving up (docs/ARCHITECTURE.md §4.14), on
 the real daemon: a sink SIGKILLed from outside again and again is restarted
 with growing delays while the daemon keeps answering, a call waits for a
 killed zygote's successor, and a sink that cannot start at all still stops
@@ -48,15 +48,24 @@ def _sink_serves(daemon: DaemonProcess, pid: int) -> bool:
 
 
 class Watch:
-    """Status requests, each timed: a slow answer fails the test."""
+    """Status requests, each timed: a slow answer fails the test, and so does
+    the daemon's exit (with its log's tail)."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, daemon: DaemonProcess, client: Client) -> None:
+        self.daemon = daemon
         self.client = client
         self.answered_down = 0  # answers that showed the child down
 
     def pid(self, child: str) -> int | None:
         started = time.monotonic()
-        status = self.client.status()
+        try:
+            status = self.client.status()
+        except TimeoutError:
+            assert self.daemon.proc is not None
+            if self.daemon.proc.poll() is not None:
+                pytest.fail(f"the daemon exited with {self.daemon.proc.returncode}:\n"
+                            + self.daemon.log_text()[-3000:])
+            raise
         took = time.monotonic() - started
         assert took < STATUS_WITHIN_S, f"status took {took:.2f}s"
         pid: int | None = status["processes"][child]
@@ -76,7 +85,7 @@ def test_a_sink_killed_again_and_again_backs_off_and_the_daemon_serves(
         make_daemon: Any, emu: EmulatorClient) -> None:
     daemon: DaemonProcess = make_daemon()
     with daemon.client(timeout_s=10.0) as client:
-        watch = Watch(client)
+        watch = Watch(daemon, client)
         pid = watch.pid("sink")
         assert pid is not None
         waited = []
@@ -109,7 +118,7 @@ def test_a_call_submitted_while_the_zygote_is_down_runs_on_the_next_one(
     of SDK imports here)."""
     daemon: DaemonProcess = make_daemon()
     with daemon.client(timeout_s=10.0) as client:
-        watch = Watch(client)
+        watch = Watch(daemon, client)
         first = watch.pid("zygote")
         assert first is not None
         os.kill(first, signal.SIGKILL)

@@ -1,5 +1,5 @@
 """When a dead sink or zygote is started again, and when the daemon gives up
-(docs/ARCHITECTURE.md §4.13).
+(docs/ARCHITECTURE.md §4.14).
 
 One `RestartPolicy` per child process. The daemon tells it when the child
 started (`started`), when it served (`ready`: the sink answered its first
