@@ -46,6 +46,21 @@ def test_chaos_clients_storm_happens_and_calls_stay_exact() -> None:
 
 
 @pytest.mark.timeout(240)
+def test_chaos_storage_every_call_exact_from_one_request() -> None:
+    """Issue 13: a kill storm on the sink and a sink frozen past the stale
+    timeout; every call completes exactly, from one provider request."""
+    proc = subprocess.run([sys.executable, "-m", "scripts.chaos_storage", "--seed", "15",
+                           "--calls", "200", "--duration", "6", "--storm", "3"],
+                          capture_output=True, text=True, timeout=220)
+    report = proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0, report
+    for fault in ("kills", "freeze"):
+        assert f"verdict ({fault}, every call exact from one request): PASS" in proc.stdout, report
+    kills = [line for line in proc.stdout.splitlines() if "sink SIGKILLs" in line]
+    assert kills and int(kills[0].rsplit("=", 1)[1]) >= 2, report
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("script", sorted(RUNS))
 def test_chaos_script_passes(script: str) -> None:
     proc = subprocess.run([sys.executable, "-m", f"scripts.{script}", *RUNS[script]],

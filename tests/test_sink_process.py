@@ -518,7 +518,9 @@ def test_a_hello_before_the_rebind_waits_for_it_and_a_wrong_token_is_told_over(
     assert not worker.poll(200), "a hello was answered before the supervisor decided"
     sup.ok(C_REBIND, call, 2, 1, 1, 7)
     assert recv_rebind(worker) == [T_REBIND, call, 1, 2, 3]
-    intruder.send(encode([T_HELLO, call, 1, 8]))
+    intruder.send(encode([T_HELLO, call, 1, 8]))  # not the run's token: waits, then over
+    assert not intruder.poll(200), "a hello with another token was answered at once"
+    sup.ok(C_FENCE, call, 2)
     assert recv_rebind(intruder) == [T_REBIND, call, 1, 0, 0]
 
 

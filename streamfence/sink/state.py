@@ -431,25 +431,24 @@ class SinkState:
 
     def handle_hello(self, hello: Hello, reply: Callable[[bytes], bool]) -> None:
         """A worker whose connection broke asks how to go on: as the attempt
-        the supervisor rebound it to, or as itself if this sink still has it
-        open, or not at all. Until the supervisor decides, it waits."""
+        the supervisor rebound its run to (named by the run's token: several
+        restarts may have rebound it while it never heard), or as itself if
+        this sink still has it open, or not at all. Until the supervisor
+        says, it waits (the next control op for the call answers it)."""
         pending = self.rebinds.get(hello.call_id)
-        if pending is not None:
-            op, resume_after = pending
-            if op.from_attempt == hello.attempt and op.token == hello.token:
-                del self.rebinds[hello.call_id]
-                reply(rebind_frame(hello, op.attempt, resume_after))
-                return
+        if pending is not None and pending[0].token == hello.token:
+            del self.rebinds[hello.call_id]
+            reply(rebind_frame(hello, pending[0].attempt, pending[1]))
+            return
         self._live(hello.call_id)
         view = self.fence.view(hello.call_id)
-        if view is not None and view.epoch == hello.attempt and not view.finished:
-            if view.open:  # the same sink: only the connection broke
-                reply(rebind_frame(hello, hello.attempt, view.last_seq))
-            else:  # the supervisor's rebind is on its way (or a fence)
-                self._hello_over(hello.call_id)
-                self.hellos[hello.call_id] = (hello, reply)
-            return
-        reply(rebind_frame(hello, 0, 0))
+        if view is None or view.finished or hello.attempt > view.epoch:
+            reply(rebind_frame(hello, 0, 0))  # never authorized here, or done
+        elif view.open and view.epoch == hello.attempt:
+            reply(rebind_frame(hello, hello.attempt, view.last_seq))  # only the connection broke
+        else:
+            self._hello_over(hello.call_id)
+            self.hellos[hello.call_id] = (hello, reply)
 
     def _hello_over(self, call_id: str) -> None:
         """A control op for the call came: a worker's waiting hello gets its
@@ -459,8 +458,7 @@ class SinkState:
             return
         hello, reply = waiting
         pending = self.rebinds.get(call_id)
-        if pending is not None and pending[0].from_attempt == hello.attempt \
-                and pending[0].token == hello.token:
+        if pending is not None and pending[0].token == hello.token:
             del self.rebinds[call_id]
             reply(rebind_frame(hello, pending[0].attempt, pending[1]))
         else:

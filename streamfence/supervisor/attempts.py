@@ -324,7 +324,7 @@ class AttemptDriver:
         if worker is None:
             return  # its exit report fences it
         token, last_ns, chunks, _ = self._pool.liveness(worker)
-        if token == call.token and self._pool.stream_over(worker):
+        if token == call.token and worker.token == call.token and self._pool.stream_over(worker):
             # The provider has sent everything: the worker waits for the sink,
             # whose time is never the provider's stall (nor the breaker's).
             self._arm_watch(call, time.monotonic_ns(), call.timeouts.stale_s)
@@ -391,6 +391,16 @@ class AttemptDriver:
         call = self._calls.get(refused.call_id)
         if call is not None and call.epoch == refused.attempt and call.state is CallState.RUNNING:
             log.warning("final message refused by the sink: %s", refused.reason, extra=_ctx(call))
+            self.fence(call, FenceReason.FINAL_REFUSED)
+
+    def on_final_unaccepted(self, call_id: str, token: int) -> None:
+        """The run's worker went idle without the sink accepting its final (the
+        sink refused it, or told the worker its attempt was over): nothing
+        more will come of it."""
+        call = self._calls.get(call_id)
+        if call is not None and call.token == token and call.state is CallState.RUNNING:
+            log.warning("the worker ended the attempt without an accepted final",
+                        extra=_ctx(call))
             self.fence(call, FenceReason.FINAL_REFUSED)
 
     def on_worker_exit(self, call_id: str | None, token: int, returncode: int) -> None:

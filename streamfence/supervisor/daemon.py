@@ -214,6 +214,12 @@ class Daemon:
             sock.setsockopt(getattr(zmq, name), value)
         return sock
 
+    def _sink_socket(self) -> zmq.Socket[bytes]:
+        """The control connection to the sink (one per sink process: see `run`)."""
+        sock = self._socket(zmq.DEALER, IDENTITY=self._control_identity, SNDHWM=0, RCVHWM=0)
+        sock.connect(self.endpoints.sink_ctl)
+        return sock
+
     def _build(self) -> Parts:
         """Every owner, each built after what it needs; then the children start."""
         cfg = self.config
@@ -234,9 +240,7 @@ class Daemon:
             front_sock.bind(cfg.endpoint)
         except zmq.ZMQError as exc:
             raise StartupError(f"cannot bind {cfg.endpoint}: {exc}") from None
-        sink_sock = self._socket(zmq.DEALER, IDENTITY=self._control_identity, SNDHWM=0,
-                                 RCVHWM=0)
-        sink_sock.connect(self.endpoints.sink_ctl)
+        sink_sock = self._sink_socket()
 
         clock = time.monotonic
         counters: Counter[str] = Counter()
@@ -329,11 +333,21 @@ class Daemon:
                     p.sink.drain(p.driver)
                 if workers_sock in ready and p.pool.drain():
                     self._log_ready(p.pool)
+                while p.pool.unaccepted:
+                    p.driver.on_final_unaccepted(*p.pool.unaccepted.pop())
                 if p.logs in ready:
                     self._drain_logs(p.logs)
                 if sink_fd in ready:
                     poller.unregister(sink_fd)
                     sink_fd = -1  # none until the new sink starts
+                    # What the dead sink answered counts; what it had not read
+                    # goes with its connection, so every request failed as lost
+                    # is lost (a queued one would reach the next sink as well).
+                    p.sink.drain(p.driver)
+                    poller.unregister(sink_sock)
+                    sink_sock.close()
+                    sink_sock = p.sink.socket = self._sink_socket()
+                    poller.register(sink_sock, zmq.POLLIN)
                     if not self._sink_died(p):
                         code = 1
                         break

@@ -162,6 +162,9 @@ class Pool:
         self._demand = 0  # calls queued for a worker, as last told
         self._maintained_at = 0.0
         self._fenced: set[int] = set()  # killed by `kill`, not yet reaped: their calls retry
+        # (call, token) of runs whose worker went idle without its final
+        # accepted; the daemon hands them to the AttemptDriver after `drain`.
+        self.unaccepted: list[tuple[str, int]] = []
         self._next_id = 1
         self.spawned_total = 0
         self.killed_total = 0
@@ -333,7 +336,10 @@ class Pool:
             if msg[0] == W_HELLO:
                 hellos += self.on_hello(msg[1], msg[2]) is not None
             elif msg[0] == W_IDLE:
-                self.on_idle(msg[1])
+                worker = self.workers.get(msg[1])
+                run = (worker.call_id, worker.token) if worker is not None else (None, 0)
+                if self.on_idle(msg[1]) is not None and not msg[3] and run[0] is not None:
+                    self.unaccepted.append((run[0], run[1]))
 
     # ---- actions -----------------------------------------------------------
     def reserve(self, call_id: str, attempt: int, token: int) -> Worker | None:
