@@ -1,4 +1,4 @@
-"""The `streamfence` command: serve, submit, status, keys, demo.
+"""The `streamfence` command: serve, submit, status, keys, prune, check, demo.
 
 Client commands find the daemon and their identity without flags on the
 daemon's own machine: `--credentials`, else $STREAMFENCE_CREDENTIALS, else the
@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from streamfence.cli.check import check
 from streamfence.cli.common import client_options, config_option, config_path_of, connect, load
 from streamfence.cli.keys import keys
 from streamfence.cli.prune import prune
@@ -135,5 +136,6 @@ def demo(rounds: int, wires: tuple[str, ...]) -> None:
     sys.exit(0 if run_demo(rounds=rounds, wires=chosen) else 1)
 
 
+main.add_command(check)
 main.add_command(keys)
 main.add_command(prune)

@@ -88,6 +88,9 @@ _EVENTS_TABLE = """CREATE TABLE IF NOT EXISTS events (
         body BLOB NOT NULL
     )"""
 _EVENT_COLUMNS = "call_id, seq, last_seq, attempt, op, n, body"
+# schema_version, and the store pair's store_id and generation (written by
+# the supervisor before it starts the sink: supervisor/storepair.py).
+META_TABLE = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWID"
 
 _SCHEMA = (
     _EVENTS_TABLE,
@@ -99,7 +102,7 @@ _SCHEMA = (
         done_seq INTEGER,
         updated_at REAL NOT NULL
     ) WITHOUT ROWID""",
-    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWID",
+    META_TABLE,
     _FINISHED_INDEX,
 )
 

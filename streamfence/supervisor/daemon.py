@@ -54,10 +54,11 @@ from streamfence.protocol.keys import KeyStore
 from streamfence.protocol.lifecycle import ExitCode
 from streamfence.protocol.messages import events_endpoint
 from streamfence.sink.process import run_sink
-from streamfence.supervisor import statedir
+from streamfence.supervisor import statedir, storepair
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.auth import ClientAuth
 from streamfence.supervisor.breaker import Breakers
+from streamfence.supervisor.calls import Call
 from streamfence.supervisor.clients import Clients
 from streamfence.supervisor.config import DaemonConfig
 from streamfence.supervisor.front import Front
@@ -70,7 +71,6 @@ from streamfence.supervisor.restarts import GiveUp, RestartPolicy
 from streamfence.supervisor.sinklink import SinkLink
 from streamfence.supervisor.status import status_of
 from streamfence.workers.liveness import LivenessTable
-from streamfence.workers.zygote import zygote_main
 
 log = logging.getLogger("streamfence.supervisor")
 # libzmq's I/O threads decrypt the clients' CURVE traffic, each connection on
@@ -121,6 +121,12 @@ class Daemon:
             self._lock = statedir.StateLock(state_dir)
         except statedir.StateDirError as exc:
             raise StartupError(str(exc)) from None
+        try:
+            self._pairing = storepair.check(state_dir)
+        except storepair.StoreError as exc:
+            self._lock.release()
+            raise StartupError(str(exc)) from None
+        self._state_dir = state_dir
         self.keys = KeyStore(state_dir / "keys")
         try:
             self.events_endpoint = events_endpoint(config.endpoint)
@@ -160,6 +166,10 @@ class Daemon:
         self._sink_restarts.started()
 
     def _start_zygote(self) -> None:
+        # Here, not at the top: it imports the SDKs (3-5 s and ~110 MiB), which
+        # the supervisor never uses, and a refused start must be quick.
+        from streamfence.workers.zygote import zygote_main
+
         parent_conn, child_conn = self._mp.Pipe(duplex=True)
         self._zygote = self._mp.Process(
             target=zygote_main, name="zygote",
@@ -223,6 +233,7 @@ class Daemon:
     def _build(self) -> Parts:
         """Every owner, each built after what it needs; then the children start."""
         cfg = self.config
+        journal, recovered = self._open_stores()
         for name in ("sink.in", "sink.stream", "sink.ctl", "workers", "logs"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.runtime_dir, name))
@@ -244,7 +255,6 @@ class Daemon:
 
         clock = time.monotonic
         counters: Counter[str] = Counter()
-        journal = Journal(os.path.join(cfg.state_dir, "journal.db"))
         pool = Pool(self._to_zygote, workers_sock, live, slots=cfg.workers_max,
                     spare=cfg.workers_spare, max_workers=cfg.workers_max)
         clients = Clients(front_sock)
@@ -262,10 +272,31 @@ class Daemon:
         self._start_sink()
         self._probe_sink(sink)
         self._start_zygote()
-        for call in recover_calls(journal, cfg.providers, self.transcript_path):
+        for call in recovered:
             driver.enqueue(call)
         pool.maintain()
         return parts
+
+    def _open_stores(self) -> tuple[Journal, list[Call]]:
+        """The journal, this start's stamp in both files (ARCHITECTURE §4.13),
+        and the calls to run again: before any child starts, so that damage
+        found here stops the daemon with no child to wait for."""
+        path = os.path.join(self.config.state_dir, storepair.JOURNAL)
+        try:
+            with storepair.reading(path):
+                journal = Journal(path)
+            storepair.stamp(self._state_dir, self._pairing)
+            with storepair.reading(path):
+                recovered = recover_calls(journal, self.config.providers, self.transcript_path)
+        except storepair.StoreError as exc:
+            raise StartupError(str(exc)) from None
+        pairing = self._pairing
+        if pairing.previous == 0:
+            log.info("stores: journal.db and transcript.db are store %s from now on "
+                     "(generation 1)", pairing.store_id)
+        else:
+            log.info("stores: store %s, generation %d", pairing.store_id, pairing.generation)
+        return journal, recovered
 
     # ---- the loop -------------------------------------------------------------
     def request_stop(self, signum: int = 0, frame: Any = None) -> None:
@@ -278,7 +309,11 @@ class Daemon:
                 log.warning("provider profile %r: its api_key_env %s is not set; its calls "
                             "will fail with credentials_missing", profile.name,
                             profile.api_key_env)
-        p = self._build()
+        try:
+            p = self._build()
+        except BaseException:
+            self._stop_children()  # none left for multiprocess's exit handler to wait on
+            raise
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         # A signal must end the poll at once: the loop may sleep for seconds.
@@ -515,6 +550,20 @@ class Daemon:
     def _shutdown(self, p: Parts) -> None:
         log.info("stopping")
         self._notify.stopping("stopping")
+        self._stop_children()
+        p.front.abandon_staged()
+        p.journal.close()
+        self.auth.close_monitor(p.clients.socket)
+        for sock in (p.clients.socket, p.sink.socket, p.pool.socket, p.logs):
+            sock.close(linger=0)
+        self.auth.stop()
+        self.ctx.term()
+        p.pool.close()
+        self._lock.release()
+        log.info("stopped")
+
+    def _stop_children(self) -> None:
+        """Stop the zygote and the sink (SIGTERM, SIGKILL after 5 s) and reap them."""
         with contextlib.suppress(Exception):
             self._to_zygote(StopZygote())
         for proc in (self._zygote, self._sink):
@@ -526,16 +575,6 @@ class Daemon:
                 if proc.is_alive():
                     proc.kill()
                     proc.join(timeout=1.0)
-        p.front.abandon_staged()
-        p.journal.close()
-        self.auth.close_monitor(p.clients.socket)
-        for sock in (p.clients.socket, p.sink.socket, p.pool.socket, p.logs):
-            sock.close(linger=0)
-        self.auth.stop()
-        self.ctx.term()
-        p.pool.close()
-        self._lock.release()
-        log.info("stopped")
 
 
 def _raise_fd_limit(workers_max: int) -> None:

@@ -45,7 +45,10 @@ deletes at most `PRUNE_BATCH` calls and stops deleting after
 (measured: 0.1-0.2 ms per call). A prune asks for no sync: one lost to a
 power cut is done again, and the next sync covers its frames anyway.
 SQLite reuses the freed pages, so under steady load the file stops growing.
-`prune_journal` is the same delete for `streamfence prune`, from another
+A prune also moves `meta.pruned_through` to the newest `finished` it removed:
+the start's pairing check (supervisor/storepair.py) takes a finished call
+that the transcript holds and the journal does not for pruned, not lost,
+only up to there. `prune_journal` is the same delete for `streamfence prune`, from another
 process, with or without a running daemon (a busy timeout rides out the
 daemon's transactions).
 """
@@ -72,6 +75,10 @@ from streamfence.supervisor.journal_sync import WalSyncer
 from streamfence.supervisor.request_files import RequestFiles
 
 log = logging.getLogger("streamfence.journal")
+
+# The store pair's rows (supervisor/storepair.py): store_id, generation, and
+# pruned_through, which a prune moves in the transaction that deletes the call.
+META_TABLE = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
@@ -114,7 +121,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     deltas INTEGER,
     PRIMARY KEY (call_id, attempt)
 );
-"""
+""" + META_TABLE + ";\n"
 
 FILE_BYTES = 256 << 10  # a request this large (encoded) is stored as a file, off the loop
 PRUNE_BATCH = retention.BATCH  # finished calls deleted per transaction, at most ...
@@ -127,6 +134,9 @@ _FINISHED_INDEX = ("CREATE INDEX IF NOT EXISTS calls_finished ON calls (finished
 _OLDEST_DONE = ("SELECT call_id FROM calls WHERE state = 'done' AND finished < ? "
                 "ORDER BY finished LIMIT ?")
 _PRUNE_DELETES = ("DELETE FROM attempts WHERE call_id = ?", "DELETE FROM requests WHERE call_id = ?",
+                  "INSERT INTO meta (key, value) SELECT 'pruned_through', finished FROM calls "
+                  "WHERE call_id = ? ON CONFLICT (key) DO UPDATE SET "
+                  "value = max(value, excluded.value)",
                   "DELETE FROM calls WHERE call_id = ?")
 
 # Journals written before calls had owners: their calls belong to `local`.
@@ -437,5 +447,10 @@ def prune_journal(path: str, older_than: float, batch: int = PRUNE_BATCH,
     most `batch` calls and about `budget_s`, with a pause between them (a
     running daemon gets its turns in between). For `streamfence prune`;
     returns the calls deleted."""
+    db = sqlite3.connect(path, timeout=retention.BUSY_TIMEOUT_S)
+    try:
+        db.execute(META_TABLE)  # a journal no daemon of this version has opened lacks it
+    finally:
+        db.close()
     return retention.prune_file(path, _FINISHED_INDEX, _OLDEST_DONE, _PRUNE_DELETES,
                                 older_than, batch, budget_s, pause_s)

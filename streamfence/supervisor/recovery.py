@@ -14,6 +14,7 @@ import msgpack
 
 from streamfence.protocol.messages import CallOptions, CallSpec, OnPartial
 from streamfence.sink.store import TranscriptReader
+from streamfence.supervisor import storepair
 from streamfence.supervisor.calls import Call
 from streamfence.supervisor.config import ProviderProfile
 from streamfence.supervisor.journal import Journal
@@ -25,12 +26,14 @@ log = logging.getLogger("streamfence.supervisor")
 def recover_calls(journal: Journal, providers: dict[str, ProviderProfile],
                   transcript_path: str) -> list[Call]:
     """The calls to run again (subscribers that come back resume from what the
-    transcript holds: the sink serves it)."""
+    transcript holds: the sink serves it). SQLite's errors on the transcript
+    are raised as storepair.StoreError naming it; on the journal, as they are."""
     reader = TranscriptReader(transcript_path) if os.path.exists(
         transcript_path) else None
     recovered: list[Call] = []
     for jc in journal.unfinished():
-        stored = reader.done_event(jc.call_id) if reader is not None else None
+        with storepair.reading(transcript_path):  # damage named as the transcript's
+            stored = reader.done_event(jc.call_id) if reader is not None else None
         if stored is not None:
             done = msgpack.unpackb(stored, raw=False)
             journal.finish_call(jc.call_id, str(done.get("status")))

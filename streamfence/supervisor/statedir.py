@@ -26,6 +26,14 @@ class StateDirError(Exception):
     """A state directory the daemon cannot or must not use (one line, with the fix)."""
 
 
+class StateDirBusy(StateDirError):
+    """Another process holds the state directory's lock (`holder`: its pid as written)."""
+
+    def __init__(self, message: str, holder: str) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
 def _check_path(path: Path, key: str) -> None:
     resolved = path.resolve()
     for tree in _SYSTEM_TREES:
@@ -74,9 +82,9 @@ class StateLock:
             holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(self._fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                raise StateDirError(f"another streamfence daemon (pid {holder}) is using "
-                                    f"{state_dir}; stop it first, or give this one another "
-                                    f"daemon.state_dir") from None
+                raise StateDirBusy(f"another streamfence daemon (pid {holder}) is using "
+                                   f"{state_dir}; stop it first, or give this one another "
+                                   f"daemon.state_dir", holder) from None
             raise StateDirError(f"{self.path}: cannot lock ({exc.strerror})") from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
