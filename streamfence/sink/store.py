@@ -66,6 +66,11 @@ from streamfence.protocol import retention
 
 SCHEMA_VERSION = 2
 CHECKPOINT_EVERY_S = 0.25
+# How long a write waits for a lock another process holds (a backup tool's
+# BEGIN IMMEDIATE, `streamfence prune`): the sink's loop waits with it, which
+# costs no answer (workers buffer, the watchdog does not blame the provider:
+# ARCHITECTURE §4.1), where giving up at sqlite3's default 5 s killed the sink.
+BUSY_TIMEOUT_S = 60.0
 
 log = logging.getLogger("streamfence.sink.store")
 
@@ -223,7 +228,8 @@ class TranscriptStore:
     def __init__(self, path: str, background_checkpoints: bool = True) -> None:
         self.path = path
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one per group.
-        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
+                                     timeout=BUSY_TIMEOUT_S)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
         try:
