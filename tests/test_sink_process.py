@@ -537,6 +537,16 @@ def test_a_hello_to_the_same_open_attempt_resumes_after_its_last_seq(
     assert recv_rebind(worker) == [T_REBIND, call, 1, 1, 3]
 
 
+def test_a_hello_for_a_call_nobody_knows_is_told_over_and_kept_nowhere(
+        sink: SinkUnderTest) -> None:
+    before = sink.sup.stats()["calls_in_memory"]
+    worker = sink.worker()
+    for i in range(20):  # forged: no such calls
+        worker.send(encode([T_HELLO, f"nobody-{i}", 1, 7]))
+        assert recv_rebind(worker) == [T_REBIND, f"nobody-{i}", 1, 0, 0]
+    assert sink.sup.stats()["calls_in_memory"] == before
+
+
 def test_a_rebind_is_refused_at_or_below_the_epoch(sink: SinkUnderTest) -> None:
     call, sup = "stale-rebind", sink.sup
     sup.ok(C_AUTHORIZE, call, 3, False)

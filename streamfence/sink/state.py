@@ -440,8 +440,10 @@ class SinkState:
             del self.rebinds[hello.call_id]
             reply(rebind_frame(hello, pending[0].attempt, pending[1]))
             return
-        self._live(hello.call_id)
         view = self.fence.view(hello.call_id)
+        if view is None and self.store.call_row(hello.call_id) is not None:
+            self._live(hello.call_id)  # known to the store only (a restart): load it
+            view = self.fence.view(hello.call_id)
         if view is None or view.finished or hello.attempt > view.epoch:
             reply(rebind_frame(hello, 0, 0))  # never authorized here, or done
         elif view.open and view.epoch == hello.attempt:
