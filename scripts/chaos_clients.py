@@ -182,7 +182,10 @@ class Storm:
             while not self.stop.is_set():
                 key = f"slow-{uuid.uuid4().hex[:8]}"
                 text = "".join(chr(97 + i % 26) for i in range(1023)) * 3000
-                self.state.emu.script(key, [{"fault": "ok", "chunks": 3000, "text": text}])
+                # The same answer for a retry too (a first attempt may go stale
+                # on a loaded machine before its first chunk: the emulator's
+                # default answer would then be judged as the slow reader's).
+                self.state.emu.script(key, [{"fault": "ok", "chunks": 3000, "text": text}] * 6)
                 before = c._core.subscribes
                 call_id = c.submit("emu", _request(key))
                 got, done = [], {}
