@@ -22,7 +22,7 @@ from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProces
 from streamfence.protocol.credentials import load_credentials
 from streamfence.protocol.messages import events_endpoint
 from streamfence.sink.store import TranscriptReader
-from tests.harness import DaemonProcess
+from tests.harness import DaemonProcess, process_state
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ def test_deltas_reach_the_subscriber_while_the_supervisor_is_frozen(
             while len(frozen) < FROZEN_DELTAS:  # each wait bounded by events()'s timeout
                 frozen.append(next(events))
             assert all(e["op"] == "delta" for e in frozen), frozen
-            assert _state(supervisor) == "T", "the supervisor was not stopped all along"
+            assert process_state(supervisor) == "T", "the supervisor was not stopped all along"
         finally:
             os.kill(supervisor, signal.SIGCONT)
         rest = list(events)
@@ -72,11 +72,6 @@ def test_deltas_reach_the_subscriber_while_the_supervisor_is_frozen(
     done = rest[-1]
     assert done["op"] == "done" and done["status"] == "completed", done
     assert done["response"]["content"] == emu.log(key)[0]["text"]
-
-
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def _dealer(ctx: zmq.Context[Any], daemon: DaemonProcess, routing_id: bytes,

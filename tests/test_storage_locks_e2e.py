@@ -13,7 +13,7 @@ import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.sink.store import BUSY_TIMEOUT_S
-from tests.harness import DaemonProcess
+from tests.harness import DaemonProcess, assert_one_exact_answer
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +40,5 @@ def test_a_lock_held_on_the_transcript_is_waited_for(make_daemon: Any,
             other.close()
         rest = list(events)
         status = client.status()
-    done = rest[-1]
-    sent = emu.log("locked")
-    assert done["status"] == "completed", done
-    assert len(sent) == 1 and done["response"]["content"] == sent[0]["text"]
-    seqs = [e["seq"] for e in [*first, *rest]]
-    assert seqs == list(range(1, len(seqs) + 1))
+    assert_one_exact_answer([*first, *rest], emu.log("locked"))
     assert status["counters"].get("sink_restarts", 0) == 0, status["counters"]

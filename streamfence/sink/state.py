@@ -357,7 +357,7 @@ class SinkState:
         return encode_ok(op.req, self.stats())
 
     def _authorize(self, op: Authorize) -> bytes:
-        self._hello_over(op.call_id)
+        self._rebind_settled(op.call_id)
         live = self._live(op.call_id)
         prev = live.stats(closed=True)
         refusal = self.fence.authorize(op.call_id, op.attempt)
@@ -391,8 +391,7 @@ class SinkState:
         return f"{refusal.value}: {detail}"
 
     def _fence(self, op: Fence) -> bytes:
-        self._hello_over(op.call_id)
-        self.rebinds.pop(op.call_id, None)
+        self._rebind_settled(op.call_id)
         live = self._live(op.call_id)
         prev = live.stats(closed=True)
         view = self.fence.view(op.call_id)
@@ -435,10 +434,7 @@ class SinkState:
         restarts may have rebound it while it never heard), or as itself if
         this sink still has it open, or not at all. Until the supervisor
         says, it waits (the next control op for the call answers it)."""
-        pending = self.rebinds.get(hello.call_id)
-        if pending is not None and pending[0].token == hello.token:
-            del self.rebinds[hello.call_id]
-            reply(rebind_frame(hello, pending[0].attempt, pending[1]))
+        if self._answer_rebound(hello, reply):
             return
         view = self.fence.view(hello.call_id)
         if view is None and self.store.call_row(hello.call_id) is not None:
@@ -452,23 +448,30 @@ class SinkState:
             self._hello_over(hello.call_id)
             self.hellos[hello.call_id] = (hello, reply)
 
+    def _answer_rebound(self, hello: Hello, reply: Callable[[bytes], bool]) -> bool:
+        """If the call's pending rebind is this hello's run's, tell it (once)."""
+        pending = self.rebinds.get(hello.call_id)
+        if pending is None or pending[0].token != hello.token:
+            return False
+        del self.rebinds[hello.call_id]
+        reply(rebind_frame(hello, pending[0].attempt, pending[1]))
+        return True
+
     def _hello_over(self, call_id: str) -> None:
         """A control op for the call came: a worker's waiting hello gets its
         answer (rebound to it, or over)."""
         waiting = self.hellos.pop(call_id, None)
-        if waiting is None:
-            return
-        hello, reply = waiting
-        pending = self.rebinds.get(call_id)
-        if pending is not None and pending[0].token == hello.token:
-            del self.rebinds[call_id]
-            reply(rebind_frame(hello, pending[0].attempt, pending[1]))
-        else:
-            reply(rebind_frame(hello, 0, 0))
+        if waiting is not None and not self._answer_rebound(*waiting):
+            waiting[1](rebind_frame(waiting[0], 0, 0))
+
+    def _rebind_settled(self, call_id: str) -> None:
+        """The supervisor decided the call otherwise (authorize, fence, finish):
+        a rebind not yet asked for is void, and a waiting hello is told over."""
+        self.rebinds.pop(call_id, None)
+        self._hello_over(call_id)
 
     def _finish(self, op: Finish) -> bytes:
-        self._hello_over(op.call_id)
-        self.rebinds.pop(op.call_id, None)
+        self._rebind_settled(op.call_id)
         live = self._live(op.call_id)
         view = self.fence.view(op.call_id)
         if view is not None and view.finished:

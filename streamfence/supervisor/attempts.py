@@ -327,7 +327,10 @@ class AttemptDriver:
         if token == call.token and worker.token == call.token and self._pool.stream_over(worker):
             # The provider has sent everything: the worker waits for the sink,
             # whose time is never the provider's stall (nor the breaker's).
-            self._arm_watch(call, time.monotonic_ns(), call.timeouts.stale_s)
+            now_ns = time.monotonic_ns()
+            log.info("the provider's stream is over; waiting for the sink (%.1fs since its "
+                     "last chunk)", (now_ns - last_ns) / 1e9, extra=_ctx(call))
+            self._arm_watch(call, now_ns, call.timeouts.stale_s)
             return
         if token == call.token and chunks > 0:
             since, limit = last_ns, call.timeouts.stale_s
@@ -517,8 +520,8 @@ class AttemptDriver:
     def _rebind(self, rebound: list[tuple[Call, int]]) -> None:
         for call, old in rebound:
             if call.state is CallState.RUNNING:
-                self._sink.rebind(call.call_id, call.epoch, old, call.content_from or old,
-                                  call.token, functools.partial(self._rebound, call, call.epoch))
+                self._sink.rebind(call.call_id, call.epoch, old, call.content_from, call.token,
+                                  functools.partial(self._rebound, call, call.epoch))
 
     def _rebound(self, call: Call, epoch: int, reply: StatsReply) -> None:
         if call.epoch != epoch or call.state is not CallState.RUNNING:
@@ -538,14 +541,14 @@ class AttemptDriver:
         """The current attempt's stats as the transcript holds them (events are
         sent only after their commit: what subscribers could see)."""
         visible = fragments = accepted = 0
-        first = call.content_from or call.epoch  # a rebound attempt's answer began there
+        first = call.content_from  # a rebound attempt's answer began there
         stored = events_after(self._transcript_path, call.call_id) \
             if os.path.exists(self._transcript_path) else []  # no sink ever started
         for frame in stored:
             event = msgpack.unpackb(frame, raw=False)
             if event.get("op") == "reset":
                 visible = fragments = accepted = 0
-            elif event.get("op") == "delta" and first <= event.get("attempt", 0) <= call.epoch:
+            elif event.get("op") == "delta" and first <= event["attempt"] <= call.epoch:
                 accepted += 1
                 visible += visible_chars(event["kind"], event["data"])
                 if event["kind"] == DeltaKind.TOOL_CALL:

@@ -112,7 +112,8 @@ class Call:
     deadline: float | None  # monotonic seconds
     state: CallState = CallState.QUEUED
     epoch: int = 0  # the current (or last) attempt number
-    content_from: int = 0  # the epoch whose authorize began the answer it writes (rebinds)
+    content_from: int = 0  # the epoch whose authorize began the answer it writes (set
+    # at every authorize; a rebind keeps it)
     attempts: int = 0  # attempts started in this call's life
     worker_id: int | None = None
     token: int = 0

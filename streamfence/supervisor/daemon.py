@@ -375,14 +375,7 @@ class Daemon:
                 if sink_fd in ready:
                     poller.unregister(sink_fd)
                     sink_fd = -1  # none until the new sink starts
-                    # What the dead sink answered counts; what it had not read
-                    # goes with its connection, so every request failed as lost
-                    # is lost (a queued one would reach the next sink as well).
-                    p.sink.drain(p.driver)
-                    poller.unregister(sink_sock)
-                    sink_sock.close()
-                    sink_sock = p.sink.socket = self._sink_socket()
-                    poller.register(sink_sock, zmq.POLLIN)
+                    sink_sock = self._new_sink_socket(p, poller)
                     if not self._sink_died(p):
                         code = 1
                         break
@@ -495,11 +488,23 @@ class Daemon:
                 p.pool.maintain()
         return True
 
+    def _new_sink_socket(self, p: Parts, poller: zmq.Poller) -> zmq.Socket[bytes]:
+        """The sink died: what it answered counts; what it had not read goes
+        with its connection, so every request failed as lost is lost (queued,
+        it would reach the next sink beside the one sent again)."""
+        p.sink.drain(p.driver)
+        poller.unregister(p.sink.socket)
+        p.sink.socket.close()
+        p.sink.socket = self._sink_socket()
+        poller.register(p.sink.socket, zmq.POLLIN)
+        return p.sink.socket
+
     def _sink_died(self, p: Parts) -> bool:
-        """The sink died: fail what it never answered and fence (or rebind) the
-        attempts in flight at once, and tell the next sink who follows the live
-        calls; what is sent to it now waits in the socket until it starts, when
-        its back-off ends. False if it cannot start (the daemon stops)."""
+        """The sink died: fail what it never answered and rebind the attempts
+        in flight at once (ARCHITECTURE §2.8), and tell the next sink who
+        follows the live calls; what is sent to it now waits in the socket
+        until it starts, when its back-off ends. False if it cannot start (the
+        daemon stops)."""
         self._sink.join(timeout=1.0)
         if not self._restart_later(self._sink_restarts, self._sink.exitcode):
             return False

@@ -298,10 +298,12 @@ class Pool:
         self._to(worker, WorkerEvent.HELLO)
         return worker
 
-    def on_idle(self, worker_id: int) -> Worker | None:
+    def on_idle(self, worker_id: int, final_accepted: bool = True) -> Worker | None:
         worker = self.workers.get(worker_id)
         if worker is None or worker.state is not WorkerState.BUSY:
             return None
+        if not final_accepted and worker.call_id is not None:
+            self.unaccepted.append((worker.call_id, worker.token))
         self._to(worker, WorkerEvent.IDLE)
         worker.call_id, worker.attempt, worker.token = None, 0, 0
         return worker
@@ -336,10 +338,7 @@ class Pool:
             if msg[0] == W_HELLO:
                 hellos += self.on_hello(msg[1], msg[2]) is not None
             elif msg[0] == W_IDLE:
-                worker = self.workers.get(msg[1])
-                run = (worker.call_id, worker.token) if worker is not None else (None, 0)
-                if self.on_idle(msg[1]) is not None and not msg[3] and run[0] is not None:
-                    self.unaccepted.append((run[0], run[1]))
+                self.on_idle(msg[1], bool(msg[3]))
 
     # ---- actions -----------------------------------------------------------
     def reserve(self, call_id: str, attempt: int, token: int) -> Worker | None:

@@ -89,11 +89,6 @@ class SinkChannel:
         if n < len(frame):
             self._backlog += frame[n:]
 
-    def poll_reply(self) -> Any | None:
-        """The sink's next reply if one is there now (connecting and writing
-        what is queued first), else None; never waits."""
-        return self.wait_reply(0.0)
-
     def wait_reply(self, timeout_s: float) -> Any | None:
         """The sink's next reply, once everything queued is written; None if
         none came within `timeout_s`, LOST if the connection broke first."""

@@ -56,14 +56,14 @@ log = logging.getLogger("streamfence.worker")
 NOTICE = DeltaKind.NOTICE.value
 
 
-KEEP_FOR_REBIND_BYTES = 32 << 20  # an answer kept to send again after a sink restart
+KEEP_FOR_REBIND_BYTES = 32 << 20  # an answer's frames kept to send again after a sink restart
 
 
 class SinkOutput:
     """The AttemptOutput of one attempt: owns its seq counter and pushes each delta
     to the sink (the per-delta hot path); touches the liveness row per chunk.
 
-    It keeps the attempt's deltas (up to KEEP_FOR_REBIND_BYTES of data) so that,
+    It keeps the attempt's deltas (up to KEEP_FOR_REBIND_BYTES encoded) so that,
     when the sink dies mid-stream, it can go on at the restarted one
     (ARCHITECTURE §2.8): it sends T_HELLO first on the new connection and holds
     its deltas until the T_REBIND answer says under which attempt number and
@@ -103,16 +103,17 @@ class SinkOutput:
         self.seq += 1
         if not self.visible and visible_chars(kind, data):
             self.visible = True
+        frame = self._pack([T_DELTA, self._call_id, self.attempt, self.seq, kind, data])
         kept = self._kept
         if kept is not None:
             kept.append((kind, data))
-            self._kept_bytes += len(data) if type(data) is str else len(data["arguments"]) + 64
+            self._kept_bytes += len(frame)
             if self._kept_bytes > KEEP_FOR_REBIND_BYTES:
                 self._kept = None
         if self._rebinding or self._chan.lost or self.over:
             self._go_on()  # held: sent again once the restarted sink answers
             return
-        self._send(self._pack([T_DELTA, self._call_id, self.attempt, self.seq, kind, data]))
+        self._send(frame)
 
     def failed(self, exc: BaseException) -> None:
         self.exc = exc
