@@ -25,7 +25,12 @@ class ErrorCode(StrEnum):
     RATE_LIMITED = "rate_limited"  # over the submitter's submits_per_s
     CANCELLED = "cancelled"
     SHUTTING_DOWN = "shutting_down"
-    STORAGE_ERROR = "storage_error"  # the daemon could not store the request: not accepted
+    # The daemon could not store the request: not accepted. Full: its disk is
+    # full; busy: another process holds a lock on its journal; error: an I/O
+    # error (or a large request's file could not be written).
+    STORAGE_ERROR = "storage_error"
+    STORAGE_FULL = "storage_full"
+    STORAGE_BUSY = "storage_busy"
     # Outcomes of a call, carried in the `error` of a `done` event.
     PROVIDER_ERROR = "provider_error"  # the provider answered with a non-retryable error
     CREDENTIALS_MISSING = "credentials_missing"  # the profile's api_key_env is not set

@@ -125,8 +125,16 @@ class AttemptDriver:
         self._arm_deadline(call)
 
     def drop(self, call_id: str) -> None:
-        """A staged call that was never accepted (its request could not be stored)."""
-        self._forget(self._calls[call_id])
+        """A call that was never accepted: its request file could not be
+        written, or its journal writes failed (a storage fault). A first
+        attempt started in the same turn never reached the sink (its epoch
+        waited for the same commit): its reserved worker goes back."""
+        call = self._calls[call_id]
+        worker = self._pool.get(call.worker_id) if call.worker_id is not None else None
+        if worker is not None and worker.token == call.token:
+            self._pool.release(worker)
+        self._due.clear(call_id)
+        self._forget(call)
 
     def _arm_deadline(self, call: Call) -> None:
         """A queued call's only timer is its deadline."""
@@ -225,6 +233,8 @@ class AttemptDriver:
 
     def _authorize(self, started: list[Call]) -> None:
         for call in started:
+            if call.call_id not in self._calls:
+                continue  # dropped: its journal writes never committed (front.refuse_unstored)
             reset = call.delivered  # only under on_partial=restart can this hold here
             model = str(call.spec.request.get("model") or call.spec.request.get("modelId")
                         or "-")

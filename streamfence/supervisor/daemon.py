@@ -264,7 +264,7 @@ class Daemon:
                                random.Random(), self.transcript_path)
         status = functools.partial(status_of, pool, driver, breakers,
                                    functools.partial(self._sink_stats, sink), counters,
-                                   self._pids, self.auth.counts)
+                                   self._pids, self.auth.counts, journal.fault_view)
         front = Front(cfg, journal, driver, clients, sink, breakers, counters, clock,
                       self.transcript_path, status)
         parts = Parts(journal, pool, clients, sink, breakers, driver, front, counters, logs_sock)
@@ -403,6 +403,7 @@ class Daemon:
                 p.front.flush_accepts()
                 p.clients.expire_waiters(now)
                 p.journal.commit()
+                p.front.refuse_unstored()
                 p.counters["journal_pruned"] += p.journal.prune_tick(self.config.retention_days)
         finally:
             signal.set_wakeup_fd(-1)
@@ -417,7 +418,7 @@ class Daemon:
         now = time.monotonic()
         due = [now + IDLE_WAKE_S, p.driver.next_due(), p.clients.next_due(),
                p.pool.next_due(), drain_until, self._sink_restarts.due(),
-               self._zygote_restarts.due()]
+               self._zygote_restarts.due(), p.journal.retry_due]
         if self.config.retention_days > 0:
             due.append(p.journal.prune_due)
         nearest = min(d for d in due if d is not None)
@@ -556,8 +557,8 @@ class Daemon:
         log.info("stopping")
         self._notify.stopping("stopping")
         self._stop_children()
+        p.journal.close()  # before abandon_staged: the accepts a last commit lets go
         p.front.abandon_staged()
-        p.journal.close()
         self.auth.close_monitor(p.clients.socket)
         for sock in (p.clients.socket, p.sink.socket, p.pool.socket, p.logs):
             sock.close(linger=0)

@@ -14,6 +14,7 @@ call that does not exist (`unknown_call`), unless the asker is an admin.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import uuid
@@ -89,7 +90,10 @@ class Front:
         self._clock = clock
         self._transcript_path = transcript_path
         self._status = status
-        self._accepts: list[Accept] = []
+        # `accepted` replies by call id, until the commit that made the call
+        # durable is synced; the calls whose replies came this turn, in order.
+        self._unanswered: dict[str, list[Accept]] = {}
+        self._turn: list[str] = []
         self._staged: dict[str, list[Accept]] = {}  # by call id, until its file is durable
         self._idem_in_turn: dict[tuple[str, str], str] = {}
         self._rate = SubmitRate(clock)
@@ -165,6 +169,10 @@ class Front:
         if not self.accepting:
             self._error(identity, req.ref, ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
             return
+        fault = self._journal.fault
+        if fault is not None:  # nothing new is accepted until the journal can commit
+            self._error(identity, req.ref, fault.code, fault.message)
+            return
         providers = self._config.providers
         profile = providers.get(spec.provider)
         if profile is None or not user.may_use(spec.provider):
@@ -181,9 +189,12 @@ class Front:
         if existing is not None:
             # The same call again: its id, and nothing new starts.
             # Subscribed after `accepted` goes out, so the replay follows the reply.
-            self._staged.get(existing, self._accepts).append(
-                (identity, accepted_msg(req.ref, existing, duplicate=True),
-                 self._subscription(req, existing)))
+            reply = (identity, accepted_msg(req.ref, existing, duplicate=True),
+                     self._subscription(req, existing))
+            if existing in self._staged:
+                self._staged[existing].append(reply)
+            else:
+                self._wait_commit(existing, [reply])
             return
         refusal = self._breakers.admit((spec.session_id or "-", spec.provider))
         if refusal is not None:
@@ -228,6 +239,11 @@ class Front:
         staged = self._journal.add_call(call_id, user.name, spec.idempotency_key,
                                         spec.session_id, spec.provider, spec.request,
                                         spec.options.to_map(), frame, overrides)
+        fault = self._journal.fault
+        if fault is not None:  # its own write found the fault: it and the turn's new calls
+            self.refuse_unstored()
+            self._error(identity, req.ref, fault.code, fault.message)
+            return
         if spec.idempotency_key is not None:
             self._idem_in_turn[(user.name, spec.idempotency_key)] = call_id
         max_attempts = spec.options.max_attempts or profile.max_attempts
@@ -243,8 +259,7 @@ class Front:
         if staged:
             self._staged[call_id] = [reply]
         else:
-            self._counters["calls_accepted"] += 1
-            self._accepts.append(reply)
+            self._wait_commit(call_id, [reply])
 
     def on_stored(self) -> None:
         """Request files done since last asked: each call is accepted at this
@@ -254,29 +269,45 @@ class Front:
             replies = self._staged.pop(call_id, [])
             live = self._driver.has_call(call_id)  # not if an admin cancelled it meanwhile
             if error is None:
-                self._counters["calls_accepted"] += 1
                 if live:
                     self._driver.release(call_id)
-                self._accepts.extend(replies)
+                self._wait_commit(call_id, replies)
                 continue
             log.error("the request of call %s could not be stored (%s); it is refused",
                       call_id, error)
             if live:
                 self._driver.drop(call_id)
+            code = ErrorCode.STORAGE_FULL if error.errno == errno.ENOSPC \
+                else ErrorCode.STORAGE_ERROR
             for identity, msg, _ in replies:
-                self._error(identity, msg["ref"], ErrorCode.STORAGE_ERROR,
+                self._error(identity, msg["ref"], code,
                             f"the daemon could not store the request ({error.strerror}); "
                             f"it was not accepted")
+
+    def refuse_unstored(self) -> None:
+        """Calls whose journal writes failed with a storage fault were never
+        accepted: each is dropped, and its submitters get the fault's code."""
+        refused = self._journal.take_refused()
+        fault = self._journal.fault
+        for call_id in refused:
+            if self._driver.has_call(call_id):
+                self._driver.drop(call_id)
+            code, message = (fault.code, fault.message) if fault is not None else \
+                (ErrorCode.STORAGE_ERROR, "the journal could not store the call")
+            for identity, msg, _ in self._unanswered.pop(call_id, []) + \
+                    self._staged.pop(call_id, []):
+                self._error(identity, msg["ref"], code, message)
 
     def abandon_staged(self) -> None:
         """At shutdown: calls whose request file is not durable were never
         accepted (the journal forgets them at the next start); say so."""
-        for replies in self._staged.values():
+        for replies in (*self._staged.values(), *self._unanswered.values()):
             for identity, msg, _ in replies:
                 self._error(identity, msg["ref"], ErrorCode.SHUTTING_DOWN,
                             "the daemon stopped before the request was stored; it was not "
                             "accepted")
         self._staged.clear()
+        self._unanswered.clear()
 
     def _refused_unread(self, identity: bytes, user: Identity, frame: bytes | memoryview) -> bool:
         """Refuse a large submit over a byte limit before decoding it: a client
@@ -346,20 +377,28 @@ class Front:
         return None if req.listener is None else \
             Subscribe(ref=req.ref, call_id=call_id, listener=req.listener)
 
+    def _wait_commit(self, call_id: str, replies: list[Accept]) -> None:
+        self._unanswered.setdefault(call_id, []).extend(replies)
+        self._turn.append(call_id)
+
     def flush_accepts(self) -> None:
         """Journal commit first; the `accepted` replies of this turn go once it
-        is on disk (a duplicate's too: its call may be this turn's)."""
-        if not self._accepts:
-            return
-        accepts, self._accepts = self._accepts, []
-        self._idem_in_turn.clear()
-        self._journal.commit(then=functools.partial(self._send_accepts, accepts))
+        is on disk (a duplicate's too: its call may be this turn's). A commit
+        that meets a storage fault refuses the turn's new calls instead."""
+        if self._turn:
+            call_ids, self._turn = self._turn, []
+            self._idem_in_turn.clear()
+            self._journal.commit(then=functools.partial(self._send_accepts, call_ids))
+        self.refuse_unstored()
 
-    def _send_accepts(self, accepts: list[Accept]) -> None:
-        for identity, msg, then_subscribe in accepts:
-            self._clients.send(identity, msg)
-            if then_subscribe is not None:
-                self._subscribe(identity, then_subscribe)
+    def _send_accepts(self, call_ids: list[str]) -> None:
+        for call_id in call_ids:
+            for identity, msg, then_subscribe in self._unanswered.pop(call_id, []):
+                if not msg.get("duplicate"):
+                    self._counters["calls_accepted"] += 1
+                self._clients.send(identity, msg)
+                if then_subscribe is not None:
+                    self._subscribe(identity, then_subscribe)
 
     def _subscribe(self, identity: bytes, req: Subscribe) -> None:
         """The sink replays the call's stored events to the listener, then (a

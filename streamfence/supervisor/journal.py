@@ -51,6 +51,20 @@ that the transcript holds and the journal does not for pruned, not lost,
 only up to there. `prune_journal` is the same delete for `streamfence prune`, from another
 process, with or without a running daemon (a busy timeout rides out the
 daemon's transactions).
+
+Storage faults (docs/ARCHITECTURE.md §4.15): a full disk, an I/O error, or a
+lock another process holds past `BUSY_WAIT_S` never raises out of here and
+never loses a write. Every write of the unit since the last commit is also
+kept as (call, sql, parameters); when one fails, the unit is rolled back
+(only if SQLite still has it open: after SQLITE_FULL it may not) and the
+journal is `fault`ed: writes are only kept, the callbacks of `commit(then=)`
+wait for the commit that writes them, and each `commit` after `retry_due`
+writes the kept unit again in one transaction (back-off from `RETRY_FIRST_S`
+to `RETRY_MAX_S`) until it commits. The calls the failed unit added were
+never accepted: their writes are dropped, and `take_refused` names them for
+the front to refuse (with the fault's code), as it refuses every submit while
+the fault lasts. Damage (SQLITE_CORRUPT, "not a database") is no such fault:
+it raises, and the daemon exits with the error.
 """
 
 from __future__ import annotations
@@ -68,7 +82,7 @@ from typing import Any
 import msgpack
 
 from streamfence.protocol import retention
-from streamfence.protocol.errors import ProtocolError
+from streamfence.protocol.errors import ErrorCode, ProtocolError
 from streamfence.protocol.internal.outcome import AttemptOutcome
 from streamfence.protocol.messages import submitted_request
 from streamfence.supervisor.journal_sync import WalSyncer
@@ -128,6 +142,14 @@ PRUNE_BATCH = retention.BATCH  # finished calls deleted per transaction, at most
 PRUNE_BUDGET_S = 0.003  # ... and none after this much time spent deleting (in the loop)
 PRUNE_EVERY_S = 5.0  # between prune transactions of the loop ...
 PRUNE_BACKLOG_S = 0.05  # ... or this, while finished calls are still due
+# A write waits this long for a lock another process holds (`streamfence
+# prune` holds one for ~10 ms at a time) before it is a storage fault: the
+# loop that waits serves every client, so the wait is short and the fault
+# path (keep the writes, retry, refuse new calls) does the rest.
+BUSY_WAIT_S = 0.05
+RETRY_FIRST_S = 0.05  # a faulted journal tries its kept writes again after this ...
+RETRY_MAX_S = 1.0  # ... doubling up to this
+REMIND_EVERY_S = 30.0  # a lasting fault is logged again this often
 
 _FINISHED_INDEX = ("CREATE INDEX IF NOT EXISTS calls_finished ON calls (finished) "
                    "WHERE state = 'done'")
@@ -139,6 +161,10 @@ _PRUNE_DELETES = ("DELETE FROM attempts WHERE call_id = ?", "DELETE FROM request
                   "value = max(value, excluded.value)",
                   "DELETE FROM calls WHERE call_id = ?")
 
+# What a faulted journal with no kept writes writes to learn that it can again.
+_PROBE = ("INSERT INTO meta (key, value) VALUES ('written', ?) "
+          "ON CONFLICT (key) DO UPDATE SET value = excluded.value")
+
 # Journals written before calls had owners: their calls belong to `local`.
 _ADD_OWNERS = """
 ALTER TABLE calls RENAME TO calls_v0;
@@ -149,6 +175,31 @@ INSERT INTO calls (call_id, owner, idempotency_key, session_id, provider, reques
            status, epoch, attempts, created, finished, done FROM calls_v0;
 DROP TABLE calls_v0;
 """
+
+
+@dataclass(frozen=True, slots=True)
+class StorageFault:
+    """Why the journal cannot commit now: the code refused submits get, and
+    the message they read (the file and SQLite's error, never a request)."""
+
+    code: ErrorCode
+    message: str
+    since: float  # monotonic
+
+
+def storage_fault(path: str, exc: sqlite3.Error) -> StorageFault | None:
+    """The fault `exc` is, or None if it is no storage fault (damage, a bug)."""
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    if name == "SQLITE_FULL":
+        return StorageFault(ErrorCode.STORAGE_FULL, f"the disk holding {path} is full ({exc}); "
+                            f"no new calls until space is freed", time.monotonic())
+    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+        return StorageFault(ErrorCode.STORAGE_BUSY, f"{path} is locked by another process "
+                            f"({exc}); retry later", time.monotonic())
+    if name.startswith(("SQLITE_IOERR", "SQLITE_READONLY", "SQLITE_CANTOPEN")):
+        return StorageFault(ErrorCode.STORAGE_ERROR, f"{path} cannot be written ({exc}); "
+                            f"retry later", time.monotonic())
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +225,9 @@ class Journal:
     Writes are grouped until `commit`."""
 
     def __init__(self, path: str) -> None:
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._path = path
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
+                                   timeout=BUSY_WAIT_S)
         self.files = RequestFiles(Path(path).parent / "requests")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # the WAL is synced by the WalSyncer
@@ -191,19 +244,127 @@ class Journal:
         self._waiting: deque[tuple[int, Callable[[], object]]] = deque()  # (commit, then)
         self._prune_due = 0.0  # monotonic time of the next prune transaction
         self.prune_more = False  # the last prune left finished calls that were due
+        # The unit: every write since the last commit, kept until it commits.
+        self._unit: list[tuple[str | None, str, tuple[Any, ...]]] = []  # (call, sql, params)
+        self._unit_calls: dict[str, bool] = {}  # calls the unit adds: in a file?
+        self._unit_done: set[str] = set()  # calls the unit finishes
+        self.fault: StorageFault | None = None
+        self._retry_due = 0.0
+        self._retry_wait = RETRY_FIRST_S
+        self._reminded = 0.0
+        self._refused: list[str] = []  # calls of a failed unit, for `take_refused`
+        self._refused_files: set[str] = set()  # ... whose request file is still being written
 
-    def _begin(self) -> None:
-        if not self._in_tx:
-            self._db.execute("BEGIN")
-            self._in_tx = True
+    def _write(self, call_id: str | None, sql: str, params: tuple[Any, ...]) -> None:
+        """One write of the unit: executed now, or, while faulted, only kept."""
+        if call_id is not None and call_id in self._refused:
+            return  # a call of the failed unit (add_call's second write)
+        self._unit.append((call_id, sql, params))
+        if self.fault is not None:
+            return
+        try:
+            if not self._in_tx:
+                self._db.execute("BEGIN")
+                self._in_tx = True
+            self._db.execute(sql, params)
+        except sqlite3.OperationalError as exc:
+            self._failed(exc)
 
-    def commit(self, then: Callable[[], object] | None = None) -> None:
-        """Commit the writes so far, without waiting for the disk; `then` runs
-        (from `on_synced`) once they and every earlier commit are durable."""
-        if self._in_tx:
+    def _failed(self, exc: sqlite3.OperationalError) -> None:
+        """The unit could not be written: roll it back, keep it, refuse its new calls."""
+        fault = storage_fault(self._path, exc)
+        if fault is None:
+            raise exc
+        if self._db.in_transaction:  # after SQLITE_FULL SQLite may have rolled back itself
+            self._db.execute("ROLLBACK")
+        self._in_tx = False
+        if self._unit_calls:
+            refused = self._unit_calls
+            self._unit = [w for w in self._unit if w[0] not in refused]
+            self._refused.extend(refused)
+            # Their files are still being written: removed when `stored` hears of them.
+            self._refused_files.update(c for c, in_file in refused.items() if in_file)
+            self._unit_calls = {}
+        if self.fault is None:
+            self.fault = fault
+            self._reminded = fault.since
+            log.error("journal: %s; %d write(s) kept and retried, %d new call(s) refused",
+                      fault.message, len(self._unit), len(self._refused))
+        self._retry_due = time.monotonic() + self._retry_wait
+        self._retry_wait = min(self._retry_wait * 2, RETRY_MAX_S)
+
+    def take_refused(self) -> list[str]:
+        """The calls a failed unit added: never accepted (their writes are
+        gone); the front refuses them with `fault.code` (once)."""
+        refused, self._refused = self._refused, []
+        return refused
+
+    def fault_view(self) -> dict[str, Any] | None:
+        """The fault for `status` (nil: none): its code, message, how long so far
+        and how many writes wait for it."""
+        if self.fault is None:
+            return None
+        return {"code": self.fault.code.value, "message": self.fault.message,
+                "for_s": round(time.monotonic() - self.fault.since, 1),
+                "writes_kept": len(self._unit)}
+
+    @property
+    def retry_due(self) -> float | None:
+        """When a faulted journal next tries its kept writes (monotonic)."""
+        return self._retry_due if self.fault is not None else None
+
+    def _write_kept(self) -> bool:
+        """Write the kept unit again in one transaction; True once it committed.
+        An empty unit (its writes were all refused calls') writes a probe row:
+        an empty transaction succeeds on a full disk or under a lock."""
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            for _, sql, params in self._unit or [(None, _PROBE, (time.time(),))]:
+                self._db.execute(sql, params)
             self._db.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            self._failed(exc)
+            now = time.monotonic()
+            if self.fault is not None and now - self._reminded >= REMIND_EVERY_S:
+                self._reminded = now
+                log.error("journal: still faulted after %.0fs: %s; %d write(s) kept",
+                          now - self.fault.since, exc, len(self._unit))
+            return False
+        assert self.fault is not None
+        log.warning("journal: %s writable again after %.1fs; %d kept write(s) committed",
+                    self._path, time.monotonic() - self.fault.since, len(self._unit))
+        self.fault = None
+        self._retry_wait = RETRY_FIRST_S
+        return True
+
+    def commit(self, then: Callable[[], object] | None = None, retry_now: bool = False) -> None:
+        """Commit the writes so far, without waiting for the disk; `then` runs
+        (from `on_synced`) once they and every earlier commit are durable.
+        Faulted: the kept writes are tried again once `retry_due` has come
+        (or `retry_now`), and `then` waits for the commit that writes them."""
+        committed = False
+        if self.fault is not None:
+            if retry_now or time.monotonic() >= self._retry_due:
+                committed = self._write_kept()
+        elif self._in_tx:
+            try:
+                self._db.execute("COMMIT")
+                committed = True
+            except sqlite3.OperationalError as exc:
+                self._failed(exc)
             self._in_tx = False
+        if committed:
             self._commits += 1
+            self._unit.clear()
+            self._unit_calls.clear()
+            self._unit_done.clear()
+            if self._waiting:  # what waited out a fault waits for this commit's sync
+                self._syncer.request(self._commits)
+        if self.fault is not None:
+            if then is not None:
+                # After every earlier commit: the one that writes the kept unit.
+                self._waiting.append((self._commits + 1, then))
+            return
         if self._remove_after_commit:
             done = list(self._remove_after_commit)
             self._remove_after_commit.clear()
@@ -263,14 +424,19 @@ class Journal:
         it is in this turn's transaction, accepted at its commit."""
         in_file = frame is not None and len(frame) >= FILE_BYTES
         body = msgpack.packb(overrides or {}) if in_file else msgpack.packb(request)
-        self._begin()
-        self._db.execute(
-            "INSERT INTO calls (call_id, owner, idempotency_key, session_id, provider, request, "
-            "options, state, created) VALUES (?, ?, ?, ?, ?, x'', x'', ?, ?)",
-            (call_id, owner, idempotency_key, session_id, provider,
-             "staging" if in_file else "pending", time.time()))
-        self._db.execute("INSERT INTO requests (call_id, request, options, in_file) "
-                         "VALUES (?, ?, ?, ?)", (call_id, body, msgpack.packb(options), in_file))
+        if self.fault is not None:  # the front refuses submits meanwhile; so does this
+            self._refused.append(call_id)
+            return in_file
+        self._unit_calls[call_id] = in_file
+        self._write(call_id,
+                    "INSERT INTO calls (call_id, owner, idempotency_key, session_id, provider, "
+                    "request, options, state, created) VALUES (?, ?, ?, ?, ?, x'', x'', ?, ?)",
+                    (call_id, owner, idempotency_key, session_id, provider,
+                     "staging" if in_file else "pending", time.time()))
+        self._write(call_id, "INSERT INTO requests (call_id, request, options, in_file) "
+                    "VALUES (?, ?, ?, ?)", (call_id, body, msgpack.packb(options), in_file))
+        if call_id in self._refused:
+            return in_file  # the write failed: the front refuses the call (no file to write)
         if in_file:
             assert frame is not None
             self.files.write(call_id, frame)
@@ -284,16 +450,19 @@ class Journal:
         """The staging calls whose request file is now durable (their rows turn
         `pending` in this turn's transaction), or could not be written (their
         rows are deleted: never accepted); the loop asks when `files` wakes it."""
-        written = self.files.written()
-        if written:
-            self._begin()
-        for call_id, error in written:
+        written = []
+        for call_id, error in self.files.written():
+            if call_id in self._refused_files:  # its row was never committed: refused
+                self._refused_files.discard(call_id)
+                self.files.remove(call_id)
+                continue
+            written.append((call_id, error))
             if error is None:
-                self._db.execute("UPDATE calls SET state = 'pending' WHERE call_id = ? AND "
-                                 "state = 'staging'", (call_id,))
+                self._write(call_id, "UPDATE calls SET state = 'pending' WHERE call_id = ? AND "
+                            "state = 'staging'", (call_id,))
             else:
-                self._db.execute("DELETE FROM requests WHERE call_id = ?", (call_id,))
-                self._db.execute("DELETE FROM calls WHERE call_id = ?", (call_id,))
+                self._write(call_id, "DELETE FROM requests WHERE call_id = ?", (call_id,))
+                self._write(call_id, "DELETE FROM calls WHERE call_id = ?", (call_id,))
         return written
 
     def call_by_idempotency_key(self, owner: str, key: str) -> str | None:
@@ -310,24 +479,23 @@ class Journal:
         return None if row is None else str(row[0])
 
     def start_attempt(self, call_id: str, attempt: int) -> None:
-        self._begin()
-        self._db.execute("UPDATE calls SET epoch = ?, attempts = attempts + 1, state = 'running' "
-                         "WHERE call_id = ?", (attempt, call_id))
-        self._db.execute("INSERT OR REPLACE INTO attempts (call_id, attempt, started) "
-                         "VALUES (?, ?, ?)", (call_id, attempt, time.time()))
+        self._write(call_id, "UPDATE calls SET epoch = ?, attempts = attempts + 1, "
+                    "state = 'running' WHERE call_id = ?", (attempt, call_id))
+        self._write(call_id, "INSERT OR REPLACE INTO attempts (call_id, attempt, started) "
+                    "VALUES (?, ?, ?)", (call_id, attempt, time.time()))
 
     def rebind_attempt(self, call_id: str, attempt: int, new_attempt: int) -> None:
         """After a sink restart the running `attempt` goes on as `new_attempt`:
         a new epoch, not a new provider attempt (`attempts` stays)."""
         self.end_attempt(call_id, attempt, "rebound", None)
-        self._db.execute("UPDATE calls SET epoch = ? WHERE call_id = ?", (new_attempt, call_id))
-        self._db.execute("INSERT OR REPLACE INTO attempts (call_id, attempt, started) "
-                         "VALUES (?, ?, ?)", (call_id, new_attempt, time.time()))
+        self._write(call_id, "UPDATE calls SET epoch = ? WHERE call_id = ?",
+                    (new_attempt, call_id))
+        self._write(call_id, "INSERT OR REPLACE INTO attempts (call_id, attempt, started) "
+                    "VALUES (?, ?, ?)", (call_id, new_attempt, time.time()))
 
     def set_attempt_pid(self, call_id: str, attempt: int, pid: int) -> None:
-        self._begin()
-        self._db.execute("UPDATE attempts SET worker_pid = ? WHERE call_id = ? AND attempt = ?",
-                         (pid, call_id, attempt))
+        self._write(call_id, "UPDATE attempts SET worker_pid = ? WHERE call_id = ? AND "
+                    "attempt = ?", (pid, call_id, attempt))
 
     def end_attempt(self, call_id: str, attempt: int, how: str,
                     outcome: AttemptOutcome | None) -> None:
@@ -340,23 +508,24 @@ class Journal:
                 error_class, error_code = outcome.error.error_class.value, outcome.error.code
             d = outcome.diag
             diag = (d.first_chunk_ms, d.chunks, d.bytes, d.deltas)
-        self._begin()
-        self._db.execute(
-            "UPDATE attempts SET ended = ?, how = ?, finish_reason = ?, error_class = ?, "
-            "error_code = ?, first_chunk_ms = ?, chunks = ?, bytes = ?, deltas = ? "
-            "WHERE call_id = ? AND attempt = ?",
+        self._write(
+            call_id, "UPDATE attempts SET ended = ?, how = ?, finish_reason = ?, "
+            "error_class = ?, error_code = ?, first_chunk_ms = ?, chunks = ?, bytes = ?, "
+            "deltas = ? WHERE call_id = ? AND attempt = ?",
             (time.time(), how, finish_reason, error_class, error_code, *diag, call_id, attempt))
 
     def finish_call(self, call_id: str, status: str) -> None:
         """The call is done. Its done event is already in the transcript, which
         recovery reads first, so this joins the turn's transaction instead of
         syncing on its own; its request file goes once that has committed."""
-        self._begin()
-        self._db.execute("UPDATE calls SET state = 'done', status = ?, finished = ?, done = NULL "
-                         "WHERE call_id = ?", (status, time.time(), call_id))
+        self._write(call_id, "UPDATE calls SET state = 'done', status = ?, finished = ?, "
+                    "done = NULL WHERE call_id = ?", (status, time.time(), call_id))
+        self._unit_done.add(call_id)
         self._remove_after_commit.append(call_id)
 
     def is_finished(self, call_id: str) -> bool:
+        if call_id in self._unit_done:  # kept by a faulted journal, not in the file yet
+            return True
         row = self._db.execute("SELECT state FROM calls WHERE call_id = ?", (call_id,)).fetchone()
         return row is not None and row[0] == "done"
 
@@ -399,6 +568,8 @@ class Journal:
         time is spent. Returns the calls deleted; `prune_more` tells whether
         some were left that are due too."""
         self.commit()  # the turn's writes are never mixed with (or rolled back with) a prune
+        if self.fault is not None:
+            return 0  # no deletes while the kept writes wait for the disk
         removed, self.prune_more = retention.in_transaction(
             self._db, "BEGIN", _OLDEST_DONE, _PRUNE_DELETES, older_than, limit, budget_s)
         return removed
@@ -413,7 +584,7 @@ class Journal:
         the next batch is not due yet; else one budgeted `prune`. Returns the
         calls deleted (for the `journal_pruned` counter). A failure (say, the
         file locked by a long `streamfence prune`) is logged and retried later."""
-        if retention_days <= 0:
+        if retention_days <= 0 or self.fault is not None:
             return 0
         now = time.monotonic()
         if now < self._prune_due:
@@ -430,8 +601,15 @@ class Journal:
         return removed
 
     def close(self) -> None:
-        """Commit, sync everything, run what waited for it, and close."""
-        self.commit()
+        """Commit, sync everything, run what waited for it, and close. Writes a
+        lasting storage fault kept are lost with the process, and said so: no
+        accepted call is (its row committed before `accepted` went out), and
+        recovery finds what they said again (a finished call's done event is
+        in the transcript; an unjournaled epoch never reached the sink)."""
+        self.commit(retry_now=self.fault is not None)
+        if self.fault is not None:
+            log.error("journal: stopping with %d write(s) not committed (%s); the next start "
+                      "recovers from the transcript", len(self._unit), self.fault.message)
         if self._commits > self._synced:
             self._syncer.request(self._commits)
         self._synced = self._syncer.close()

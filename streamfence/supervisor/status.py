@@ -16,7 +16,8 @@ from streamfence.supervisor.pool import Pool
 def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
               sink_stats: Callable[[Callable[[dict[str, Any]], None]], None],
               counters: Counter[str], pids: Callable[[], dict[str, int | None]],
-              auth_counts: Callable[[], dict[str, int]], user: Identity,
+              auth_counts: Callable[[], dict[str, int]],
+              storage: Callable[[], dict[str, Any] | None], user: Identity,
               reply: Callable[[dict[str, Any]], None]) -> None:
     """Give `reply` the body of a `status_reply`: each owner's own view. An
     identity that is not an admin sees only its own calls (docs/SECURITY.md);
@@ -24,7 +25,8 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
     not polled, so an idle daemon sleeps; the last known ones while the sink
     is down). `calls.in_flight_bytes` is the request bytes the
     calls accepted and not done hold (the byte budgets: front.py); an admin
-    also sees them per owner and `in_flight_bytes_max`."""
+    also sees them per owner and `in_flight_bytes_max`; and `storage`, the
+    journal's storage fault while one lasts (nil otherwise)."""
     if not user.is_admin:
         # Its calls' request bytes (`in_flight_bytes`) next to its budget for them.
         calls = dict(driver.status(owner=user.name), max_in_flight_bytes=user.max_in_flight_bytes)
@@ -37,5 +39,6 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
                      "spawned_total": pool.spawned_total, "killed_total": pool.killed_total},
             "calls": driver.status(),
             "breakers": breakers.snapshot(),
+            "storage": storage(),
             "counters": dict(counters, **auth_counts())}
     sink_stats(lambda stats: reply(dict(body, sink=stats)))

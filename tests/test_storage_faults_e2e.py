@@ -1,0 +1,136 @@
+"""Issue 13, items 1 and 2, end to end: a lock another process holds on
+journal.db, and a full disk under the state dir. The supervisor stays up,
+every submit meanwhile gets the fault's code at once, `status` says what is
+wrong, a running call finishes, and submits are accepted again as soon as
+the journal can write, with no restart (docs/GUARANTEES.md, "Storage faults")."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from streamfence.devtools.emulator.control import EmulatorClient
+from streamfence.protocol.client import Client
+from streamfence.protocol.client_base import ClientError
+from tests.harness import DaemonProcess, assert_one_exact_answer, wait_until
+
+pytestmark = pytest.mark.slow
+
+REQUEST = {"messages": [{"role": "user", "content": "x"}]}
+
+
+def _submit_refused(client: Client, key: str) -> ClientError:
+    with pytest.raises(ClientError) as refused:
+        client.submit("emu", dict(REQUEST, model=f"gpt-emu#{key}"))
+    return refused.value
+
+
+def _storage(client: Client) -> dict[str, Any] | None:
+    storage: dict[str, Any] | None = client.status()["storage"]
+    return storage
+
+
+def test_a_lock_on_the_journal_refuses_submits_and_the_running_call_finishes(
+        make_daemon: Any, emu: EmulatorClient) -> None:
+    emu.script("running", [{"fault": "ok", "chunks": 30, "chunk_delay_s": 0.05}])
+    daemon: DaemonProcess = make_daemon()
+    supervisor = daemon.proc.pid if daemon.proc else None
+    with daemon.client(timeout_s=10.0) as client:
+        call_id = client.submit("emu", dict(REQUEST, model="gpt-emu#running"))
+        events = client.events(call_id, timeout_s=30.0)
+        first = [next(events)]
+        other = sqlite3.connect(daemon.state_dir / "journal.db", isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")  # a backup tool's write transaction
+            # The lock is met by the first journal write after it: this submit's.
+            refused = _submit_refused(client, "during")
+            assert refused.code == "storage_busy", refused
+            assert "journal.db is locked by another process" in refused.message
+            assert _submit_refused(client, "during2").code == "storage_busy"
+            storage = _storage(client)
+            assert storage is not None and storage["code"] == "storage_busy", storage
+            # The running call ends while the journal cannot write its end.
+            rest = list(events)
+            done = client.result(call_id, wait_s=10.0)
+            assert done is not None and done["status"] == "completed", done
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        wait_until(lambda: _storage(client) is None, 10.0, "the journal to write again")
+        emu.script("after", [{"fault": "ok", "chunks": 3}])
+        after = client.submit("emu", dict(REQUEST, model="gpt-emu#after"))
+        assert client.result(after, wait_s=20.0)["status"] == "completed"
+        counters = client.status()["counters"]
+    assert_one_exact_answer([*first, *rest], emu.log("running"))
+    assert emu.log("during") == [] and emu.log("during2") == []
+    assert counters["refused.storage_busy"] == 2, counters
+    assert counters.get("sink_restarts", 0) == 0, counters
+    assert daemon.proc is not None and daemon.proc.pid == supervisor and daemon.proc.poll() is None
+    # What the journal kept meanwhile was written: the call's end and its attempt's.
+    assert daemon.journal_rows("SELECT state, status FROM calls WHERE call_id = ?",
+                               call_id) == [("done", "completed")]
+    assert daemon.journal_rows("SELECT how FROM attempts WHERE call_id = ?",
+                               call_id) == [("ended",)]
+    text = daemon.log_text()
+    assert "writable again" in text and "no transaction is active" not in text
+
+
+@contextlib.contextmanager
+def _tmpfs(where: Path, size: str) -> Iterator[None]:
+    where.mkdir(mode=0o700, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                           str(where)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def _fill(where: Path) -> Path:
+    filler = where / "filler"
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while f.write(b"\0" * 65536):
+            pass
+    return filler
+
+
+def test_a_full_disk_refuses_submits_with_storage_full_and_resumes(
+        make_daemon: Any, emu: EmulatorClient, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with _tmpfs(state, "16m"):
+        daemon: DaemonProcess = make_daemon(start=False)
+        daemon.log_path = tmp_path / "daemon.log"  # the log must not share the full disk
+        daemon.start()
+        supervisor = daemon.proc.pid if daemon.proc else None
+        emu.script("before", [{"fault": "ok", "chunks": 3}])
+        with daemon.client(timeout_s=10.0) as client:
+            before = client.submit("emu", dict(REQUEST, model="gpt-emu#before"))
+            assert client.result(before, wait_s=20.0)["status"] == "completed"
+            filler = _fill(state)
+            refused = _submit_refused(client, "full")
+            assert refused.code == "storage_full", refused
+            assert "is full" in refused.message
+            assert _storage(client)["code"] == "storage_full"
+            assert _submit_refused(client, "full2").code == "storage_full"
+            os.unlink(filler)
+            wait_until(lambda: _storage(client) is None, 10.0,
+                       "the journal to write again once space is back")
+            emu.script("after", [{"fault": "ok", "chunks": 3}])
+            after = client.submit("emu", dict(REQUEST, model="gpt-emu#after"))
+            assert client.result(after, wait_s=20.0)["status"] == "completed"
+            counters = client.status()["counters"]
+        assert emu.log("full") == [] and emu.log("full2") == []
+        assert counters["refused.storage_full"] == 2, counters
+        assert daemon.proc is not None and daemon.proc.pid == supervisor
+        assert daemon.proc.poll() is None
+        daemon.stop()
+        assert "no transaction is active" not in daemon.log_text()
