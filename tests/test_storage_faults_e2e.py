@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient
+from streamfence.devtools.launcher import DaemonExited
 from streamfence.protocol.client import Client
 from streamfence.protocol.client_base import ClientError
 from tests.harness import DaemonProcess, assert_one_exact_answer, wait_until
@@ -134,3 +135,28 @@ def test_a_full_disk_refuses_submits_with_storage_full_and_resumes(
         assert daemon.proc.poll() is None
         daemon.stop()
         assert "no transaction is active" not in daemon.log_text()
+
+
+def test_a_start_on_a_full_disk_is_refused_with_the_reason_and_forgets_nothing(
+        make_daemon: Any, emu: EmulatorClient, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with _tmpfs(state, "16m"):
+        daemon: DaemonProcess = make_daemon(start=False)
+        daemon.log_path = tmp_path / "daemon.log"
+        daemon.start()
+        emu.script("kept", [{"fault": "ok", "chunks": 3}])
+        with daemon.client(timeout_s=10.0) as client:
+            kept = client.submit("emu", dict(REQUEST, model="gpt-emu#kept"))
+            assert client.result(kept, wait_s=20.0)["status"] == "completed"
+        assert daemon.stop() == 0
+        filler = _fill(state)
+        with pytest.raises(DaemonExited) as refused:
+            daemon.start(ready_timeout=10.0)
+        assert "the disk holding it is full" in str(refused.value), refused.value
+        assert "free space and start again" in str(refused.value)
+        assert daemon.stop() not in (0, None)
+        os.unlink(filler)
+        daemon.start()
+        with daemon.client(timeout_s=10.0) as client:
+            assert client.result(kept)["status"] == "completed"
+        daemon.stop()

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import sqlite3
 import time
 import uuid
@@ -59,6 +60,14 @@ PRUNED_THROUGH = "pruned_through"
 # done and the journal's finish).
 PRUNE_SLACK_S = 60.0
 FIX = "restore it from a backup, or move the state dir away to start clean"
+LOW_SPACE_BYTES = 1 << 20  # an error opening a file on a disk with less free is "full"
+
+
+def _free_bytes(path: str) -> int | None:
+    try:
+        return shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    except OSError:
+        return None
 
 
 class StoreError(Exception):
@@ -91,7 +100,12 @@ def _calls(n: int) -> str:
 
 
 def _store_error(path: str, exc: sqlite3.DatabaseError) -> StoreError:
-    if isinstance(exc, sqlite3.OperationalError):  # locked, I/O error, permissions
+    if isinstance(exc, sqlite3.OperationalError):  # locked, I/O error, permissions, full
+        free = _free_bytes(path)
+        if free is not None and free < LOW_SPACE_BYTES:
+            # SQLite says "disk I/O error" when it cannot even create the -shm file.
+            return StoreError(f"{path} cannot be written: the disk holding it is full "
+                              f"({free} bytes free; {exc}); free space and start again")
         return StoreError(f"{path} cannot be read ({exc})")
     return StoreError(f"{path} is damaged ({exc}): {FIX}; `streamfence check` reports every "
                       f"damaged file")  # malformed, not a database
