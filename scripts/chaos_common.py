@@ -11,7 +11,9 @@ and a duration, and the whole run by a final deadline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
+import subprocess
 import tempfile
 import threading
 import time
@@ -46,6 +48,10 @@ def seeded(args: argparse.Namespace) -> random.Random:
     return random.Random(seed)
 
 
+class NoSmallDisk(RuntimeError):
+    """A run on a small disk where none can be mounted (the message says why)."""
+
+
 @dataclass
 class ChaosState:
     emulator: EmulatorProcess
@@ -62,10 +68,42 @@ class ChaosState:
 
 
 @contextmanager
+def small_disk(where: Path, size: str) -> Iterator[str | None]:
+    """A tmpfs of `size` mounted at `where` (made if missing) for the block;
+    yields None, or why it could not be mounted (not root, say)."""
+    where.mkdir(mode=0o700, parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                           str(where)], capture_output=True, text=True)
+    if done.returncode != 0:
+        yield f"cannot mount a tmpfs at {where}: {done.stderr.strip() or done.returncode}"
+        return
+    try:
+        yield None
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill_disk(where: Path) -> Path:
+    """Fill the file system holding `where` with one file, until ENOSPC."""
+    filler = where / "filler"
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while f.write(b"\0" * 65536):
+            pass
+    return filler
+
+
+@contextmanager
 def chaos_run(daemon_settings: dict[str, Any] | None = None,
-              profile: dict[str, Any] | None = None) -> Iterator[ChaosState]:
+              profile: dict[str, Any] | None = None,
+              state_disk: str | None = None) -> Iterator[ChaosState]:
+    """A daemon on the emulator; `state_disk`: its state dir on a tmpfs of
+    that size (its log beside it, not on it)."""
     with tempfile.TemporaryDirectory(prefix="streamfence-chaos-") as tmp, \
-            EmulatorProcess() as emulator:
+            EmulatorProcess() as emulator, \
+            (small_disk(Path(tmp) / "state", state_disk) if state_disk
+             else contextlib.nullcontext()) as no_disk:
+        if no_disk:
+            raise NoSmallDisk(no_disk)
         settings = {"workers_spare": 4, "workers_max": 48, "backoff_base_s": 0.05,
                     "backoff_max_s": 0.3, "log_level": "WARNING"}
         settings.update(daemon_settings or {})
@@ -74,6 +112,7 @@ def chaos_run(daemon_settings: dict[str, Any] | None = None,
         table.update(profile or {})
         daemon = DaemonProcess(Path(tmp) / "state", {"emu": table}, daemon=settings,
                                log_json=False)
+        daemon.log_path = Path(tmp) / "daemon.log"
         daemon.start()
         try:
             yield ChaosState(emulator=emulator, emu=emulator.client(), daemon=daemon)

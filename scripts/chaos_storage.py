@@ -10,7 +10,14 @@ calls whose provider (the emulator) never fails:
           attempt in flight: docs/ARCHITECTURE.md §2.8);
 - freeze: SIGSTOP of the sink for longer than the stale timeout, while the
           provider sends the rest of the answers (§4.1: the sink's time is
-          not the provider's stall).
+          not the provider's stall);
+- full:   the state dir on a small tmpfs, filled up for `--storm` seconds
+          and freed (skipped, saying why, where no tmpfs can be mounted):
+          submits meanwhile get `storage_full` (the load submits again, with
+          the same idempotency key), running calls pause and go on;
+- lock-journal, lock-transcript: another process's write transaction
+          (BEGIN IMMEDIATE, as a backup tool or a `sqlite3` shell holds)
+          on that file for `--storm` seconds.
 
 Verdict per fault: 0 lost, duplicated, interleaved, superseded (the common
 judge: the transcript as subscribers saw it against the emulator's record),
@@ -24,13 +31,23 @@ import argparse
 import os
 import random
 import signal
+import sqlite3
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from scripts.chaos_common import ChaosState, chaos_run, parser, run_load, seeded, verdict
+from scripts.chaos_common import (
+    ChaosState,
+    NoSmallDisk,
+    chaos_run,
+    fill_disk,
+    parser,
+    run_load,
+    seeded,
+    verdict,
+)
 
 STALE_S = 2.0  # the profile's stale timeout in these runs
 
@@ -81,40 +98,98 @@ def freeze(state: ChaosState, rng: random.Random, start_s: float, storm_s: float
         os.kill(pid, signal.SIGCONT)
 
 
+def full_disk(state: ChaosState, rng: random.Random, start_s: float, storm_s: float) -> None:
+    """Fill the state dir's disk for `storm_s` seconds, once."""
+    if state.stop.wait(start_s):
+        return
+    filler = fill_disk(state.daemon.state_dir)
+    try:
+        state.stop.wait(storm_s)  # the fault itself: the disk full this long
+        state.count(f"disk full for {storm_s:g} s")
+    finally:
+        filler.unlink()
+
+
+def _lock(file: str) -> Callable[[ChaosState, random.Random, float, float], None]:
+    def lock(state: ChaosState, rng: random.Random, start_s: float, storm_s: float) -> None:
+        """Hold a write transaction on `file` for `storm_s` seconds, once."""
+        if state.stop.wait(start_s):
+            return
+        other = sqlite3.connect(state.daemon.state_dir / file, isolation_level=None,
+                                timeout=30.0)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            state.stop.wait(storm_s)  # the fault itself: the lock held this long
+            state.count(f"{file} locked by another process for {storm_s:g} s")
+            other.execute("ROLLBACK")
+        finally:
+            other.close()
+    return lock
+
+
 FAULTS: dict[str, Callable[[ChaosState, random.Random, float, float], None]] = {
-    "kills": kill_storm, "freeze": freeze}
+    "kills": kill_storm, "freeze": freeze, "full": full_disk,
+    "lock-journal": _lock("journal.db"), "lock-transcript": _lock("transcript.db")}
+DISK = "64m"  # the `full` fault's tmpfs
 
 
 def run_fault(name: str, args: argparse.Namespace, rng: random.Random) -> bool:
     inject = FAULTS[name]
-    with chaos_run({"workers_max": args.workers_max}, {"stale_timeout_s": STALE_S}) as state:
-        t = threading.Thread(target=inject, args=(state, random.Random(rng.random()),
-                                                  min(2.0, args.duration / 4), args.storm),
-                             daemon=True)
-        t.start()
-        run_load(state, args, rng, steps, options)
-        t.join(timeout=60)
-        with state.daemon.client(timeout_s=5.0) as client:
-            counters = client.status()["counters"]
-        state.count("sink restarts seen by the supervisor", counters.get("sink_restarts", 0))
-        state.count("attempts rebound", counters.get("attempts_rebound", 0))
-        ok = verdict(state, f"chaos_storage: {name}")
-        exact = one_request = 0
-        for record in state.records:
-            sent = state.emu.log(record.key)
-            done = record.done or {}
-            content = (done.get("response") or {}).get("content")
-            if done.get("status") == "completed" and len(sent) == 1 \
-                    and content == sent[0].get("text"):
-                exact += 1
-            one_request += len(sent) == 1
-        calls = len(state.records)
-        print(f"  completed with the exact text: {exact} of {calls}; "
-              f"one provider request: {one_request} of {calls}")
-        good = ok and calls > 0 and exact == calls == one_request
-        print(f"  verdict ({name}, every call exact from one request): "
-              f"{'PASS' if good else 'FAIL'}\n")
-        return good
+    try:
+        with chaos_run({"workers_max": args.workers_max}, {"stale_timeout_s": STALE_S},
+                       state_disk=DISK if name == "full" else None) as state:
+            return _run(name, inject, state, args, rng)
+    except NoSmallDisk as exc:
+        print(f"chaos_storage: {name}: SKIPPED: {exc}\n")
+        return True
+
+
+def _run(name: str, inject: Callable[[ChaosState, random.Random, float, float], None],
+         state: ChaosState, args: argparse.Namespace, rng: random.Random) -> bool:
+    t = threading.Thread(target=inject, args=(state, random.Random(rng.random()),
+                                              min(2.0, args.duration / 4), args.storm),
+                         daemon=True)
+    t.start()
+    run_load(state, args, rng, steps, options)
+    t.join(timeout=60)
+    with state.daemon.client(timeout_s=5.0) as client:
+        counters = client.status()["counters"]
+    state.count("sink restarts seen by the supervisor", counters.get("sink_restarts", 0))
+    state.count("attempts rebound", counters.get("attempts_rebound", 0))
+    for code in ("storage_full", "storage_busy", "storage_error"):
+        if counters.get(f"refused.{code}"):
+            state.count(f"submits refused with {code} (submitted again)",
+                        counters[f"refused.{code}"])
+    proc = state.daemon.proc
+    up = proc is not None and proc.poll() is None
+    # Only the kill storm may restart the sink; no fault may stop the supervisor.
+    sink_kept = name == "kills" or counters.get("sink_restarts", 0) == 0
+    ok = verdict(state, f"chaos_storage: {name}")
+    exact = one_request = 0
+    for record in state.records:
+        sent = state.emu.log(record.key)
+        done = record.done or {}
+        content = (done.get("response") or {}).get("content")
+        if done.get("status") == "completed" and len(sent) == 1 \
+                and content == sent[0].get("text"):
+            exact += 1
+        one_request += len(sent) == 1
+    calls = len(state.records)
+    print(f"  completed with the exact text: {exact} of {calls}; "
+          f"one provider request: {one_request} of {calls}")
+    # What each process said of the fault (the journal's and the sink's own lines).
+    said = [line.split(": ", 1)[-1][:150] for line in state.daemon.log_text().splitlines()
+            if ("cannot write" in line or "writable again" in line or "is full" in line
+                or "is locked" in line)]
+    for line in said[:6]:
+        print(f"  logged: {line}")
+    print(f"  the supervisor stayed up: {'yes' if up else 'NO'}"
+          + ("" if name == "kills" else
+             f"; the sink never restarted: {'yes' if sink_kept else 'NO'}"))
+    good = ok and calls > 0 and exact == calls == one_request and up and sink_kept
+    print(f"  verdict ({name}, every call exact from one request): "
+          f"{'PASS' if good else 'FAIL'}\n")
+    return good
 
 
 def main() -> int:
