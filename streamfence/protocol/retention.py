@@ -7,10 +7,16 @@ finished calls before a cutoff, at most `limit` and (with `budget_s`) until
 that much time is spent, each with its rows in the other tables.
 `prune_file` repeats it on a file from another process, in short
 transactions with a pause between them, so the running daemon gets its turns.
+
+`rollback_if_open` is how every writer of ours ends a transaction that
+failed: SQLite may already have rolled it back (after SQLITE_FULL or
+SQLITE_IOERR, say), and a ROLLBACK then raises "cannot rollback - no
+transaction is active", which used to replace the error that mattered.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
 from collections.abc import Sequence
@@ -35,16 +41,27 @@ def delete_oldest(conn: sqlite3.Connection, select_ids: str, deletes: Sequence[s
     return removed, removed >= limit or removed < len(ids)
 
 
+def rollback_if_open(conn: sqlite3.Connection) -> None:
+    """End `conn`'s failed transaction, if SQLite has not ended it already. For
+    an `except` block that re-raises: a ROLLBACK that fails too (the disk
+    gone) is not raised over the error being handled; the transaction then
+    stays open, and the caller's next try must roll it back first."""
+    if conn.in_transaction:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+
+
 def in_transaction(conn: sqlite3.Connection, begin: str, select_ids: str,
                    deletes: Sequence[str], older_than: float, limit: int,
                    budget_s: float | None) -> tuple[int, bool]:
-    """`delete_oldest` in a transaction of its own (`begin`: BEGIN or BEGIN IMMEDIATE)."""
+    """`delete_oldest` in a transaction of its own (`begin`: BEGIN or BEGIN
+    IMMEDIATE). Any error is raised as it came, the transaction rolled back."""
     conn.execute(begin)
     try:
         result = delete_oldest(conn, select_ids, deletes, older_than, limit, budget_s)
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        rollback_if_open(conn)
         raise
     return result
 

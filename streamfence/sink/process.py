@@ -21,8 +21,14 @@ Duties (`run_sink` is the entry point the supervisor starts with
 - count and sparsely log refused deltas and bad frames; never crash on input;
 - retention: one batch of finished calls deleted from the transcript when
   `state.prune_due` has come (sink/state.py, "Retention");
+- storage faults (a full disk, an I/O error, a lock held past the busy
+  timeout: docs/ARCHITECTURE.md §4.15) are waited out inside the store's
+  commit, through `_pause`: it answers C_STATS meanwhile (status shows the
+  fault), holds every other control op for the loop, in order, and tells
+  the store when a stop was asked;
 - die with the parent (PR_SET_PDEATHSIG) and exit cleanly on SIGTERM after a
-  last commit. SIGINT is ignored: the supervisor owns the shutdown order.
+  last commit (given up, in one ERROR line, if the store is in a storage
+  fault). SIGINT is ignored: the supervisor owns the shutdown order.
 
 The per-delta path is one method, `_take`, on purpose flat: an integer tag
 test, a dict lookup in the fence, list appends and pre-encoded byte pieces;
@@ -38,6 +44,7 @@ import signal
 import socket
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
@@ -48,7 +55,14 @@ import zmq
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted
 from streamfence.protocol.errors import ProtocolError
 from streamfence.protocol.internal import T_DELTA, T_HELLO, Endpoints
-from streamfence.protocol.internal.control import BadFrame, encode_refused, parse_control
+from streamfence.protocol.internal.control import (
+    BadFrame,
+    ControlOp,
+    Stats,
+    encode_ok,
+    encode_refused,
+    parse_control,
+)
 from streamfence.protocol.keys import KeyStore
 from streamfence.protocol.lifecycle import ExitCode, die_with_parent, expected_parent_pid
 from streamfence.protocol.logs import route_logs_to
@@ -56,7 +70,7 @@ from streamfence.sink.content import check_tool_fragment
 from streamfence.sink.fence import Verdict
 from streamfence.sink.peer import SupervisorPeer
 from streamfence.sink.state import COMMIT_AFTER_S, COMMIT_EVERY, IDLE_COMMIT_GAP_S, SinkState, log
-from streamfence.sink.store import TranscriptStore
+from streamfence.sink.store import StoreStopped, TranscriptStore
 from streamfence.sink.streams import READ_BYTES, WorkerStreams
 from streamfence.sink.subscribers import Subscribers
 from streamfence.sink.wire import KIND_TAIL, TOOL_CALL, parse_final, parse_hello
@@ -86,13 +100,17 @@ class Sink:
         self.peer = SupervisorPeer(self.ctl, control_identity)
         self.subscribers = Subscribers(self.ctx, events_endpoint,
                                        KeyStore(keys_dir) if keys_dir is not None else None)
-        self.state = SinkState(TranscriptStore(db_path), self.peer, self.subscribers,
-                               retention_days)
         self._signals: list[int] = []
         self._stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        # Control ops that came while the store waited out a storage fault.
+        self._held: deque[tuple[bytes, ControlOp]] = deque()
+        self._ready = False  # `state` is built
+        self.state = SinkState(TranscriptStore(db_path, pause=self._pause), self.peer,
+                               self.subscribers, retention_days)
+        self._ready = True
 
     def _router(self, endpoint: str) -> zmq.Socket[bytes]:
         s: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
@@ -125,13 +143,25 @@ class Sink:
         poller.register(self._wake_r, zmq.POLLIN)
         wake_fd = self._wake_r.fileno()
         log.info("sink: serving pid=%s in=%s", os.getpid(), self.sin.getsockopt_string(zmq.LAST_ENDPOINT))
+        try:
+            self._loop(poller, streams_fd, wake_fd)
+            log.info("sink: stopping; final commit")
+            self.state.commit()
+        except StoreStopped as exc:
+            log.error("sink: %s", exc)
+
+    def _loop(self, poller: zmq.Poller, streams_fd: int, wake_fd: int) -> None:
         state = self.state
         idle = True  # the input ran dry in the last drain
         subscribers = self.subscribers
         replaying = False  # a replay could take more at the end of the last turn
         while not self._stopping:
-            timeout = 0 if replaying else IDLE_POLL_MS if not subscribers.outstanding else \
-                max(0, int((subscribers.ping_due - time.monotonic()) * 1000) + 1)
+            if replaying or self._held:
+                timeout = 0
+            elif subscribers.outstanding:
+                timeout = max(0, int((subscribers.ping_due - time.monotonic()) * 1000) + 1)
+            else:
+                timeout = IDLE_POLL_MS
             if state.commit_due is not None:
                 due = min(state.commit_due, state.last_commit + IDLE_COMMIT_GAP_S) \
                     if idle else state.commit_due
@@ -141,7 +171,7 @@ class Sink:
             ready = dict(poller.poll(timeout))
             if wake_fd in ready:  # plain fds come back as their fileno
                 self._drain_signals()
-            if self.ctl in ready:
+            if self.ctl in ready or self._held:
                 self._drain_ctl()
             if subscribers.socket in ready:
                 subscribers.drain()
@@ -162,8 +192,6 @@ class Sink:
             replaying = bool(state.replays) and state.serve_replays()
             if subscribers.outstanding and time.monotonic() >= subscribers.ping_due:
                 subscribers.ping()
-        log.info("sink: stopping; final commit")
-        state.commit()
 
     def _drain_signals(self) -> None:
         try:
@@ -198,14 +226,26 @@ class Sink:
         return True
 
     def _drain_ctl(self) -> None:
-        sock = self.ctl
+        """Up to CTL_BURST control ops: the held ones first, then the socket's."""
         for _ in range(CTL_BURST):
+            got = self._held.popleft() if self._held else self._recv_ctl()
+            if got is None:
+                return
+            ident, op = got
+            self._send(self.ctl, ident, self.state.handle_control(op))
+
+    def _recv_ctl(self) -> tuple[bytes, ControlOp] | None:
+        """The next well-formed control op from the supervisor, counting (and,
+        when its sender waits, refusing) anything else on the way; None when
+        no message waits."""
+        sock = self.ctl
+        state = self.state
+        while True:
             try:
                 ident = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return None
             frame = sock.recv()
-            state = self.state
             if self._resync(sock):
                 state.bad_frame("ctl", "more than one frame")
                 continue
@@ -223,7 +263,38 @@ class Sink:
                     self._send(sock, ident, encode_refused(exc.req, f"bad_message: {exc.reason}"))
                 continue
             self.peer.heard_from(ident)
-            self._send(sock, ident, state.handle_control(op))
+            return ident, op
+
+    def _pause(self, seconds: float) -> bool:
+        """The store's wait between two tries of a write that met a storage
+        fault (sink/store.py): up to `seconds`, woken by a signal or by the
+        supervisor. A C_STATS is answered at once, so `status` shows the
+        fault; any other control op is held, in order, for the loop (each
+        needs a commit). True: a stop was asked (SIGTERM). While the store
+        opens (no state yet, no SIGTERM handler: SIGTERM ends the process),
+        it just sleeps."""
+        if not self._ready:
+            time.sleep(seconds)
+            return False
+        deadline = time.monotonic() + seconds
+        poller = zmq.Poller()
+        poller.register(self.ctl, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        wake_fd = self._wake_r.fileno()
+        while not self._stopping and signal.SIGTERM not in self._signals:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            if wake_fd in ready:
+                self._drain_signals()
+            if self.ctl in ready:
+                while (got := self._recv_ctl()) is not None:
+                    if isinstance(got[1], Stats):
+                        self._send(self.ctl, got[0], encode_ok(got[1].req, self.state.stats()))
+                    else:
+                        self._held.append(got)
+        return True
 
     def _send(self, sock: zmq.Socket[bytes], ident: bytes, frame: bytes) -> bool:
         try:

@@ -54,6 +54,7 @@ from streamfence.protocol.internal.control import (
     Fence,
     Finish,
     Rebind,
+    Stats,
     encode_ended,
     encode_final_refused,
     encode_ok,
@@ -215,6 +216,7 @@ class SinkState:
         self.finals_accepted = 0
         self.finals_refused = 0
         self.acks_unroutable = 0  # finals whose worker left before its ack
+        self.prune_failing = False  # the last prune failed (logged once until one works)
         for row in store.unfinished_calls():
             # Closed until the supervisor authorizes a higher epoch.
             self.fence.seed(row.call_id, row.max_epoch)
@@ -281,10 +283,13 @@ class SinkState:
                 live.pending = []
         self.dirty.clear()
 
-    def commit(self) -> None:
-        """Store everything accepted so far, then publish its events."""
+    def commit(self, wait: bool = True) -> bool:
+        """Store everything accepted so far, then publish its events. A storage
+        fault is waited out in the store; with `wait` False it is not: then
+        nothing is stored or published, all stays pending, and False."""
         self.flush_pending()
-        self.store.commit()
+        if self.store.commit(wait) is None:
+            return False
         self.pending_events = 0
         self.commit_due = None
         self.last_commit = time.monotonic()
@@ -293,6 +298,7 @@ class SinkState:
             self.outbox.clear()  # in place: the hot path holds a bound append
             if cuts:
                 self._cut_off(cuts)
+        return True
 
     def _send_event(self, subs: set[bytes], event: bytes) -> None:
         """One event (a reset, a done) to a call's listeners, after its commit."""
@@ -327,9 +333,16 @@ class SinkState:
         older_than = time.time() - self.retention_s - prune_grace_s(self.retention_s)
         try:
             removed = self.store.prune(older_than, budget_s=PRUNE_BUDGET_S)
-        except sqlite3.OperationalError as exc:  # say, locked by a long `streamfence prune`
-            log.warning("sink: pruning finished calls failed (will retry): %s", exc)
+        except sqlite3.OperationalError as exc:  # a storage fault, say: not waited out here
+            if not self.prune_failing:  # once per run of failures: a full disk fails each try
+                log.warning("sink: pruning finished calls from %s failed (tried again every "
+                            "%g s): %s (%s)", self.store.path, PRUNE_EVERY_S,
+                            exc.sqlite_errorname, exc)
+            self.prune_failing = True
             return 0
+        if self.prune_failing:
+            self.prune_failing = False
+            log.info("sink: pruning finished calls from %s works again", self.store.path)
         if self.store.prune_more:
             self.prune_due = now + PRUNE_BACKLOG_S
         if removed:
@@ -342,7 +355,11 @@ class SinkState:
     def handle_control(self, op: ControlOp) -> bytes:
         """Run one control op; returns the encoded reply."""
         # Commit (and so publish) what is accepted first: a reply never
-        # overtakes the events it reports on.
+        # overtakes the events it reports on. Stats do not wait out a storage
+        # fault, so that `status` shows it while it lasts (sink/store.py).
+        if isinstance(op, Stats):
+            self.commit(wait=False)
+            return encode_ok(op.req, self.stats())
         self.commit()
         if isinstance(op, Authorize):
             return self._authorize(op)
@@ -352,9 +369,7 @@ class SinkState:
             return self._rebind(op)
         if isinstance(op, Finish):
             return self._finish(op)
-        if isinstance(op, AddSubscriber):
-            return self._add_subscriber(op)
-        return encode_ok(op.req, self.stats())
+        return self._add_subscriber(op)
 
     def _authorize(self, op: Authorize) -> bytes:
         self._rebind_settled(op.call_id)
@@ -581,6 +596,12 @@ class SinkState:
             "attempts_rebound": self.rebound,
             "subscribed_calls": sum(1 for lv in self.lives.values() if lv.subs),
             "replays": len(self.replays),
+            # The storage fault the store is waiting out (sink/store.py), if
+            # any: SQLite's error and since when (wall clock); and how many
+            # writes were tried again after one, since the start.
+            "storage_fault": self.store.fault,
+            "storage_fault_since": self.store.fault_since,
+            "storage_retries": self.store.retries,
             **self.peer.stats(),
             **self.listeners.stats(),
         }

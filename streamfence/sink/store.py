@@ -46,6 +46,25 @@ not finished. The sink runs it on its own schedule (sink/state.py);
 process, with a busy timeout. Freed pages are reused, so under steady load
 the file stops growing.
 
+Storage faults (docs/ARCHITECTURE.md §4.15): a write that fails for the disk
+or for another process's lock (`is_storage_fault`) is tried again, in the
+same call, until it succeeds: `commit` keeps its buffers, rolls back only a
+transaction SQLite still has open, logs one ERROR line (the file, SQLite's
+error, the events it holds), a reminder every `REMIND_EVERY_S`, and a
+WARNING when it commits again, and waits between tries through `pause`
+(back-off from `RETRY_FIRST_S` doubling to `RETRY_MAX_S`). Why a loop inside
+the commit rather than a sink that runs on with a faulted store: nothing is
+acknowledged or published before its commit, so the sink's loop waiting here
+is a frozen sink, which costs no answer (workers keep their deltas, the
+watchdog does not blame the provider: §4.1), where running on would mean
+holding back every ack, reply and event that needs a commit. `pause` is the
+sink's (sink/process.py): it answers C_STATS meanwhile, so `status` shows
+the fault (`fault`, `fault_since`, `retries`), and returns True when a stop
+was asked: the write is then given up with `StoreStopped`. C_STATS's own
+commit is `commit(wait=False)`: one try. Opening the file (schema created or
+upgraded) retries the same way. Damage (SQLITE_CORRUPT, SQLITE_NOTADB) is no
+storage fault: logged in one line and raised.
+
 `TranscriptReader` opens the same file read-only from any process (the
 supervisor uses it to replay finished calls to `subscribe`).
 """
@@ -57,7 +76,7 @@ import pathlib
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import msgpack
@@ -66,11 +85,26 @@ from streamfence.protocol import retention
 
 SCHEMA_VERSION = 2
 CHECKPOINT_EVERY_S = 0.25
-# How long a write waits for a lock another process holds (a backup tool's
-# BEGIN IMMEDIATE, `streamfence prune`): the sink's loop waits with it, which
-# costs no answer (workers buffer, the watchdog does not blame the provider:
-# ARCHITECTURE §4.1), where giving up at sqlite3's default 5 s killed the sink.
-BUSY_TIMEOUT_S = 60.0
+# How long one try of a write waits for a lock another process holds (a
+# backup tool's BEGIN IMMEDIATE, `streamfence prune`), in SQLite's busy
+# handler, which takes the lock the moment it is free. A lock held longer is
+# a storage fault, and the retry loop goes on waiting for as long as it takes
+# (the sink's loop waits with it, which costs no answer: ARCHITECTURE §4.1).
+# Why 2 s and not longer: a stop is heard only between two tries, and the
+# supervisor SIGKILLs a sink that has not exited 5 s after its SIGTERM.
+BUSY_TIMEOUT_S = 2.0
+RETRY_FIRST_S = 0.05  # a write that met a storage fault is tried again after this ...
+RETRY_MAX_S = 1.0  # ... doubling up to this
+REMIND_EVERY_S = 30.0  # a lasting fault is logged again this often
+# SQLite's errors of the disk or of a lock, not of the file's content or of
+# our SQL: the same write can succeed later (space freed, the lock released,
+# the disk back, the file system remounted read-write, descriptors freed), so
+# it is retried. Each name covers its extended codes (SQLITE_IOERR_WRITE,
+# SQLITE_BUSY_SNAPSHOT, SQLITE_READONLY_DBMOVED, ...). The same set as the
+# journal's (supervisor/journal.py).
+_FAULTS = ("SQLITE_FULL", "SQLITE_IOERR", "SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_READONLY",
+           "SQLITE_CANTOPEN")
+_DAMAGE = ("SQLITE_CORRUPT", "SQLITE_NOTADB")  # never retried: the file is not what we wrote
 
 log = logging.getLogger("streamfence.sink.store")
 
@@ -128,6 +162,35 @@ class CallRow(NamedTuple):
     max_epoch: int
     status: str | None  # None while the call runs
     last_seq: int  # last public seq stored for the call (0: none)
+
+
+def is_storage_fault(exc: BaseException) -> bool:
+    """Is `exc` an error of the disk or of a lock (worth another try), not of
+    the file's content or a bug?"""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    name = exc.sqlite_errorname or ""
+    return any(name == f or name.startswith(f + "_") for f in _FAULTS)
+
+
+def _error(exc: sqlite3.Error) -> str:
+    """SQLite's error as a log line names it: `SQLITE_FULL (database or disk is full)`."""
+    return f"{exc.sqlite_errorname} ({exc})"
+
+
+def _n(events: int) -> str:
+    return f"{events} event{'' if events == 1 else 's'}"
+
+
+class StoreStopped(Exception):
+    """A write given up because a stop was asked while it waited out a storage
+    fault (the message names the file, the fault and what was not written)."""
+
+
+def _sleep(seconds: float) -> bool:
+    """The default `pause` between tries: sleep; no stop is ever asked."""
+    time.sleep(seconds)
+    return False
 
 
 def split_events(body: bytes) -> list[bytes]:
@@ -199,6 +262,7 @@ class Checkpointer:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         try:
             conn.execute("PRAGMA synchronous=NORMAL")
+            failing = False  # logged once per run of failures (a full disk fails each try)
             while True:
                 self._committed.wait()
                 if self._stopping.is_set():
@@ -207,8 +271,14 @@ class Checkpointer:
                 try:
                     # PASSIVE: never waits for (or blocks) the writer.
                     conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                    if failing:
+                        failing = False
+                        log.info("sink: WAL checkpoints of %s work again", self.path)
                 except sqlite3.Error as exc:
-                    log.warning("sink: WAL checkpoint failed (will retry): %s", exc)
+                    if not failing:
+                        failing = True
+                        log.warning("sink: WAL checkpoint of %s failed (retried every %g s): %s",
+                                    self.path, self.every_s, exc)
                     self._committed.set()
                 if self._stopping.wait(self.every_s):  # at most one per every_s
                     return
@@ -223,17 +293,23 @@ class Checkpointer:
 
 
 class TranscriptStore:
-    """The sink's writer connection. Not thread-safe; one per sink process."""
+    """The sink's writer connection. Not thread-safe; one per sink process.
 
-    def __init__(self, path: str, background_checkpoints: bool = True) -> None:
+    `pause(seconds)` waits between two tries of a write that met a storage
+    fault and returns True when a stop was asked (default: sleep, never)."""
+
+    def __init__(self, path: str, background_checkpoints: bool = True,
+                 pause: Callable[[float], bool] = _sleep) -> None:
         self.path = path
-        # isolation_level=None: we issue BEGIN/COMMIT ourselves, one per group.
-        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
-                                     timeout=BUSY_TIMEOUT_S)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._pause = pause
+        self.fault: str | None = None  # the storage fault the last write met, if any
+        self.fault_since: float | None = None  # ... since then (wall clock)
+        self._fault_start = self._reminded = 0.0  # when it began, last logged (monotonic)
+        self._fault_tries = 0  # writes that met it
+        self.retries = 0  # tries again after a storage fault, since the start
+        self._conn = self._connect()
         try:
-            self._create_or_upgrade()
+            self._retried(self._prepare)
         except BaseException:
             self._conn.close()
             raise
@@ -250,8 +326,24 @@ class TranscriptStore:
         self.pruned = 0  # calls deleted by `prune`
         self.prune_more = False  # the last prune left finished calls that were due
 
+    def _connect(self) -> sqlite3.Connection:
+        opened: list[sqlite3.Connection] = []
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves, one per group.
+        self._retried(lambda: opened.append(sqlite3.connect(
+            self.path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S)))
+        return opened[0]
+
+    def _prepare(self) -> None:
+        """WAL mode and the schema. Writes nothing to a file that is already at
+        this version: a sink restarted on a full disk opens it."""
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._create_or_upgrade()
+
     def _create_or_upgrade(self) -> None:
         conn = self._conn
+        if conn.in_transaction:  # an earlier try's ROLLBACK failed
+            conn.execute("ROLLBACK")
         conn.execute("BEGIN IMMEDIATE")
         try:
             has_meta = conn.execute(
@@ -269,14 +361,69 @@ class TranscriptStore:
                              "FROM events_v1 ORDER BY call_id, seq")
                 conn.execute("DROP TABLE events_v1")
                 log.info("sink: transcript converted to schema version %d", SCHEMA_VERSION)
-            for ddl in _SCHEMA:
+            for ddl in _SCHEMA:  # IF NOT EXISTS: no write when all are there
                 conn.execute(ddl)
-            conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
-                         (str(SCHEMA_VERSION),))
+            if row is None or row[0] != str(SCHEMA_VERSION):
+                conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
+                             (str(SCHEMA_VERSION),))
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            retention.rollback_if_open(conn)
             raise
+
+    def _retried(self, write: Callable[[], object], events: Callable[[], int] | None = None,
+                 wait: bool = True) -> bool:
+        """Run `write` (one transaction, rolled back on failure) until it
+        succeeds, waiting out storage faults (module docstring); with `wait`
+        False, try once: False if it met a storage fault. `events`: how many
+        events the write holds (None: it opens the store), for the log."""
+        def held() -> str:
+            return "the sink waits to open it" if events is None else f"holding {_n(events())}"
+
+        pause = RETRY_FIRST_S
+        while True:
+            try:
+                write()
+            except sqlite3.OperationalError as exc:
+                if not is_storage_fault(exc):
+                    raise
+                self._faulted(exc, held)
+                if not wait:
+                    return False
+                if self._pause(pause):
+                    raise StoreStopped(f"a stop was asked: gave up writing {self.path} after "
+                                       f"{time.monotonic() - self._fault_start:.1f} s of "
+                                       f"{self.fault} ({held()})") from exc
+                self.retries += 1
+                pause = min(pause * 2, RETRY_MAX_S)
+                continue
+            except sqlite3.DatabaseError as exc:
+                if (exc.sqlite_errorname or "").startswith(_DAMAGE):
+                    log.error("sink: %s is damaged: %s; the sink stops (`streamfence check` "
+                              "names what is wrong)", self.path, _error(exc))
+                raise
+            if self.fault is not None:
+                log.warning("sink: %s writable again after %.1f s (%d tries); %s", self.path,
+                            time.monotonic() - self._fault_start, self._fault_tries + 1,
+                            "opened" if events is None else f"{_n(events())} committed")
+                self.fault = self.fault_since = None
+            return True
+
+    def _faulted(self, exc: sqlite3.OperationalError, held: Callable[[], str]) -> None:
+        """A try met a storage fault: the first is logged at ERROR, a lasting one
+        again every REMIND_EVERY_S."""
+        now = time.monotonic()
+        if self.fault is None:
+            self._fault_start = self._reminded = now
+            self._fault_tries = 0
+            self.fault_since = time.time()
+            log.error("sink: cannot write %s: %s; %s; retrying", self.path, _error(exc), held())
+        elif now - self._reminded >= REMIND_EVERY_S:
+            self._reminded = now
+            log.warning("sink: %s still not writable after %.0f s: %s; %s; retrying",
+                        self.path, now - self._fault_start, _error(exc), held())
+        self.fault = _error(exc)
+        self._fault_tries += 1
 
     # ---- writes (buffered until commit) ----------------------------------------
 
@@ -295,24 +442,37 @@ class TranscriptStore:
     def set_done(self, call_id: str, epoch: int, status: str, done_seq: int) -> None:
         self._done.append((call_id, epoch, status, done_seq, time.time()))
 
-    def commit(self) -> int:
-        """Write everything buffered in one transaction. Returns the event rows written."""
+    def commit(self, wait: bool = True) -> int | None:
+        """Write everything buffered in one transaction. Returns the event rows
+        written. A storage fault is waited out here (module docstring): the
+        buffers are kept until the commit succeeds. Raises `StoreStopped` if a
+        stop is asked meanwhile, and any other error at once. With `wait`
+        False, one try: None if it met a storage fault (all stays buffered)."""
         rows, epochs, done = self._rows, self._epochs, self._done
         if not (rows or epochs or done):
             return 0
         conn = self._conn
-        conn.execute("BEGIN")
-        try:
-            if rows:
-                conn.executemany(_INSERT_EVENTS, rows)
-            if epochs:
-                conn.executemany(_UPSERT_EPOCH, epochs)
-            if done:
-                conn.executemany(_SET_DONE, done)
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
+
+        def write() -> None:
+            if conn.in_transaction:  # an earlier try's ROLLBACK failed
+                conn.execute("ROLLBACK")
+            conn.execute("BEGIN")
+            try:
+                if rows:
+                    conn.executemany(_INSERT_EVENTS, rows)
+                if epochs:
+                    conn.executemany(_UPSERT_EPOCH, epochs)
+                if done:
+                    conn.executemany(_SET_DONE, done)
+                conn.execute("COMMIT")
+            except BaseException:
+                # After SQLITE_FULL or SQLITE_IOERR SQLite may have rolled back
+                # itself: a ROLLBACK then would raise over the real error.
+                retention.rollback_if_open(conn)
+                raise
+
+        if not self._retried(write, lambda: sum(row[5] for row in rows), wait):
+            return None
         self._rows, self._epochs, self._done = [], [], []
         self.rows_written += len(rows)
         self.commits += 1
@@ -326,7 +486,10 @@ class TranscriptStore:
         clock), oldest first, and their events, in one transaction of its own
         (what is buffered for `commit` is not touched); with `budget_s`, stop
         deleting once that much time is spent. Returns the calls deleted;
-        `prune_more` tells whether some were left that are due too."""
+        `prune_more` tells whether some were left that are due too. A storage
+        fault is raised, not waited out (the caller tries again later)."""
+        if self._conn.in_transaction:  # a failed try's ROLLBACK failed too (its rows are kept)
+            self._conn.execute("ROLLBACK")
         removed, self.prune_more = retention.in_transaction(
             self._conn, "BEGIN", _OLDEST_FINISHED, _PRUNE_DELETES, older_than, limit, budget_s)
         self.pruned += removed
