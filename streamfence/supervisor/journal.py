@@ -85,6 +85,7 @@ from streamfence.protocol import retention
 from streamfence.protocol.errors import ErrorCode, ProtocolError
 from streamfence.protocol.internal.outcome import AttemptOutcome
 from streamfence.protocol.messages import submitted_request
+from streamfence.sink.store import is_storage_fault
 from streamfence.supervisor.journal_sync import WalSyncer
 from streamfence.supervisor.request_files import RequestFiles
 
@@ -188,18 +189,19 @@ class StorageFault:
 
 
 def storage_fault(path: str, exc: sqlite3.Error) -> StorageFault | None:
-    """The fault `exc` is, or None if it is no storage fault (damage, a bug)."""
-    name = getattr(exc, "sqlite_errorname", "") or ""
+    """The fault `exc` is (the sink's set: `is_storage_fault`), or None if it
+    is no storage fault (damage, a bug)."""
+    if not is_storage_fault(exc):
+        return None
+    name = exc.sqlite_errorname or ""
     if name == "SQLITE_FULL":
         return StorageFault(ErrorCode.STORAGE_FULL, f"the disk holding {path} is full ({exc}); "
                             f"no new calls until space is freed", time.monotonic())
     if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
         return StorageFault(ErrorCode.STORAGE_BUSY, f"{path} is locked by another process "
                             f"({exc}); retry later", time.monotonic())
-    if name.startswith(("SQLITE_IOERR", "SQLITE_READONLY", "SQLITE_CANTOPEN")):
-        return StorageFault(ErrorCode.STORAGE_ERROR, f"{path} cannot be written ({exc}); "
-                            f"retry later", time.monotonic())
-    return None
+    return StorageFault(ErrorCode.STORAGE_ERROR, f"{path} cannot be written ({exc}); "
+                        f"retry later", time.monotonic())
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,8 +277,7 @@ class Journal:
         fault = storage_fault(self._path, exc)
         if fault is None:
             raise exc
-        if self._db.in_transaction:  # after SQLITE_FULL SQLite may have rolled back itself
-            self._db.execute("ROLLBACK")
+        retention.rollback_if_open(self._db)  # after SQLITE_FULL SQLite may have done it
         self._in_tx = False
         if self._unit_calls:
             refused = self._unit_calls
@@ -318,6 +319,7 @@ class Journal:
         An empty unit (its writes were all refused calls') writes a probe row:
         an empty transaction succeeds on a full disk or under a lock."""
         try:
+            retention.rollback_if_open(self._db)  # one a failed ROLLBACK left open
             self._db.execute("BEGIN IMMEDIATE")
             for _, sql, params in self._unit or [(None, _PROBE, (time.time(),))]:
                 self._db.execute(sql, params)
