@@ -1,4 +1,5 @@
-"""The `streamfence` command: serve, submit, status, keys, prune, check, demo.
+"""The `streamfence` command: init, emulator, serve, submit, status, keys,
+prune, check, demo.
 
 Client commands find the daemon and their identity without flags on the
 daemon's own machine: `--credentials`, else $STREAMFENCE_CREDENTIALS, else the
@@ -9,15 +10,32 @@ $STREAMFENCE_CONFIG, else ./streamfence.toml if it exists; docs/SECURITY.md).
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from streamfence.cli.check import check
-from streamfence.cli.common import client_options, config_option, config_path_of, connect, load
+from streamfence.cli.common import (
+    DEFAULT_CONFIG,
+    client_options,
+    config_option,
+    config_path_of,
+    connect,
+    load,
+)
+from streamfence.cli.init import emulator, init
 from streamfence.cli.keys import keys
 from streamfence.cli.prune import prune
+
+if TYPE_CHECKING:
+    from streamfence.supervisor.config import DaemonConfig, ProviderProfile
+
+# `submit`'s model when --model is not given, per wire.
+DEFAULT_MODELS = {"openai": "gpt-4o-mini", "anthropic": "claude-sonnet-4-5",
+                  "bedrock": "amazon.nova-lite-v1:0"}
 
 
 @click.group()
@@ -36,12 +54,55 @@ def serve(config_path: str | None, log_json: bool) -> None:
 
     cfg = load(config_path)
     setup_logging(cfg.log_level, log_json or cfg.log_json)
+    path = config_path_of(config_path)
     try:
-        code = Daemon(cfg).run()
+        daemon = Daemon(cfg)  # refuses a bad state dir in one line, before any of ours
+        _log_what_serves(path, cfg)
+        code = daemon.run()
     except StartupError as exc:  # name the file, as configuration errors do
-        raise click.ClickException(f"{config_path_of(config_path) or '<defaults>'}: {exc}") \
-            from None
+        raise click.ClickException(f"{path or '<defaults>'}: {exc}") from None
     sys.exit(code)
+
+
+def _where(profile: ProviderProfile) -> str:
+    parts = [profile.kind, profile.base_url or profile.endpoint_url or "the SDK's default URL"]
+    if profile.kind == "bedrock":
+        parts.append(profile.region or "the AWS config's region")
+    return f"{profile.name} ({', '.join(parts)})"
+
+
+def _log_what_serves(path: str | None, cfg: DaemonConfig) -> None:
+    """Say which config the daemon runs on, where its state lives and which
+    profiles it has: a start on the defaults must not look like a configured one."""
+    log = logging.getLogger("streamfence.cli")
+    if path is None:
+        log.warning("no config file (no --config, $STREAMFENCE_CONFIG is unset and %s has no "
+                    "%s): running on the built-in defaults; `streamfence init` writes a "
+                    "config to start from", os.getcwd(), DEFAULT_CONFIG)
+    else:
+        log.info("config: %s", os.path.abspath(path))
+    log.info("state dir: %s", os.path.abspath(cfg.state_dir))
+    if cfg.providers:
+        log.info("provider profiles: %s", "; ".join(_where(p) for p in cfg.providers.values()))
+    else:
+        log.warning("no provider profiles%s: the daemon runs, but refuses every call with "
+                    "unknown_provider", f" (no [providers.NAME] table in {path})" if path
+                    else "")
+
+
+def resolve_wire(profiles: dict[str, ProviderProfile], provider: str,
+                 wire: str | None) -> tuple[str, bool]:
+    """The wire of a submit to `provider`, and whether it is a guess: --wire,
+    else the kind of the profile in the config; openai (a guess) for a profile
+    the config lacks (the daemon's config may be another machine's). A --wire
+    that contradicts the profile's kind is refused: that request cannot work."""
+    profile = profiles.get(provider)
+    if profile is None:
+        return wire or "openai", wire is None
+    if wire is not None and wire != profile.kind:
+        raise click.UsageError(f"--wire {wire}, but profile {provider!r} is of kind "
+                               f"{profile.kind}; leave --wire out")
+    return profile.kind, False
 
 
 def _parse_request(wire: str, model: str, prompt: str,
@@ -60,9 +121,12 @@ def _parse_request(wire: str, model: str, prompt: str,
 @main.command()
 @client_options
 @click.option("--provider", required=True, help="A provider profile name of the daemon.")
-@click.option("--wire", type=click.Choice(["openai", "anthropic", "bedrock"]), default="openai",
-              show_default=True, help="The profile's kind: shapes the request from --model/PROMPT.")
-@click.option("--model", default="gpt-4o-mini", show_default=True)
+@click.option("--wire", type=click.Choice(["openai", "anthropic", "bedrock"]), default=None,
+              help="The request's shape (from --model/PROMPT). Default: the profile's kind in "
+                   "the config; openai for a profile the config does not have.")
+@click.option("--model", default=None,
+              help="Default per wire: " + ", ".join(f"{w} {m}" for w, m in DEFAULT_MODELS.items())
+              + ".")
 @click.option("--request", "request_json", default=None,
               help="The provider-native request body as JSON (overrides --model/PROMPT).")
 @click.option("--session", "session_id", default=None)
@@ -71,19 +135,25 @@ def _parse_request(wire: str, model: str, prompt: str,
               help="Give up waiting for the daemon after this many seconds of silence.")
 @click.argument("prompt", required=False, default="Hello!")
 def submit(endpoint: str | None, credentials: str | None, config_path: str | None,
-           provider: str, wire: str, model: str, request_json: str | None,
+           provider: str, wire: str | None, model: str | None, request_json: str | None,
            session_id: str | None, stale_timeout: float | None, timeout: float,
            prompt: str) -> None:
-    """Submit one call and stream its text live to the terminal."""
+    """Submit one call to the profile named by --provider and stream its text
+    live to the terminal."""
     from streamfence.protocol.client import ClientError
 
+    cfg = load(config_path)
+    wire, guessed = resolve_wire(cfg.providers, provider, wire)
     options = {"stale_timeout_s": stale_timeout} if stale_timeout else None
-    request = _parse_request(wire, model, prompt, request_json)
+    request = _parse_request(wire, model or DEFAULT_MODELS[wire], prompt, request_json)
     with connect(endpoint, credentials, config_path) as client:
         try:
             call_id = client.submit(provider, request, session_id=session_id, options=options)
         except ClientError as exc:
-            raise click.ClickException(f"{exc.code}: {exc.message}") from None
+            hint = (f" (profile {provider!r} is not in {config_path_of(config_path) or 'a config'}"
+                    f", so the request was shaped for --wire {wire}; give --wire if it is "
+                    f"another kind)") if guessed and exc.code != "unknown_provider" else ""
+            raise click.ClickException(f"{exc.code}: {exc.message}{hint}") from None
         done: dict[str, Any] = {}
         for event in client.events(call_id, timeout_s=timeout):
             op = event.get("op")
@@ -127,15 +197,25 @@ def status(endpoint: str | None, credentials: str | None, config_path: str | Non
 @click.option("--wire", "wires", type=click.Choice(["openai", "anthropic", "bedrock", "all"]),
               default=("all",), show_default=True, multiple=True,
               help="The provider wire(s) to run the calls on.")
-def demo(rounds: int, wires: tuple[str, ...]) -> None:
-    """Emulator + daemon + a batch of calls with injected faults, live, then a verdict."""
+@click.option("--keep", is_flag=True, default=False,
+              help="Keep the work dir (the daemon's state and log, the emulator's log) after a "
+                   "PASS too; a FAIL always keeps it.")
+def demo(rounds: int, wires: tuple[str, ...], keep: bool) -> None:
+    """Emulator + daemon + a batch of calls with injected faults, live, then a
+    verdict. Ctrl-C stops it (the daemon drains); a second Ctrl-C at once."""
     from streamfence.devtools.demo import run_demo
     from streamfence.protocol.wires import WIRES
 
     chosen = list(WIRES) if "all" in wires else list(dict.fromkeys(wires))
-    sys.exit(0 if run_demo(rounds=rounds, wires=chosen) else 1)
+    try:
+        ok = run_demo(rounds=rounds, wires=chosen, keep=keep)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(0 if ok else 1)
 
 
+main.add_command(init)
+main.add_command(emulator)
 main.add_command(check)
 main.add_command(keys)
 main.add_command(prune)
