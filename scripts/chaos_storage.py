@@ -19,7 +19,9 @@ calls whose provider (the emulator) never fails:
           (BEGIN IMMEDIATE, as a backup tool or a `sqlite3` shell holds)
           on that file for `--storm` seconds.
 
-Verdict per fault: 0 lost, duplicated, interleaved, superseded (the common
+With `--in-turn`, the faults come one after another against one daemon and
+one load (what CI runs: a daemon that survives each fault must survive the
+next). Verdict per run: 0 lost, duplicated, interleaved, superseded (the common
 judge: the transcript as subscribers saw it against the emulator's record),
 and every call `completed` with the exact text from one provider request
 (the emulator's log has one request per call).
@@ -33,9 +35,11 @@ import random
 import signal
 import sqlite3
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from scripts.chaos_common import (
@@ -46,6 +50,7 @@ from scripts.chaos_common import (
     parser,
     run_load,
     seeded,
+    small_disk,
     verdict,
 )
 
@@ -133,19 +138,34 @@ FAULTS: dict[str, Callable[[ChaosState, random.Random, float, float], None]] = {
 DISK = "64m"  # the `full` fault's tmpfs
 
 
-def run_fault(name: str, args: argparse.Namespace, rng: random.Random) -> bool:
-    inject = FAULTS[name]
+Inject = Callable[[ChaosState, random.Random, float, float], None]
+
+
+def _no_small_disk() -> str | None:
+    """Why no tmpfs can be mounted here, or None."""
+    with tempfile.TemporaryDirectory() as tmp, small_disk(Path(tmp) / "probe", "1m") as why:
+        return why
+
+
+def run_faults(names: list[str], args: argparse.Namespace, rng: random.Random) -> bool:
+    """The faults `names`, one after another, against one daemon and one load."""
+    def in_turn(state: ChaosState, rng: random.Random, start_s: float, storm_s: float) -> None:
+        for name in names:
+            FAULTS[name](state, rng, start_s, storm_s)
+    title = "+".join(names)
     try:
         with chaos_run({"workers_max": args.workers_max}, {"stale_timeout_s": STALE_S},
-                       state_disk=DISK if name == "full" else None) as state:
-            return _run(name, inject, state, args, rng)
+                       state_disk=DISK if "full" in names else None) as state:
+            return _run(title, in_turn, state, args, rng, sink_may_restart="kills" in names)
     except NoSmallDisk as exc:
-        print(f"chaos_storage: {name}: SKIPPED: {exc}\n")
+        if names != ["full"]:
+            raise
+        print(f"chaos_storage: full: SKIPPED: {exc}\n")
         return True
 
 
-def _run(name: str, inject: Callable[[ChaosState, random.Random, float, float], None],
-         state: ChaosState, args: argparse.Namespace, rng: random.Random) -> bool:
+def _run(name: str, inject: Inject, state: ChaosState, args: argparse.Namespace,
+         rng: random.Random, sink_may_restart: bool) -> bool:
     t = threading.Thread(target=inject, args=(state, random.Random(rng.random()),
                                               min(2.0, args.duration / 4), args.storm),
                          daemon=True)
@@ -163,7 +183,7 @@ def _run(name: str, inject: Callable[[ChaosState, random.Random, float, float], 
     proc = state.daemon.proc
     up = proc is not None and proc.poll() is None
     # Only the kill storm may restart the sink; no fault may stop the supervisor.
-    sink_kept = name == "kills" or counters.get("sink_restarts", 0) == 0
+    sink_kept = sink_may_restart or counters.get("sink_restarts", 0) == 0
     ok = verdict(state, f"chaos_storage: {name}")
     exact = one_request = 0
     for record in state.records:
@@ -184,7 +204,7 @@ def _run(name: str, inject: Callable[[ChaosState, random.Random, float, float], 
     for line in said[:6]:
         print(f"  logged: {line}")
     print(f"  the supervisor stayed up: {'yes' if up else 'NO'}"
-          + ("" if name == "kills" else
+          + ("" if sink_may_restart else
              f"; the sink never restarted: {'yes' if sink_kept else 'NO'}"))
     good = ok and calls > 0 and exact == calls == one_request and up and sink_kept
     print(f"  verdict ({name}, every call exact from one request): "
@@ -197,10 +217,23 @@ def main() -> int:
     p.add_argument("--storm", type=float, default=5.0,
                    help="seconds of the kill storm (the freeze lasts the stale timeout + this)")
     p.add_argument("--only", default=",".join(FAULTS), help="faults to run, comma separated")
+    p.add_argument("--in-turn", action="store_true",
+                   help="one daemon and one load for all the faults, one after another "
+                        "(make --duration long enough for all of them)")
     args = p.parse_args()
     args.concurrency = min(args.concurrency, 20)
     rng = seeded(args)
-    results = [run_fault(name, args, rng) for name in args.only.split(",") if name]
+    names = [name for name in args.only.split(",") if name]
+    unknown = sorted(set(names) - set(FAULTS))
+    if unknown:
+        p.error(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
+    if args.in_turn:
+        if "full" in names and (reason := _no_small_disk()):
+            print(f"chaos_storage: full: SKIPPED: {reason}\n")
+            names.remove("full")
+        results = [run_faults(names, args, rng)]
+    else:
+        results = [run_faults([name], args, rng) for name in names]
     return 0 if results and all(results) else 1
 
 
