@@ -42,14 +42,15 @@ from streamfence.devtools.emulator.control import EmulatorClient, emulator_profi
 from streamfence.protocol.client import Client
 from streamfence.protocol.wires import WIRES
 from streamfence.supervisor import identities
-from streamfence.supervisor.config import DaemonConfig, ProviderProfile, load_config
+from streamfence.supervisor.config import DaemonConfig, ProviderProfile, load_config, parse_config
 from tests.harness import wait_until
 
 UNCOMMENT = re.compile(r"^# (?=[a-z_]+ = )", re.MULTILINE)  # `# key = value`, not `#   key`
 
 
 def _daemon_keys() -> list[str]:
-    return [f.name for f in fields(DaemonConfig) if f.name not in ("providers", "identities")]
+    return [f.name for f in fields(DaemonConfig)
+            if f.name not in ("providers", "identities", "http")]
 
 
 # ---- the config `init` writes ---------------------------------------------------------
@@ -106,6 +107,13 @@ def test_uncommenting_every_default_changes_nothing(tmp_path: Path) -> None:
     table = "\n".join(line[4:] for line in text.splitlines() if line.startswith("#   "))
     assert set(tomllib.loads(table[table.index("[identities.alice]"):])["identities"]["alice"]) \
         == identities._KEYS
+    # So is the [http] example, and it is valid with the written profiles.
+    assert cfg.http.listen is None
+    example = tomllib.loads(table[table.index("[http]"):table.index("[identities.alice]")])
+    with_http = load_config(str(path), env={})
+    assert parse_config({"providers": {n: {"kind": p.kind} for n, p in
+                                       with_http.providers.items()},
+                         **example}).http.listen == "127.0.0.1:7756"
 
 
 def test_init_writes_into_dir_and_refuses_to_overwrite(tmp_path: Path) -> None:

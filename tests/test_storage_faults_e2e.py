@@ -19,7 +19,7 @@ import pytest
 from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.devtools.launcher import DaemonExited
 from streamfence.protocol.client import Client
-from streamfence.protocol.client_base import ClientError
+from streamfence.protocol.client_router import ClientError
 from tests.harness import DaemonProcess, assert_one_exact_answer, wait_until
 
 pytestmark = pytest.mark.slow

@@ -134,6 +134,10 @@ IDENTITY_DOCS: dict[str, tuple[Any, str]] = {
 WIDTH = 79
 
 
+HTTP_LISTEN = "127.0.0.1:7756"  # the [http] example (commented out: no gateway by default)
+HTTP_ROUTES = {"gpt-4o-mini": "openai"}
+
+
 def _value(value: Any) -> str:
     """`value` as TOML (str, bool, int, float, list of str)."""
     if isinstance(value, bool):
@@ -192,7 +196,7 @@ def render(state_dir: str, emulator_url: str = EMULATOR_URL, config_name: str = 
                     "STREAMFENCE_ENDPOINT=tcp://127.0.0.1:7800.")
     out += ["", "[daemon]"]  # each key's paragraph starts with a blank line
     for f in fields(DaemonConfig):
-        if f.name in ("providers", "identities"):
+        if f.name in ("providers", "identities", "http"):
             continue
         value = state_dir if f.name == "state_dir" else getattr(daemon, f.name)
         out += _key(f.name, value, f.name == "state_dir", DAEMON_DOCS[f.name])
@@ -219,6 +223,16 @@ def render(state_dir: str, emulator_url: str = EMULATOR_URL, config_name: str = 
             if default is None:
                 default = _EXAMPLES[wire].get(key, _EXAMPLES[""].get(key))
             out += _key(key, default, False, doc)
+    out += ["", "", *_comment(
+        "The HTTP gateway: OpenAI- and Anthropic-compatible endpoints (/v1/chat/completions, "
+        "/v1/messages), so an app using the official SDKs only changes its base_url and key "
+        "(README, \"Use it from an existing app\"). Off unless `listen` is set; loopback "
+        "only. `routes` maps a model name to the profile that serves it (else the model is "
+        "written PROFILE/MODEL, or a profile of the endpoint's kind is named by the "
+        "X-Streamfence-Profile header)."), "#", "#   [http]",
+        f"#   listen = {_value(HTTP_LISTEN)}",
+        "#   routes = { " + ", ".join(f"{_value(m)} = {_value(p)}"
+                                      for m, p in HTTP_ROUTES.items()) + " }"]
     out += ["", "", *_comment("A client registered with `streamfence keys new alice` may be "
                           "limited by a table of its name (values: the defaults, but "
                           "`providers`):"),

@@ -90,3 +90,24 @@ def list_(config_path: str | None) -> None:
     store, _ = _store(config_path)
     for name in store.names():
         click.echo(name)
+
+
+@keys.command("http-key")
+@config_option
+@click.argument("name")
+def http_key_(config_path: str | None, name: str) -> None:
+    """Print identity NAME's HTTP API key (the gateway's `Authorization: Bearer`).
+
+    It is derived from NAME's credentials: `rotate` changes it, `revoke` ends it."""
+    from streamfence.gateway.keys import http_key
+    from streamfence.protocol.credentials import CredentialsError, load_credentials
+
+    store, _ = _store(config_path)
+    if name not in store.names() and not store.credentials_path(name).exists():
+        raise click.ClickException(f"no identity {name!r} (`streamfence keys new {name}`)")
+    try:
+        creds = load_credentials(store.credentials_path(name))
+    except CredentialsError as exc:
+        raise click.ClickException(f"{exc} (`streamfence keys rotate {name}` makes new ones)") \
+            from None
+    click.echo(http_key(creds))

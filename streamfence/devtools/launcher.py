@@ -53,7 +53,10 @@ class DaemonProcess:
 
     def __init__(self, state_dir: Path, providers: dict[str, dict[str, Any]],
                  daemon: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-                 log_json: bool = True, cwd: Path | None = None) -> None:
+                 log_json: bool = True, cwd: Path | None = None,
+                 tables: dict[str, dict[str, Any]] | None = None) -> None:
+        """`tables`: more tables of the config (say `{"http": {...}}`); a dict
+        value in one is written as its subtable."""
         self.state_dir = state_dir
         self._cwd = cwd  # the daemon's working directory (default: ours)
         # ipc paths must be short: keep the front socket in a short temp dir.
@@ -69,6 +72,13 @@ class DaemonProcess:
         for name, table in providers.items():
             lines.append(f"[providers.{name}]")
             lines += [f"{k} = {json.dumps(v)}" for k, v in table.items()]
+        for name, table in (tables or {}).items():
+            lines.append(f"[{name}]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in table.items() if not isinstance(v, dict)]
+            for key, sub in table.items():
+                if isinstance(sub, dict):
+                    lines.append(f"[{name}.{key}]")
+                    lines += [f"{json.dumps(k)} = {json.dumps(v)}" for k, v in sub.items()]
         self.config_path = state_dir / "streamfence.toml"
         state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the daemon refuses others'
         # The admin credentials the daemon writes on its first start (docs/SECURITY.md).

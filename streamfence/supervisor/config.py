@@ -53,6 +53,21 @@ class ProviderProfile:
 
 
 @dataclass(frozen=True, slots=True)
+class HttpConfig:
+    """The `[http]` table: the gateway's OpenAI- and Anthropic-compatible
+    endpoints (docs/ARCHITECTURE.md §4.16). No `listen`: no gateway."""
+
+    listen: str | None = None  # "HOST:PORT", loopback only (the gateway speaks plain HTTP)
+    routes: dict[str, str] = field(default_factory=dict)  # model name -> profile
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        assert self.listen is not None
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True, slots=True)
 class DaemonConfig:
     endpoint: str = DEFAULT_ENDPOINT
     state_dir: str = "./streamfence-state"
@@ -78,6 +93,7 @@ class DaemonConfig:
     retention_days: float = 0.0  # finished calls older than this are pruned; 0: keep
     providers: dict[str, ProviderProfile] = field(default_factory=dict)
     identities: dict[str, Identity] = field(default_factory=dict)
+    http: HttpConfig = field(default_factory=HttpConfig)
 
     def runtime_dir(self) -> str:
         """Where the ipc sockets live: under state_dir when the path is short
@@ -122,7 +138,7 @@ def _check(where: str, key: str, value: Any, types: tuple[type, ...]) -> Any:
 
 
 def parse_config(data: dict[str, Any], source: str = "<config>") -> DaemonConfig:
-    unknown = set(data) - {"daemon", "providers", "identities"}
+    unknown = set(data) - {"daemon", "providers", "identities", "http"}
     if unknown:
         raise ConfigError(f"{source}: unknown table(s) {sorted(unknown)}")
     daemon: dict[str, Any] = {}
@@ -160,11 +176,38 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> DaemonConfig
     if "auth" in daemon and daemon["auth"] not in AUTH_MODES:
         raise ConfigError(f"{source}: daemon.auth: must be one of {', '.join(AUTH_MODES)}, "
                           f"got {daemon['auth']!r}")
-    cfg = DaemonConfig(providers=profiles, identities=identities, **daemon)
+    http = _parse_http(data.get("http", {}), f"{source}: http", profiles)
+    cfg = DaemonConfig(providers=profiles, identities=identities, http=http, **daemon)
     check_endpoint(f"{source}: daemon.endpoint", cfg.endpoint, cfg.auth)
     if cfg.workers_spare < 1 or cfg.workers_max < 1:
         raise ConfigError(f"{source}: daemon.workers_max and daemon.workers_spare must be >= 1")
     return cfg
+
+
+def _parse_http(table: Any, where: str, profiles: dict[str, ProviderProfile]) -> HttpConfig:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: must be a table")
+    unknown = set(table) - {"listen", "routes"}
+    if unknown:
+        raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown key")
+    listen = table.get("listen")
+    if listen is not None:
+        if not isinstance(listen, str):
+            raise ConfigError(f"{where}.listen: expected str, got {type(listen).__name__}")
+        host, sep, port = listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(f"{where}.listen: must be HOST:PORT, got {listen!r}")
+        if not is_loopback(host.strip("[]")):
+            raise ConfigError(f"{where}.listen: {listen} is reachable from other hosts; the "
+                              f"gateway speaks plain HTTP, so it binds loopback only (put a "
+                              f"TLS proxy in front of it for other hosts)")
+    routes = table.get("routes", {})
+    if not isinstance(routes, dict):
+        raise ConfigError(f"{where}.routes: must be a table of model = \"profile\"")
+    for model, profile in routes.items():
+        if not isinstance(profile, str) or profile not in profiles:
+            raise ConfigError(f"{where}.routes.{model}: no provider profile {profile!r}")
+    return HttpConfig(listen=listen, routes=dict(routes))
 
 
 def _log_level(where: str, value: str) -> str:

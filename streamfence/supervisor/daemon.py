@@ -146,6 +146,9 @@ class Daemon:
             f"the events endpoint {self.events_endpoint} cannot be bound (the client "
             f"endpoint's port + 1, or its path + '.events': docs/PROTOCOL.md §1)")})
         self._zygote_restarts = RestartPolicy("zygote", time.monotonic)
+        self._gateway: Any = None  # the HTTP gateway, when [http] listen is set
+        self._gateway_restarts = RestartPolicy("gateway", time.monotonic, {
+            ExitCode.CANNOT_BIND: f"the gateway cannot listen on {config.http.listen}"})
         self._zygote_backlog: list[ZygoteCommand] = []  # asked while the zygote is down
         self._notify = Notifier()  # before any child starts: they must not inherit it
         self.ctx = zmq.Context(io_threads=IO_THREADS)
@@ -181,6 +184,18 @@ class Daemon:
         self._zygote_conn = parent_conn
         self._zygote_ready = False
 
+    def _start_gateway(self) -> int:
+        """Start the HTTP gateway (an ordinary client of ours); its sentinel, or -1."""
+        if self.config.http.listen is None:
+            return -1
+        from streamfence.gateway.process import run_gateway
+
+        self._gateway = self._mp.Process(target=run_gateway, name="gateway",
+                                         args=(self.config, self.runtime_dir))
+        self._gateway.start()
+        self._gateway_restarts.started()
+        return int(self._gateway.sentinel)
+
     def _to_zygote(self, cmd: ZygoteCommand) -> None:
         if self._zygote_restarts.down:
             self._zygote_backlog.append(cmd)  # for the next zygote, once it starts
@@ -192,9 +207,12 @@ class Daemon:
 
     def _pids(self) -> dict[str, int | None]:
         """Each process's pid; None for a child that is down, awaiting its restart."""
-        return {"supervisor": os.getpid(),
+        pids = {"supervisor": os.getpid(),
                 "sink": None if self._sink_restarts.down else self._sink.pid,
                 "zygote": None if self._zygote_restarts.down else self._zygote.pid}
+        if self._gateway is not None:
+            pids["gateway"] = None if self._gateway_restarts.down else self._gateway.pid
+        return pids
 
     def _probe_sink(self, link: SinkLink) -> None:
         """Ask the new sink for its counters: its answer shows that it serves."""
@@ -329,6 +347,9 @@ class Daemon:
         poller.register(zygote_fd, zmq.POLLIN)
         sink_fd = self._sink.sentinel
         poller.register(sink_fd, zmq.POLLIN)
+        gateway_fd = self._start_gateway()  # now: the sockets it connects to are bound
+        if gateway_fd >= 0:
+            poller.register(gateway_fd, zmq.POLLIN)
         poller.register(wake_r, zmq.POLLIN)
         request_files = p.journal.files.fileno()
         poller.register(request_files, zmq.POLLIN)
@@ -385,7 +406,18 @@ class Daemon:
                     if not self._zygote_died(p):
                         code = 1
                         break
+                if gateway_fd in ready:
+                    poller.unregister(gateway_fd)
+                    gateway_fd = -1
+                    self._gateway.join(timeout=1.0)
+                    if not self._restart_later(self._gateway_restarts, self._gateway.exitcode):
+                        code = 1
+                        break
                 now = time.monotonic()
+                if self._gateway_restarts.take_due(now):
+                    gateway_fd = self._start_gateway()
+                    poller.register(gateway_fd, zmq.POLLIN)
+                    p.counters["gateway_restarts"] += 1
                 if self._sink_restarts.take_due(now):
                     self._restart_sink(p)
                     sink_fd = self._sink.sentinel
@@ -418,7 +450,8 @@ class Daemon:
         now = time.monotonic()
         due = [now + IDLE_WAKE_S, p.driver.next_due(), p.clients.next_due(),
                p.pool.next_due(), drain_until, self._sink_restarts.due(),
-               self._zygote_restarts.due(), p.journal.retry_due]
+               self._zygote_restarts.due(), self._gateway_restarts.due(),
+               p.journal.retry_due]
         if self.config.retention_days > 0:
             due.append(p.journal.prune_due)
         nearest = min(d for d in due if d is not None)
@@ -572,10 +605,10 @@ class Daemon:
         """Stop the zygote and the sink (SIGTERM, SIGKILL after 5 s) and reap them."""
         with contextlib.suppress(Exception):
             self._to_zygote(StopZygote())
-        for proc in (self._zygote, self._sink):
+        for proc in (self._gateway, self._zygote, self._sink):
             if proc is not None and proc.is_alive():
                 proc.terminate()
-        for proc in (self._zygote, self._sink):
+        for proc in (self._gateway, self._zygote, self._sink):
             if proc is not None:
                 proc.join(timeout=5.0)
                 if proc.is_alive():

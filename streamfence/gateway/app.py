@@ -1,0 +1,262 @@
+"""The gateway's HTTP endpoints (aiohttp): the providers' own wire in front of
+the daemon, so an app keeps its SDK and changes only `base_url` and its key.
+
+- `POST /v1/chat/completions`: OpenAI's chat completions (openai profiles);
+- `POST /v1/messages`: Anthropic's messages (anthropic profiles);
+- `GET /v1/models`: the models an identity may call;
+- `GET /healthz`: the gateway serves.
+
+A request is data for one call: its body goes to the provider as it came
+(the gateway takes out only `stream` and `stream_options`, which it owns),
+through the daemon as an ordinary protocol v1 client acting as the caller's
+identity (gateway/keys.py). A call over HTTP always runs with `on_partial:
+"continue"`: the providers' wires cannot say "forget what you got" (the
+`reset` of `restart`), so a stream never holds two answers; a cut after
+text ends with the provider's own "length" ending instead. A stale kill and
+its retry before any text are invisible to the SDK. The answer is rendered
+in the endpoint's wire by gateway/openai_chat.py and
+gateway/anthropic_messages.py; errors by gateway/http_errors.py. Each SSE
+frame's `id:` is the event's seq.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from streamfence.gateway import anthropic_messages, http_errors, openai_chat
+from streamfence.gateway.keys import HttpKeys
+from streamfence.gateway.routes import PROFILE_HEADER, NoRoute, route
+from streamfence.gateway.routes import models as route_models
+from streamfence.protocol.client_async import AsyncClient
+from streamfence.protocol.client_router import ClientError
+from streamfence.protocol.credentials import LOCAL_NAME, Credentials
+from streamfence.supervisor.config import DaemonConfig
+
+log = logging.getLogger("streamfence.gateway")
+
+SESSION_HEADER = "X-Streamfence-Session"
+CALL_HEADER = "X-Streamfence-Call-Id"
+OPTIONS = {"on_partial": "continue"}  # see the module docstring
+ENDED = ("failed", "cancelled")
+
+
+class Renderer(Protocol):
+    started: bool  # it has produced bytes
+
+    def feed(self, event: dict[str, Any]) -> bytes: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Wire:
+    """What differs between the two endpoints."""
+
+    kind: str  # the profiles' kind it serves
+    stream: Callable[[str, str, bool], Renderer]  # (call_id, model, include_usage)
+    body: Callable[[str, str, dict[str, Any]], dict[str, Any]]  # (call_id, model, done)
+    error: Callable[[str, str, int | None], tuple[int, dict[str, Any]]]
+
+
+OPENAI = Wire("openai", lambda c, m, u: openai_chat.ChatCompletionStream(c, m, u),
+              openai_chat.completion, http_errors.openai_error)
+ANTHROPIC = Wire("anthropic", lambda c, m, u: anthropic_messages.MessageStream(c, m),
+                 anthropic_messages.message, http_errors.anthropic_error)
+
+
+class Gateway:
+    """Owns the HTTP app and one protocol client per identity that called."""
+
+    def __init__(self, config: DaemonConfig, keys_dir: str | None) -> None:
+        self._config = config
+        self._keys = HttpKeys(keys_dir) if keys_dir is not None else None
+        self._endpoint = _connectable(config.endpoint)
+        self._clients: dict[str, AsyncClient] = {}
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self._config.max_frame_bytes)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_post("/v1/messages", self._messages)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/healthz", self._healthz)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _close(self, _app: web.Application) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+    # ---- who is asking ----------------------------------------------------------
+
+    def _identity(self, request: web.Request) -> Credentials | str | None:
+        """The caller's credentials (auth "curve"), LOCAL_NAME (auth "none"),
+        or None: no key, or not one of ours."""
+        if self._keys is None:
+            return LOCAL_NAME
+        auth = request.headers.get("Authorization", "")
+        key = auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else \
+            request.headers.get("x-api-key", "").strip()
+        return self._keys.identify(key) if key else None
+
+    def _client(self, who: Credentials | str) -> AsyncClient:
+        name = who if isinstance(who, str) else who.name
+        client = self._clients.get(name)
+        if client is None:
+            client = AsyncClient(self._endpoint, timeout_s=30.0,
+                                 credentials=None if isinstance(who, str) else who)
+            self._clients[name] = client
+        return client
+
+    # ---- endpoints --------------------------------------------------------------
+
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        who = self._identity(request)
+        if who is None:
+            return _error(OPENAI, "unauthenticated", "no valid API key")
+        name = who if isinstance(who, str) else who.name
+        ident = self._config.identities.get(name)
+        usable = set(ident.providers) if ident is not None and ident.providers else None
+        data = [{"id": model, "object": "model", "created": 0, "owned_by": profile}
+                for model, profile in route_models(self._config.http, self._config.providers,
+                                                   usable)]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._call(request, OPENAI)
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._call(request, ANTHROPIC)
+
+    async def _call(self, request: web.Request, wire: Wire) -> web.StreamResponse:
+        who = self._identity(request)
+        if who is None:
+            return _error(wire, "unauthenticated", "no valid API key (Authorization: Bearer "
+                          "KEY, or x-api-key; `streamfence keys http-key NAME` prints one)")
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(wire, "bad_message", "the body is not JSON")
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            return _error(wire, "bad_message", "the body must be a JSON object with a model")
+        stream = body.pop("stream", False) is True
+        usage = body.pop("stream_options", None)
+        include_usage = isinstance(usage, dict) and usage.get("include_usage") is True
+        model = body["model"]
+        try:
+            picked = route(self._config.http, self._config.providers, wire.kind, model,
+                           request.headers.get(PROFILE_HEADER))
+        except NoRoute as exc:
+            return _error(wire, "unknown_provider", str(exc))
+        body["model"] = picked.model
+        client = self._client(who)
+        try:
+            call_id = await client.submit(picked.profile, body, options=OPTIONS,
+                                          session_id=request.headers.get(SESSION_HEADER))
+        except ClientError as exc:
+            return _error(wire, exc.code, exc.message)
+        except TimeoutError:
+            return _error(wire, "overloaded", "the daemon did not answer the submit")
+        log.info("http call %s: %s via %s", call_id, model, picked.profile,
+                 extra={"call_id": call_id})
+        if not stream:
+            return await self._whole(client, call_id, model, wire)
+        return await self._stream(request, client, call_id, model, wire,
+                                  wire.stream(call_id, model, include_usage))
+
+    async def _whole(self, client: AsyncClient, call_id: str, model: str,
+                     wire: Wire) -> web.Response:
+        done: dict[str, Any] | None = None
+        texts: dict[tuple[int, str], list[str]] = {}  # (attempt, kind) -> pieces
+        async for event in client.events(call_id):
+            if event["op"] == "delta" and event["kind"] in _TEXTS:
+                texts.setdefault((event["attempt"], event["kind"]), []).append(event["data"])
+            elif event["op"] == "done":
+                done = event
+                break
+        if done is None or done.get("status") in ENDED:
+            return _ended(wire, done)
+        if done["response"].get("content_omitted"):
+            done = _with_content(done, texts)
+        return web.json_response(wire.body(call_id, model, done),
+                                 headers={CALL_HEADER: call_id})
+
+    async def _stream(self, request: web.Request, client: AsyncClient, call_id: str,
+                      model: str, wire: Wire, renderer: Renderer) -> web.StreamResponse:
+        response: web.StreamResponse | None = None
+        try:
+            async for event in client.events(call_id):
+                if not renderer.started and event["op"] == "done" \
+                        and event.get("status") in ENDED:
+                    # Nothing sent yet: the HTTP error the provider would have answered.
+                    return _ended(wire, event)
+                frame = renderer.feed(event)
+                if frame:
+                    if response is None:
+                        response = web.StreamResponse(headers={
+                            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                            CALL_HEADER: call_id})
+                        await response.prepare(request)
+                    await response.write(frame)
+                if event["op"] == "done":
+                    break
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The HTTP client went away: the call stops (its provider stream with it).
+            with contextlib.suppress(ClientError, TimeoutError):
+                await asyncio.shield(client.cancel(call_id))
+            raise
+        if response is None:
+            return _ended(wire, None)
+        await response.write_eof()
+        return response
+
+
+_TEXTS = {"text": "content", "reasoning": "reasoning", "refusal": "refusal"}
+
+
+def _with_content(done: dict[str, Any], texts: dict[tuple[int, str], list[str]]
+                  ) -> dict[str, Any]:
+    """A done whose answer was too large to keep in it (`content_omitted`),
+    with the answer put back from the call's deltas (its last attempt's)."""
+    last = max((attempt for attempt, _ in texts), default=0)
+    response = dict(done["response"], content_omitted=False)
+    for kind, field in _TEXTS.items():
+        pieces = texts.get((last, kind))
+        if pieces is not None or field != "refusal":
+            response[field] = "".join(pieces or [])
+    return dict(done, response=response)
+
+
+def _error(wire: Wire, code: str, message: str, http_status: int | None = None
+           ) -> web.Response:
+    status, body = wire.error(code, message, http_status)
+    return web.json_response(body, status=status)
+
+
+def _ended(wire: Wire, done: dict[str, Any] | None) -> web.Response:
+    if done is None:
+        return _error(wire, "internal", "the call's events ended without its done")
+    return _error(wire, *http_errors.done_error(done))
+
+
+def _connectable(endpoint: str) -> str:
+    """The daemon's endpoint as a client connects to it (a wildcard bind is
+    reached on loopback)."""
+    for wildcard in ("tcp://0.0.0.0:", "tcp://*:"):
+        if endpoint.startswith(wildcard):
+            return "tcp://127.0.0.1:" + endpoint[len(wildcard):]
+    return endpoint
+
+
+def keys_dir_of(config: DaemonConfig) -> str | None:
+    """Where the identities' credentials are (None: auth "none")."""
+    return str(Path(config.state_dir) / "keys") if config.auth == "curve" else None

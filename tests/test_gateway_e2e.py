@@ -1,0 +1,162 @@
+"""Issue 15, item 1: the unmodified `openai` and `anthropic` SDKs, with only
+`base_url` and the key changed, against the gateway of a real daemon, with
+the emulator's scripted faults behind it. Each SDK call returns or raises
+what the same SDK would against a healthy provider, and the emulator's own
+record shows what the daemon did underneath (a kill and a retry)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from streamfence.devtools.emulator.control import (
+    EmulatorClient,
+    EmulatorProcess,
+    emulator_profile,
+)
+from streamfence.gateway.keys import http_key
+from streamfence.protocol.credentials import load_credentials
+from tests.harness import DaemonProcess, wait_until
+
+QUESTION = [{"role": "user", "content": "hello"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=1.0) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+class Gateway:
+    def __init__(self, daemon: DaemonProcess, url: str, key: str) -> None:
+        self.daemon, self.url, self.key = daemon, url, key
+
+    def openai(self, key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or self.key, max_retries=0)
+
+    def anthropic(self) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=self.url, api_key=self.key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory,
+            emulator: EmulatorProcess) -> Iterator[Gateway]:
+    port = _free_port()
+    profile = {"stale_timeout_s": 1.0, "max_attempts": 3}
+    daemon = DaemonProcess(
+        Path(tmp_path_factory.mktemp("gateway")) / "state",
+        {"oa": dict(emulator_profile("openai", emulator.base_url), **profile),
+         "an": dict(emulator_profile("anthropic", emulator.base_url), **profile)},
+        daemon={"backoff_base_s": 0.05, "backoff_max_s": 0.2, "workers_spare": 2},
+        tables={"http": {"listen": f"127.0.0.1:{port}"}})
+    daemon.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _healthy(url), 30.0, f"the gateway to answer {url}/healthz")
+        yield Gateway(daemon, url, http_key(load_credentials(daemon.credentials_path)))
+    finally:
+        daemon.cleanup()
+
+
+def _openai_text(stream: Any) -> tuple[str, str | None, Any]:
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return text, finish, usage
+
+
+def test_openai_streams_the_providers_text_exactly(gateway: Gateway, emu: EmulatorClient) -> None:
+    emu.script("clean", [{"fault": "ok", "chunks": 12}])
+    stream = gateway.openai().chat.completions.create(
+        model="oa/gpt-emu#clean", messages=QUESTION, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True})
+    text, finish, usage = _openai_text(stream)
+    sent = emu.log("clean")
+    assert len(sent) == 1 and text == sent[0]["text"], (text, sent)
+    assert finish == "stop"
+    assert usage is not None and usage.completion_tokens > 0
+
+
+def test_openai_not_streaming(gateway: Gateway, emu: EmulatorClient) -> None:
+    emu.script("whole", [{"fault": "ok"}])
+    reply = gateway.openai().chat.completions.create(
+        model="oa/gpt-emu#whole", messages=QUESTION)  # type: ignore[arg-type]
+    assert reply.choices[0].message.content == emu.log("whole")[0]["text"]
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_a_zombie_stream_is_killed_and_retried_unseen(gateway: Gateway,
+                                                      emu: EmulatorClient) -> None:
+    emu.script("zombie", [{"fault": "stall", "after": 0, "stall_s": 4.0}, {"fault": "ok"}])
+    text, finish, _ = _openai_text(gateway.openai().chat.completions.create(
+        model="oa/gpt-emu#zombie", messages=QUESTION, stream=True))  # type: ignore[arg-type]
+    sent = emu.log("zombie")
+    assert len(sent) == 2, sent  # the stalled request, then the retry
+    assert sent[0]["fault"] == "stall" and text == sent[1]["text"]
+    assert finish == "stop"
+
+
+def test_a_429_is_retried_after_its_retry_after(gateway: Gateway, emu: EmulatorClient) -> None:
+    emu.script("limited", [{"fault": "status", "status": 429, "retry_after": "1"},
+                           {"fault": "ok"}])
+    text, _, _ = _openai_text(gateway.openai().chat.completions.create(
+        model="oa/gpt-emu#limited", messages=QUESTION, stream=True))  # type: ignore[arg-type]
+    sent = emu.log("limited")
+    assert [r["fault"] for r in sent] == ["status", "ok"] and text == sent[1]["text"]
+
+
+def test_a_4xx_raises_the_sdks_own_exception(gateway: Gateway, emu: EmulatorClient) -> None:
+    emu.script("bad", [{"fault": "status", "status": 400, "message": "no such thing"}])
+    with pytest.raises(openai.BadRequestError):
+        _openai_text(gateway.openai().chat.completions.create(
+            model="oa/gpt-emu#bad", messages=QUESTION, stream=True))  # type: ignore[arg-type]
+    assert len(emu.log("bad")) == 1  # a 4xx is final: no retry
+
+
+def test_a_wrong_key_is_refused(gateway: Gateway) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        gateway.openai(key="sf-local." + "0" * 64).chat.completions.create(
+            model="oa/gpt-emu#x", messages=QUESTION)  # type: ignore[arg-type]
+
+
+def test_anthropic_streams_and_answers_whole(gateway: Gateway, emu: EmulatorClient) -> None:
+    emu.script("claude", [{"fault": "ok", "chunks": 10}])
+    client = gateway.anthropic()
+    with client.messages.stream(model="an/claude-emu#claude", max_tokens=200,
+                                messages=QUESTION) as stream:  # type: ignore[arg-type]
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == emu.log("claude")[0]["text"]
+    assert final.stop_reason == "end_turn"
+    emu.script("claude-whole", [{"fault": "ok"}])
+    whole = client.messages.create(model="an/claude-emu#claude-whole", max_tokens=200,
+                                   messages=QUESTION)  # type: ignore[arg-type]
+    assert whole.content[0].text == emu.log("claude-whole")[0]["text"]  # type: ignore[union-attr]
+
+
+def test_models_lists_what_may_be_called(gateway: Gateway) -> None:
+    request = urllib.request.Request(gateway.url + "/v1/models",
+                                     headers={"Authorization": f"Bearer {gateway.key}"})
+    with urllib.request.urlopen(request, timeout=5.0) as reply:
+        listed = json.load(reply)
+    assert {m["id"] for m in listed["data"]} == {"an/*", "oa/*"}

@@ -1,0 +1,63 @@
+"""The gateway's pure parts: the `[http]` table, routing a model to a
+profile, and the HTTP keys derived from an identity's credentials."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from streamfence.gateway.keys import HttpKeys, http_key
+from streamfence.gateway.routes import NoRoute, Route, models, route
+from streamfence.protocol.keys import KeyStore
+from streamfence.supervisor.config import ConfigError, HttpConfig, parse_config
+
+PROFILES = {"oa": {"kind": "openai"}, "oa2": {"kind": "openai"}, "an": {"kind": "anthropic"}}
+
+
+def _config(http: dict[str, object]) -> HttpConfig:
+    return parse_config({"providers": PROFILES, "http": http}).http
+
+
+def test_the_http_table() -> None:
+    assert parse_config({}).http == HttpConfig()
+    http = _config({"listen": "127.0.0.1:7756", "routes": {"gpt-4o": "oa"}})
+    assert http.host_port == ("127.0.0.1", 7756) and http.routes == {"gpt-4o": "oa"}
+    for bad, why in [({"listen": "0.0.0.0:7756"}, "reachable from other hosts"),
+                     ({"listen": "7756"}, "must be HOST:PORT"),
+                     ({"listen": 7756}, "expected str"),
+                     ({"routes": {"m": "nope"}}, "no provider profile 'nope'"),
+                     ({"port": 1}, "http.port: unknown key")]:
+        with pytest.raises(ConfigError, match=why):
+            _config(bad)
+
+
+def test_routing_a_model_to_a_profile() -> None:
+    cfg = parse_config({"providers": PROFILES, "http": {"routes": {"gpt-4o": "oa2"}}})
+    http, providers = cfg.http, cfg.providers
+    assert route(http, providers, "openai", "m", "oa") == Route("oa", "m")  # the header
+    assert route(http, providers, "openai", "gpt-4o", None) == Route("oa2", "gpt-4o")
+    assert route(http, providers, "openai", "oa/gpt-x/y", None) == Route("oa", "gpt-x/y")
+    assert route(http, providers, "anthropic", "claude", None) == Route("an", "claude")
+    with pytest.raises(NoRoute, match="2 openai profiles"):
+        route(http, providers, "openai", "gpt-x", None)
+    with pytest.raises(NoRoute, match="profile 'an' is anthropic"):
+        route(http, providers, "openai", "an/claude", None)
+    with pytest.raises(NoRoute, match="no provider profile 'zz'"):
+        route(http, providers, "openai", "m", "zz")
+    assert models(http, providers, {"oa2"}) == [("gpt-4o", "oa2"), ("oa2/*", "oa2")]
+
+
+def test_an_http_key_names_its_identity_and_follows_its_credentials(tmp_path: Path) -> None:
+    store = KeyStore(tmp_path / "keys")
+    alice = store.register("alice", "tcp://127.0.0.1:7755")
+    keys = HttpKeys(store.dir)
+    key = http_key(alice)
+    assert key.startswith("sf-alice.") and keys.identify(key) == alice
+    for wrong in ("", "alice", "sf-alice.", key[:-1] + ("0" if key[-1] != "0" else "1"),
+                  "sf-bob." + key.rpartition(".")[2], "sf-../server." + "0" * 64):
+        assert keys.identify(wrong) is None, wrong
+    rotated = store.register("alice", "tcp://127.0.0.1:7755", replace=True)
+    assert keys.identify(key) is None and keys.identify(http_key(rotated)) == rotated
+    store.revoke("alice")
+    assert keys.identify(http_key(rotated)) is None
