@@ -6,8 +6,10 @@ record shows what the daemon did underneath (a kill and a retry)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -160,3 +162,79 @@ def test_models_lists_what_may_be_called(gateway: Gateway) -> None:
     with urllib.request.urlopen(request, timeout=5.0) as reply:
         listed = json.load(reply)
     assert {m["id"] for m in listed["data"]} == {"an/*", "oa/*"}
+
+
+# ---- raw SSE: reconnect, abandon ------------------------------------------------------
+
+def _open_stream(gateway: Gateway, key: str, headers: dict[str, str]) -> Any:
+    """A raw streaming POST to /v1/chat/completions; the response, headers read."""
+    conn = http.client.HTTPConnection(gateway.url.removeprefix("http://"), timeout=30.0)
+    body = json.dumps({"model": f"oa/gpt-emu#{key}", "messages": QUESTION, "stream": True})
+    conn.request("POST", "/v1/chat/completions", body, {
+        "Authorization": f"Bearer {gateway.key}", "Content-Type": "application/json",
+        **headers})
+    reply = conn.getresponse()
+    assert reply.status == 200, reply.read()
+    return conn, reply
+
+
+def _frames(reply: Any, limit: int | None = None) -> list[tuple[int, str]]:
+    """(id, data) of each SSE frame, up to `limit` frames or the stream's end."""
+    frames: list[tuple[int, str]] = []
+    seq, data = -1, None
+    while limit is None or len(frames) < limit:
+        line = reply.readline().decode()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if line.startswith("id: "):
+            seq = int(line[4:])
+        elif line.startswith("data: "):
+            data = line[6:]
+        elif line == "" and data is not None:
+            frames.append((seq, data))
+            data = None
+    return frames
+
+
+def _content(frames: list[tuple[int, str]]) -> str:
+    return "".join(choice["delta"].get("content") or ""
+                   for _, data in frames if data != "[DONE]"
+                   for choice in json.loads(data)["choices"])
+
+
+def test_a_reconnect_with_last_event_id_gets_exactly_the_rest(gateway: Gateway,
+                                                             emu: EmulatorClient) -> None:
+    emu.script("resume", [{"fault": "ok", "chunks": 20, "chunk_delay_s": 0.05}])
+    headers = {"Idempotency-Key": "resume-1"}
+    conn, reply = _open_stream(gateway, "resume", headers)
+    first = _frames(reply, limit=5)
+    conn.close()  # the connection drops mid-answer; the call runs on (an Idempotency-Key)
+    last = first[-1][0]
+    conn, reply = _open_stream(gateway, "resume", dict(headers, **{"Last-Event-ID": str(last)}))
+    rest = _frames(reply)
+    conn.close()
+    assert rest and all(seq > last for seq, _ in rest), rest[:3]
+    assert rest[-1][1] == "[DONE]"
+    ids = [seq for seq, data in first + rest if data != "[DONE]"]
+    assert ids == sorted(set(ids)), ids  # no repeat
+    sent = emu.log("resume")
+    assert len(sent) == 1 and _content(first) + _content(rest) == sent[0]["text"]
+
+
+def test_a_client_that_goes_away_cancels_its_call(gateway: Gateway,
+                                                   emu: EmulatorClient) -> None:
+    emu.script("abandoned", [{"fault": "ok", "chunks": 200, "chunk_delay_s": 0.05}])
+    conn, reply = _open_stream(gateway, "abandoned", {})
+    call_id = reply.getheader("X-Streamfence-Call-Id")
+    assert _frames(reply, limit=2)
+    conn.close()
+    closed = time.time()
+    record = emu.wait_for(lambda log: log[0] if log and log[0]["aborted"] else None,
+                          timeout=10.0, what="the provider connection to close",
+                          key="abandoned")
+    assert record["ended"] - closed < 1.0, record["ended"] - closed
+    assert not record["completed"]
+    with gateway.daemon.client() as client:
+        done = client.result(call_id, wait_s=10.0)
+    assert done is not None and done["status"] == "cancelled", done

@@ -17,6 +17,11 @@ its retry before any text are invisible to the SDK. The answer is rendered
 in the endpoint's wire by gateway/openai_chat.py and
 gateway/anthropic_messages.py; errors by gateway/http_errors.py. Each SSE
 frame's `id:` is the event's seq.
+
+A streaming client that goes away cancels its call (its provider stream is
+closed), unless it sent an `Idempotency-Key`: the same key again is the same
+call (the daemon's idempotency, per identity), so a dropped stream is
+re-POSTed with the key and `Last-Event-ID` and resumes exactly after it.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ from streamfence.supervisor.config import DaemonConfig
 log = logging.getLogger("streamfence.gateway")
 
 SESSION_HEADER = "X-Streamfence-Session"
+# The same key again is the same call (the daemon's idempotency, per identity):
+# with Last-Event-ID, a dropped stream resumes after the last event it got.
+IDEMPOTENCY_HEADER = "Idempotency-Key"
 CALL_HEADER = "X-Streamfence-Call-Id"
 OPTIONS = {"on_partial": "continue"}  # see the module docstring
 ENDED = ("failed", "cancelled")
@@ -158,10 +166,15 @@ class Gateway:
         except NoRoute as exc:
             return _error(wire, "unknown_provider", str(exc))
         body["model"] = picked.model
+        resume = request.headers.get("Last-Event-ID", "0")
+        if not resume.isdigit():
+            return _error(wire, "bad_message", f"Last-Event-ID must be a seq, got {resume!r}")
         client = self._client(who)
         try:
-            call_id = await client.submit(picked.profile, body, options=OPTIONS,
-                                          session_id=request.headers.get(SESSION_HEADER))
+            call_id = await client.submit(
+                picked.profile, body, options=OPTIONS,
+                session_id=request.headers.get(SESSION_HEADER),
+                idempotency_key=request.headers.get(IDEMPOTENCY_HEADER))
         except ClientError as exc:
             return _error(wire, exc.code, exc.message)
         except TimeoutError:
@@ -171,7 +184,8 @@ class Gateway:
         if not stream:
             return await self._whole(client, call_id, model, wire)
         return await self._stream(request, client, call_id, model, wire,
-                                  wire.stream(call_id, model, include_usage))
+                                  wire.stream(call_id, model, include_usage), int(resume),
+                                  detached=IDEMPOTENCY_HEADER in request.headers)
 
     async def _whole(self, client: AsyncClient, call_id: str, model: str,
                      wire: Wire) -> web.Response:
@@ -191,7 +205,13 @@ class Gateway:
                                  headers={CALL_HEADER: call_id})
 
     async def _stream(self, request: web.Request, client: AsyncClient, call_id: str,
-                      model: str, wire: Wire, renderer: Renderer) -> web.StreamResponse:
+                      model: str, wire: Wire, renderer: Renderer,
+                      resume: int, detached: bool) -> web.StreamResponse:
+        """The call's events in the wire's SSE; after `resume` (a reconnect's
+        Last-Event-ID), the renderer is fed the events up to it too (its state
+        is theirs), and only what comes after is sent. A client that goes away
+        cancels its call, unless it is `detached` (it gave an Idempotency-Key:
+        it may come back for the rest)."""
         response: web.StreamResponse | None = None
         try:
             async for event in client.events(call_id):
@@ -200,7 +220,7 @@ class Gateway:
                     # Nothing sent yet: the HTTP error the provider would have answered.
                     return _ended(wire, event)
                 frame = renderer.feed(event)
-                if frame:
+                if frame and event["seq"] > resume:
                     if response is None:
                         response = web.StreamResponse(headers={
                             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -211,8 +231,11 @@ class Gateway:
                     break
         except (asyncio.CancelledError, ConnectionResetError):
             # The HTTP client went away: the call stops (its provider stream with it).
-            with contextlib.suppress(ClientError, TimeoutError):
-                await asyncio.shield(client.cancel(call_id))
+            if not detached:
+                log.info("http call %s: the client went away; cancelling it", call_id,
+                         extra={"call_id": call_id})
+                with contextlib.suppress(ClientError, TimeoutError):
+                    await asyncio.shield(client.cancel(call_id))
             raise
         if response is None:
             return _ended(wire, None)
