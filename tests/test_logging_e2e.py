@@ -1,54 +1,184 @@
-"""Logging through the real worker path (docs/ARCHITECTURE.md §4.9): every record
-a worker emits, the SDK's and httpx2's own included, reaches the daemon's log
-carrying the call's session_id, call_id and attempt; a failure before
-delivery is logged at ERROR with its traceback."""
+"""The daemon's log as an operator reads it, and its processes as `ps` shows
+them (docs/ARCHITECTURE.md §4.9), through the real daemon and its real
+children, one daemon for the whole module (at DEBUG, for the SDKs' records):
+
+- every record a worker emits, the SDK's and httpx2's own included, carries
+  the call's session_id, call_id and attempt; httpx2's per-request lines are
+  DEBUG; a record of no call has none of those fields;
+- a failed call logs exactly one ERROR, with the traceback of its last
+  attempt's unexpected exception if one ended it; each failed attempt logs
+  one WARNING without a traceback; a call that failed an attempt and then
+  completed logs no ERROR;
+- the supervisor, the sink, the zygote and each worker have their own process
+  title, a busy worker's naming its call and attempt.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from streamfence.devtools.emulator.control import EmulatorClient
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from tests.harness import DaemonProcess, wait_until
+from tests.wires import profile_for
 
 pytestmark = pytest.mark.slow
 
+HELLO = [{"role": "user", "content": "x"}]
 
-def test_worker_records_carry_the_call_context_and_failures_a_traceback(
-        make_daemon: Any, emu: EmulatorClient) -> None:
-    emu.script("logs", [{"fault": "status", "status": 500, "message": "emulated outage"}])
-    daemon: DaemonProcess = make_daemon()
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory,
+           emulator: EmulatorProcess) -> Iterator[DaemonProcess]:
+    providers = {"emu": dict(profile_for("openai", emulator), stale_timeout_s=30.0),
+                 "bedrock": dict(profile_for("bedrock", emulator), stale_timeout_s=30.0)}
+    proc = DaemonProcess(tmp_path_factory.mktemp("logs") / "state", providers,
+                         daemon={"log_level": "DEBUG"})
+    with proc:
+        yield proc
+    assert not proc.survivors, f"processes outlived the daemon: {proc.survivors}"
+
+
+def _run(daemon: DaemonProcess, provider: str, request: dict[str, Any],
+         session_id: str | None = None, **options: Any) -> tuple[str, dict[str, Any]]:
     with daemon.client() as client:
-        call_id = client.submit(
-            "emu", {"model": "gpt-emu#logs", "messages": [{"role": "user", "content": "x"}]},
-            session_id="sess-logging-1", options={"max_attempts": 1})
+        call_id = client.submit(provider, request, session_id=session_id, options=options)
         done = list(client.events(call_id, timeout_s=30.0))[-1]
-    assert done["status"] == "failed", done
+    return call_id, done
 
-    def worker_records() -> list[dict[str, Any]]:
-        return [r for r in daemon.log_records() if r.get("call_id") == call_id
-                and str(r.get("process_name")).startswith("worker-")]
 
-    def failed_record() -> bool:
-        return any(r["level"] == "ERROR" and "failed before delivery" in r["message"]
-                   for r in worker_records())
+def _records(daemon: DaemonProcess, call_id: str) -> list[dict[str, Any]]:
+    return [r for r in daemon.log_records() if r.get("call_id") == call_id]
 
-    # The worker's records reach the log through the supervisor, in their order
-    # but not all at once: wait for the last one this test reads.
-    wait_until(lambda: any(r["logger"] == "httpx2" for r in worker_records()), 10,
-               "an httpx2 record from the worker in the daemon's log")
-    wait_until(failed_record, 10, "the worker's 'failed before delivery' record in the log")
-    records = worker_records()
-    sdk = [r for r in records if r["logger"].split(".")[0] in ("httpx2", "openai")]
-    assert sdk, records
-    for record in sdk:
+
+def _all_logged(daemon: DaemonProcess, call_id: str, attempts: int) -> list[dict[str, Any]]:
+    """The call's records once the last ones are in: the supervisor's last line
+    and each attempt's `attempt ended` line (records reach the log through the
+    supervisor, in their order per process, not all at once)."""
+    def complete() -> list[dict[str, Any]] | None:
+        records = _records(daemon, call_id)
+        ended = sum(1 for r in records if r["message"].startswith("attempt ended"))
+        last = any(r["logger"] == "streamfence.attempts" and r["message"].startswith("call ")
+                   for r in records)
+        return records if last and ended >= attempts else None
+
+    return wait_until(complete, 10, f"the log lines of call {call_id}")
+
+
+def test_worker_records_carry_the_call_context(daemon: DaemonProcess,
+                                               emu: EmulatorClient) -> None:
+    call_id, done = _run(daemon, "emu", {"model": "gpt-emu#ctx", "messages": HELLO},
+                         session_id="sess-logging-1")
+    assert done["status"] == "completed", done
+    records = _all_logged(daemon, call_id, 1)
+    worker = [r for r in records if str(r.get("process_name")).startswith("worker-")]
+    sdk = [r for r in worker if r["logger"].split(".")[0] in ("httpx2", "openai")]
+    assert any(r["logger"] == "httpx2" for r in sdk), worker
+    for record in worker:
         assert record["session_id"] == "sess-logging-1", record
         assert record["attempt"] == 1, record
-    failures = [r for r in records if r["level"] == "ERROR"
-                and "failed before delivery" in r["message"]]
-    assert len(failures) == 1, records
-    failure = failures[0]
-    assert failure["session_id"] == "sess-logging-1" and failure["attempt"] == 1
-    assert "Traceback (most recent call last)" in failure.get("traceback", ""), failure
-    assert "InternalServerError" in failure["traceback"]
+    # httpx2's per-request line ("HTTP Request: POST …") is DEBUG, not INFO.
+    requests = [r for r in sdk if r["message"].startswith("HTTP Request:")]
+    assert requests and all(r["level"] == "DEBUG" for r in requests), requests
+
+
+def test_a_record_of_no_call_has_no_context_fields(daemon: DaemonProcess) -> None:
+    ready = [r for r in daemon.log_records() if r["message"].startswith("ready:")]
+    warmup = [r for r in daemon.log_records() if r.get("process_name") == "zygote"]
+    assert ready and warmup
+    for record in ready + warmup:
+        assert not {"session_id", "call_id", "attempt"} & record.keys(), record
+    # The zygote's warm-up requests (to a stub on a random local port) are DEBUG.
+    assert all(r["level"] == "DEBUG" for r in warmup if r["logger"] == "httpx2"), warmup
+
+
+def test_a_failed_call_logs_one_error_with_the_traceback_of_its_unexpected_exception(
+        daemon: DaemonProcess) -> None:
+    # A request the daemon admits but botocore refuses (a Converse message's
+    # content must be a list): ParamValidationError, which no rule classifies,
+    # so it is an unexpected exception of the worker (final: one attempt).
+    request = {"modelId": "m#unexpected",
+               "messages": [{"role": "user", "content": "a prompt, never in a traceback"}]}
+    call_id, done = _run(daemon, "bedrock", request, session_id="sess-logging-2")
+    assert done["status"] == "failed", done
+    records = _all_logged(daemon, call_id, 1)
+    errors = [r for r in records if r["level"] in ("ERROR", "CRITICAL")]
+    assert len(errors) == 1, errors
+    error = errors[0]
+    assert error["process_name"] == "MainProcess" and error["attempt"] == 1, error
+    assert error["message"].startswith("call failed after 1 attempt(s): provider_error: "
+                                       "ParamValidationError"), error
+    tb = error["traceback"]
+    assert tb.startswith("Traceback (most recent call last)"), tb
+    assert "bedrock_converse.py" in tb and "botocore.exceptions.ParamValidationError" in tb
+    assert "a prompt" not in tb  # frames and types only, no exception text
+    attempt = [r for r in records if r["level"] == "WARNING"]
+    assert len(attempt) == 1 and "stream failed before delivery" in attempt[0]["message"]
+    assert [r for r in records if "traceback" in r] == [error], records
+
+
+def test_a_call_that_fails_every_attempt_logs_one_error(daemon: DaemonProcess,
+                                                        emu: EmulatorClient) -> None:
+    emu.script("fails", [{"fault": "status", "status": 500, "message": "emulated outage"}] * 3)
+    call_id, done = _run(daemon, "emu", {"model": "gpt-emu#fails", "messages": HELLO},
+                         max_attempts=3)
+    assert done["status"] == "failed", done
+    records = _all_logged(daemon, call_id, 3)
+    errors = [r for r in records if r["level"] in ("ERROR", "CRITICAL")]
+    assert len(errors) == 1, errors
+    assert "3 attempt(s) failed; last: Error code: 500 - emulated outage" in \
+        errors[0]["message"]
+    # An SDK's status error is no unexpected exception: its line says it all.
+    assert "traceback" not in errors[0]
+    warnings = [r for r in records if r["level"] == "WARNING"]
+    assert [r["attempt"] for r in warnings] == [1, 2, 3], warnings
+    assert all("(transient, server_error)" in r["message"] and "traceback" not in r
+               for r in warnings), warnings
+    assert "session_id" not in errors[0]  # submitted without a session
+
+
+def test_a_retried_then_completed_call_logs_no_error(daemon: DaemonProcess,
+                                                     emu: EmulatorClient) -> None:
+    emu.script("retried", [{"fault": "status", "status": 503, "message": "busy"},
+                           {"fault": "ok"}])
+    call_id, done = _run(daemon, "emu", {"model": "gpt-emu#retried", "messages": HELLO})
+    assert done["status"] == "completed" and done["attempts"] == 2, done
+    records = _all_logged(daemon, call_id, 2)
+    assert not [r for r in records if r["level"] in ("ERROR", "CRITICAL")], records
+    warnings = [r for r in records if r["level"] == "WARNING"]
+    assert len(warnings) == 1 and warnings[0]["attempt"] == 1, warnings
+    assert "stream failed before delivery: Error code: 503 - busy" in warnings[0]["message"]
+    assert not [r for r in records if "traceback" in r], records
+
+
+def _title(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().split(b"\0", 1)[0].decode()
+
+
+def test_process_titles(daemon: DaemonProcess, emu: EmulatorClient) -> None:
+    with daemon.client() as client:
+        pids = client.status()["processes"]
+        assert _title(pids["supervisor"]) == "streamfence: supervisor"
+        assert _title(pids["sink"]) == "streamfence: sink"
+        assert _title(pids["zygote"]) == "streamfence: zygote"
+        # A stream of ~1 s keeps its worker busy long enough to be seen.
+        emu.script("slow", [{"chunks": 20, "chunk_delay_s": 0.05}])
+        call_id = client.submit("emu", {"model": "gpt-emu#slow", "messages": HELLO})
+
+        def busy_worker() -> dict[str, Any] | None:
+            return next((w for w in client.status()["workers"] if w["call_id"] == call_id),
+                        None)
+
+        worker = wait_until(busy_worker, 10, "a worker running the call")
+        wid, pid = worker["worker_id"], worker["pid"]
+        running = f"streamfence: worker {wid} (call {call_id[:8]}…, attempt 1)"
+        wait_until(lambda: _title(pid) == running, 5, f"the title {running!r}")
+        assert list(client.events(call_id, timeout_s=30.0))[-1]["status"] == "completed"
+        wait_until(lambda: _title(pid) == f"streamfence: worker {wid} (idle)", 5,
+                   "the worker's idle title")
+        for w in client.status()["workers"]:
+            if w["state"] == "idle":
+                assert _title(w["pid"]) == f"streamfence: worker {w['worker_id']} (idle)"

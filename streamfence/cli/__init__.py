@@ -49,9 +49,11 @@ def main() -> None:
 @click.option("--log-json", is_flag=True, default=False, help="Log JSON lines.")
 def serve(config_path: str | None, log_json: bool) -> None:
     """Run the daemon in the foreground until SIGTERM/SIGINT."""
+    from streamfence.protocol.lifecycle import set_process_title
     from streamfence.supervisor.daemon import Daemon, StartupError
     from streamfence.supervisor.logs import setup_logging
 
+    set_process_title("supervisor")
     cfg = load(config_path)
     setup_logging(cfg.log_level, log_json or cfg.log_json)
     path = config_path_of(config_path)

@@ -19,7 +19,12 @@ import zmq
 
 from streamfence.gateway.app import Gateway, keys_dir_of
 from streamfence.protocol.internal import Endpoints
-from streamfence.protocol.lifecycle import ExitCode, die_with_parent, expected_parent_pid
+from streamfence.protocol.lifecycle import (
+    ExitCode,
+    die_with_parent,
+    expected_parent_pid,
+    set_process_title,
+)
 from streamfence.protocol.logs import route_logs_to
 from streamfence.supervisor.config import DaemonConfig
 
@@ -28,6 +33,7 @@ log = logging.getLogger("streamfence.gateway")
 
 def run_gateway(config: DaemonConfig, runtime_dir: str) -> None:
     """Process entry point: serve `config.http.listen` until SIGTERM."""
+    set_process_title("gateway")
     ctx: Any = zmq.Context.instance()
     log_sock: zmq.Socket[bytes] = ctx.socket(zmq.PUSH)
     log_sock.linger = 1000

@@ -1,5 +1,5 @@
-"""What every child process of the daemon shares about living and dying: its
-exit codes, and dying with its parent.
+"""What every process of the daemon shares about living and dying: its
+exit codes, dying with its parent, and its title.
 
 `die_with_parent(expected_parent)` asks the kernel to SIGKILL this process
 when its parent dies (Linux prctl PR_SET_PDEATHSIG), which is how "no
@@ -7,6 +7,13 @@ orphans" holds even for a SIGKILL of the parent (nothing in the parent gets
 to run then). It returns False when the parent is already gone (it died
 before the prctl, so the signal will never come): the caller then exits with
 `ExitCode.PARENT_GONE`.
+
+`set_process_title(role)` makes `ps` show `streamfence: ROLE` (`supervisor`,
+`sink`, `zygote`, `worker 3 (idle)`, `worker 3 (call 1a2b3c4d…, attempt 2)`)
+instead of the interpreter's command line, which for every child is the same
+`python -c from multiprocess.spawn import spawn_main…` or the zygote's.
+setproctitle rewrites the argv area, so /proc/PID/cmdline shows it too; a
+worker sets it twice per attempt (~4 µs each).
 
 Caveat for whoever starts a child: the signal fires when the parent *thread*
 that started the child exits, not the parent process. Start children from the
@@ -20,6 +27,8 @@ import os
 import signal
 import sys
 from enum import IntEnum
+
+import setproctitle
 
 _PR_SET_PDEATHSIG = 1
 
@@ -57,3 +66,8 @@ def expected_parent_pid() -> int:
         if proc is not None and proc.pid:
             return int(proc.pid)
     return os.getppid()
+
+
+def set_process_title(role: str) -> None:
+    """`ps` shows this process as `streamfence: {role}`."""
+    setproctitle.setproctitle(f"streamfence: {role}")

@@ -1,11 +1,20 @@
-"""Log records on the wire: the process log context, and the handler that
-ships a child process's records (workers, sink) to the daemon's one log.
+"""Log records on the wire: the process log context, the levels every
+process applies, and the handler that ships a child process's records
+(workers, sink) to the daemon's one log.
 
 Every record of every process carries `session_id`, `call_id` and `attempt`
 (origin document 000: the one line that explains a failed stream must name
-its session). A worker runs one attempt at a time, so the context is simply
-process-global: it holds for records from any thread and any library (the
-openai SDK's, httpx2's), which a thread-local or contextvar would not.
+its session); each is None when unset (a record of no call, a call without
+a session), and the daemon's log leaves an unset one out. A worker runs one
+attempt at a time, so the context is simply process-global: it holds for
+records from any thread and any library (the openai SDK's, httpx2's), which
+a thread-local or contextvar would not.
+
+httpx2 logs every request at INFO (`HTTP Request: POST … "HTTP/1.1 200
+OK"`): the warm-ups' requests to a stub on a random local port, and one per
+attempt, which the daemon's own lines (`attempt started`, a failure with its
+status) already tell. `set_level` makes those lines DEBUG in every process:
+not even created below DEBUG, and at DEBUG shown as DEBUG.
 """
 
 from __future__ import annotations
@@ -20,17 +29,41 @@ import zmq
 from streamfence.protocol.internal import L_RECORD
 
 CONTEXT_FIELDS = ("session_id", "call_id", "attempt")
-_context: dict[str, Any] = {"session_id": "-", "call_id": "-", "attempt": 0}
+_context: dict[str, Any] = {"session_id": None, "call_id": None, "attempt": None}
+
+# Libraries whose INFO records are DEBUG in the daemon's log (see the module docstring).
+DEMOTED_LOGGERS = ("httpx2",)
 
 
-def set_context(session_id: str | None, call_id: str | None, attempt: int) -> None:
-    _context["session_id"] = session_id or "-"
-    _context["call_id"] = call_id or "-"
-    _context["attempt"] = attempt
+def set_context(session_id: str | None, call_id: str | None, attempt: int | None) -> None:
+    _context["session_id"] = session_id or None
+    _context["call_id"] = call_id or None
+    _context["attempt"] = attempt or None
 
 
 def clear_context() -> None:
-    set_context(None, None, 0)
+    set_context(None, None, None)
+
+
+class _InfoIsDebug(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.INFO:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+_INFO_IS_DEBUG = _InfoIsDebug()
+
+
+def set_level(level: int | str) -> None:
+    """This process's log level, with the DEMOTED_LOGGERS' INFO records at DEBUG."""
+    root = logging.getLogger()
+    root.setLevel(level)
+    debug = root.getEffectiveLevel() <= logging.DEBUG
+    for name in DEMOTED_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.NOTSET if debug else logging.WARNING)
+        logger.addFilter(_INFO_IS_DEBUG)  # once: addFilter skips a filter it holds
 
 
 class ContextFilter(logging.Filter):
@@ -92,4 +125,4 @@ def route_logs_to(socket: zmq.Socket[bytes], level: int | str, process_name: str
     for handler in list(root.handlers):
         root.removeHandler(handler)
     root.addHandler(ZmqLogHandler(socket, process_name))
-    root.setLevel(level)
+    set_level(level)

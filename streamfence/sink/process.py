@@ -64,7 +64,12 @@ from streamfence.protocol.internal.control import (
     parse_control,
 )
 from streamfence.protocol.keys import KeyStore
-from streamfence.protocol.lifecycle import ExitCode, die_with_parent, expected_parent_pid
+from streamfence.protocol.lifecycle import (
+    ExitCode,
+    die_with_parent,
+    expected_parent_pid,
+    set_process_title,
+)
 from streamfence.protocol.logs import route_logs_to
 from streamfence.sink.content import check_tool_fragment
 from streamfence.sink.fence import Verdict
@@ -459,6 +464,7 @@ def run_sink(runtime_dir: str, db_path: str, events_endpoint: str, keys_dir: str
     socket; control messages from any other peer are refused and counted.
     `retention_days`: finished calls older than this are pruned (0: never).
     Exits with ExitCode.CANNOT_BIND if the events endpoint cannot be bound."""
+    set_process_title("sink")
     log_sock = _route_logs(runtime_dir, log_level) if log_to_supervisor else None
     if log_sock is None:
         _setup_logging(log_level)

@@ -39,6 +39,7 @@ from streamfence.supervisor.clients import Clients
 from streamfence.supervisor.config import DaemonConfig
 from streamfence.supervisor.fallbacks import Fallbacks
 from streamfence.supervisor.journal import Journal
+from streamfence.supervisor.logs import log_with_traceback
 from streamfence.supervisor.pool import Pool, exit_text
 from streamfence.supervisor.sinklink import (
     SINK_LOST,
@@ -61,8 +62,7 @@ FINAL_ACK_TIMEOUT_S = 600.0
 
 
 def _ctx(call: Call) -> dict[str, Any]:
-    return {"session_id": call.spec.session_id or "-", "call_id": call.call_id,
-            "attempt": call.epoch}
+    return {"session_id": call.spec.session_id, "call_id": call.call_id, "attempt": call.epoch}
 
 
 def _breaker_key(call: Call) -> tuple[str, str]:
@@ -252,7 +252,7 @@ class AttemptDriver:
                 return
             # The sink knows better (e.g. an epoch it has seen, set after a
             # crash): never spin on it; fail the call with what it said.
-            log.error("sink refused to authorize attempt: %s", why(reply), extra=_ctx(call))
+            log.warning("sink refused to authorize attempt: %s", why(reply), extra=_ctx(call))
             self.finish(call, Finish(CallStatus.FAILED, call_error(
                 ErrorCode.INTERNAL, f"the sink refused the attempt: {why(reply)}"), FinishMeta()))
             return
@@ -281,7 +281,7 @@ class AttemptDriver:
         call.notice = None
         # A large request goes as its file's name: the worker reads it there.
         request = call.spec.request if call.request_file is None else call.request_overrides
-        run = RunAttempt(call.token, call.call_id, call.epoch, call.spec.session_id or "-",
+        run = RunAttempt(call.token, call.call_id, call.epoch, call.spec.session_id,
                          call.profile.to_map(), request, settings, call.request_file)
         if not self._pool.dispatch(worker, run):
             self.fence(call, FenceReason.WORKER_DIED)
@@ -429,6 +429,9 @@ class AttemptDriver:
                 error: AttemptError | None) -> None:
         if stats.visible_chars > 0:
             call.delivered = True
+        # An unexpected exception's traceback, for the call's last line if this
+        # attempt is its last (logged once, in `_log_end`).
+        call.traceback = error.traceback if error is not None else None
         if error is not None:
             adjusted = self._fallbacks.adjust(call.profile.name, error, stats.accepted, _ctx(call))
             error = adjusted.error
@@ -486,10 +489,30 @@ class AttemptDriver:
         status = str(done.get("status"))
         self._journal.finish_call(call.call_id, status)
         self._counters["calls_" + status] += 1
-        log.info("call %s after %d attempt(s)", status, call.attempts, extra=_ctx(call))
+        self._log_end(call, status)
         self._clients.on_call_done(call.call_id, done,
                                    functools.partial(self._journal.attempts_of, call.call_id))
         self._forget(call)
+
+    @staticmethod
+    def _log_end(call: Call, status: str) -> None:
+        """The call's last line. A failed call's is its only ERROR, with the
+        traceback of its last attempt's unexpected exception if one ended it:
+        each attempt's failure was one WARNING line without one (its worker's,
+        or the fence's), and a call that failed attempts but then completed
+        logs no ERROR (ARCHITECTURE §4.9)."""
+        error = call.finishing.error if call.finishing is not None else None
+        said = f": {error['code']}: {error['message']}" if error else ""
+        if status == CallStatus.FAILED:
+            log_with_traceback(log, logging.ERROR, call.traceback,
+                               "call failed after %d attempt(s)%s", call.attempts, said,
+                               context=_ctx(call))
+        elif call.traceback is not None:  # partial: text, then an unexpected exception
+            log_with_traceback(log, logging.WARNING, call.traceback, "call %s after %d "
+                               "attempt(s)%s", status, call.attempts, said, context=_ctx(call))
+        else:
+            log.info("call %s after %d attempt(s)%s", status, call.attempts, said,
+                     extra=_ctx(call))
 
     def _forget(self, call: Call) -> None:
         """A done call is no longer live: its count and its request bytes go

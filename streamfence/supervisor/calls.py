@@ -126,6 +126,7 @@ class Call:
     notice: str | None = None  # the next attempt's first delta (a user-visible warning)
     finishing: Finish | None = None  # the decision being written by the sink
     probe_next: bool = False  # run the next attempt non-streaming, to learn a clear error
+    traceback: str | None = None  # the last attempt's unexpected exception's (AttemptError)
     # The request's size, counted against the byte budgets while the call is
     # live (AttemptDriver): the Front sets it at submit; 0 means not measured
     # yet (a recovered call), and AttemptDriver.enqueue measures it then.

@@ -31,6 +31,7 @@ import re
 import ssl
 import sys
 import time
+import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -41,6 +42,11 @@ import openai
 from streamfence.protocol.internal.outcome import AttemptError, ErrorClass
 
 MESSAGE_LIMIT = 2000
+TRACEBACK_LIMIT = 16_000  # characters of a traceback kept for the log (its end)
+
+# The codes of an exception `classify` does not recognise: a bug or a case no
+# rule knows yet, the only failures whose traceback reaches the log (ARCHITECTURE §4.9).
+UNEXPECTED_CODES = frozenset({"unexpected_error", "unclassified"})
 
 
 class StreamFailure(Exception):
@@ -91,6 +97,49 @@ def attempt_error(error_class: ErrorClass, code: str, message: str, status: int 
                   ) -> AttemptError:
     """Build an AttemptError; the single place messages get scrubbed."""
     return AttemptError(error_class, code, scrub(message, extra_secrets), status, retry_after_s)
+
+
+_CAUSE = "The above exception was the direct cause of the following exception"
+_CONTEXT = "During handling of the above exception, another exception occurred"
+
+
+def traceback_text(exc: BaseException) -> str:
+    """Where `exc` (and each exception chained to it) was raised: the frames,
+    with their source lines, and the exception types, but no exception text.
+    Why no text: an exception's text may quote the request or a credential
+    (botocore's ParamValidationError quotes the offending value), while the
+    frames are only code; what the exception said is the AttemptError's
+    message, scrubbed in one place (`attempt_error`). Bounded: a longer
+    text keeps its last TRACEBACK_LIMIT characters (the frames nearest the
+    raise, the exception that ended the attempt). No locals."""
+    chain: list[tuple[BaseException, str]] = []  # outermost first, each with its link to
+    # the one before it
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    link = ""
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        chain.append((current, link))
+        if current.__cause__ is not None:
+            current, link = current.__cause__, _CAUSE
+        elif current.__context__ is not None and not current.__suppress_context__:
+            current, link = current.__context__, _CONTEXT
+        else:
+            current = None
+    parts: list[str] = []
+    for i, (item, _) in enumerate(reversed(chain)):
+        if i:
+            parts.append(f"\n{chain[len(chain) - i][1]}:\n\n")
+        frames = traceback.extract_tb(item.__traceback__)
+        parts.append("Traceback (most recent call last):\n")
+        parts.extend(traceback.format_list(frames))
+        kind = type(item)
+        module = "" if kind.__module__ == "builtins" else kind.__module__ + "."
+        parts.append(f"{module}{kind.__qualname__} (its text is left out)\n")
+    text = "".join(parts).rstrip("\n")
+    if len(text) > TRACEBACK_LIMIT:
+        text = f"… ({len(text) - TRACEBACK_LIMIT} characters cut)\n" + text[-TRACEBACK_LIMIT:]
+    return text
 
 
 # ---- text patterns ---------------------------------------------------------

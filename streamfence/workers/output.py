@@ -10,8 +10,9 @@ opening). The first fragment of a slot carries its `id` and `name` (the
 receiver assigns them); later fragments carry `id=None, name=None` and the
 next piece of `arguments` (the receiver appends). So a receiver only ever
 assigns or appends; all provider quirks are the adapter's business. When an
-exception ends the attempt, the adapter reports it once with `failed(exc)` (for
-the log's traceback) and returns the outcome it classified it into.
+exception ends the attempt, the adapter reports it once with `failed(exc)` (the
+worker keeps where it was raised, for the log: ARCHITECTURE §4.9) and returns
+the outcome it classified it into.
 
 The worker implements this and pushes to the sink; RecordingOutput keeps
 everything in memory (tests, and the zygote's warm-up).

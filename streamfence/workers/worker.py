@@ -14,6 +14,9 @@ Duties:
    ExitCode.SINK_UNREACHABLE so the supervisor treats the attempt as incomplete.
 5. Report W_IDLE and wait for the next attempt.
 
+Its process title (`ps`) says which attempt it runs: `streamfence: worker 3
+(call 1a2b3c4d…, attempt 2)`, or `streamfence: worker 3 (idle)`.
+
 The worker never decides retries: a stale or superseded worker is killed by
 the supervisor and, even if it lived on, its deltas carry a fenced epoch.
 """
@@ -41,11 +44,17 @@ from streamfence.protocol.internal import (
     W_RUN,
     Endpoints,
 )
-from streamfence.protocol.internal.outcome import AttemptDiag, outcome_to_wire
+from streamfence.protocol.internal.outcome import (
+    AttemptDiag,
+    AttemptError,
+    AttemptOutcome,
+    outcome_to_wire,
+)
 from streamfence.protocol.internal.workers import RunAttempt, decode_run
-from streamfence.protocol.lifecycle import ExitCode
+from streamfence.protocol.lifecycle import ExitCode, set_process_title
 from streamfence.protocol.logs import clear_context, route_logs_to, set_context
 from streamfence.protocol.messages import DeltaKind, submitted_request, visible_chars
+from streamfence.workers.errors import UNEXPECTED_CODES, traceback_text
 from streamfence.workers.liveness import LivenessTable
 from streamfence.workers.registry import run_attempt
 from streamfence.workers.sink_channel import LOST, SinkChannel
@@ -89,7 +98,7 @@ class SinkOutput:
         self._rebinding = False  # a T_HELLO is out, its answer not in yet
         self.over = False
         self.seq = 0
-        self.visible = False  # any visible text yet (decides the failure's log level)
+        self.visible = False  # any visible text yet (the failure line says so)
         self.first_chunk_ns = 0
         self.exc: BaseException | None = None
         sink.lost = False  # what broke before this attempt concerns no one
@@ -195,6 +204,25 @@ class SinkOutput:
         os._exit(ExitCode.SINK_UNREACHABLE)
 
 
+def _failed(outcome: AttemptOutcome, error: AttemptError, out: SinkOutput) -> AttemptOutcome:
+    """Log the attempt's failure in one WARNING line, without a traceback: the
+    supervisor logs the call's final failure, once, at ERROR (ARCHITECTURE
+    §4.9). The traceback of an exception no rule recognised travels in the
+    outcome to that line; another exception's (an SDK's status error, a
+    dropped connection: the line says it all) is logged here at DEBUG only."""
+    log.warning("stream failed %s: %s (%s, %s)",
+                "after visible text" if out.visible else "before delivery", error.message,
+                error.error_class.value, error.code)
+    exc = out.exc
+    if exc is None:
+        return outcome
+    if error.code in UNEXPECTED_CODES:
+        return replace(outcome, error=replace(error, traceback=traceback_text(exc)))
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("where the attempt's exception was raised:\n%s", traceback_text(exc))
+    return outcome
+
+
 def _run_one(run: RunAttempt, sink: SinkChannel, live: LivenessTable, slot: int) -> bool:
     settings = run.settings
     set_context(run.session_id, run.call_id, run.attempt)
@@ -210,13 +238,8 @@ def _run_one(run: RunAttempt, sink: SinkChannel, live: LivenessTable, slot: int)
     if settings.notice:
         out.delta(NOTICE, settings.notice)
     outcome = run_attempt(run.profile, request, out, settings)
-    error = outcome.error
-    if error is not None:
-        # The one line that explains a failed stream: ERROR (with the traceback of the
-        # exception that ended it, if one did) unless visible text was delivered.
-        log.log(logging.WARNING if out.visible else logging.ERROR, "stream failed %s: %s (%s, %s)",
-                "after visible text" if out.visible else "before delivery", error.message,
-                error.error_class.value, error.code, exc_info=out.exc)
+    if outcome.error is not None:
+        outcome = _failed(outcome, outcome.error, out)
     if outcome.dropped_tool_names:
         names = ", ".join(outcome.dropped_tool_names)
         log.warning("tool call(s) dropped, never executed: %s", names)
@@ -242,6 +265,8 @@ def worker_main(worker_id: int, slot: int, runtime_dir: str, slots: int,
     """Entry point of a forked worker; never returns. `warm`: a spare, which
     warms up after its hello, on a background thread of the lowest priority
     (workers.warmup.warm_worker_in_background)."""
+    idle = f"worker {worker_id} (idle)"
+    set_process_title(idle)
     ep = Endpoints(runtime_dir)
     ctx = zmq.Context()
     logs = ctx.socket(zmq.PUSH)
@@ -268,9 +293,12 @@ def worker_main(worker_id: int, slot: int, runtime_dir: str, slots: int,
                 log.warning("unexpected message tag %r from the supervisor", msg[0])
                 continue
             run = decode_run(msg)
+            set_process_title(f"worker {worker_id} (call {run.call_id[:8]}…, "
+                              f"attempt {run.attempt})")
             accepted = _run_one(run, sink, live, slot)
-            ctl.send(msgpack.packb([W_IDLE, worker_id, run.token, accepted]))
             clear_context()
+            set_process_title(idle)
+            ctl.send(msgpack.packb([W_IDLE, worker_id, run.token, accepted]))
     except Exception:
         log.exception("worker crashed")
         code = ExitCode.CRASHED

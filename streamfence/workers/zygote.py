@@ -54,7 +54,8 @@ from streamfence.protocol.internal.workers import (
     decode_zygote_command,
     encode_zygote,
 )
-from streamfence.protocol.lifecycle import ExitCode, die_with_parent
+from streamfence.protocol.lifecycle import ExitCode, die_with_parent, set_process_title
+from streamfence.protocol.logs import set_level
 from streamfence.workers.warmup import warm_up
 from streamfence.workers.worker import worker_main
 
@@ -77,7 +78,7 @@ class _PipeLogHandler(logging.Handler):
                 "msg": record.getMessage(), "created": record.created, "process": record.process,
                 "processName": "zygote", "exc_text": logging.Formatter().formatException(
                     record.exc_info) if record.exc_info else None,
-                "session_id": "-", "call_id": "-", "attempt": 0})))
+                "session_id": None, "call_id": None, "attempt": None})))
         except Exception:
             self.handleError(record)
 
@@ -88,9 +89,9 @@ def zygote_main(conn: Any, runtime_dir: str, slots: int, log_level: int,
     if not die_with_parent(parent_pid):
         os._exit(ExitCode.PARENT_GONE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
-    root = logging.getLogger()
-    root.handlers[:] = [_PipeLogHandler(conn.send_bytes)]
-    root.setLevel(log_level)
+    set_process_title("zygote")
+    logging.getLogger().handlers[:] = [_PipeLogHandler(conn.send_bytes)]
+    set_level(log_level)
     started = time.monotonic()
     try:
         warm_up()

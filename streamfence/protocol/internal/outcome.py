@@ -20,13 +20,21 @@ class ErrorClass(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class AttemptError:
-    """Why an attempt failed, already scrubbed of secrets (workers.errors builds it)."""
+    """Why an attempt failed, already scrubbed of secrets (workers.errors builds it).
+
+    `traceback`: only for an exception the worker did not expect (one that
+    `workers.errors.classify` does not recognise), where it was raised
+    (`workers.errors.traceback_text`: frames and exception types, no
+    exception text), for the one log line of the call's final failure
+    (ARCHITECTURE §4.9). It goes to the log only: never to a client or the
+    journal."""
 
     error_class: ErrorClass
     code: str
     message: str
     status: int | None = None
     retry_after_s: float | None = None
+    traceback: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +81,7 @@ def outcome_to_wire(o: AttemptOutcome) -> list[Any]:
     return [o.ok, o.finish_reason, o.usage, o.model, o.provider_response_id,
             list(o.dropped_tool_names), list(o.dropped_tool_indexes),
             None if e is None else [e.error_class.value, e.code, e.message, e.status,
-                                    e.retry_after_s],
+                                    e.retry_after_s, e.traceback],
             [d.first_chunk_ms, d.chunks, d.bytes, d.deltas, d.duration_ms],
             o.stream_options_rejected, o.streaming_denied]
 
@@ -89,7 +97,7 @@ def outcome_from_wire(raw: Any) -> AttemptOutcome:
         (ok, finish, usage, model, response_id, names, indexes, err, diag,
          so_rejected, denied) = raw
         error = None if err is None else AttemptError(ErrorClass(err[0]), str(err[1]),
-                                                      str(err[2]), err[3], err[4])
+                                                      str(err[2]), err[3], err[4], err[5])
         outcome = AttemptOutcome(
             bool(ok), finish, usage, model, response_id, tuple(str(n) for n in names),
             tuple(int(i) for i in indexes), error, AttemptDiag(*diag), bool(so_rejected),
@@ -99,4 +107,6 @@ def outcome_from_wire(raw: Any) -> AttemptOutcome:
     if not (finish is None or isinstance(finish, str)) or not (
             usage is None or isinstance(usage, dict)):
         raise BadOutcome("malformed attempt outcome: finish_reason or usage")
+    if error is not None and not (error.traceback is None or isinstance(error.traceback, str)):
+        raise BadOutcome("malformed attempt outcome: error traceback")
     return outcome

@@ -38,7 +38,7 @@ class RunAttempt:
     token: int
     call_id: str
     attempt: int
-    session_id: str
+    session_id: str | None  # None: the call has no session
     profile: dict[str, Any]
     request: dict[str, Any]
     settings: AttemptSettings
