@@ -169,9 +169,7 @@ class Daemon:
         self._sink_restarts.started()
 
     def _start_zygote(self) -> None:
-        # Here, not at the top: it imports the SDKs (3-5 s and ~110 MiB), which
-        # the supervisor never uses, and a refused start must be quick.
-        from streamfence.workers.zygote import zygote_main
+        from streamfence.workers.zygote_entry import zygote_main  # no SDK import here
 
         parent_conn, child_conn = self._mp.Pipe(duplex=True)
         self._zygote = self._mp.Process(
