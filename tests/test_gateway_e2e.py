@@ -238,3 +238,15 @@ def test_a_client_that_goes_away_cancels_its_call(gateway: Gateway,
     with gateway.daemon.client() as client:
         done = client.result(call_id, wait_s=10.0)
     assert done is not None and done["status"] == "cancelled", done
+
+
+def test_a_providers_status_reaches_the_sdk(gateway: Gateway, emu: EmulatorClient) -> None:
+    """A provider's 403 (or 404) raises the exception the SDK raises for it."""
+    emu.script("denied", [{"fault": "status", "status": 403, "message": "no access"}])
+    with pytest.raises(openai.PermissionDeniedError):
+        gateway.openai().chat.completions.create(
+            model="oa/gpt-emu#denied", messages=QUESTION)  # type: ignore[arg-type]
+    emu.script("missing", [{"fault": "status", "status": 404, "message": "no model"}])
+    with pytest.raises(anthropic.NotFoundError):
+        gateway.anthropic().messages.create(model="an/claude-emu#missing", max_tokens=10,
+                                            messages=QUESTION)  # type: ignore[arg-type]

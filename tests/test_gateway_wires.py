@@ -398,7 +398,7 @@ def test_openai_failure_before_any_byte_is_the_http_error(
 
 def test_openai_provider_error_keeps_a_known_status(server: WireServer,
                                                     oai: openai.OpenAI) -> None:
-    server.events = Call().failed("provider_error", "no access", http_status=403).events
+    server.events = Call().failed("provider_error", "no access", provider_status=403).events
     with pytest.raises(openai.PermissionDeniedError):
         _chat(oai)
 

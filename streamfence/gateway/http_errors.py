@@ -141,10 +141,10 @@ def anthropic_error(code: str, message: str, http_status: int | None = None
 
 def done_error(done: dict[str, Any]) -> tuple[str, str, int | None]:
     """(code, message, http_status) of a failed or cancelled done. `http_status`
-    is read from `error.http_status`, which the daemon does not send today."""
+    is the provider's own, which a `provider_error` carries (`provider_status`)."""
     error = done.get("error") or {}
     status = str(done.get("status"))
     code = str(error.get("code") or ("cancelled" if status == "cancelled" else "internal"))
     message = str(error.get("message") or f"the call ended {status}")
-    http_status = error.get("http_status")
+    http_status = error.get("provider_status")
     return code, message, http_status if isinstance(http_status, int) else None

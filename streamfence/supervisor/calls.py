@@ -156,8 +156,14 @@ class Finish:
     meta: FinishMeta
 
 
-def call_error(code: ErrorCode, message: str) -> dict[str, Any]:
-    return {"code": code.value, "message": message}
+def call_error(code: ErrorCode, message: str, provider_status: int | None = None
+               ) -> dict[str, Any]:
+    """A done's `error`; `provider_status`: the provider's HTTP status, for
+    `provider_error` (the gateway answers with it: docs/PROTOCOL.md §6)."""
+    error: dict[str, Any] = {"code": code.value, "message": message}
+    if provider_status is not None:
+        error["provider_status"] = provider_status
+    return error
 
 
 def meta_of(outcome: AttemptOutcome | None) -> FinishMeta:
@@ -194,7 +200,7 @@ def decide(call: Call, stats: AttemptStats, outcome: AttemptOutcome | None,
     if error.error_class is not ErrorClass.TRANSIENT:
         code = (ErrorCode.CREDENTIALS_MISSING if error.code == "credentials_missing"
                 else ErrorCode.PROVIDER_ERROR)
-        return Finish(CallStatus.FAILED, call_error(code, error.message), meta)
+        return Finish(CallStatus.FAILED, call_error(code, error.message, error.status), meta)
     out_of_time = call.deadline is not None and now >= call.deadline
     if call.attempts >= call.max_attempts or out_of_time:
         code = (ErrorCode.DEADLINE_EXCEEDED if out_of_time
