@@ -250,3 +250,56 @@ def test_a_providers_status_reaches_the_sdk(gateway: Gateway, emu: EmulatorClien
     with pytest.raises(anthropic.NotFoundError):
         gateway.anthropic().messages.create(model="an/claude-emu#missing", max_tokens=10,
                                             messages=QUESTION)  # type: ignore[arg-type]
+
+
+def test_a_cut_after_text_ends_with_the_providers_length_ending(gateway: Gateway,
+                                                                emu: EmulatorClient) -> None:
+    emu.script("cut", [{"fault": "disconnect", "after": 4, "chunks": 12}])
+    text, finish, _ = _openai_text(gateway.openai().chat.completions.create(
+        model="oa/gpt-emu#cut", messages=QUESTION, stream=True))  # type: ignore[arg-type]
+    sent = emu.log("cut")
+    assert len(sent) == 1 and text and text == sent[0]["sent_text"], (text, sent)
+    assert finish == "length"  # partial: never a retry that would repeat the text
+    emu.script("cut-claude", [{"fault": "disconnect", "after": 4, "chunks": 12}])
+    with gateway.anthropic().messages.stream(model="an/claude-emu#cut-claude", max_tokens=100,
+                                             messages=QUESTION) as stream:  # type: ignore[arg-type]
+        claude_text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert claude_text == emu.log("cut-claude")[0]["sent_text"] and claude_text
+    assert final.stop_reason == "max_tokens"
+
+
+def test_a_malformed_chunk_is_retried_unseen(gateway: Gateway, emu: EmulatorClient) -> None:
+    emu.script("garbled", [{"fault": "malformed", "after": 0}, {"fault": "ok"}])
+    with gateway.anthropic().messages.stream(model="an/claude-emu#garbled", max_tokens=100,
+                                             messages=QUESTION) as stream:  # type: ignore[arg-type]
+        text = "".join(stream.text_stream)
+    sent = emu.log("garbled")
+    assert [r["fault"] for r in sent] == ["malformed", "ok"] and text == sent[1]["text"]
+
+
+def test_tool_calls_are_assembled_by_each_sdk(gateway: Gateway, emu: EmulatorClient) -> None:
+    call = {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    emu.script("tool", [{"fault": "ok", "tool_call": call}])
+    slots: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in gateway.openai().chat.completions.create(
+            model="oa/gpt-emu#tool", messages=QUESTION, stream=True,  # type: ignore[arg-type]
+            tools=tools):  # type: ignore[arg-type]
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for tc in choice.delta.tool_calls or []:
+                slot = slots.setdefault(tc.index, {"name": "", "arguments": ""})
+                slot["name"] += (tc.function and tc.function.name) or ""
+                slot["arguments"] += (tc.function and tc.function.arguments) or ""
+    assert slots == {0: call} and finish == "tool_calls"
+    emu.script("tool-claude", [{"fault": "ok", "tool_call": call}])
+    with gateway.anthropic().messages.stream(
+            model="an/claude-emu#tool-claude", max_tokens=100, messages=QUESTION,  # type: ignore[arg-type]
+            tools=[{"name": "get_weather", "input_schema": {"type": "object"}}]) as stream:
+        final = stream.get_final_message()
+    uses = [block for block in final.content if block.type == "tool_use"]
+    assert [(u.name, u.input) for u in uses] == [("get_weather", json.loads(call["arguments"]))]
+    assert final.stop_reason == "tool_use"
