@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -179,11 +180,14 @@ def _open_stream(gateway: Gateway, key: str, headers: dict[str, str]) -> Any:
 
 
 def _frames(reply: Any, limit: int | None = None) -> list[tuple[int, str]]:
-    """(id, data) of each SSE frame, up to `limit` frames or the stream's end."""
+    """(id, data) of each SSE frame of `reply` (a response, or the bytes a
+    client printed), up to `limit` frames or the stream's end."""
+    lines = iter(reply.splitlines(keepends=True)) if isinstance(reply, bytes) else \
+        iter(reply.readline, b"")
     frames: list[tuple[int, str]] = []
     seq, data = -1, None
     while limit is None or len(frames) < limit:
-        line = reply.readline().decode()
+        line = next(lines, b"").decode()
         if not line:
             break
         line = line.rstrip("\n")
@@ -303,3 +307,16 @@ def test_tool_calls_are_assembled_by_each_sdk(gateway: Gateway, emu: EmulatorCli
     uses = [block for block in final.content if block.type == "tool_use"]
     assert [(u.name, u.input) for u in uses] == [("get_weather", json.loads(call["arguments"]))]
     assert final.stop_reason == "tool_use"
+
+
+def test_curl_is_a_client(gateway: Gateway, emu: EmulatorClient) -> None:
+    """The README's curl example, as a shell user runs it."""
+    emu.script("curl", [{"fault": "ok", "chunks": 6}])
+    body = json.dumps({"model": "oa/gpt-emu#curl", "stream": True, "messages": QUESTION})
+    done = subprocess.run(
+        ["curl", "-sN", gateway.url + "/v1/chat/completions", "-H",
+         f"Authorization: Bearer {gateway.key}", "-H", "Content-Type: application/json",
+         "-d", body], capture_output=True, timeout=30, check=True)
+    frames = _frames(done.stdout)
+    assert frames[-1][1] == "[DONE]"
+    assert _content(frames) == emu.log("curl")[0]["text"]
