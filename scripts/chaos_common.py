@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-import subprocess
 import tempfile
 import threading
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streamfence.devtools import disks
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
 from streamfence.devtools.verdict import BAD, CallRecord, judge, tally, verdict_ok
@@ -68,39 +68,14 @@ class ChaosState:
 
 
 @contextmanager
-def small_disk(where: Path, size: str) -> Iterator[str | None]:
-    """A tmpfs of `size` mounted at `where` (made if missing) for the block;
-    yields None, or why it could not be mounted (not root, say)."""
-    where.mkdir(mode=0o700, parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
-                           str(where)], capture_output=True, text=True)
-    if done.returncode != 0:
-        yield f"cannot mount a tmpfs at {where}: {done.stderr.strip() or done.returncode}"
-        return
-    try:
-        yield None
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
-def fill_disk(where: Path) -> Path:
-    """Fill the file system holding `where` with one file, until ENOSPC."""
-    filler = where / "filler"
-    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
-        while f.write(b"\0" * 65536):
-            pass
-    return filler
-
-
-@contextmanager
 def chaos_run(daemon_settings: dict[str, Any] | None = None,
               profile: dict[str, Any] | None = None,
-              state_disk: str | None = None) -> Iterator[ChaosState]:
+              state_disk: int | None = None) -> Iterator[ChaosState]:
     """A daemon on the emulator; `state_disk`: its state dir on a tmpfs of
-    that size (its log beside it, not on it)."""
+    that many MiB (its log beside it, not on it)."""
     with tempfile.TemporaryDirectory(prefix="streamfence-chaos-") as tmp, \
             EmulatorProcess() as emulator, \
-            (small_disk(Path(tmp) / "state", state_disk) if state_disk
+            (disks.small_disk(Path(tmp) / "state", state_disk) if state_disk
              else contextlib.nullcontext()) as no_disk:
         if no_disk:
             raise NoSmallDisk(no_disk)

@@ -46,13 +46,12 @@ from scripts.chaos_common import (
     ChaosState,
     NoSmallDisk,
     chaos_run,
-    fill_disk,
     parser,
     run_load,
     seeded,
-    small_disk,
     verdict,
 )
+from streamfence.devtools import disks
 
 STALE_S = 2.0  # the profile's stale timeout in these runs
 
@@ -107,7 +106,7 @@ def full_disk(state: ChaosState, rng: random.Random, start_s: float, storm_s: fl
     """Fill the state dir's disk for `storm_s` seconds, once."""
     if state.stop.wait(start_s):
         return
-    filler = fill_disk(state.daemon.state_dir)
+    filler = disks.fill(state.daemon.state_dir)
     try:
         state.stop.wait(storm_s)  # the fault itself: the disk full this long
         state.count(f"disk full for {storm_s:g} s")
@@ -135,7 +134,7 @@ def _lock(file: str) -> Callable[[ChaosState, random.Random, float, float], None
 FAULTS: dict[str, Callable[[ChaosState, random.Random, float, float], None]] = {
     "kills": kill_storm, "freeze": freeze, "full": full_disk,
     "lock-journal": _lock("journal.db"), "lock-transcript": _lock("transcript.db")}
-DISK = "64m"  # the `full` fault's tmpfs
+DISK_MIB = 64  # the `full` fault's tmpfs
 
 
 Inject = Callable[[ChaosState, random.Random, float, float], None]
@@ -143,7 +142,7 @@ Inject = Callable[[ChaosState, random.Random, float, float], None]
 
 def _no_small_disk() -> str | None:
     """Why no tmpfs can be mounted here, or None."""
-    with tempfile.TemporaryDirectory() as tmp, small_disk(Path(tmp) / "probe", "1m") as why:
+    with tempfile.TemporaryDirectory() as tmp, disks.small_disk(Path(tmp) / "probe", 1) as why:
         return why
 
 
@@ -155,7 +154,7 @@ def run_faults(names: list[str], args: argparse.Namespace, rng: random.Random) -
     title = "+".join(names)
     try:
         with chaos_run({"workers_max": args.workers_max}, {"stale_timeout_s": STALE_S},
-                       state_disk=DISK if "full" in names else None) as state:
+                       state_disk=DISK_MIB if "full" in names else None) as state:
             return _run(title, in_turn, state, args, rng, sink_may_restart="kills" in names)
     except NoSmallDisk as exc:
         if names != ["full"]:

@@ -3,12 +3,13 @@ daemon against it (one per test, in the test's tmp_path)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from streamfence.devtools import disks
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from tests.harness import DaemonProcess
 from tests.wires import profile_for
@@ -43,3 +44,24 @@ def make_daemon(tmp_path: Path, emulator: EmulatorProcess) -> Iterator[Any]:
     for proc in started:
         proc.cleanup()
         assert not getattr(proc, "survivors", []), f"processes outlived the daemon: {proc.survivors}"
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """`small_disk(mib)`: a fresh tmpfs of that size (mode 0700) at
+    `tmp_path / "diskN"`, unmounted at teardown (after a daemon's: request
+    this fixture before `make_daemon`). Skipped, with the reason, where no
+    tmpfs can be mounted (not root)."""
+    mounted: list[Path] = []
+
+    def make(mib: int) -> Path:
+        where = tmp_path / f"disk{len(mounted)}"
+        why = disks.mount(where, mib)
+        if why is not None:
+            pytest.skip(why)
+        mounted.append(where)
+        return where
+
+    yield make
+    for where in mounted:
+        disks.unmount(where)

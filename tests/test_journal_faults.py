@@ -11,12 +11,12 @@ import contextlib
 import logging
 import select
 import sqlite3
-import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from streamfence.devtools import disks
 from streamfence.protocol.errors import ErrorCode
 from streamfence.supervisor.journal import Journal
 from tests.harness import wait_until
@@ -109,77 +109,51 @@ def test_a_new_call_refused_in_a_failed_unit_is_never_written(tmp_path: Path) ->
     assert _rows(path, "SELECT call_id FROM requests") == [("first",)]
 
 
-def test_a_fault_met_at_commit_refuses_every_new_call_of_the_unit(tmp_path: Path) -> None:
+def test_a_fault_met_at_commit_refuses_every_new_call_of_the_unit(
+        small_disk: Callable[[int], Path]) -> None:
     """The turn's writes went in, the COMMIT is what fails (a full disk fails
     there): every call the unit added is refused, the rest is kept."""
-    state = tmp_path / "small"
-    state.mkdir()
-    with _tmpfs(state, "1m"):
-        path = state / "journal.db"
-        journal = Journal(str(path))
-        ran: list[str] = []
-        try:
-            _add(journal, "old")
-            journal.commit()
-            journal.start_attempt("old", 1)
-            for i in range(3):
-                _add(journal, f"new{i}", body="y" * (200 << 10))  # 600 KiB with the above
-            filler = _fill(state)
-            journal.commit(then=lambda: ran.append("durable"))
-            assert journal.fault is not None
-            assert journal.fault.code is ErrorCode.STORAGE_FULL, journal.fault
-            assert sorted(journal.take_refused()) == ["new0", "new1", "new2"]
-            filler.unlink()
-            _wait_synced(journal, ran, "durable")
-        finally:
-            journal.close()
-        assert _rows(path, "SELECT call_id, epoch FROM calls") == [("old", 1)]
+    state = small_disk(1)
+    path = state / "journal.db"
+    journal = Journal(str(path))
+    ran: list[str] = []
+    try:
+        _add(journal, "old")
+        journal.commit()
+        journal.start_attempt("old", 1)
+        for i in range(3):
+            _add(journal, f"new{i}", body="y" * (200 << 10))  # 600 KiB with the above
+        filler = disks.fill(state)
+        journal.commit(then=lambda: ran.append("durable"))
+        assert journal.fault is not None
+        assert journal.fault.code is ErrorCode.STORAGE_FULL, journal.fault
+        assert sorted(journal.take_refused()) == ["new0", "new1", "new2"]
+        filler.unlink()
+        _wait_synced(journal, ran, "durable")
+    finally:
+        journal.close()
+    assert _rows(path, "SELECT call_id, epoch FROM calls") == [("old", 1)]
 
 
-def test_no_rollback_error_masks_a_full_disk(tmp_path: Path,
+def test_no_rollback_error_masks_a_full_disk(small_disk: Callable[[int], Path],
                                               caplog: pytest.LogCaptureFixture) -> None:
-    state = tmp_path / "small"
-    state.mkdir()
+    state = small_disk(1)
     caplog.set_level(logging.INFO, logger="streamfence")
-    with _tmpfs(state, "1m"):
-        journal = Journal(str(state / "journal.db"))
-        try:
-            filler = _fill(state)
-            for i in range(20):  # until a write or a commit meets the full disk
-                _add(journal, f"c{i}", body="z" * (64 << 10))
-                journal.commit()
-                if journal.fault is not None:
-                    break
-            assert journal.fault is not None and journal.fault.code is ErrorCode.STORAGE_FULL
-            journal.take_refused()
-            filler.unlink()
-            wait_until(lambda: journal.commit() or journal.fault is None, 10.0,
-                       "the journal to commit again once space is back")
-        finally:
-            journal.close()
+    journal = Journal(str(state / "journal.db"))
+    try:
+        filler = disks.fill(state)
+        for i in range(20):  # until a write or a commit meets the full disk
+            _add(journal, f"c{i}", body="z" * (64 << 10))
+            journal.commit()
+            if journal.fault is not None:
+                break
+        assert journal.fault is not None and journal.fault.code is ErrorCode.STORAGE_FULL
+        journal.take_refused()
+        filler.unlink()
+        wait_until(lambda: journal.commit() or journal.fault is None, 10.0,
+                   "the journal to commit again once space is back")
+    finally:
+        journal.close()
     text = caplog.text
     assert "is full" in text and "writable again" in text, text
     assert "no transaction is active" not in text
-
-
-# ---- a small full disk -------------------------------------------------------------
-
-@contextlib.contextmanager
-def _tmpfs(where: Path, size: str) -> Iterator[None]:
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    try:
-        yield
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=True)
-
-
-def _fill(where: Path) -> Path:
-    """Fill the file system at `where` until ENOSPC; the filler file."""
-    filler = where / "filler"
-    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
-        while f.write(b"\0" * 65536):
-            pass
-    return filler

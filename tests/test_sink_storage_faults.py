@@ -10,12 +10,9 @@ sink is never restarted."""
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import re
 import sqlite3
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +23,7 @@ import msgpack
 import pytest
 import zmq
 
+from streamfence.devtools import disks
 from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.protocol.codec import encode
 from streamfence.protocol.internal import C_AUTHORIZE, C_STATS, R_OK, R_REFUSED
@@ -41,45 +39,6 @@ BAD_ROLLBACK = "no transaction is active"
 
 
 # ---- a small real disk ------------------------------------------------------------
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
-    """`small_disk(mib)`: a fresh tmpfs of that size (mode 0700), unmounted at
-    teardown (after the daemon's: request this fixture first)."""
-    mounted: list[Path] = []
-
-    def mount(mib: int) -> Path:
-        where = tmp_path / f"disk{len(mounted)}"
-        where.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0700", "tmpfs",
-                               str(where)], capture_output=True, text=True, timeout=30)
-        if proc.returncode != 0:
-            pytest.skip(f"a small disk needs a tmpfs mount, which failed: "
-                        f"{proc.stderr.strip() or proc.returncode}")
-        mounted.append(where)
-        return where
-
-    yield mount
-    for where in mounted:
-        if subprocess.run(["umount", str(where)], capture_output=True, timeout=30).returncode:
-            subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
-
-
-def fill(disk: Path) -> Path:
-    """Write a filler file on `disk` until ENOSPC; returns it (remove it to free)."""
-    filler = disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        while True:
-            try:
-                os.write(fd, b"\0" * 65536)
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC:
-                    raise
-                return filler
-    finally:
-        os.close(fd)
 
 
 def buffer_runs(store: TranscriptStore, calls: int, events: int = 3) -> dict[str, bytes]:
@@ -154,7 +113,7 @@ def test_a_commit_on_a_full_disk_waits_and_loses_no_row(
     store = TranscriptStore(str(path))
     try:
         expected = buffer_runs(store, 100)
-        filler = fill(disk)
+        filler = disks.fill(disk)
         commit = InThread(store.commit)
         fault = wait_for_record(caplog, "cannot write", str(path), running=commit)
         assert fault.levelno == logging.ERROR
@@ -186,7 +145,7 @@ def test_a_stop_asked_during_the_fault_gives_the_write_up(
     store = TranscriptStore(str(path), pause=stop.wait)  # True once a stop is asked
     try:
         expected = buffer_runs(store, 50)
-        filler = fill(disk)
+        filler = disks.fill(disk)
         commit = InThread(store.commit)
         wait_for_record(caplog, "cannot write", str(path), running=commit)
         stop.set()
@@ -215,7 +174,7 @@ def test_the_store_opens_on_a_full_disk_once_space_is_freed(
     disk = small_disk(3)
     path = disk / "transcript.db"
     TranscriptStore(str(path)).close()  # closed: its -wal and -shm files are gone
-    filler = fill(disk)
+    filler = disks.fill(disk)
     opening = InThread(lambda: TranscriptStore(str(path)))
     fault = wait_for_record(caplog, "cannot write", str(path), "the sink waits to open it",
                             running=opening)
@@ -268,7 +227,7 @@ def test_a_prune_on_a_full_disk_is_logged_and_tried_later(
         other = sqlite3.connect(path)  # an empty -wal: the delete needs new room
         other.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         other.close()
-        filler = fill(disk)
+        filler = disks.fill(disk)
         assert state.prune() == 0  # neither raised nor retried in place
         failed = wait_for_record(caplog, "pruning finished calls", "failed")
         assert failed.levelno == logging.WARNING
@@ -295,7 +254,7 @@ def test_stats_do_not_wait_for_the_disk(small_disk: Callable[[int], Path],
     state = SinkState(store, Nobody(), Nobody())
     try:
         expected = buffer_runs(store, 100)
-        filler = fill(disk)
+        filler = disks.fill(disk)
         reply = msgpack.unpackb(state.handle_control(Stats("status")))
         assert reply[:2] == [R_OK, "status"], reply
         assert reply[2]["storage_fault"].startswith("SQLITE_FULL"), reply[2]
@@ -377,7 +336,7 @@ def sink_on_small_disk(small_disk: Callable[[int], Path],
 def _fault_with_deltas(sink: LoggedSink, disk: Path, n: int) -> tuple[Path, dict[str, Any]]:
     """Fill the disk, send `n` deltas of 2 KB: the sink's stats once it reports
     the fault (it answers C_STATS while it waits)."""
-    filler = fill(disk)
+    filler = disks.fill(disk)
     worker = sink.worker()
     for seq in range(1, n + 1):
         worker.send(delta("full", 1, seq, f"{seq:04d}" + "x" * 2000))
@@ -453,7 +412,7 @@ def test_a_full_disk_pauses_a_running_call_without_a_sink_restart(
         events = client.events(call_id, timeout_s=30.0)
         first = [next(events) for _ in range(3)]  # accepted, authorized: journaled
         sink_pid = client.status()["processes"]["sink"]
-        filler = fill(disk)
+        filler = disks.fill(disk)
         try:
             fault = wait_until(lambda: _logged(daemon, "cannot write", "transcript.db",
                                                "SQLITE_FULL"), 10.0,

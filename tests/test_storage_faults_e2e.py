@@ -6,16 +6,14 @@ the journal can write, with no restart (docs/GUARANTEES.md, "Storage faults").""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sqlite3
-import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from streamfence.devtools import disks
 from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.devtools.launcher import DaemonExited
 from streamfence.protocol.client import Client
@@ -83,80 +81,59 @@ def test_a_lock_on_the_journal_refuses_submits_and_the_running_call_finishes(
     assert "writable again" in text and "no transaction is active" not in text
 
 
-@contextlib.contextmanager
-def _tmpfs(where: Path, size: str) -> Iterator[None]:
-    where.mkdir(mode=0o700, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
-                           str(where)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    try:
-        yield
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=True)
-
-
-def _fill(where: Path) -> Path:
-    filler = where / "filler"
-    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
-        while f.write(b"\0" * 65536):
-            pass
-    return filler
-
-
 def test_a_full_disk_refuses_submits_with_storage_full_and_resumes(
-        make_daemon: Any, emu: EmulatorClient, tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    with _tmpfs(state, "16m"):
-        daemon: DaemonProcess = make_daemon(start=False)
-        daemon.log_path = tmp_path / "daemon.log"  # the log must not share the full disk
-        daemon.start()
-        supervisor = daemon.proc.pid if daemon.proc else None
-        emu.script("before", [{"fault": "ok", "chunks": 3}])
-        with daemon.client(timeout_s=10.0) as client:
-            before = client.submit("emu", dict(REQUEST, model="gpt-emu#before"))
-            assert client.result(before, wait_s=20.0)["status"] == "completed"
-            filler = _fill(state)
-            refused = _submit_refused(client, "full")
-            assert refused.code == "storage_full", refused
-            assert "is full" in refused.message
-            assert _storage(client)["code"] == "storage_full"
-            assert _submit_refused(client, "full2").code == "storage_full"
-            os.unlink(filler)
-            wait_until(lambda: _storage(client) is None, 10.0,
-                       "the journal to write again once space is back")
-            emu.script("after", [{"fault": "ok", "chunks": 3}])
-            after = client.submit("emu", dict(REQUEST, model="gpt-emu#after"))
-            assert client.result(after, wait_s=20.0)["status"] == "completed"
-            counters = client.status()["counters"]
-        assert emu.log("full") == [] and emu.log("full2") == []
-        assert counters["refused.storage_full"] == 2, counters
-        assert daemon.proc is not None and daemon.proc.pid == supervisor
-        assert daemon.proc.poll() is None
-        daemon.stop()
-        assert "no transaction is active" not in daemon.log_text()
+        small_disk: Callable[[int], Path], make_daemon: Any, emu: EmulatorClient,
+        tmp_path: Path) -> None:
+    state = small_disk(16)
+    daemon: DaemonProcess = make_daemon(name=state.name, start=False)
+    daemon.log_path = tmp_path / "daemon.log"  # the log must not share the full disk
+    daemon.start()
+    supervisor = daemon.proc.pid if daemon.proc else None
+    emu.script("before", [{"fault": "ok", "chunks": 3}])
+    with daemon.client(timeout_s=10.0) as client:
+        before = client.submit("emu", dict(REQUEST, model="gpt-emu#before"))
+        assert client.result(before, wait_s=20.0)["status"] == "completed"
+        filler = disks.fill(state)
+        refused = _submit_refused(client, "full")
+        assert refused.code == "storage_full", refused
+        assert "is full" in refused.message
+        assert _storage(client)["code"] == "storage_full"
+        assert _submit_refused(client, "full2").code == "storage_full"
+        filler.unlink()
+        wait_until(lambda: _storage(client) is None, 10.0,
+                   "the journal to write again once space is back")
+        emu.script("after", [{"fault": "ok", "chunks": 3}])
+        after = client.submit("emu", dict(REQUEST, model="gpt-emu#after"))
+        assert client.result(after, wait_s=20.0)["status"] == "completed"
+        counters = client.status()["counters"]
+    assert emu.log("full") == [] and emu.log("full2") == []
+    assert counters["refused.storage_full"] == 2, counters
+    assert daemon.proc is not None and daemon.proc.pid == supervisor
+    assert daemon.proc.poll() is None
+    daemon.stop()
+    assert "no transaction is active" not in daemon.log_text()
 
 
 def test_a_start_on_a_full_disk_is_refused_with_the_reason_and_forgets_nothing(
-        make_daemon: Any, emu: EmulatorClient, tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    with _tmpfs(state, "16m"):
-        daemon: DaemonProcess = make_daemon(start=False)
-        daemon.log_path = tmp_path / "daemon.log"
-        daemon.start()
-        emu.script("kept", [{"fault": "ok", "chunks": 3}])
-        with daemon.client(timeout_s=10.0) as client:
-            kept = client.submit("emu", dict(REQUEST, model="gpt-emu#kept"))
-            assert client.result(kept, wait_s=20.0)["status"] == "completed"
-        assert daemon.stop() == 0
-        filler = _fill(state)
-        with pytest.raises(DaemonExited) as refused:
-            daemon.start(ready_timeout=10.0)
-        assert "the disk holding it is full" in str(refused.value), refused.value
-        assert "free space and start again" in str(refused.value)
-        assert daemon.stop() not in (0, None)
-        os.unlink(filler)
-        daemon.start()
-        with daemon.client(timeout_s=10.0) as client:
-            assert client.result(kept)["status"] == "completed"
-        daemon.stop()
+        small_disk: Callable[[int], Path], make_daemon: Any, emu: EmulatorClient,
+        tmp_path: Path) -> None:
+    state = small_disk(16)
+    daemon: DaemonProcess = make_daemon(name=state.name, start=False)
+    daemon.log_path = tmp_path / "daemon.log"
+    daemon.start()
+    emu.script("kept", [{"fault": "ok", "chunks": 3}])
+    with daemon.client(timeout_s=10.0) as client:
+        kept = client.submit("emu", dict(REQUEST, model="gpt-emu#kept"))
+        assert client.result(kept, wait_s=20.0)["status"] == "completed"
+    assert daemon.stop() == 0
+    filler = disks.fill(state)
+    with pytest.raises(DaemonExited) as refused:
+        daemon.start(ready_timeout=10.0)
+    assert "the disk holding it is full" in str(refused.value), refused.value
+    assert "free space and start again" in str(refused.value)
+    assert daemon.stop() not in (0, None)
+    filler.unlink()
+    daemon.start()
+    with daemon.client(timeout_s=10.0) as client:
+        assert client.result(kept)["status"] == "completed"
+    daemon.stop()
