@@ -4,7 +4,8 @@ the daemon, so an app keeps its SDK and changes only `base_url` and its key.
 - `POST /v1/chat/completions`: OpenAI's chat completions (openai profiles);
 - `POST /v1/messages`: Anthropic's messages (anthropic profiles);
 - `GET /v1/models`: the models an identity may call;
-- `GET /healthz`: the gateway serves.
+- `GET /healthz`: the gateway serves;
+- `GET /readyz`, `GET /metrics`: gateway/metrics.py (docs/METRICS.md).
 
 A request is data for one call: its body goes to the provider as it came
 (the gateway takes out only `stream` and `stream_options`, which it owns),
@@ -38,6 +39,7 @@ from aiohttp import web
 
 from streamfence.gateway import anthropic_messages, http_errors, openai_chat
 from streamfence.gateway.keys import HttpKeys
+from streamfence.gateway.metrics import Health
 from streamfence.gateway.routes import PROFILE_HEADER, NoRoute, route
 from streamfence.gateway.routes import models as route_models
 from streamfence.protocol.client_async import AsyncClient
@@ -86,6 +88,7 @@ class Gateway:
         self._keys = HttpKeys(keys_dir) if keys_dir is not None else None
         self._endpoint = _connectable(config.endpoint)
         self._clients: dict[str, AsyncClient] = {}
+        self._health = Health(self._endpoint, keys_dir, config.providers)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self._config.max_frame_bytes)
@@ -93,6 +96,7 @@ class Gateway:
         app.router.add_post("/v1/messages", self._messages)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/healthz", self._healthz)
+        self._health.register(app)
         app.on_cleanup.append(self._close)
         return app
 

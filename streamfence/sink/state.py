@@ -67,6 +67,7 @@ from streamfence.sink.fence import AuthorizeRefusal, FenceTable, FinalVerdict, V
 from streamfence.sink.store import TranscriptStore
 from streamfence.sink.subscribers import Cuts, Outbox
 from streamfence.sink.wire import Final, Hello, delta_prefix, rebind_frame
+from streamfence.supervisor.histograms import DELTA_LATENCY_BUCKETS, Histogram
 
 log = logging.getLogger("streamfence.sink")
 fence_log = logging.getLogger("streamfence.sink.fence")
@@ -216,6 +217,8 @@ class SinkState:
         self.finals_accepted = 0
         self.finals_refused = 0
         self.acks_unroutable = 0  # finals whose worker left before its ack
+        # Per commit that stored deltas (never per delta): see `commit`.
+        self.delta_latency = Histogram(DELTA_LATENCY_BUCKETS)
         self.prune_failing = False  # the last prune failed (logged once until one works)
         for row in store.unfinished_calls():
             # Closed until the supervisor authorizes a higher epoch.
@@ -286,7 +289,15 @@ class SinkState:
     def commit(self, wait: bool = True) -> bool:
         """Store everything accepted so far, then publish its events. A storage
         fault is waited out in the store; with `wait` False it is not: then
-        nothing is stored or published, all stays pending, and False."""
+        nothing is stored or published, all stays pending, and False.
+
+        `delta_latency` (status `histograms`, docs/METRICS.md): when deltas
+        were pending, from the end of the loop turn that read the first of
+        them (`commit_due` is set then) or, for a commit in that same turn
+        (a final's, a control op's), from this call, to the hand-off of
+        their events to the listeners' sockets: the oldest delta's wait."""
+        since = (self.commit_due - COMMIT_AFTER_S if self.commit_due is not None
+                 else time.monotonic()) if self.pending_events else None
         self.flush_pending()
         if self.store.commit(wait) is None:
             return False
@@ -298,6 +309,8 @@ class SinkState:
             self.outbox.clear()  # in place: the hot path holds a bound append
             if cuts:
                 self._cut_off(cuts)
+        if since is not None:
+            self.delta_latency.observe(time.monotonic() - since)
         return True
 
     def _send_event(self, subs: set[bytes], event: bytes) -> None:
@@ -602,6 +615,7 @@ class SinkState:
             "storage_fault": self.store.fault,
             "storage_fault_since": self.store.fault_since,
             "storage_retries": self.store.retries,
+            "delta_latency": self.delta_latency.to_map(),
             **self.peer.stats(),
             **self.listeners.stats(),
         }

@@ -38,6 +38,7 @@ from streamfence.supervisor.calls import (
 from streamfence.supervisor.clients import Clients
 from streamfence.supervisor.config import DaemonConfig
 from streamfence.supervisor.fallbacks import Fallbacks
+from streamfence.supervisor.histograms import Histograms, attempt_outcome
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.logs import log_with_traceback
 from streamfence.supervisor.pool import Pool, exit_text
@@ -102,6 +103,9 @@ class AttemptDriver:
         self._due: Deadlines[str] = Deadlines()
         self._next_token = 1
         self._counters = counters
+        # Durations for `status` (supervisor/histograms.py): observed once per
+        # attempt end and per call end, never per delta.
+        self.histograms = Histograms()
 
     # ---- what the front and recovery ask -------------------------------------------
     def enqueue(self, call: Call, staged: bool = False) -> None:
@@ -123,6 +127,7 @@ class AttemptDriver:
         call = self._calls[call_id]
         self._queue.append(call_id)
         self._arm_deadline(call)
+        self.histograms.accepted(call_id, self._clock())
 
     def drop(self, call_id: str) -> None:
         """A call that was never accepted: its request file could not be
@@ -427,6 +432,8 @@ class AttemptDriver:
 
     def _decide(self, call: Call, stats: AttemptStats, outcome: AttemptOutcome | None,
                 error: AttemptError | None) -> None:
+        self._counters["attempts." + attempt_outcome(outcome, call.fence_reason)] += 1
+        self.histograms.attempt_ended(outcome)
         if stats.visible_chars > 0:
             call.delivered = True
         # An unexpected exception's traceback, for the call's last line if this
@@ -489,6 +496,7 @@ class AttemptDriver:
         status = str(done.get("status"))
         self._journal.finish_call(call.call_id, status)
         self._counters["calls_" + status] += 1
+        self.histograms.call_done(call.call_id, self._clock())
         self._log_end(call, status)
         self._clients.on_call_done(call.call_id, done,
                                    functools.partial(self._journal.attempts_of, call.call_id))
@@ -519,6 +527,7 @@ class AttemptDriver:
         back to its owner's and the daemon's budgets (the only way out of
         `_calls`)."""
         del self._calls[call.call_id]
+        self.histograms.forget(call.call_id)
         owner = call.owner
         self._in_flight[owner] -= 1
         self._in_flight_bytes[owner] -= call.request_bytes

@@ -25,8 +25,10 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
     not polled, so an idle daemon sleeps; the last known ones while the sink
     is down). `calls.in_flight_bytes` is the request bytes the
     calls accepted and not done hold (the byte budgets: front.py); an admin
-    also sees them per owner and `in_flight_bytes_max`; and `storage`, the
-    journal's storage fault while one lasts (nil otherwise)."""
+    also sees them per owner and `in_flight_bytes_max`; `storage`, the
+    journal's storage fault while one lasts (nil otherwise); and
+    `histograms` (supervisor/histograms.py): the driver's, and the sink's
+    `delta_latency` (taken out of its counters)."""
     if not user.is_admin:
         # Its calls' request bytes (`in_flight_bytes`) next to its budget for them.
         calls = dict(driver.status(owner=user.name), max_in_flight_bytes=user.max_in_flight_bytes)
@@ -41,4 +43,13 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
             "breakers": breakers.snapshot(),
             "storage": storage(),
             "counters": dict(counters, **auth_counts())}
-    sink_stats(lambda stats: reply(dict(body, sink=stats)))
+    sink_stats(lambda stats: reply(_with_sink(body, driver.histograms.to_map(), stats)))
+
+
+def _with_sink(body: dict[str, Any], histograms: dict[str, Any], stats: dict[str, Any]
+               ) -> dict[str, Any]:
+    sink = dict(stats)  # a copy: the last counters known are kept as they came
+    latency = sink.pop("delta_latency", None)
+    if isinstance(latency, dict):
+        histograms["delta_latency_seconds"] = latency
+    return dict(body, sink=sink, histograms=histograms)
