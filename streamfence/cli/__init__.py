@@ -1,5 +1,5 @@
-"""The `streamfence` command: init, emulator, serve, submit, status, keys,
-prune, check, demo.
+"""The `streamfence` command: init, emulator, serve, submit, cancel, result,
+status, keys, prune, check, demo.
 
 Client commands find the daemon and their identity without flags on the
 daemon's own machine: `--credentials`, else $STREAMFENCE_CREDENTIALS, else the
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from streamfence.cli.calls import EXIT_INTERRUPTED, cancel, interrupted, outcome_line, result
 from streamfence.cli.check import check
 from streamfence.cli.common import (
     DEFAULT_CONFIG,
@@ -135,13 +136,17 @@ def _parse_request(wire: str, model: str, prompt: str,
 @click.option("--stale-timeout", type=float, default=None)
 @click.option("--timeout", type=float, default=600.0, show_default=True,
               help="Give up waiting for the daemon after this many seconds of silence.")
+@click.option("--detach", is_flag=True, default=False,
+              help="Ctrl-C leaves the call running (and says how to get its result) instead "
+                   "of cancelling it.")
 @click.argument("prompt", required=False, default="Hello!")
 def submit(endpoint: str | None, credentials: str | None, config_path: str | None,
            provider: str, wire: str | None, model: str | None, request_json: str | None,
            session_id: str | None, stale_timeout: float | None, timeout: float,
-           prompt: str) -> None:
+           detach: bool, prompt: str) -> None:
     """Submit one call to the profile named by --provider and stream its text
-    live to the terminal."""
+    live to stdout; the call id first and the outcome last go to stderr.
+    Ctrl-C cancels the call (exit 130), unless --detach."""
     from streamfence.protocol.client import ClientError
 
     cfg = load(config_path)
@@ -156,22 +161,28 @@ def submit(endpoint: str | None, credentials: str | None, config_path: str | Non
                     f", so the request was shaped for --wire {wire}; give --wire if it is "
                     f"another kind)") if guessed and exc.code != "unknown_provider" else ""
             raise click.ClickException(f"{exc.code}: {exc.message}{hint}") from None
+        except KeyboardInterrupt:  # its id unknown here: nothing to cancel by
+            click.echo("[interrupted] before the daemon answered the submit: if it took the "
+                       "call, the call runs on (`streamfence status` lists the calls)", err=True)
+            sys.exit(EXIT_INTERRUPTED)
         done: dict[str, Any] = {}
-        for event in client.events(call_id, timeout_s=timeout):
-            op = event.get("op")
-            if op == "delta" and event.get("kind") in ("text", "refusal"):
-                click.echo(event["data"], nl=False)
-            elif op == "delta" and event.get("kind") == "notice":
-                click.echo(f"\n[notice] {event['data']}", err=True)
-            elif op == "reset":
-                click.echo("\n[reset: the answer restarts]", err=True)
-            elif op == "done":
-                done = event
+        try:
+            click.echo(f"[accepted] call={call_id}", err=True)
+            for event in client.events(call_id, timeout_s=timeout):
+                op = event.get("op")
+                if op == "delta" and event.get("kind") in ("text", "refusal"):
+                    click.echo(event["data"], nl=False)
+                elif op == "delta" and event.get("kind") == "notice":
+                    click.echo(f"\n[notice] {event['data']}", err=True)
+                elif op == "reset":
+                    click.echo("\n[reset: the answer restarts]", err=True)
+                elif op == "done":
+                    done = event
+        except KeyboardInterrupt:
+            click.echo()  # end the answer's line
+            interrupted(client, call_id, detach)
         click.echo()
-        err = done.get("error") or {}
-        click.echo(f"[{done.get('status')}] call={call_id} attempts={done.get('attempts')}"
-                   + (f" error={err.get('code')}: {err.get('message')}" if err else ""),
-                   err=True)
+        click.echo(outcome_line(done, call_id), err=True)
         if done.get("status") not in ("completed", "partial"):
             sys.exit(1)
 
@@ -216,6 +227,8 @@ def demo(rounds: int, wires: tuple[str, ...], keep: bool) -> None:
     sys.exit(0 if ok else 1)
 
 
+main.add_command(cancel)
+main.add_command(result)
 main.add_command(init)
 main.add_command(emulator)
 main.add_command(check)

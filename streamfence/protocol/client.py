@@ -47,6 +47,14 @@ of the submit that started them, or twice (a replay overlapping the live
 stream): the client buffers them per call, hands each out once in seq order,
 and asks again (subscribe from the last seq) when it sees a gap.
 
+Cancel on abandon: a `stream_text` closed (`close()`, `with`, garbage
+collection) or left by an exception before its done, a `run` interrupted
+(KeyboardInterrupt, a timeout), and the running calls of both when the
+client closes, are cancelled: the cancel is sent without waiting for its
+reply, and `close()` lets the request socket linger up to `timeout_s` for
+cancels not yet answered. `detach=True` opts out (the call runs on; `result`
+reads it). `submit` and `events()` never cancel (client_core's docstring).
+
 Every receive has a deadline: a missing reply raises TimeoutError naming the
 request, its ref and the endpoint. Errors: ClientError (the daemon's `error`
 reply, code and message as sent), CallFailed (stream_text on a call that
@@ -118,6 +126,7 @@ class Client(ClientBase):
         self._events: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
         self._events.setsockopt(zmq.ROUTING_ID, self._core.listener.encode())
         self._poller = zmq.Poller()
+        self._busy = False  # in an operation or a send: the cancels of abandoned calls wait
         try:
             for sock, where in ((self._sock, endpoint), (self._events, self._core.events_endpoint)):
                 sock.setsockopt(zmq.LINGER, 0)
@@ -135,9 +144,17 @@ class Client(ClientBase):
         self._poller.register(self._monitor, zmq.POLLIN)
 
     def close(self) -> None:
-        """Close the sockets (linger 0: unsent requests are dropped). Idempotent."""
+        """Cancel the calls of the client's unfinished stream_text / run (not detached),
+        then close the sockets: linger 0 (unsent requests are dropped), but the
+        request socket lingers up to timeout_s while a cancel is unanswered. Idempotent."""
         if not self._closed:
+            self._core.leave_all()
+            self._busy = False  # closing from inside an operation (a signal handler, say)
+            self._send_cancels()
             self._closed = True
+            linger_ms = self._core.closing()
+            if linger_ms:
+                self._sock.close(linger=linger_ms)  # close_sockets then finds it closed
             close_sockets(self._sock, self._events, self._monitor)
 
     def __enter__(self) -> Client:
@@ -173,20 +190,25 @@ class Client(ClientBase):
             yield event
 
     def stream_text(self, provider: str, request: Mapping[str, Any], *, markers: bool = False,
-                    timeout_s: float | None = None, **submit_kw: Any) -> TextStream:
+                    timeout_s: float | None = None, detach: bool = False,
+                    **submit_kw: Any) -> TextStream:
         """Submit (on first iteration) and yield the text deltas as they arrive.
 
         With `markers`, resets and notices are yielded as bracketed lines.
         After the loop `.done` is the done event; failed/cancelled raises
         CallFailed. `submit_kw` are submit's keywords (not `subscribe`).
+        Closed (`close()`, `with`, garbage collected) or left by an exception
+        before the done, the call is cancelled, unless `detach`: then it runs
+        on, and `result(stream.call_id)` reads its outcome.
         """
-        return TextStream(self._call, self._core, provider, request, markers, timeout_s,
-                          submit_kw)
+        return TextStream(self, provider, request, markers, timeout_s, detach, submit_kw)
 
     # ---- transport: performing the flows' effects ----------------------------------
 
     def _call(self, flow: Flow[T]) -> T:
-        """Run `flow` to its end; an effect's exception is thrown into it."""
+        """Run `flow` to its end; an effect's exception is thrown into it. Then
+        send the cancels of calls abandoned meanwhile."""
+        busy, self._busy = self._busy, True
         try:
             effect = next(flow)
             while True:
@@ -202,6 +224,29 @@ class Client(ClientBase):
         except StopIteration as stop:
             value: T = stop.value
             return value
+        finally:
+            self._busy = busy
+            if self._core.to_cancel:
+                self._send_cancels()
+
+    def _send_cancels(self) -> None:
+        """Send the cancels of abandoned calls (client_core.ClientCore.send_cancels),
+        unless an operation is under way (a stream collected in the middle of one,
+        or in another thread): that one sends them when it ends."""
+        if self._busy or self._closed or not self._core.to_cancel:
+            return
+        self._busy = True
+        try:
+            self._core.send_cancels(self._send_now)
+        finally:
+            self._busy = False
+
+    def _send_now(self, frame: bytes) -> bool:
+        try:
+            self._sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     def _send(self, effect: Send) -> None:
         self._check_open()
@@ -243,19 +288,41 @@ class TextStream(TextFlow):
     After the iteration, `done` holds the call's done event; `call_id` is set
     once the call was accepted. A call that ends `failed` or `cancelled`
     raises CallFailed at the end of the iteration (after its text).
+    `close()` (also `with` and garbage collection) before the done cancels
+    the call, unless `detach`.
     """
 
-    def __init__(self, call: Callable[[Flow[str | None]], str | None], core: ClientCore,
-                 provider: str, request: Mapping[str, Any], markers: bool,
-                 timeout_s: float | None, submit_kw: dict[str, Any]) -> None:
-        super().__init__(core, provider, request, markers, timeout_s, submit_kw)
-        self._call = call
+    def __init__(self, client: Client, provider: str, request: Mapping[str, Any],
+                 markers: bool, timeout_s: float | None, detach: bool,
+                 submit_kw: dict[str, Any]) -> None:
+        super().__init__(client._core, provider, request, markers, timeout_s, detach,
+                         submit_kw)
+        self._client = client
 
     def __iter__(self) -> TextStream:
         return self
 
     def __next__(self) -> str:
-        piece = self._call(self.next_piece())
+        piece = self._client._call(self.next_piece())
         if piece is None:
             raise StopIteration
         return piece
+
+    def close(self) -> None:
+        """Stop reading; a call not done is cancelled (unless `detach`), the cancel
+        sent at once without waiting for its reply. Idempotent."""
+        super().close()
+        self._client._send_cancels()
+
+    def __enter__(self) -> TextStream:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:  # noqa: SIM105 (no module global: a finalizer may run at interpreter exit)
+            self.close()
+        except Exception:
+            pass

@@ -8,6 +8,14 @@ stays a plain method. Tasks of one event loop may share a client: whichever
 task is waiting receives for everyone (one at a time, guarded by a
 condition), routes each frame through the shared Router, and wakes the
 others, so no background task exists that could outlive the client.
+
+Cancel on abandon (client_core's docstring): the cancel of an abandoned call
+is sent at once, without an await, on a synchronous shadow of the request
+socket (a task may close a stream while another one is waiting in a poll),
+except in the middle of a send or off the client's thread (a finalizer run
+by another thread's garbage collection): then when the current operation
+ends. `AsyncTextStream.close()` is a plain method, `aclose()` its awaitable
+twin (`contextlib.aclosing`), and `async with` closes it.
 """
 
 from __future__ import annotations
@@ -16,7 +24,8 @@ import asyncio
 import contextlib
 import math
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from time import monotonic
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -82,11 +91,21 @@ class AsyncClient(ClientBase):
         self._poller.register(self._monitor, zmq.POLLIN)
         self._cond = asyncio.Condition()
         self._pumping = False
+        # The cancels of abandoned calls go out without an await (_send_cancels).
+        self._sync_sock: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
+        self._thread = threading.get_ident()  # set again by each operation (_call)
+        self._sending = False  # inside a send or a flush: a cancel waits for its end
 
     def close(self) -> None:
-        """Close the sockets (linger 0: unsent requests are dropped). Idempotent."""
+        """As Client.close: cancel the unfinished stream_text / run calls (not
+        detached), then close the sockets. Idempotent."""
         if not self._closed:
+            self._core.leave_all()
+            self._send_cancels()
             self._closed = True
+            linger_ms = self._core.closing()
+            if linger_ms:
+                self._sock.close(linger=linger_ms)  # close_sockets then finds it closed
             close_sockets(self._sock, self._events, self._monitor)
 
     async def __aenter__(self) -> AsyncClient:
@@ -122,15 +141,17 @@ class AsyncClient(ClientBase):
             yield event
 
     def stream_text(self, provider: str, request: Mapping[str, Any], *, markers: bool = False,
-                    timeout_s: float | None = None, **submit_kw: Any) -> AsyncTextStream:
+                    timeout_s: float | None = None, detach: bool = False,
+                    **submit_kw: Any) -> AsyncTextStream:
         """As Client.stream_text, an async iterator."""
-        return AsyncTextStream(self._call, self._core, provider, request, markers, timeout_s,
-                               submit_kw)
+        return AsyncTextStream(self, provider, request, markers, timeout_s, detach, submit_kw)
 
     # ---- transport: performing the flows' effects ----------------------------------
 
     async def _call(self, flow: Flow[T]) -> T:
-        """Run `flow` to its end; an effect's exception is thrown into it."""
+        """Run `flow` to its end; an effect's exception is thrown into it. Then
+        send the cancels of calls abandoned meanwhile."""
+        self._thread = threading.get_ident()  # the event loop's: where cancels may be sent
         try:
             effect = next(flow)
             while True:
@@ -146,14 +167,40 @@ class AsyncClient(ClientBase):
         except StopIteration as stop:
             value: T = stop.value
             return value
+        finally:
+            if self._core.to_cancel:
+                self._send_cancels()
 
     async def _send(self, effect: Send) -> None:
         self._check_open()
         sock = self._events if effect.to_events else self._sock
+        self._sending = True  # pyzmq tries the send at once, frame by frame, in this call
         try:
-            await asyncio.wait_for(sock.send_multipart(effect.frames), self.timeout_s)
+            sent = sock.send_multipart(effect.frames)
+        finally:
+            self._sending = False
+        try:
+            await asyncio.wait_for(sent, self.timeout_s)
         except (TimeoutError, zmq.Again):
             raise self._core.send_failed(effect.what) from None
+
+    def _send_cancels(self) -> None:
+        """Send the cancels of abandoned calls now (module docstring)."""
+        if (self._sending or self._closed or not self._core.to_cancel
+                or threading.get_ident() != self._thread):
+            return
+        self._sending = True
+        try:
+            self._core.send_cancels(self._send_now)
+        finally:
+            self._sending = False
+
+    def _send_now(self, frame: bytes) -> bool:
+        try:
+            self._sync_sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     async def _pump(self, deadline: float) -> None:
         """Wait for frames until `deadline` and route them, or, if another task
@@ -203,19 +250,41 @@ class AsyncClient(ClientBase):
 
 
 class AsyncTextStream(TextFlow):
-    """The asyncio twin of TextStream (`async for`)."""
+    """The asyncio twin of TextStream (`async for`; `async with` or `aclose()` closes it)."""
 
-    def __init__(self, call: Callable[[Flow[str | None]], Awaitable[str | None]],
-                 core: ClientCore, provider: str, request: Mapping[str, Any], markers: bool,
-                 timeout_s: float | None, submit_kw: dict[str, Any]) -> None:
-        super().__init__(core, provider, request, markers, timeout_s, submit_kw)
-        self._call = call
+    def __init__(self, client: AsyncClient, provider: str, request: Mapping[str, Any],
+                 markers: bool, timeout_s: float | None, detach: bool,
+                 submit_kw: dict[str, Any]) -> None:
+        super().__init__(client._core, provider, request, markers, timeout_s, detach,
+                         submit_kw)
+        self._client = client
 
     def __aiter__(self) -> AsyncTextStream:
         return self
 
     async def __anext__(self) -> str:
-        piece = await self._call(self.next_piece())
+        piece = await self._client._call(self.next_piece())
         if piece is None:
             raise StopAsyncIteration
         return piece
+
+    def close(self) -> None:
+        """As TextStream.close."""
+        super().close()
+        self._client._send_cancels()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> AsyncTextStream:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:  # noqa: SIM105 (no module global: a finalizer may run at interpreter exit)
+            self.close()
+        except Exception:
+            pass

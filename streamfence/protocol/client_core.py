@@ -23,6 +23,15 @@ endpoint (`messages.events_endpoint`), where the client's DEALER has its
 names the listener, the client says `listen` there and waits for
 `listening`, so its events connection is up before events are sent to it.
 
+Cancel on abandon: a call that `stream_text` or `run` submitted (without
+`detach`) is *owned* until its done. Left before that (the stream closed or
+collected, an exception or interrupt out of `run`, the client closed), it
+is cancelled: `leave` queues the cancel (no I/O) and the shell sends it
+without waiting for the reply (`send_cancels`): at once where that is safe
+(not inside a send of the same socket, not from another thread), else when
+the current operation ends, at the latest on close. A call of `submit` or read with `events()` is never cancelled by the
+client: its reader may be one of several, and its caller holds the id.
+
 Deadlines are `time.monotonic()` values, the only clock read here. What to
 send, which reply ops are valid, what to raise, when `events()` re-subscribes
 or probes and what `stream_text` yields are all decided here and in
@@ -35,6 +44,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
+from collections import deque
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from time import monotonic
@@ -59,6 +70,7 @@ from streamfence.protocol.messages import Op, events_endpoint
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("streamfence.client")
 
 
 @dataclass(slots=True)
@@ -101,10 +113,48 @@ class ClientCore:
         self.timeout_s = float(timeout_s)
         self.router = Router(max_frame)
         self.subscribes = 0  # subscribe requests sent (a gap, a cut_off, a probe, the caller)
+        self.owned: set[str] = set()  # calls of stream_text / run, not detached, before done
+        self.to_cancel: deque[str] = deque()  # abandoned calls whose cancel is not sent yet
 
     def send_failed(self, what: str) -> TimeoutError:
         return TimeoutError(f"could not send {what} to {self.endpoint} within "
                             f"{self.timeout_s:g} s")
+
+    # ---- cancel on abandon (module docstring) -------------------------------------
+
+    def leave(self, call_id: str) -> None:
+        """The caller reads no more of `call_id`: its events are dropped and, if
+        this client owns it, its cancel is queued for `send_cancels`."""
+        self.router.stop_reading(call_id)
+        if call_id in self.owned:
+            self.owned.discard(call_id)
+            self.to_cancel.append(call_id)
+
+    def leave_all(self) -> None:
+        """The client closes: every call it owns is abandoned."""
+        for call_id in list(self.owned):
+            self.leave(call_id)
+
+    def closing(self) -> int:
+        """The client closes (after a last `send_cancels`): warn of cancels it could
+        not send; return its request socket's linger in ms (timeout_s while a
+        cancel is unanswered, so that it still leaves; else 0)."""
+        if self.to_cancel:
+            log.warning("closing the client of %s with the cancels of calls %s unsent (no "
+                        "connection to the daemon): they run on", self.endpoint,
+                        ", ".join(self.to_cancel))
+        return int(self.timeout_s * 1000) if self.router.cancels_unanswered else 0
+
+    def send_cancels(self, send: Callable[[bytes], bool]) -> None:
+        """Send the queued cancels with `send`, a non-blocking send of one frame
+        (False: not now; the cancel stays queued for the next time)."""
+        while self.to_cancel:
+            call_id = self.to_cancel[0]
+            ref = new_ref()
+            if not send(encode(call_msg(Op.CANCEL, ref, call_id))):
+                return
+            self.to_cancel.popleft()
+            self.router.cancel_sent(ref, call_id)
 
     def _no_reply(self, what: str, ref: str | None, timeout_s: float) -> TimeoutError:
         ref_text = f"ref {ref}" if ref is not None else "no ref"
@@ -237,18 +287,29 @@ class ClientCore:
         return EventReader(self, call_id, timeout_s)
 
     def run(self, /, provider: str, request: Mapping[str, Any], *,
-            timeout_s: float | None = None, **submit_kw: Any) -> Flow[dict[str, Any]]:
+            timeout_s: float | None = None, detach: bool = False,
+            **submit_kw: Any) -> Flow[dict[str, Any]]:
         """Submit and return the call's done event, whatever its status.
 
         An answer too large for the done event (`response.content_omitted`) is
-        assembled here from the winning attempt's deltas."""
+        assembled here from the winning attempt's deltas. Left before the done
+        (KeyboardInterrupt, a cancelled task, a timeout, the client closed),
+        the call is cancelled, unless `detach`: then it runs on (`result`)."""
         call_id = yield from self.submit(provider, request, subscribe=True, **submit_kw)
+        if not detach:
+            self.owned.add(call_id)
         events = self.events(call_id, timeout_s)
         answer = _Answer()
-        while (event := events.take() or (yield from events.wait())) is not None:
-            if event["op"] == Op.DONE:
-                return answer.fill(event)
-            answer.add(event)
+        try:
+            while (event := events.take() or (yield from events.wait())) is not None:
+                if event["op"] == Op.DONE:
+                    self.owned.discard(call_id)
+                    return answer.fill(event)
+                answer.add(event)
+        except BaseException:
+            self.leave(call_id)  # no I/O here: the shell sends the cancel
+            raise
+        self.owned.discard(call_id)
         raise ClientError(BAD_REPLY, f"the events of call {call_id} ended without a done")
 
 
@@ -385,17 +446,30 @@ class TextFlow:
 
     `call_id` is set once the call was accepted, `done` once its done event
     came. A call that ends `failed` or `cancelled` raises CallFailed after its
-    text; after the end or an exception, every further piece is None (the end).
+    text; after the end, an exception or `close()`, every further piece is
+    None (the end). Closed (or left by an exception) before its done, the
+    call is cancelled unless `detach` (module docstring).
     """
 
     def __init__(self, core: ClientCore, provider: str, request: Mapping[str, Any],
-                 markers: bool, timeout_s: float | None, submit_kw: dict[str, Any]) -> None:
+                 markers: bool, timeout_s: float | None, detach: bool,
+                 submit_kw: dict[str, Any]) -> None:
         self.call_id: str | None = None
         self.done: dict[str, Any] | None = None
+        self.detach = detach
         self._core, self._provider, self._request = core, provider, request
         self._markers, self._timeout_s, self._submit_kw = markers, timeout_s, submit_kw
         self._events: EventReader | None = None
         self._over = False
+        self._left = False  # `close` left the accepted call (once)
+
+    def close(self) -> None:
+        """No more pieces; an accepted call without its done is left (`ClientCore.leave`:
+        cancelled unless detached). Idempotent, no I/O: the shell sends the cancel."""
+        self._over = True
+        if self.call_id is not None and self.done is None and not self._left:
+            self._left = True
+            self._core.leave(self.call_id)
 
     def next_piece(self) -> Flow[str | None]:
         """The next piece of text (see client_base.text_piece); None at the end."""
@@ -403,14 +477,21 @@ class TextFlow:
             return None
         try:
             if self._events is None:
-                self.call_id = yield from self._core.submit(
+                call_id = yield from self._core.submit(
                     self._provider, self._request, subscribe=True, **self._submit_kw)
-                self._events = self._core.events(self.call_id, self._timeout_s)
+                self.call_id = call_id
+                if not self.detach:
+                    self._core.owned.add(call_id)
+                if self._over:  # closed (by another task) while the submit was out
+                    self.close()
+                    return None
+                self._events = self._core.events(call_id, self._timeout_s)
             events = self._events
             while (event := events.take() or (yield from events.wait())) is not None:
                 if event["op"] == Op.DONE:
                     self._over = True
                     self.done = dict(event)
+                    self._core.owned.discard(events.call_id)
                     finished_ok(event)
                     return None
                 piece = text_piece(event, self._markers)
@@ -419,7 +500,7 @@ class TextFlow:
             self._over = True
             return None
         except BaseException:
-            self._over = True
+            self.close()
             raise
 
 

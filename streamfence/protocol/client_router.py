@@ -30,7 +30,12 @@ it, without a socket, so it is shared by both flavours and testable alone:
   buffered per call in a heap keyed by `seq` until the caller asks for them,
   whether or not anyone is reading that call yet; an event already seen
   (seq at or below the last one handed out, or already buffered) is a
-  duplicate from a replay and is discarded.
+  duplicate from a replay and is discarded. A call the caller stopped
+  reading (`stop_reading`: an abandoned `stream_text` or `run`) is treated
+  as a finished one: its buffer is freed and its later events discarded.
+- the reply to the cancel of an abandoned call (`cancel_sent`) is awaited by
+  nobody: it is discarded, and until it comes the call counts as
+  `cancels_unanswered` (the shell lets its socket linger on close for it).
 
 Nothing here blocks or reads a clock (the shell passes the time to `ack_due`).
 """
@@ -56,6 +61,7 @@ EVENTS_LOST = "events_lost"  # client-side code: the call ended but its events n
 _EVENT_OPS = frozenset({Op.DELTA.value, Op.RESET.value, Op.DONE.value})
 _KEEP_FINISHED = 4096  # finished calls remembered to discard late duplicates
 _KEEP_SUBSCRIBE_REFS = 1024  # a subscribe's success has no reply: keep the latest refs only
+_KEEP_CANCEL_REFS = 1024  # cancels of abandoned calls awaiting their (discarded) reply
 ACK_EVERY = 64 << 10  # say `ack` after this many bytes read on the events socket ...
 ACK_AFTER_S = 0.05  # ... or this long after the last one, if anything was read
 
@@ -153,6 +159,7 @@ class Router:
         self._raw_waiters = 0
         self._unattributed: deque[dict[str, Any]] = deque(maxlen=64)
         self._subscribe_refs: OrderedDict[str, str] = OrderedDict()  # subscribe ref -> call_id
+        self._cancel_refs: OrderedDict[str, str] = OrderedDict()  # abandoned: ref -> call_id
         self._streams: dict[str, CallStream] = {}
         self._finished: OrderedDict[str, int] = OrderedDict()  # call_id -> seq of its done
         self._order = itertools.count()
@@ -177,6 +184,16 @@ class Router:
         if reply is not None:
             del self._replies[ref]
         return reply
+
+    def cancel_sent(self, ref: str, call_id: str) -> None:
+        """The cancel of an abandoned call went out: nobody waits for its reply."""
+        self._cancel_refs[ref] = call_id
+        while len(self._cancel_refs) > _KEEP_CANCEL_REFS:
+            self._cancel_refs.popitem(last=False)
+
+    @property
+    def cancels_unanswered(self) -> int:
+        return len(self._cancel_refs)
 
     def expect_raw(self) -> None:
         self._raw_waiters += 1
@@ -238,6 +255,16 @@ class Router:
             self._streams.pop(call_id, None)
             self._finished.pop(call_id, None)
         self.stream(call_id).skip_to(from_seq)
+
+    def stop_reading(self, call_id: str) -> None:
+        """The caller reads no more of the call: free its buffered events and
+        discard later ones, as for a finished call (a subscribe from an
+        earlier seq reads it afresh, as `reading` says)."""
+        s = self.stream(call_id)
+        s.finished = True
+        s.heap.clear()
+        s.buffered.clear()
+        self._retire(s)
 
     # ---- events -----------------------------------------------------------
 
@@ -340,6 +367,12 @@ class Router:
         if ref in self._replies:
             self._replies[ref] = msg
             return True
+        cancelled = self._cancel_refs.pop(ref, None)
+        if cancelled is not None:
+            if msg.get("op") == Op.ERROR:
+                log.warning("the cancel of abandoned call %s was refused: %s: %s", cancelled,
+                            msg.get("code"), msg.get("message"))
+            return False
         call_id = self._subscribe_refs.pop(ref, None)
         if call_id is not None:
             if msg.get("op") == Op.ERROR:
