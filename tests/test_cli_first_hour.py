@@ -113,7 +113,7 @@ def test_uncommenting_every_default_changes_nothing(tmp_path: Path) -> None:
     with_http = load_config(str(path), env={})
     assert parse_config({"providers": {n: {"kind": p.kind} for n, p in
                                        with_http.providers.items()},
-                         **example}).http.listen == "127.0.0.1:7756"
+                         **example}).http.listen == "127.0.0.1:7757"
 
 
 def test_init_writes_into_dir_and_refuses_to_overwrite(tmp_path: Path) -> None:

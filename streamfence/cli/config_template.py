@@ -134,7 +134,7 @@ IDENTITY_DOCS: dict[str, tuple[Any, str]] = {
 WIDTH = 79
 
 
-HTTP_LISTEN = "127.0.0.1:7756"  # the [http] example (commented out: no gateway by default)
+HTTP_LISTEN = "127.0.0.1:7757"  # the [http] example (commented out: no gateway by default)
 HTTP_ROUTES = {"gpt-4o-mini": "openai"}
 
 

@@ -179,6 +179,7 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> DaemonConfig
     http = _parse_http(data.get("http", {}), f"{source}: http", profiles)
     cfg = DaemonConfig(providers=profiles, identities=identities, http=http, **daemon)
     check_endpoint(f"{source}: daemon.endpoint", cfg.endpoint, cfg.auth)
+    _check_http_port(f"{source}: http.listen", cfg)
     if cfg.workers_spare < 1 or cfg.workers_max < 1:
         raise ConfigError(f"{source}: daemon.workers_max and daemon.workers_spare must be >= 1")
     return cfg
@@ -208,6 +209,19 @@ def _parse_http(table: Any, where: str, profiles: dict[str, ProviderProfile]) ->
         if not isinstance(profile, str) or profile not in profiles:
             raise ConfigError(f"{where}.routes.{model}: no provider profile {profile!r}")
     return HttpConfig(listen=listen, routes=dict(routes))
+
+
+def _check_http_port(where: str, cfg: DaemonConfig) -> None:
+    """The gateway's port is neither the client endpoint's nor the events
+    endpoint's (the next one: docs/PROTOCOL.md §1)."""
+    if cfg.http.listen is None or not cfg.endpoint.startswith("tcp://"):
+        return
+    port = int(cfg.endpoint.rpartition(":")[2])
+    if cfg.http.host_port[1] in (port, port + 1):
+        raise ConfigError(f"{where}: port {cfg.http.host_port[1]} is the daemon's "
+                          f"{'client' if cfg.http.host_port[1] == port else 'events'} "
+                          f"endpoint ({cfg.endpoint}, events on port {port + 1}); pick "
+                          f"another, e.g. {port + 2}")
 
 
 def _log_level(where: str, value: str) -> str:
