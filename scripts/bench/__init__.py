@@ -23,6 +23,10 @@ Sections (one module each; each returns a `common.Section`):
                burst while the workers are still there).
 - `capacity`   8. the most concurrent paced streams served with stretch ≤ 1.1,
                streamfence vs the bare SDK in threads.
+- `gateway`    9. the HTTP gateway: the openai SDK through it vs the same SDK
+               straight at the emulator vs the ZeroMQ client (and LiteLLM's
+               proxy, when installed), 1 and 32 paced streams: TTFT and CPU
+               per delta, as ratios.
 
 `load` holds the process entry points shared by sections 2, 3 and 5
 (producers impersonating workers, the ceiling server, a standalone sink);

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from scripts.bench import common, report
 
-SECTIONS = ("cpu", "throughput", "latency", "failover", "scale", "startup", "ttft", "capacity")
+SECTIONS = ("cpu", "throughput", "latency", "failover", "scale", "startup", "ttft", "capacity",
+            "gateway")
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "PERFORMANCE.md"
 
 
