@@ -201,6 +201,14 @@ def _first_output(proc: subprocess.Popen[bytes], timeout: float) -> tuple[bytes,
     return got[proc.stdout], got[proc.stderr]
 
 
+def _as_in_a_terminal() -> None:
+    """SIGINT as a foreground command gets it: a shell that runs the tests in
+    the background (`cmd &`, as a CI runner may) starts them with SIGINT
+    ignored, and a child inherits that, so Python never installs its
+    KeyboardInterrupt handler and the Ctrl-C below would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt_submit(daemon: DaemonProcess, key: str,
                       *flags: str) -> tuple[str, float, int, str]:
     """Start `streamfence submit` on `key`, SIGINT it once it printed some text;
@@ -209,7 +217,7 @@ def _interrupt_submit(daemon: DaemonProcess, key: str,
     proc = subprocess.Popen(_cli(daemon, "submit", "--provider", "emu", "--model",
                                  f"gpt-emu#{key}", *flags, "hi"),
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, preexec_fn=_as_in_a_terminal)
     try:
         _, err = _first_output(proc, timeout=30.0)
         first = err.decode().splitlines()[0]
