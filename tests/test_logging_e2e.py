@@ -117,6 +117,8 @@ def test_a_failed_call_logs_one_error_with_the_traceback_of_its_unexpected_excep
     attempt = [r for r in records if r["level"] == "WARNING"]
     assert len(attempt) == 1 and "stream failed before delivery" in attempt[0]["message"]
     assert [r for r in records if "traceback" in r] == [error], records
+    started = [r["message"] for r in records if r["message"].startswith("attempt started")]
+    assert started == ["attempt started: provider=bedrock model=m#unexpected"], started
 
 
 def test_a_call_that_fails_every_attempt_logs_one_error(daemon: DaemonProcess,

@@ -234,7 +234,7 @@ def _run_one(run: RunAttempt, sink: SinkChannel, live: LivenessTable, slot: int)
         with open(run.request_file, "rb") as f:
             request = submitted_request(f.read(), run.request)
     log.info("attempt started: provider=%s model=%s", run.profile.get("name"),
-             request.get("model"))
+             request.get("model") or request.get("modelId"))  # Bedrock names it modelId
     if settings.notice:
         out.delta(NOTICE, settings.notice)
     outcome = run_attempt(run.profile, request, out, settings)
