@@ -52,12 +52,10 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +78,7 @@ from scripts.bench.common import (
     wait_idle,
     wait_quiet,
 )
+from scripts.bench.ttft import Call, _sdk_burst
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess, wait_until
 from streamfence.gateway.keys import http_key
@@ -95,19 +94,6 @@ CHUNKS = 50
 ADDED_P50_TARGET_S = 0.005
 CPU_RATIO_TARGET = 1.3
 LITELLM_ENV = "SF_BENCH_LITELLM"
-
-
-@dataclass(slots=True)
-class Call:
-    model: str
-    key: str
-    t0: float = 0.0  # perf_counter at the request / submit
-    w0: float = 0.0  # time.time() at the request / submit
-    first: float = 0.0  # perf_counter at the first content
-    wfirst: float = 0.0
-    pieces: int = 0  # content chunks / text deltas received
-    text: str = ""
-    error: str = ""
 
 
 def _free_port() -> int:
@@ -214,43 +200,6 @@ def _litellm(exe: str, emu: EmulatorProcess, port: int, key: str
 
 # ---- the variants ------------------------------------------------------------------
 
-def _sdk_streams(sdk: openai.OpenAI, calls: list[Call]) -> None:
-    """One thread per call, all started first and released together."""
-    go = threading.Event()
-    ready = threading.Semaphore(0)
-    client: Any = sdk  # the SDK's overloads are too narrow for a bench's model names
-
-    def one(call: Call) -> None:
-        ready.release()
-        go.wait()
-        parts: list[str] = []
-        call.t0, call.w0 = time.perf_counter(), time.time()
-        try:
-            stream = client.chat.completions.create(model=call.model, messages=PROMPT,
-                                                    stream=True)
-            for chunk in stream:
-                if chunk.choices:
-                    content = chunk.choices[0].delta.content
-                    if content:
-                        if not call.first:
-                            call.first, call.wfirst = time.perf_counter(), time.time()
-                        call.pieces += 1
-                        parts.append(content)
-        except Exception as exc:
-            call.error = f"{type(exc).__name__}: {exc}"
-        call.text = "".join(parts)
-
-    threads = [threading.Thread(target=one, args=(c,), daemon=True) for c in calls]
-    for t in threads:
-        t.start()
-    for _ in threads:
-        ready.acquire()
-    time.sleep(0.02)  # every thread is parked on the event
-    go.set()
-    for t in threads:
-        t.join(timeout=120.0)
-
-
 def _zmq_streams(raw: RawClient, calls: list[Call]) -> None:
     """Submit every call (subscribed) back to back, then read all their events in one loop."""
     by_ref: dict[str, Call] = {}
@@ -331,14 +280,14 @@ class Bench:
         """(model prefix, how to run a batch of calls, pid of the tree between)."""
         if variant == "sdk-direct":
             direct = self.direct
-            return "", lambda calls: _sdk_streams(direct, calls), 0
+            return "", lambda calls: _sdk_burst(direct, calls), 0
         if variant == "sdk-gateway":
             gateway = self.gateway
-            return "oa/", lambda calls: _sdk_streams(gateway, calls), self.daemon_pid
+            return "oa/", lambda calls: _sdk_burst(gateway, calls), self.daemon_pid
         if variant == LITELLM:
             assert self.litellm is not None
             lite = self.litellm
-            return "", lambda calls: _sdk_streams(lite, calls), self.litellm_pid
+            return "", lambda calls: _sdk_burst(lite, calls), self.litellm_pid
         raw = self.raw
         return "", lambda calls: _zmq_streams(raw, calls), self.daemon_pid
 

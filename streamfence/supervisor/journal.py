@@ -239,7 +239,7 @@ class Journal:
         self._db.executescript(_SCHEMA)
         self._sweep()
         self._in_tx = False
-        self._remove_after_commit: list[str] = []  # done calls' request files
+        self._remove_after_commit: list[str] = []  # calls the unit finishes: their files go once it commits
         self._syncer = WalSyncer(path)
         self._commits = 0  # COMMITs so far ...
         self._synced = 0  # ... and how many of them are on disk
@@ -249,7 +249,6 @@ class Journal:
         # The unit: every write since the last commit, kept until it commits.
         self._unit: list[tuple[str | None, str, tuple[Any, ...]]] = []  # (call, sql, params)
         self._unit_calls: dict[str, bool] = {}  # calls the unit adds: in a file?
-        self._unit_done: set[str] = set()  # calls the unit finishes
         self.fault: StorageFault | None = None
         self._retry_due = 0.0
         self._retry_wait = RETRY_FIRST_S
@@ -359,7 +358,6 @@ class Journal:
             self._commits += 1
             self._unit.clear()
             self._unit_calls.clear()
-            self._unit_done.clear()
             if self._waiting:  # what waited out a fault waits for this commit's sync
                 self._syncer.request(self._commits)
         if self.fault is not None:
@@ -522,11 +520,10 @@ class Journal:
         syncing on its own; its request file goes once that has committed."""
         self._write(call_id, "UPDATE calls SET state = 'done', status = ?, finished = ?, "
                     "done = NULL WHERE call_id = ?", (status, time.time(), call_id))
-        self._unit_done.add(call_id)
         self._remove_after_commit.append(call_id)
 
     def is_finished(self, call_id: str) -> bool:
-        if call_id in self._unit_done:  # kept by a faulted journal, not in the file yet
+        if call_id in self._remove_after_commit:  # finished in the unit not yet committed
             return True
         row = self._db.execute("SELECT state FROM calls WHERE call_id = ?", (call_id,)).fetchone()
         return row is not None and row[0] == "done"
