@@ -54,8 +54,21 @@ def test_at_the_cap_new_clients_are_refused_until_one_closes(make_daemon: Any) -
         held.pop().close()
         wait_until(lambda: _logged(daemon, "below the connection cap again"), 10,
                    "the daemon to see a connection close")
-        with daemon.client(timeout_s=5.0) as newcomer:
-            assert newcomer.status()["identity"] == "local"
+        # Under load a handshake already in flight (the refused client's retry, or
+        # a closed client's connection not yet seen gone) may take that room for a
+        # moment: a newcomer is answered within a few tries, each a fresh client.
+        answered: list[dict[str, Any]] = []
+
+        def newcomer_answered() -> bool:
+            with daemon.client(timeout_s=2.0) as newcomer:
+                try:
+                    answered.append(newcomer.status())
+                except TimeoutError:
+                    return False
+            return True
+
+        wait_until(newcomer_answered, 20, "a new client to be answered after one closed")
+        assert answered[0]["identity"] == "local"
     reached = [r for r in daemon.log_records()
                if "connection cap reached" in r.get("message", "")]
     assert len(reached) == 1, json.dumps(reached)  # said once, not per refused handshake

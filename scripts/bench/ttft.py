@@ -148,9 +148,8 @@ def _sdk_burst(sdk: openai.OpenAI, calls: list[Call]) -> None:
 def _sf_burst(proc: DaemonProcess, calls: list[Call]) -> None:
     """Submit every call (subscribed) back to back, then read all their events in
     one loop. The client library's wire on raw sockets (common.RawClient), as
-    section 5 does: with one asyncio task per call the
-    asyncio client wakes every waiting task per message (N tasks × N streams'
-    events), which at 32-200 calls would measure the subscriber itself."""
+    section 5 does: one asyncio task per call would add the tasks' scheduling
+    to what is measured (the daemon's path to the first token)."""
     raw = RawClient(proc)
     try:
         by_ref: dict[str, Call] = {}

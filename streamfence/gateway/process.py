@@ -15,6 +15,7 @@ import signal
 import sys
 from typing import Any
 
+import uvloop
 import zmq
 
 from streamfence.gateway.app import Gateway, keys_dir_of
@@ -44,7 +45,7 @@ def run_gateway(config: DaemonConfig, runtime_dir: str) -> None:
     if not die_with_parent(expected_parent_pid()):
         sys.exit(ExitCode.PARENT_GONE)
     try:
-        code = asyncio.run(_serve(config))
+        code = uvloop.run(_serve(config))  # libuv's loop: ~10% less CPU per delta (PERFORMANCE.md §9)
     finally:
         logging.shutdown()
         log_sock.close()

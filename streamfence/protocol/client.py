@@ -266,6 +266,7 @@ class Client(ClientBase):
             self._monitor.recv_multipart()
             self._core.router.handshake()
         router = self._core.router
+        router.woken.clear()  # one flow at a time here: whoever waits looks
         try:
             for sock, route in ((self._events, router.read_events), (self._sock, router.route)):
                 while True:

@@ -1,20 +1,28 @@
-"""The asyncio flavour of the client (zmq.asyncio): `AsyncClient`.
+"""The asyncio flavour of the client: `AsyncClient`.
 
 Same methods, arguments and replies as `streamfence.protocol.client.Client`
 (see that module for the protocol each method speaks): both run the flows of
-`client_core.ClientCore`, this one on a zmq.asyncio socket. The requests are
-coroutines, `events()` and `stream_text()` are async iterators, `close()`
-stays a plain method. Tasks of one event loop may share a client: whichever
-task is waiting receives for everyone (one at a time, guarded by a
-condition), routes each frame through the shared Router, and wakes the
-others, so no background task exists that could outlive the client.
+`client_core.ClientCore`. The requests are coroutines, `events()` and
+`stream_text()` are async iterators, `close()` stays a plain method.
+
+Receiving is done by the event loop, not by a task: the client's three
+sockets (requests, events, the events socket's monitor) are plain zmq
+sockets whose file descriptors the loop watches (`add_reader`). When the
+monitor's is, `_handshakes` wakes every flow (a reconnect); when another
+one is, `_readable` routes everything the sockets hold through the shared
+Router and wakes only the flows waiting for what came (`Wait.on`: a ref, a
+call id), so a gateway serving many streams on one client runs one callback
+per batch and one task per event, not every task per batch. A zmq socket's
+descriptor signals edges ("something changed"), not levels: a send or
+receive may swallow the edge of a message that arrives meanwhile, so each
+such operation is followed by a check of the socket's state (`_recheck`),
+and a routing pass ends only when every socket said `Again`.
 
 Cancel on abandon (client_core's docstring): the cancel of an abandoned call
-is sent at once, without an await, on a synchronous shadow of the request
-socket (a task may close a stream while another one is waiting in a poll),
-except in the middle of a send or off the client's thread (a finalizer run
-by another thread's garbage collection): then when the current operation
-ends. `AsyncTextStream.close()` is a plain method, `aclose()` its awaitable
+is sent at once, without an await, except in the middle of a send or off
+the client's thread (a finalizer run by another thread's garbage
+collection): then when the current operation ends.
+`AsyncTextStream.close()` is a plain method, `aclose()` its awaitable
 twin (`contextlib.aclosing`), and `async with` closes it.
 """
 
@@ -22,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
@@ -31,7 +38,6 @@ from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import zmq
-import zmq.asyncio
 
 from streamfence.protocol.client_base import DEFAULT_ENDPOINT
 from streamfence.protocol.client_core import (
@@ -43,9 +49,15 @@ from streamfence.protocol.client_core import (
     Wait,
     shown_as,
 )
+from streamfence.protocol.client_router import ANY, ClientError
 from streamfence.protocol.client_sockets import close_sockets
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME
 from streamfence.protocol.credentials import Credentials, resolve
+
+SEND_RETRY_S = 0.005  # a send refused by a full queue (high-water mark) is tried again after
+# Plain ints: pyzmq's enum members cost an enum operation per look (per event).
+_EVENTS, _RCVMORE, _POLLIN, _NOBLOCK = (int(zmq.EVENTS), int(zmq.RCVMORE), int(zmq.POLLIN),
+                                        int(zmq.NOBLOCK))
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -65,34 +77,32 @@ class AsyncClient(ClientBase):
 
     def __init__(self, endpoint: str | None = None, timeout_s: float = 10.0, *,
                  credentials: Credentials | str | os.PathLike[str] | None = None,
-                 context: zmq.asyncio.Context | None = None,
+                 context: zmq.Context[Any] | None = None,
                  max_frame: int = DEFAULT_MAX_FRAME) -> None:
         endpoint, creds = resolve(endpoint, credentials, DEFAULT_ENDPOINT)
         super().__init__(endpoint, timeout_s, max_frame)
-        ctx = context if context is not None else zmq.asyncio.Context.instance()
-        self._sock: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
-        self._events: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
+        ctx = context if context is not None else zmq.Context.instance()
+        # Plain sockets even from a zmq.asyncio context: the loop watches them (module docstring).
+        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
+        self._events: zmq.Socket[bytes] = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
         self._events.setsockopt(zmq.ROUTING_ID, self._core.listener.encode())
-        self._poller = zmq.asyncio.Poller()
         try:
             for sock, where in ((self._sock, endpoint), (self._events, self._core.events_endpoint)):
                 sock.setsockopt(zmq.LINGER, 0)
                 if creds is not None:
                     creds.apply(sock)
                 sock.connect(where)
-                self._poller.register(sock, zmq.POLLIN)
+            # Each handshake of the events connection (a reconnect: resubscribe).
+            self._monitor: zmq.Socket[bytes] = ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
+            where = f"inproc://streamfence-monitor-{self._core.listener}"
+            self._events.monitor(where, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            self._monitor.connect(where)
         except BaseException:
             self._sock.close(linger=0)
             self._events.close(linger=0)
             raise
-        # Each handshake of the events connection (a reconnect: resubscribe).
-        self._monitor: zmq.asyncio.Socket = self._events.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        self._poller.register(self._monitor, zmq.POLLIN)
-        self._cond = asyncio.Condition()
-        self._pumping = False
-        # The cancels of abandoned calls go out without an await (_send_cancels).
-        self._sync_sock: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching the sockets
+        self._waiting: dict[str, list[asyncio.Future[None]]] = {}  # Wait.on (or ANY) -> flows
         self._thread = threading.get_ident()  # set again by each operation (_call)
         self._sending = False  # inside a send or a flush: a cancel waits for its end
 
@@ -104,9 +114,11 @@ class AsyncClient(ClientBase):
             self._send_cancels()
             self._closed = True
             linger_ms = self._core.closing()
+            self._unwatch()
             if linger_ms:
                 self._sock.close(linger=linger_ms)  # close_sockets then finds it closed
             close_sockets(self._sock, self._events, self._monitor)
+            self._wake(None)  # the flows waiting find the client closed
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -157,7 +169,7 @@ class AsyncClient(ClientBase):
             while True:
                 try:
                     if isinstance(effect, Wait):
-                        await self._pump(effect.deadline)
+                        await self._wait(effect)
                     else:
                         await self._send(effect)
                 except BaseException as exc:
@@ -173,16 +185,23 @@ class AsyncClient(ClientBase):
 
     async def _send(self, effect: Send) -> None:
         self._check_open()
+        loop = self._watch()
         sock = self._events if effect.to_events else self._sock
-        self._sending = True  # pyzmq tries the send at once, frame by frame, in this call
+        deadline = monotonic() + self.timeout_s
+        self._sending = True
         try:
-            sent = sock.send_multipart(effect.frames)
+            while True:
+                try:
+                    sock.send_multipart(effect.frames, zmq.NOBLOCK)
+                    break
+                except zmq.Again:  # the queue to the daemon is full: rare, so polled
+                    if monotonic() >= deadline:
+                        raise self._core.send_failed(effect.what) from None
+                await asyncio.sleep(SEND_RETRY_S)
+                self._check_open()
         finally:
             self._sending = False
-        try:
-            await asyncio.wait_for(sent, self.timeout_s)
-        except (TimeoutError, zmq.Again):
-            raise self._core.send_failed(effect.what) from None
+        self._recheck(loop, sock)
 
     def _send_cancels(self) -> None:
         """Send the cancels of abandoned calls now (module docstring)."""
@@ -194,59 +213,141 @@ class AsyncClient(ClientBase):
             self._core.send_cancels(self._send_now)
         finally:
             self._sending = False
+        if self._loop is not None:
+            self._recheck(self._loop, self._sock)
 
     def _send_now(self, frame: bytes) -> bool:
         try:
-            self._sync_sock.send(frame, zmq.NOBLOCK)
+            self._sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True
 
-    async def _pump(self, deadline: float) -> None:
-        """Wait for frames until `deadline` and route them, or, if another task
-        is receiving, wait until it has routed something."""
+    async def _wait(self, wait: Wait) -> None:
+        """Until the router marks `wait.on` woken (any message, for None), or
+        `wait.deadline`."""
         self._check_open()
-        async with self._cond:
-            if self._pumping:
-                remaining = deadline - monotonic()
-                if remaining > 0:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._cond.wait(), remaining)
-                return
-            self._pumping = True
+        loop = self._watch()
+        delay = wait.deadline - monotonic()
+        if delay <= 0:
+            return
+        key = ANY if wait.on is None else wait.on
+        waiter = loop.create_future()
+        self._waiting.setdefault(key, []).append(waiter)
+        timer = loop.call_later(delay, _resolve, waiter)
         try:
-            wait_ms = max(0, math.ceil((deadline - monotonic()) * 1000))
-            if await self._poller.poll(wait_ms):
-                await self._route_ready()
+            await waiter
         finally:
-            async with self._cond:
-                self._pumping = False
-                self._cond.notify_all()
+            timer.cancel()
+            waiters = self._waiting.get(key)
+            if waiters is not None and waiter in waiters:
+                waiters.remove(waiter)
+                if not waiters:
+                    del self._waiting[key]
 
+    # ---- receiving: the loop's reader callback ------------------------------------
 
-    async def _route_ready(self) -> None:
-        """Route what both sockets hold (events first), up to a reply someone awaits."""
-        while True:
-            try:
-                await self._monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            self._core.router.handshake()
+    def _watch(self) -> asyncio.AbstractEventLoop:
+        """The running loop, watching the sockets (moved to it if the client was
+        used on another loop before)."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._unwatch()
+            loop.add_reader(self._monitor.FD, self._handshakes)
+            for sock in (self._sock, self._events):
+                loop.add_reader(sock.FD, self._readable)
+            self._loop = loop
+            loop.call_soon(self._readable)  # what came before anyone watched
+        return loop
+
+    def _unwatch(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            for sock in (self._sock, self._events, self._monitor):
+                loop.remove_reader(sock.FD)
+
+    def _recheck(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket[bytes]) -> None:
+        """After an operation on `sock`: its descriptor's edge may be spent, so
+        look at its state (module docstring)."""
+        if not loop.is_closed() and _has_message(sock):
+            loop.call_soon(self._readable)
+
+    def _readable(self) -> None:
+        """Route what the sockets hold (events first), up to a reply someone
+        awaits, and wake the flows it was for."""
+        if self._closed:
+            return
         router = self._core.router
+        answered = False
         try:
+            # A socket's state is read before each receive: an exception (zmq.Again)
+            # per socket and pass costs more than the look.
             for sock, route in ((self._events, router.read_events), (self._sock, router.route)):
-                while True:
-                    try:
-                        frames = await sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if route(frames):
-                        return
-        finally:
+                while not answered and _has_message(sock):
+                    answered = route(_receive(sock))
             ack = router.ack_due(monotonic())
             if ack is not None:
                 with contextlib.suppress(zmq.Again):  # the next one carries the total
-                    await self._events.send(ack, zmq.NOBLOCK)
+                    self._events.send(ack, _NOBLOCK)
+                answered = True  # the send may have spent the events socket's edge
+        except ClientError as exc:  # the daemon broke the protocol: every waiting flow hears
+            router.woken.clear()
+            self._wake(None, exc)
+            return
+        woken, router.woken = router.woken, set()
+        self._wake(woken)
+        if answered and self._loop is not None:
+            # The flow that got its reply acts on it first (Router.route); then the rest.
+            self._loop.call_soon(self._readable)
+
+    def _handshakes(self) -> None:
+        """The monitor's reader: each handshake of the events connection after the
+        first is a reconnect, and every reader resubscribes (Router.handshake)."""
+        if self._closed:
+            return
+        shook = False
+        while _has_message(self._monitor):
+            _receive(self._monitor)
+            self._core.router.handshake()
+            shook = True
+        if shook:
+            self._wake(None)
+
+    def _wake(self, keys: set[str] | None, error: BaseException | None = None) -> None:
+        """Wake the flows waiting on `keys` (None: all of them)."""
+        if not self._waiting:
+            return
+        if keys is None:
+            woken = list(self._waiting)
+        else:
+            woken = [key for key in keys if key in self._waiting]
+            if keys and ANY in self._waiting:
+                woken.append(ANY)
+        for key in woken:
+            for waiter in self._waiting.pop(key, ()):
+                if not waiter.done():
+                    if error is None:
+                        waiter.set_result(None)
+                    else:
+                        waiter.set_exception(error)
+
+
+def _has_message(sock: zmq.Socket[bytes]) -> bool:
+    events: int = sock.getsockopt(_EVENTS)  # type: ignore[assignment]
+    return bool(events & _POLLIN)
+
+
+def _receive(sock: zmq.Socket[bytes]) -> list[bytes]:
+    """One message of a socket that has one (its state said POLLIN)."""
+    frames = [sock.recv(_NOBLOCK)]
+    while sock.getsockopt(_RCVMORE):
+        frames.append(sock.recv(_NOBLOCK))
+    return frames
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class AsyncTextStream(TextFlow):

@@ -12,9 +12,12 @@ and resuming the flow with nothing:
                         timeout, raised as `core.send_failed(what)`, or a
                         closed client) is thrown into the flow, whose cleanup
                         then runs.
-    Wait(deadline)      receive frames from both sockets, routing each through
+    Wait(deadline, on)  receive frames from both sockets, routing each through
                         `core.router`, until one answers a waiting request or
-                        `deadline` passes; returning early is allowed.
+                        `deadline` passes; returning early is allowed. `on`
+                        names what the flow waits for (a ref, a call id,
+                        `client_router.LISTENING`; None: anything), so a shell
+                        serving many flows wakes only the one concerned.
 
 Two sockets, one endpoint to configure (docs/PROTOCOL.md §1): requests go to
 the client endpoint; the calls' events come from the daemon's events
@@ -64,7 +67,13 @@ from streamfence.protocol.client_base import (
     submit_msg,
     text_piece,
 )
-from streamfence.protocol.client_router import BAD_REPLY, EVENTS_LOST, ClientError, Router
+from streamfence.protocol.client_router import (
+    BAD_REPLY,
+    EVENTS_LOST,
+    LISTENING,
+    ClientError,
+    Router,
+)
 from streamfence.protocol.codec import encode
 from streamfence.protocol.messages import Op, events_endpoint
 
@@ -83,6 +92,7 @@ class Send:
 @dataclass(slots=True)
 class Wait:
     deadline: float
+    on: str | None = None  # the key the router marks `woken` for it (None: any message)
 
 
 Effect = Send | Wait
@@ -173,7 +183,7 @@ class ClientCore:
             if monotonic() >= deadline:
                 raise TimeoutError(f"no answer to listen from the events endpoint "
                                    f"{self.events_endpoint} within {self.timeout_s:g} s")
-            yield Wait(deadline)
+            yield Wait(deadline, LISTENING)
 
     def _exchange(self, msg: dict[str, Any], what: str, timeout_s: float) -> Flow[dict[str, Any]]:
         """Send `msg` and return the reply that echoes its ref."""
@@ -185,7 +195,7 @@ class ClientCore:
             while (reply := self.router.take_reply(ref)) is None:
                 if monotonic() >= deadline:
                     raise self._no_reply(what, ref, timeout_s)
-                yield Wait(deadline)
+                yield Wait(deadline, ref)
             return reply
         finally:
             self.router.forget(ref)  # a reply arriving after this is discarded
@@ -371,7 +381,7 @@ class EventReader:
         self.done_probes = 0  # probes in a row that found the call done
         self.reconnects = core.router.reconnects  # the router's count, as last acted on
         self.ended = False  # its done was handed out, or it had ended before
-        self._wait = Wait(0.0)  # reused: the wait path allocates no effect per event
+        self._wait = Wait(0.0, call_id)  # reused: the wait path allocates no effect per event
 
     def take(self) -> dict[str, Any] | None:
         """The call's next event if it is buffered; None otherwise or after its done."""

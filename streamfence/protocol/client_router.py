@@ -37,6 +37,11 @@ it, without a socket, so it is shared by both flavours and testable alone:
   nobody: it is discarded, and until it comes the call counts as
   `cancels_unanswered` (the shell lets its socket linger on close for it).
 
+`woken` collects what the routing since the shell last emptied it was for:
+the refs answered, the calls that got an event (or a subscribe error, or a
+cut-off), `LISTENING`, `ANY` for an unattributed error; the asyncio shell
+wakes the flows waiting on those keys only (client_core.Wait.on).
+
 Nothing here blocks or reads a clock (the shell passes the time to `ack_due`).
 """
 
@@ -63,7 +68,10 @@ _KEEP_FINISHED = 4096  # finished calls remembered to discard late duplicates
 _KEEP_SUBSCRIBE_REFS = 1024  # a subscribe's success has no reply: keep the latest refs only
 _KEEP_CANCEL_REFS = 1024  # cancels of abandoned calls awaiting their (discarded) reply
 ACK_EVERY = 64 << 10  # say `ack` after this many bytes read on the events socket ...
-ACK_AFTER_S = 0.05  # ... or this long after the last one, if anything was read
+ACK_AFTER_S = 0.25  # ... or this long after the last one, if anything was read
+# Keys of `Router.woken` besides refs and call ids (neither can contain a space).
+LISTENING = " listening"
+ANY = " any"
 
 
 class ClientError(Exception):
@@ -169,6 +177,7 @@ class Router:
         self.read = 0  # bytes read on the events socket since `listen` was sent
         self._acked = 0  # the `read` figure last sent in an `ack`
         self._acked_at = 0.0
+        self.woken: set[str] = set()  # module docstring; emptied by the shell
 
     # ---- requests ---------------------------------------------------------
 
@@ -221,7 +230,8 @@ class Router:
 
     def read_events(self, frames: list[bytes]) -> bool:
         """Route a message read on the events socket, counting its bytes."""
-        self.read += sum(len(f) for f in frames)
+        for frame in frames:
+            self.read += len(frame)
         return self.route(frames)
 
     def ack_due(self, now: float) -> bytes | None:
@@ -352,6 +362,7 @@ class Router:
             self._route_event(msg)
         elif ref is None and op == Op.LISTENING:
             self.listening = True
+            self.woken.add(LISTENING)
             return True
         elif ref is None and op == Op.CUT_OFF:
             call_id = msg.get("call_id")
@@ -359,6 +370,7 @@ class Router:
                 log.debug("call %s cut off after seq %r: %s", call_id, msg.get("seq"),
                           msg.get("reason"))
                 self.stream(call_id).cut = True
+                self.woken.add(call_id)
         else:
             log.warning("unexpected message from the daemon discarded: op=%r ref=%r", op, ref)
         return False
@@ -366,6 +378,7 @@ class Router:
     def _route_reply(self, ref: str, msg: dict[str, Any]) -> bool:
         if ref in self._replies:
             self._replies[ref] = msg
+            self.woken.add(ref)
             return True
         cancelled = self._cancel_refs.pop(ref, None)
         if cancelled is not None:
@@ -378,6 +391,7 @@ class Router:
             if msg.get("op") == Op.ERROR:
                 self.stream(call_id).error = ClientError(
                     str(msg.get("code")), f"subscribe to call {call_id}: {msg.get('message')}", msg)
+                self.woken.add(call_id)
             return False
         log.debug("reply op=%r ref=%s to a request that gave up, discarded", msg.get("op"), ref)
         return False
@@ -385,10 +399,12 @@ class Router:
     def _route_unattributed(self, msg: dict[str, Any]) -> bool:
         if self._raw_waiters:
             self._unattributed.append(msg)
+            self.woken.add(ANY)
             return True
         waiting = [ref for ref, reply in self._replies.items() if reply is None]
         if len(waiting) == 1:
             self._replies[waiting[0]] = msg
+            self.woken.add(waiting[0])
             return True
         log.warning("error without ref discarded (%d requests outstanding): %s: %s",
                     len(waiting), msg.get("code"), msg.get("message"))
@@ -404,5 +420,6 @@ class Router:
             log.debug("event seq %d of finished call %s discarded", seq, call_id)
             return
         self.stream(call_id).push(seq, msg, next(self._order))
+        self.woken.add(call_id)
 
 
