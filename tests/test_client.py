@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from time import monotonic
@@ -29,7 +30,8 @@ import zmq
 import zmq.asyncio
 
 from streamfence.protocol.client import AsyncClient, CallFailed, Client, ClientError
-from streamfence.protocol.client_router import Router
+from streamfence.protocol.client_core import Wait
+from streamfence.protocol.client_router import ANY, LISTENING, Router
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted, encode
 from streamfence.protocol.errors import ErrorCode, ProtocolError
 from streamfence.protocol.messages import (
@@ -849,6 +851,60 @@ def test_async_concurrent_event_readers(env: Env) -> None:
     asyncio.run(main())
 
 
+class CountingClient(AsyncClient):
+    """Counts, per `Wait.on`, the waits that returned: how often each flow was woken."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.returned: Counter[str | None] = Counter()
+
+    async def _wait(self, wait: Wait) -> None:
+        try:
+            await super()._wait(wait)
+        finally:
+            self.returned[wait.on] += 1
+
+
+def test_async_a_message_wakes_only_the_flows_it_is_for(env: Env) -> None:
+    """Eight tasks read quiet calls while another task's requests are answered,
+    each answer with events of a third call: no quiet reader is woken until its
+    own done comes (goes red if every waiting flow is woken per routed batch)."""
+    quiet = [f"Q{i}" for i in range(8)]
+
+    def handle(msg: dict[str, Any]) -> list[Out]:
+        if msg["op"] == "status" and msg["ref"].startswith("busy"):
+            n = int(msg["ref"][4:])
+            return [reply(msg, "status_reply"), *(delta("A", 3 * n + k) for k in (1, 2, 3))]
+        if msg["op"] == "status":
+            return [reply(msg, "status_reply"), done("A", 16), *(done(q, 1) for q in quiet)]
+        return []
+
+    async def read(c: AsyncClient, call_id: str) -> list[tuple[str, int]]:
+        await c.subscribe(call_id)
+        return seqs([e async for e in c.events(call_id, timeout_s=10)])
+
+    async def main() -> None:
+        c = CountingClient(env.endpoint, 10.0, context=env.actx)  # no probe meanwhile
+        env.clients.append(c)
+        readers = [asyncio.ensure_future(read(c, q)) for q in quiet]
+        a = asyncio.ensure_future(read(c, "A"))
+        for _ in range(500):
+            if len(peer.of_op("subscribe")) == len(quiet) + 1:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            pytest.fail(f"the peer got {peer.ops()}, not every subscribe")
+        for n in range(5):  # one routing pass each, at least
+            await c.request({"v": 1, "op": "status", "ref": f"busy{n}"})
+        assert {q: c.returned[q] for q in quiet} == dict.fromkeys(quiet, 0), c.returned
+        await c.request({"v": 1, "op": "status", "ref": "end"})
+        assert [await r for r in readers] == [[("done", 1)]] * len(quiet)
+        assert await a == [*(("delta", s) for s in range(1, 16)), ("done", 16)]
+        assert {q: c.returned[q] for q in quiet} == dict.fromkeys(quiet, 1), c.returned
+    peer = env.peer(handle)
+    asyncio.run(main())
+
+
 def test_async_short_waiter_times_out_while_another_task_receives(env: Env) -> None:
     a_arrived = threading.Event()
 
@@ -952,6 +1008,22 @@ def test_router_hands_out_each_event_once_in_seq_order() -> None:
     assert r.is_finished("c") and r.last_seq("c") == 6
     r.route(_frame(delta("c", 6)))  # late duplicate of a finished call: no state kept
     assert r.next_event("c") is None
+
+
+def test_router_marks_woken_what_each_message_was_for() -> None:
+    r = Router()
+    r.expect("a")
+    r.route([encode([delta("c1", 1), delta("c2", 1)])])
+    r.route(_frame({"v": 1, "op": "pending", "ref": "a"}))
+    r.route(_frame({"v": 1, "op": "pending", "ref": "nobody"}))
+    assert r.woken == {"c1", "c2", "a"}
+    r.woken.clear()
+    r.route(_frame({"v": 1, "op": "listening"}))
+    r.subscribing("s", "c3", 0)
+    r.route(_frame(error_msg("s", ErrorCode.UNKNOWN_CALL, "no such call")))
+    r.expect_raw()
+    r.route(_frame(error_msg(None, ErrorCode.TOO_LARGE, "big")))
+    assert r.woken == {LISTENING, "c3", ANY}
 
 
 def test_router_reply_matching_and_stale_replies() -> None:
