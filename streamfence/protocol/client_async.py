@@ -9,14 +9,14 @@ Receiving is done by the event loop, not by a task: the client's three
 sockets (requests, events, the events socket's monitor) are plain zmq
 sockets whose file descriptors the loop watches (`add_reader`). When the
 monitor's is, `_handshakes` wakes every flow (a reconnect); when another
-one is, `_readable` routes everything the sockets hold through the shared
+one is, `_readable` routes everything that socket holds through the shared
 Router and wakes only the flows waiting for what came (`Wait.on`: a ref, a
 call id), so a gateway serving many streams on one client runs one callback
 per batch and one task per event, not every task per batch. A zmq socket's
 descriptor signals edges ("something changed"), not levels: a send or
 receive may swallow the edge of a message that arrives meanwhile, so each
 such operation is followed by a check of the socket's state (`_recheck`),
-and a routing pass ends only when every socket said `Again`.
+and a routing pass ends only when the socket has nothing more.
 
 Cancel on abandon (client_core's docstring): the cancel of an abandoned call
 is sent at once, without an await, except in the middle of a send or off
@@ -254,10 +254,10 @@ class AsyncClient(ClientBase):
         if loop is not self._loop:
             self._unwatch()
             loop.add_reader(self._monitor.FD, self._handshakes)
-            for sock in (self._sock, self._events):
-                loop.add_reader(sock.FD, self._readable)
+            for sock in (self._events, self._sock):
+                loop.add_reader(sock.FD, self._readable, sock)
+                loop.call_soon(self._readable, sock)  # what came before anyone watched
             self._loop = loop
-            loop.call_soon(self._readable)  # what came before anyone watched
         return loop
 
     def _unwatch(self) -> None:
@@ -270,26 +270,27 @@ class AsyncClient(ClientBase):
         """After an operation on `sock`: its descriptor's edge may be spent, so
         look at its state (module docstring)."""
         if not loop.is_closed() and _has_message(sock):
-            loop.call_soon(self._readable)
+            loop.call_soon(self._readable, sock)
 
-    def _readable(self) -> None:
-        """Route what the sockets hold (events first), up to a reply someone
-        awaits, and wake the flows it was for."""
+    def _readable(self, sock: zmq.Socket[bytes]) -> None:
+        """A socket's reader: route what it holds, up to a reply someone awaits,
+        and wake the flows it was for."""
         if self._closed:
             return
         router = self._core.router
+        events = sock is self._events
+        route = router.read_events if events else router.route
         answered = False
         try:
-            # A socket's state is read before each receive: an exception (zmq.Again)
-            # per socket and pass costs more than the look.
-            for sock, route in ((self._events, router.read_events), (self._sock, router.route)):
-                while not answered and _has_message(sock):
-                    answered = route(_receive(sock))
-            ack = router.ack_due(monotonic())
+            # The socket's state is read before each receive: an exception (zmq.Again)
+            # per pass costs more than the look.
+            while not answered and _has_message(sock):
+                answered = route(_receive(sock))
+            ack = router.ack_due(monotonic()) if events else None
             if ack is not None:
                 with contextlib.suppress(zmq.Again):  # the next one carries the total
-                    self._events.send(ack, _NOBLOCK)
-                answered = True  # the send may have spent the events socket's edge
+                    sock.send(ack, _NOBLOCK)
+                answered = True  # the send may have spent the socket's edge
         except ClientError as exc:  # the daemon broke the protocol: every waiting flow hears
             router.woken.clear()
             self._wake(None, exc)
@@ -298,7 +299,7 @@ class AsyncClient(ClientBase):
         self._wake(woken)
         if answered and self._loop is not None:
             # The flow that got its reply acts on it first (Router.route); then the rest.
-            self._loop.call_soon(self._readable)
+            self._loop.call_soon(self._readable, sock)
 
     def _handshakes(self) -> None:
         """The monitor's reader: each handshake of the events connection after the
