@@ -11,6 +11,7 @@ import pytest
 
 from streamfence.devtools import disks
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.nats_cluster import NatsCluster, nats_cluster
 from tests.harness import DaemonProcess
 from tests.wires import profile_for
 
@@ -26,6 +27,15 @@ def emu(emulator: EmulatorProcess) -> EmulatorClient:
     client = emulator.client()
     client.reset()
     return client
+
+
+@pytest.fixture
+def nats(tmp_path: Path) -> Iterator[NatsCluster]:
+    """A real 3-node NATS JetStream cluster on loopback ports, its stores in
+    tmp_path / "nats" (Debian's nats-server, which .ci/run installs: a test
+    that needs it fails without it, never skips)."""
+    with nats_cluster(tmp_path / "nats") as cluster:
+        yield cluster
 
 
 @pytest.fixture

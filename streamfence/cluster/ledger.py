@@ -1,0 +1,264 @@
+"""The cluster's shared record on NATS JetStream (ARCHITECTURE §4.17): what
+makes a call accepted, who owns it at which epoch, and the fenced log of its
+events. Every rule that keeps two hosts from both writing a call is enforced
+here by the engine, not by a host's view:
+
+- **Accepted means replicated.** `accept` stores a call's record on the
+  stream `SF_CALLS` (subject `sf.calls.<call>`) and returns only when
+  JetStream acknowledged it, which it does once the record is stored on a
+  quorum of the stream's replicas. A second accept of the same call is the
+  same record (`Nats-Msg-Id` is the call id, and the append expects the
+  subject to be empty).
+- **Ownership by compare-and-set.** The bucket `sf_owners` maps a call to
+  its owner and epoch. `take` creates the key (epoch 1) or updates it from
+  the revision the taker saw, raising the epoch by one: of two hosts that
+  saw the same revision, the engine lets exactly one through
+  (`KeyWrongLastSequenceError` for the other).
+- **The fence.** A call's events are appended to `SF_EVENTS` (subject
+  `sf.events.<call>`), each append carrying `Nats-Expected-Last-Subject-Sequence`:
+  the subject's last sequence as the appending owner knows it. An owner
+  first appends an epoch record (`open_epoch`), which moves the subject on;
+  from then on every append of an earlier owner carries a stale sequence and
+  the engine refuses it (error 10071), however long that owner was frozen
+  and whatever it still believes: `append` raises `Fenced`, and the host
+  fences the attempt locally and kills its worker.
+
+Records are msgpack arrays `[kind, epoch, host, body]` (`EPOCH`, `EVENTS`).
+Asyncio, on the official `nats-py` client; one `Ledger` per host process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgpack
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType, StreamConfig
+from nats.js.errors import (
+    BadRequestError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
+from nats.js.kv import KeyValue
+
+CALLS_STREAM = "SF_CALLS"
+EVENTS_STREAM = "SF_EVENTS"
+OWNERS_BUCKET = "sf_owners"
+CALLS_SUBJECT = "sf.calls."
+EVENTS_SUBJECT = "sf.events."
+EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+MSG_ID = "Nats-Msg-Id"
+WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code when that expectation fails
+# ... and when another conditional append to the subject is still being replicated
+# (the server's fix of its issue 4320): the other may yet fail, so ours is tried again.
+IN_FLIGHT = 10164
+IN_FLIGHT_TRIES = 5
+EPOCH, EVENTS = 1, 2  # record kinds on a call's events subject
+OPEN_TRIES = 20  # an epoch record raced by the previous owner's appends: read, try again
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    urls: tuple[str, ...]
+    host: str  # this host's name: unique in the cluster
+    replicas: int = 3
+    timeout_s: float = 5.0  # per JetStream request
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """A call's entry in `sf_owners` as read (or written) at `revision`."""
+
+    call_id: str
+    host: str
+    epoch: int
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ownership:
+    """This host's hold on a call: its entry, and the last sequence of the call's
+    events subject this host wrote or read (what its next append expects)."""
+
+    owner: Owner
+    log_seq: int = 0
+
+    @property
+    def call_id(self) -> str:
+        return self.owner.call_id
+
+    @property
+    def epoch(self) -> int:
+        return self.owner.epoch
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One record of a call's events subject."""
+
+    seq: int  # its sequence in SF_EVENTS
+    kind: int
+    epoch: int
+    host: str
+    body: Any
+
+
+class Fenced(Exception):
+    """The engine refused an append: a later owner opened an epoch of the call."""
+
+    def __init__(self, ownership: Ownership, detail: str) -> None:
+        super().__init__(f"call {ownership.call_id}: epoch {ownership.epoch} is fenced "
+                         f"(the log moved past seq {ownership.log_seq}): {detail}")
+        self.ownership = ownership
+
+
+class Ledger:
+    """Owns this host's NATS connection and counts the engine's refusals."""
+
+    def __init__(self, nc: NatsClient, settings: ClusterSettings) -> None:
+        self._nc = nc
+        self._js: JetStreamContext = nc.jetstream(timeout=settings.timeout_s)
+        self.settings = settings
+        self._owners: KeyValue | None = None
+        self.refused = 0  # appends the engine refused (Fenced)
+
+    @classmethod
+    async def connect(cls, settings: ClusterSettings) -> Ledger:
+        nc = await nats.connect(servers=list(settings.urls), name=f"streamfence {settings.host}",
+                                connect_timeout=settings.timeout_s, max_reconnect_attempts=-1,
+                                reconnect_time_wait=0.2, allow_reconnect=True)
+        ledger = cls(nc, settings)
+        try:
+            await ledger.ensure()
+        except BaseException:
+            await nc.close()
+            raise
+        return ledger
+
+    async def ensure(self) -> None:
+        """Make the streams and the bucket if missing (idempotent, any host)."""
+        r = self.settings.replicas
+        for name, subject in ((CALLS_STREAM, CALLS_SUBJECT), (EVENTS_STREAM, EVENTS_SUBJECT)):
+            await self._js.add_stream(StreamConfig(
+                name=name, subjects=[subject + "*"], storage=StorageType.FILE, num_replicas=r,
+                duplicate_window=120.0))
+        self._owners = await self._js.create_key_value(KeyValueConfig(
+            bucket=OWNERS_BUCKET, history=1, storage=StorageType.FILE, replicas=r))
+
+    async def close(self) -> None:
+        await self._nc.close()
+
+    @property
+    def connected(self) -> bool:
+        return bool(self._nc.is_connected)
+
+    # ---- accepted calls ---------------------------------------------------------
+
+    async def accept(self, call_id: str, record: bytes) -> int:
+        """Store the call's record at the stream's replication; its sequence."""
+        ack = await self._js.publish(CALLS_SUBJECT + call_id, record, headers={MSG_ID: call_id})
+        return int(ack.seq)
+
+    async def accepted(self, call_id: str) -> bytes | None:
+        try:
+            msg = await self._js.get_last_msg(CALLS_STREAM, CALLS_SUBJECT + call_id)
+        except NotFoundError:
+            return None
+        return bytes(msg.data or b"")
+
+    # ---- ownership --------------------------------------------------------------
+
+    @property
+    def owners(self) -> KeyValue:
+        assert self._owners is not None, "Ledger.ensure() first"
+        return self._owners
+
+    async def owner(self, call_id: str) -> Owner | None:
+        try:
+            entry = await self.owners.get(call_id)
+        except (NotFoundError, KeyNotFoundError):
+            return None
+        host, epoch = msgpack.unpackb(entry.value or b"")
+        return Owner(call_id, host, int(epoch), int(entry.revision or 0))
+
+    async def take(self, call_id: str, seen: Owner | None) -> Ownership | None:
+        """Own the call at the epoch after `seen`'s (the entry this host read;
+        None: a new call, epoch 1). None if the entry changed since: another
+        host took it first."""
+        epoch = 1 if seen is None else seen.epoch + 1
+        value = msgpack.packb([self.settings.host, epoch])
+        try:
+            if seen is None:
+                revision = await self.owners.create(call_id, value)
+            else:
+                revision = await self.owners.update(call_id, value, last=seen.revision)
+        except KeyWrongLastSequenceError:
+            return None
+        return Ownership(Owner(call_id, self.settings.host, epoch, int(revision)))
+
+    # ---- the fenced log ----------------------------------------------------------
+
+    async def last_seq(self, call_id: str) -> int:
+        """The last sequence of the call's events subject (0: none yet)."""
+        try:
+            msg = await self._js.get_last_msg(EVENTS_STREAM, EVENTS_SUBJECT + call_id)
+        except NotFoundError:
+            return 0
+        return int(msg.seq or 0)
+
+    async def open_epoch(self, own: Ownership) -> Ownership:
+        """Append this owner's epoch record after whatever the log holds: from
+        then on no earlier owner can append. Raises Fenced if a later owner
+        took the call meanwhile."""
+        for _ in range(OPEN_TRIES):
+            current = await self.owner(own.call_id)
+            if current is None or current.epoch != own.epoch or current.host != own.owner.host:
+                raise Fenced(own, f"the call's owner is now {current}")
+            at = replace(own, log_seq=await self.last_seq(own.call_id))
+            try:
+                return await self._append(at, EPOCH, None)
+            except Fenced:  # the previous owner appended meanwhile: read again
+                continue
+        raise Fenced(own, f"the log kept moving for {OPEN_TRIES} tries")
+
+    async def append(self, own: Ownership, body: Any) -> Ownership:
+        """Append a batch of the call's events; the ownership to append with next.
+        Raises Fenced when the engine refuses (module docstring)."""
+        return await self._append(own, EVENTS, body)
+
+    async def _append(self, own: Ownership, kind: int, body: Any) -> Ownership:
+        record = msgpack.packb([kind, own.epoch, own.owner.host, body])
+        headers = {EXPECTED_LAST_SUBJECT_SEQ: str(own.log_seq)}
+        for attempt in range(1, IN_FLIGHT_TRIES + 1):
+            try:
+                ack = await self._js.publish(EVENTS_SUBJECT + own.call_id, record,
+                                             headers=headers)
+            except BadRequestError as exc:
+                if exc.err_code == IN_FLIGHT and attempt < IN_FLIGHT_TRIES:
+                    await asyncio.sleep(0.005 * attempt)
+                    continue
+                if exc.err_code not in (WRONG_LAST_SEQUENCE, IN_FLIGHT):
+                    raise
+                self.refused += 1
+                raise Fenced(own, f"{exc.description} (JetStream error {exc.err_code})") from None
+            return replace(own, log_seq=int(ack.seq))
+        raise AssertionError("unreachable")
+
+    async def read(self, call_id: str, after: int = 0) -> list[Record]:
+        """The call's records after stream sequence `after`, in order."""
+        out: list[Record] = []
+        seq = after
+        while True:
+            try:
+                msg = await self._js.get_msg(EVENTS_STREAM, seq + 1, subject=EVENTS_SUBJECT + call_id,
+                                             next=True)
+            except NotFoundError:
+                return out
+            seq = int(msg.seq or 0)
+            kind, epoch, host, body = msgpack.unpackb(msg.data or b"")
+            out.append(Record(seq, kind, epoch, host, body))
