@@ -42,7 +42,13 @@ from streamfence.devtools.emulator.control import EmulatorClient, emulator_profi
 from streamfence.protocol.client import Client
 from streamfence.protocol.wires import WIRES
 from streamfence.supervisor import identities
-from streamfence.supervisor.config import DaemonConfig, ProviderProfile, load_config, parse_config
+from streamfence.supervisor.config import (
+    ClusterConfig,
+    DaemonConfig,
+    ProviderProfile,
+    load_config,
+    parse_config,
+)
 from tests.harness import wait_until
 
 UNCOMMENT = re.compile(r"^# (?=[a-z_]+ = )", re.MULTILINE)  # `# key = value`, not `#   key`
@@ -50,7 +56,7 @@ UNCOMMENT = re.compile(r"^# (?=[a-z_]+ = )", re.MULTILINE)  # `# key = value`, n
 
 def _daemon_keys() -> list[str]:
     return [f.name for f in fields(DaemonConfig)
-            if f.name not in ("providers", "identities", "http")]
+            if f.name not in ("providers", "identities", "http", "cluster")]
 
 
 # ---- the config `init` writes ---------------------------------------------------------
@@ -109,11 +115,16 @@ def test_uncommenting_every_default_changes_nothing(tmp_path: Path) -> None:
         == identities._KEYS
     # So is the [http] example, and it is valid with the written profiles.
     assert cfg.http.listen is None
-    example = tomllib.loads(table[table.index("[http]"):table.index("[identities.alice]")])
+    example = tomllib.loads(table[table.index("[http]"):table.index("[cluster]")])
     with_http = load_config(str(path), env={})
     assert parse_config({"providers": {n: {"kind": p.kind} for n, p in
                                        with_http.providers.items()},
                          **example}).http.listen == "127.0.0.1:7757"
+    # And the [cluster] example: every key of the table, valid.
+    assert not cfg.cluster.enabled
+    example = tomllib.loads(table[table.index("[cluster]"):table.index("[identities.alice]")])
+    assert set(example["cluster"]) == {f.name for f in fields(ClusterConfig)}
+    assert parse_config(example).cluster.host == "host-a"
 
 
 def test_init_writes_into_dir_and_refuses_to_overwrite(tmp_path: Path) -> None:

@@ -196,7 +196,7 @@ def render(state_dir: str, emulator_url: str = EMULATOR_URL, config_name: str = 
                     "STREAMFENCE_ENDPOINT=tcp://127.0.0.1:7800.")
     out += ["", "[daemon]"]  # each key's paragraph starts with a blank line
     for f in fields(DaemonConfig):
-        if f.name in ("providers", "identities", "http"):
+        if f.name in ("providers", "identities", "http", "cluster"):
             continue
         value = state_dir if f.name == "state_dir" else getattr(daemon, f.name)
         out += _key(f.name, value, f.name == "state_dir", DAEMON_DOCS[f.name])
@@ -233,6 +233,15 @@ def render(state_dir: str, emulator_url: str = EMULATOR_URL, config_name: str = 
         f"#   listen = {_value(HTTP_LISTEN)}",
         "#   routes = { " + ", ".join(f"{_value(m)} = {_value(p)}"
                                       for m, p in HTTP_ROUTES.items()) + " }"]
+    out += ["", "", *_comment(
+        "Cluster mode: hosts sharing a NATS JetStream cluster, so a host's accepted calls "
+        "survive it and any host serves any call (docs/ARCHITECTURE.md §4.17; nats-server "
+        "2.10 or later). Off unless `urls` is set. `host` names this host, unique in the "
+        "cluster; `replicas` is JetStream's replication of every stream and bucket; a host "
+        "silent for `lease_s` seconds loses its calls to the others; `timeout_s` bounds each "
+        "JetStream request."), "#", "#   [cluster]",
+        '#   urls = ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222", "nats://10.0.0.3:4222"]',
+        '#   host = "host-a"', "#   replicas = 3", "#   lease_s = 5.0", "#   timeout_s = 5.0"]
     out += ["", "", *_comment("A client registered with `streamfence keys new alice` may be "
                           "limited by a table of its name (values: the defaults, but "
                           "`providers`):"),

@@ -10,6 +10,7 @@ environment variable that holds its key (`api_key_env`).
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -50,6 +51,25 @@ class ProviderProfile:
 
     def to_map(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """The `[cluster]` table: hosts sharing a NATS JetStream cluster
+    (docs/ARCHITECTURE.md §4.17). No `urls`: single-host mode."""
+
+    urls: tuple[str, ...] = ()  # the NATS servers (nats:// or tls://), any of the cluster's
+    host: str = ""  # this host's name: unique in the cluster
+    replicas: int = 3  # JetStream replicas of every stream and bucket
+    lease_s: float = 5.0  # a host silent this long has lost its calls
+    timeout_s: float = 5.0  # per JetStream request
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.urls)
+
+
+CLUSTER_HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +114,7 @@ class DaemonConfig:
     providers: dict[str, ProviderProfile] = field(default_factory=dict)
     identities: dict[str, Identity] = field(default_factory=dict)
     http: HttpConfig = field(default_factory=HttpConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def runtime_dir(self) -> str:
         """Where the ipc sockets live: under state_dir when the path is short
@@ -138,7 +159,7 @@ def _check(where: str, key: str, value: Any, types: tuple[type, ...]) -> Any:
 
 
 def parse_config(data: dict[str, Any], source: str = "<config>") -> DaemonConfig:
-    unknown = set(data) - {"daemon", "providers", "identities", "http"}
+    unknown = set(data) - {"daemon", "providers", "identities", "http", "cluster"}
     if unknown:
         raise ConfigError(f"{source}: unknown table(s) {sorted(unknown)}")
     daemon: dict[str, Any] = {}
@@ -177,7 +198,9 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> DaemonConfig
         raise ConfigError(f"{source}: daemon.auth: must be one of {', '.join(AUTH_MODES)}, "
                           f"got {daemon['auth']!r}")
     http = _parse_http(data.get("http", {}), f"{source}: http", profiles)
-    cfg = DaemonConfig(providers=profiles, identities=identities, http=http, **daemon)
+    cluster = _parse_cluster(data.get("cluster", {}), f"{source}: cluster")
+    cfg = DaemonConfig(providers=profiles, identities=identities, http=http, cluster=cluster,
+                       **daemon)
     check_endpoint(f"{source}: daemon.endpoint", cfg.endpoint, cfg.auth)
     _check_http_port(f"{source}: http.listen", cfg)
     if cfg.workers_spare < 1 or cfg.workers_max < 1:
@@ -209,6 +232,36 @@ def _parse_http(table: Any, where: str, profiles: dict[str, ProviderProfile]) ->
         if not isinstance(profile, str) or profile not in profiles:
             raise ConfigError(f"{where}.routes.{model}: no provider profile {profile!r}")
     return HttpConfig(listen=listen, routes=dict(routes))
+
+
+def _parse_cluster(table: Any, where: str) -> ClusterConfig:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: must be a table")
+    if not table:
+        return ClusterConfig()
+    types: dict[str, tuple[type, ...]] = {"urls": (list,), "host": (str,), "replicas": (int,),
+                                          "lease_s": (int, float), "timeout_s": (int, float)}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in types:
+            raise ConfigError(f"{where}.{key}: unknown key")
+        values[key] = _check(where, key, value, types[key])
+    urls = values.get("urls")
+    if not urls or not all(isinstance(u, str) and urlparse(u).scheme in ("nats", "tls")
+                           and urlparse(u).hostname for u in urls):
+        raise ConfigError(f"{where}.urls: a list of the NATS servers' URLs "
+                          f"(nats://HOST:PORT or tls://HOST:PORT), got {urls!r}")
+    host = values.get("host", "")
+    if not CLUSTER_HOST_RE.match(host):
+        raise ConfigError(f"{where}.host: this host's name, unique in the cluster (letters, "
+                          f"digits, - and _, at most 64), got {host!r}")
+    if not 1 <= values.get("replicas", 3) <= 5:
+        raise ConfigError(f"{where}.replicas: JetStream allows 1 to 5, got {values['replicas']}")
+    for key in ("lease_s", "timeout_s"):
+        if key in values and values[key] <= 0:
+            raise ConfigError(f"{where}.{key}: must be above 0, got {values[key]}")
+    values["urls"] = tuple(urls)
+    return ClusterConfig(**values)
 
 
 def _check_http_port(where: str, cfg: DaemonConfig) -> None:

@@ -1,0 +1,102 @@
+"""The ledger for a process whose loop is not asyncio (the supervisor's and
+the sink's, which poll ZeroMQ sockets): `LedgerBridge` runs a `Ledger` on an
+event loop in a thread of its own.
+
+The owning thread either waits for an operation (`call`, `gather`: the
+sink's group commit waits for its appends, as it waits for SQLite) or hands
+one over with a callback (`submit`) and goes on; the callback then runs in
+the owning thread, from `run_done`, which the owner calls when the bridge's
+descriptor (`fd`, the read end of a pipe the ledger's thread writes a byte
+to) is readable. So every piece of the owner's state is still touched by
+its own thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, TypeVar
+
+from streamfence.cluster.ledger import ClusterSettings, Ledger
+
+T = TypeVar("T")
+Done = Callable[[Any], None]  # gets the result, or the exception the operation raised
+
+
+class LedgerBridge:
+    """Owns the ledger's thread, its loop and the pipe (module docstring)."""
+
+    def __init__(self, settings: ClusterSettings, connect_timeout_s: float = 30.0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="cluster",
+                                        daemon=True)
+        self._thread.start()
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+        self._done: deque[tuple[Done, concurrent.futures.Future[Any]]] = deque()
+        self._timeout_s = settings.timeout_s * 2  # a call's wait: its requests' own timeouts first
+        try:
+            self.ledger: Ledger = self.call(Ledger.connect(settings), connect_timeout_s)
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @property
+    def fd(self) -> int:
+        return self._read
+
+    def call(self, op: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run `op` on the ledger's loop and wait for its result (or exception)."""
+        return asyncio.run_coroutine_threadsafe(op, self._loop).result(
+            self._timeout_s if timeout_s is None else timeout_s)
+
+    def gather(self, ops: Iterable[Coroutine[Any, Any, Any]],
+               timeout_s: float | None = None) -> list[Any]:
+        """Run `ops` together; each one's result or exception, in order."""
+        async def all_of(ops: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+            return list(await asyncio.gather(*ops, return_exceptions=True))
+        return self.call(all_of(list(ops)), timeout_s)
+
+    def submit(self, op: Coroutine[Any, Any, Any], then: Done) -> None:
+        """Run `op`; `then(result or exception)` runs in the owner's thread, from
+        `run_done`."""
+        future = asyncio.run_coroutine_threadsafe(op, self._loop)
+        future.add_done_callback(lambda f: self._finished(then, f))
+
+    def _finished(self, then: Done, future: concurrent.futures.Future[Any]) -> None:
+        self._done.append((then, future))  # deque appends are atomic
+        with contextlib.suppress(BlockingIOError, OSError):  # a byte is already there
+            os.write(self._write, b"!")
+
+    def run_done(self) -> None:
+        """Run the callbacks of the operations finished since last asked."""
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._read, 4096)
+        while self._done:
+            then, future = self._done.popleft()
+            if future.cancelled():
+                then(concurrent.futures.CancelledError())
+            else:
+                error = future.exception()
+                then(error if error is not None else future.result())
+
+    def close(self) -> None:
+        if hasattr(self, "ledger"):
+            with contextlib.suppress(Exception):
+                self.call(self.ledger.close(), 5.0)
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+        for fd in (self._read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
