@@ -16,10 +16,10 @@ from streamfence.cluster.ledger import (
     CALLS_STREAM,
     EPOCH,
     EVENTS,
-    ClusterSettings,
     Fenced,
     Ledger,
 )
+from streamfence.cluster.settings import ClusterSettings
 from streamfence.devtools.nats_cluster import NatsCluster
 
 pytestmark = pytest.mark.slow

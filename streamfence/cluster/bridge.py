@@ -22,7 +22,8 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
-from streamfence.cluster.ledger import ClusterSettings, Ledger
+from streamfence.cluster.ledger import Ledger
+from streamfence.cluster.settings import ClusterSettings
 
 T = TypeVar("T")
 Done = Callable[[Any], None]  # gets the result, or the exception the operation raised

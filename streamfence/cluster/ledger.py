@@ -46,6 +46,8 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from streamfence.cluster.settings import ClusterSettings
+
 CALLS_STREAM = "SF_CALLS"
 EVENTS_STREAM = "SF_EVENTS"
 OWNERS_BUCKET = "sf_owners"
@@ -60,14 +62,6 @@ IN_FLIGHT = 10164
 IN_FLIGHT_TRIES = 5
 EPOCH, EVENTS = 1, 2  # record kinds on a call's events subject
 OPEN_TRIES = 20  # an epoch record raced by the previous owner's appends: read, try again
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterSettings:
-    urls: tuple[str, ...]
-    host: str  # this host's name: unique in the cluster
-    replicas: int = 3
-    timeout_s: float = 5.0  # per JetStream request
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,11 +180,15 @@ class Ledger:
         host, epoch = msgpack.unpackb(entry.value or b"")
         return Owner(call_id, host, int(epoch), int(entry.revision or 0))
 
-    async def take(self, call_id: str, seen: Owner | None) -> Ownership | None:
-        """Own the call at the epoch after `seen`'s (the entry this host read;
-        None: a new call, epoch 1). None if the entry changed since: another
-        host took it first."""
-        epoch = 1 if seen is None else seen.epoch + 1
+    async def take(self, call_id: str, seen: Owner | None,
+                   epoch: int | None = None) -> Ownership | None:
+        """Own the call at `epoch` (default: the one after `seen`'s; 1 for a new
+        call), from `seen`, the entry this host read (None: the key must not
+        exist). None if the entry changed since: another host took it first."""
+        floor = 0 if seen is None else seen.epoch
+        epoch = floor + 1 if epoch is None else epoch
+        if epoch <= floor:
+            raise ValueError(f"call {call_id}: epoch {epoch} is not above {floor}")
         value = msgpack.packb([self.settings.host, epoch])
         try:
             if seen is None:

@@ -83,6 +83,7 @@ ERRORS: dict[str, Row] = {
     "shutting_down": _UNAVAILABLE,
     "storage_full": _UNAVAILABLE,
     "storage_busy": _UNAVAILABLE,
+    "cluster_unavailable": _UNAVAILABLE,
     "storage_error": _UNAVAILABLE,
     # 502  InternalServerError   InternalServerError: every attempt failed transiently.
     # answer_restarted is the gateway's own: a `reset` (or a second attempt after

@@ -31,6 +31,8 @@ class ErrorCode(StrEnum):
     STORAGE_ERROR = "storage_error"
     STORAGE_FULL = "storage_full"
     STORAGE_BUSY = "storage_busy"
+    # Cluster mode: the NATS cluster did not store the call at its replication in time.
+    CLUSTER_UNAVAILABLE = "cluster_unavailable"
     # Outcomes of a call, carried in the `error` of a `done` event.
     PROVIDER_ERROR = "provider_error"  # the provider answered with a non-retryable error
     CREDENTIALS_MISSING = "credentials_missing"  # the profile's api_key_env is not set

@@ -52,6 +52,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from streamfence.cluster.settings import ClusterSettings
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted
 from streamfence.protocol.errors import ProtocolError
 from streamfence.protocol.internal import T_DELTA, T_HELLO, Endpoints
@@ -96,7 +97,7 @@ class Sink:
 
     def __init__(self, runtime_dir: str, db_path: str, events_endpoint: str,
                  keys_dir: str | None = None, control_identity: bytes | None = None,
-                 retention_days: float = 0.0) -> None:
+                 retention_days: float = 0.0, cluster: ClusterSettings | None = None) -> None:
         ep = Endpoints(runtime_dir)
         self.ctx = zmq.Context()
         self.sin = self._router(ep.sink_in)
@@ -113,8 +114,13 @@ class Sink:
         # Control ops that came while the store waited out a storage fault.
         self._held: deque[tuple[bytes, ControlOp]] = deque()
         self._ready = False  # `state` is built
+        cluster_log = None
+        if cluster is not None:
+            from streamfence.sink.cluster_log import ClusterLog  # brings nats: cluster mode only
+
+            cluster_log = ClusterLog(cluster)
         self.state = SinkState(TranscriptStore(db_path, pause=self._pause), self.peer,
-                               self.subscribers, retention_days)
+                               self.subscribers, retention_days, cluster_log)
         self._ready = True
 
     def _router(self, endpoint: str) -> zmq.Socket[bytes]:
@@ -217,6 +223,8 @@ class Sink:
         self.subscribers.close()
         self.ctx.term()
         self.state.store.close()
+        if self.state.cluster is not None:
+            self.state.cluster.close()
         self._wake_r.close()
         self._wake_w.close()
 
@@ -455,7 +463,8 @@ def _setup_logging(level: str | int) -> None:
 
 def run_sink(runtime_dir: str, db_path: str, events_endpoint: str, keys_dir: str | None = None,
              log_level: str | int = "INFO", control_identity: bytes | None = None,
-             log_to_supervisor: bool = False, retention_days: float = 0.0) -> None:
+             log_to_supervisor: bool = False, retention_days: float = 0.0,
+             cluster: ClusterSettings | None = None) -> None:
     """Process entry point: serve until SIGTERM (or the parent's death).
 
     `events_endpoint`: where subscribers connect (bound here); `keys_dir`:
@@ -463,6 +472,7 @@ def run_sink(runtime_dir: str, db_path: str, events_endpoint: str, keys_dir: str
     `control_identity`: the ZeroMQ identity of the supervisor's control
     socket; control messages from any other peer are refused and counted.
     `retention_days`: finished calls older than this are pruned (0: never).
+    `cluster`: cluster mode's settings (the calls' logs on JetStream: §4.17).
     Exits with ExitCode.CANNOT_BIND if the events endpoint cannot be bound."""
     set_process_title("sink")
     log_sock = _route_logs(runtime_dir, log_level) if log_to_supervisor else None
@@ -473,7 +483,7 @@ def run_sink(runtime_dir: str, db_path: str, events_endpoint: str, keys_dir: str
         sys.exit(ExitCode.PARENT_GONE)
     try:
         sink = Sink(runtime_dir, db_path, events_endpoint, keys_dir, control_identity,
-                    retention_days)
+                    retention_days, cluster)
     except zmq.ZMQError as exc:
         log.error("sink: cannot bind the events endpoint %s: %s", events_endpoint, exc)
         sys.exit(ExitCode.CANNOT_BIND)

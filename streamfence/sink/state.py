@@ -39,7 +39,7 @@ import sqlite3
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
@@ -57,6 +57,7 @@ from streamfence.protocol.internal.control import (
     Stats,
     encode_ended,
     encode_final_refused,
+    encode_lost,
     encode_ok,
     encode_refused,
     stats_to_wire,
@@ -68,6 +69,9 @@ from streamfence.sink.store import TranscriptStore
 from streamfence.sink.subscribers import Cuts, Outbox
 from streamfence.sink.wire import Final, Hello, delta_prefix, rebind_frame
 from streamfence.supervisor.histograms import DELTA_LATENCY_BUCKETS, Histogram
+
+if TYPE_CHECKING:  # imported by the sink only in cluster mode (it brings nats)
+    from streamfence.sink.cluster_log import ClusterLog
 
 log = logging.getLogger("streamfence.sink")
 fence_log = logging.getLogger("streamfence.sink.fence")
@@ -184,8 +188,9 @@ class SinkState:
     counters. The hot path in process.py works on these directly, by design."""
 
     def __init__(self, store: TranscriptStore, peer: Publisher, listeners: Listeners,
-                 retention_days: float = 0.0) -> None:
+                 retention_days: float = 0.0, cluster: ClusterLog | None = None) -> None:
         self.store = store
+        self.cluster = cluster  # cluster mode: the calls' logs, written first (§4.17)
         self.peer = peer
         self.listeners = listeners
         self.retention_s = max(0.0, retention_days) * 86400.0
@@ -299,6 +304,8 @@ class SinkState:
         since = (self.commit_due - COMMIT_AFTER_S if self.commit_due is not None
                  else time.monotonic()) if self.pending_events else None
         self.flush_pending()
+        if self.cluster is not None:
+            self._replicate(self.cluster)
         if self.store.commit(wait) is None:
             return False
         self.pending_events = 0
@@ -312,6 +319,26 @@ class SinkState:
         if since is not None:
             self.delta_latency.observe(time.monotonic() - since)
         return True
+
+    def _replicate(self, cluster: ClusterLog) -> None:
+        """Cluster mode: the calls' logs take the commit's rows first; the runs
+        of calls another host took are dropped here (never stored, never sent),
+        their attempts fenced, and the supervisor told (E_LOST)."""
+        rows = self.store.unreplicated()
+        if not rows:
+            return
+        moved = cluster.replicate(rows)
+        self.store.replicated_but(moved)
+        if not moved:
+            return
+        lost = {id(self.lives[c].subs) for c in moved if c in self.lives}
+        self.outbox[:] = [entry for entry in self.outbox if id(entry[0]) not in lost]
+        for call_id in moved:
+            view = self.fence.view(call_id)
+            epoch = view.epoch if view is not None else 0
+            if view is not None and view.open:
+                self.fence.fence(call_id, epoch)
+            self.peer.publish(encode_lost(call_id, epoch, "another host owns the call now"))
 
     def _send_event(self, subs: set[bytes], event: bytes) -> None:
         """One event (a reset, a done) to a call's listeners, after its commit."""
@@ -388,6 +415,14 @@ class SinkState:
         self._rebind_settled(op.call_id)
         live = self._live(op.call_id)
         prev = live.stats(closed=True)
+        view = self.fence.view(op.call_id)
+        if self.cluster is not None and (view is None or op.attempt > view.epoch) \
+                and not (view is not None and view.finished):
+            lost = self.cluster.open(op.call_id, op.attempt)  # the log before the fence table
+            if lost is not None:
+                log.info("sink: authorize refused call=%s attempt=%d: %s", op.call_id,
+                         op.attempt, lost)
+                return encode_refused(op.req, lost)
         refusal = self.fence.authorize(op.call_id, op.attempt)
         if refusal is not None:
             reason = self._refusal_reason(refusal, op)
@@ -616,6 +651,7 @@ class SinkState:
             "storage_fault_since": self.store.fault_since,
             "storage_retries": self.store.retries,
             "delta_latency": self.delta_latency.to_map(),
+            **(self.cluster.stats() if self.cluster is not None else {}),
             **self.peer.stats(),
             **self.listeners.stats(),
         }

@@ -321,6 +321,7 @@ class TranscriptStore:
         self._rows: list[Row] = []
         self._epochs: list[tuple[str, int, float]] = []
         self._done: list[tuple[str, int, str, int, float]] = []
+        self.replicated = 0  # leading rows of the buffer the cluster stored (sink/cluster_log.py)
         self.rows_written = 0
         self.commits = 0
         self.pruned = 0  # calls deleted by `prune`
@@ -436,6 +437,19 @@ class TranscriptStore:
         n = len(events)
         self._rows.append((call_id, seq, seq + n - 1, attempt, "delta", n, b"".join(events)))
 
+    def unreplicated(self) -> list[Row]:
+        """The buffered rows the cluster has not stored yet (cluster mode)."""
+        return self._rows[self.replicated:]
+
+    def replicated_but(self, call_ids: set[str]) -> None:
+        """The cluster stored the unreplicated rows but those of `call_ids`,
+        which it refused: they are dropped, with the calls' done marks."""
+        if call_ids:
+            kept = [r for r in self._rows[self.replicated:] if r[0] not in call_ids]
+            self._rows[self.replicated:] = kept
+            self._done = [d for d in self._done if d[0] not in call_ids]
+        self.replicated = len(self._rows)
+
     def set_epoch(self, call_id: str, epoch: int) -> None:
         self._epochs.append((call_id, epoch, time.time()))
 
@@ -474,6 +488,7 @@ class TranscriptStore:
         if not self._retried(write, lambda: sum(row[5] for row in rows), wait):
             return None
         self._rows, self._epochs, self._done = [], [], []
+        self.replicated = 0
         self.rows_written += len(rows)
         self.commits += 1
         if self._checkpointer is not None:

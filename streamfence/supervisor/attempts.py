@@ -12,13 +12,19 @@ import random
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from streamfence.protocol.codec import encode
 from streamfence.protocol.errors import ErrorCode
-from streamfence.protocol.internal.control import AttemptStats, Ended, FinalRefused, FinishMeta
+from streamfence.protocol.internal.control import (
+    AttemptStats,
+    Ended,
+    FinalRefused,
+    FinishMeta,
+    Lost,
+)
 from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome
 from streamfence.protocol.internal.workers import AttemptSettings, RunAttempt
 from streamfence.protocol.messages import CallStatus, DeltaKind, visible_chars
@@ -26,6 +32,7 @@ from streamfence.sink.store import events_after
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.calls import (
     BUSY_STATES,
+    MOVED,
     Call,
     CallEvent,
     CallState,
@@ -45,6 +52,7 @@ from streamfence.supervisor.pool import Pool, exit_text
 from streamfence.supervisor.sinklink import (
     SINK_LOST,
     DoneReply,
+    Refused,
     SinkLink,
     SinkLost,
     StatsReply,
@@ -52,6 +60,9 @@ from streamfence.supervisor.sinklink import (
 )
 from streamfence.supervisor.timeouts import backoff_delay
 from streamfence.supervisor.timers import Deadlines
+
+if TYPE_CHECKING:  # cluster mode only: it brings nats
+    from streamfence.supervisor.clusterlink import ClusterLink
 
 log = logging.getLogger("streamfence.attempts")
 
@@ -81,8 +92,10 @@ class AttemptDriver:
 
     def __init__(self, config: DaemonConfig, journal: Journal, pool: Pool, sink: SinkLink,
                  clients: Clients, breakers: Breakers, counters: Counter[str],
-                 clock: Callable[[], float], rng: random.Random, transcript_path: str) -> None:
+                 clock: Callable[[], float], rng: random.Random, transcript_path: str,
+                 cluster: ClusterLink | None = None) -> None:
         self._config = config
+        self._cluster = cluster  # cluster mode: each attempt's ownership first (§4.17)
         self._transcript_path = transcript_path
         self._journal = journal
         self._pool = pool
@@ -240,11 +253,44 @@ class AttemptDriver:
         for call in started:
             if call.call_id not in self._calls:
                 continue  # dropped: its journal writes never committed (front.refuse_unstored)
-            reset = call.delivered  # only under on_partial=restart can this hold here
-            model = str(call.spec.request.get("model") or call.spec.request.get("modelId")
-                        or "-")
-            self._sink.authorize(call.call_id, call.epoch, reset, model,
-                                 functools.partial(self._authorized, call))
+            if self._cluster is not None:
+                self._cluster.take(call.call_id, call.epoch,
+                                   functools.partial(self._owned, call, call.epoch))
+            else:
+                self._authorize_at_sink(call)
+
+    def _authorize_at_sink(self, call: Call) -> None:
+        reset = call.delivered  # only under on_partial=restart can this hold here
+        model = str(call.spec.request.get("model") or call.spec.request.get("modelId") or "-")
+        self._sink.authorize(call.call_id, call.epoch, reset, model,
+                             functools.partial(self._authorized, call))
+
+    def _owned(self, call: Call, epoch: int, result: bool | str) -> None:
+        """Cluster mode: the attempt's ownership was taken (True), is another
+        host's (False), or the cluster failed (why): tried again later."""
+        if self._calls.get(call.call_id) is not call or call.epoch != epoch:
+            return
+        if result is True:
+            self._authorize_at_sink(call)
+            return
+        worker = self._pool.get(call.worker_id)
+        if worker is not None:
+            self._pool.release(worker)
+        if result is False:
+            self._move(call)
+            return
+        call.to(CallEvent.REFUSED)
+        self._queue.appendleft(call.call_id)  # the next turn asks again
+
+    def _move(self, call: Call) -> None:
+        """Cluster mode: another host owns the call now; this host forgets it
+        (its journal says `moved`), without a done."""
+        log.warning("call moved to another host of the cluster; forgetting it here",
+                    extra=_ctx(call))
+        self._due.clear(call.call_id)
+        self._journal.finish_call(call.call_id, MOVED)
+        self._counters["calls_moved"] += 1
+        self._forget(call)
 
     def _authorized(self, call: Call, reply: StatsReply) -> None:
         worker = self._pool.get(call.worker_id)
@@ -254,6 +300,9 @@ class AttemptDriver:
             call.to(CallEvent.REFUSED)
             if reply is SINK_LOST:
                 self._queue.appendleft(call.call_id)  # the restarted sink will answer
+                return
+            if isinstance(reply, Refused) and reply.reason.startswith("cluster_lost"):
+                self._move(call)  # the sink found the call's log taken by another host
                 return
             # The sink knows better (e.g. an epoch it has seen, set after a
             # crash): never spin on it; fail the call with what it said.
@@ -389,6 +438,9 @@ class AttemptDriver:
             self._pool.kill(worker)  # fenced first, so the kill cannot lose an accepted delta
             self._pool.maintain()
         self._journal.end_attempt(call.call_id, call.epoch, reason.value, None)
+        if reason is FenceReason.CLUSTER_LOST:
+            self._move(call)
+            return
         self._decide(call, stats, None, fence_error(reason, call.timeouts.stale_s))
 
     def on_ended(self, ended: Ended) -> None:
@@ -404,6 +456,19 @@ class AttemptDriver:
             return
         self._journal.end_attempt(call.call_id, call.epoch, "ended", ended.outcome)
         self._decide(call, ended.stats, ended.outcome, ended.outcome.error)
+
+    def on_lost(self, lost: Lost) -> None:
+        """Cluster mode: the cluster refused the attempt's run (another host
+        opened a later epoch): the attempt is fenced at the sink already; its
+        worker is killed and the call forgotten here."""
+        call = self._calls.get(lost.call_id)
+        if call is None or call.epoch != lost.attempt:
+            return
+        self._counters["cluster_lost"] += 1
+        if call.state is CallState.RUNNING:
+            self.fence(call, FenceReason.CLUSTER_LOST)
+        elif call.state is CallState.FENCING:
+            call.fence_reason = FenceReason.CLUSTER_LOST
 
     def on_final_refused(self, refused: FinalRefused) -> None:
         call = self._calls.get(refused.call_id)
@@ -528,6 +593,8 @@ class AttemptDriver:
         `_calls`)."""
         del self._calls[call.call_id]
         self.histograms.forget(call.call_id)
+        if self._cluster is not None:
+            self._cluster.forget(call.call_id)
         owner = call.owner
         self._in_flight[owner] -= 1
         self._in_flight_bytes[owner] -= call.request_bytes

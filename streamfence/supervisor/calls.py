@@ -72,6 +72,9 @@ class InvalidTransition(Exception):
     pass
 
 
+MOVED = "moved"  # cluster mode: the journal's status of a call another host owns now
+
+
 class FenceReason(Enum):
     """Why the supervisor fenced an attempt (journaled as the attempt's `how`)."""
 
@@ -81,12 +84,14 @@ class FenceReason(Enum):
     DEADLINE = "deadline"
     SINK_RESTARTED = "sink_restarted"
     CANCELLED = "cancelled"
+    CLUSTER_LOST = "cluster_lost"  # cluster mode: another host owns the call now
 
 
 _FENCE_ERRORS: dict[FenceReason, tuple[str, str]] = {
     FenceReason.STALE: ("stream_stalled", "no chunk within the stale timeout ({stale_s:g}s)"),
     FenceReason.WORKER_DIED: ("worker_died", "the worker process died mid-attempt"),
     FenceReason.FINAL_REFUSED: ("final_refused", "the sink refused the attempt's final message"),
+    FenceReason.CLUSTER_LOST: ("cluster_lost", "another host of the cluster owns the call now"),
     FenceReason.DEADLINE: ("deadline_exceeded", "the call's deadline passed"),
     FenceReason.SINK_RESTARTED: ("sink_restarted", "the sink restarted mid-attempt"),
     FenceReason.CANCELLED: ("cancelled", "cancelled by the client"),

@@ -32,12 +32,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import multiprocess
 import zmq
 
+from streamfence.cluster.settings import ClusterSettings
 from streamfence.protocol.internal import L_RECORD, Endpoints
 from streamfence.protocol.internal.control import FROM_NOW
 from streamfence.protocol.internal.workers import (
@@ -71,6 +72,9 @@ from streamfence.supervisor.restarts import GiveUp, RestartPolicy
 from streamfence.supervisor.sinklink import SinkLink
 from streamfence.supervisor.status import status_of
 from streamfence.workers.liveness import LivenessTable
+
+if TYPE_CHECKING:  # cluster mode only: it brings nats
+    from streamfence.supervisor.clusterlink import ClusterLink
 
 log = logging.getLogger("streamfence.supervisor")
 # libzmq's I/O threads decrypt the clients' CURVE traffic, each connection on
@@ -108,6 +112,7 @@ class Parts:
     front: Front
     counters: Counter[str]
     logs: zmq.Socket[bytes]
+    cluster: ClusterLink | None = None  # cluster mode (ARCHITECTURE §4.17)
 
 
 class Daemon:
@@ -164,7 +169,7 @@ class Daemon:
             args=(self.runtime_dir, self.transcript_path, self.events_endpoint,
                   str(self.keys.dir) if self.config.auth == "curve" else None,
                   self.config.log_level, self._control_identity, True,
-                  self.config.retention_days))
+                  self.config.retention_days, self._cluster_settings()))
         self._sink.start()
         self._sink_restarts.started()
 
@@ -271,19 +276,21 @@ class Daemon:
 
         clock = time.monotonic
         counters: Counter[str] = Counter()
+        cluster = self._connect_cluster()
         pool = Pool(self._to_zygote, workers_sock, live, slots=cfg.workers_max,
                     spare=cfg.workers_spare, max_workers=cfg.workers_max)
         clients = Clients(front_sock)
         sink = SinkLink(sink_sock)
         breakers = Breakers(cfg.breaker_threshold, cfg.breaker_cooldown_s, clock)
         driver = AttemptDriver(cfg, journal, pool, sink, clients, breakers, counters, clock,
-                               random.Random(), self.transcript_path)
+                               random.Random(), self.transcript_path, cluster)
         status = functools.partial(status_of, pool, driver, breakers,
                                    functools.partial(self._sink_stats, sink), counters,
                                    self._pids, self.auth.counts, journal.fault_view)
         front = Front(cfg, journal, driver, clients, sink, breakers, counters, clock,
-                      self.transcript_path, status)
-        parts = Parts(journal, pool, clients, sink, breakers, driver, front, counters, logs_sock)
+                      self.transcript_path, status, cluster)
+        parts = Parts(journal, pool, clients, sink, breakers, driver, front, counters, logs_sock,
+                      cluster)
 
         self._start_sink()
         self._probe_sink(sink)
@@ -292,6 +299,30 @@ class Daemon:
             driver.enqueue(call)
         pool.maintain()
         return parts
+
+    def _connect_cluster(self) -> ClusterLink | None:
+        """Cluster mode: the supervisor's link to the NATS cluster (its streams and
+        buckets made if missing); a cluster that cannot be reached stops the start."""
+        cfg = self.config.cluster
+        settings = self._cluster_settings()
+        if settings is None:
+            return None
+        from streamfence.supervisor.clusterlink import ClusterLink  # brings nats
+
+        try:
+            link = ClusterLink(settings)
+        except Exception as exc:
+            raise StartupError(f"cannot reach the NATS cluster at {', '.join(cfg.urls)}: "
+                               f"{type(exc).__name__}: {exc}") from None
+        log.info("cluster: host %r, %d replica(s), NATS at %s", cfg.host, cfg.replicas,
+                 ", ".join(cfg.urls))
+        return link
+
+    def _cluster_settings(self) -> ClusterSettings | None:
+        cfg = self.config.cluster
+        if not cfg.enabled:
+            return None
+        return ClusterSettings(cfg.urls, cfg.host, cfg.replicas, cfg.timeout_s)
 
     def _open_stores(self) -> tuple[Journal, list[Call]]:
         """The journal, this start's stamp in both files (ARCHITECTURE §4.13),
@@ -355,6 +386,9 @@ class Daemon:
         poller.register(journal_synced, zmq.POLLIN)
         connections = self.auth.monitor
         poller.register(connections, zmq.POLLIN)
+        cluster_fd = p.cluster.fd if p.cluster is not None else -1
+        if p.cluster is not None:
+            poller.register(cluster_fd, zmq.POLLIN)
         log.info("supervisor up: endpoint=%s state_dir=%s runtime_dir=%s",
                  self.config.endpoint, self.config.state_dir, self.runtime_dir)
         code = 0
@@ -383,6 +417,8 @@ class Daemon:
                     p.journal.on_synced()
                 if connections in ready:
                     self.auth.on_monitor()
+                if cluster_fd in ready and p.cluster is not None:
+                    p.cluster.run_done()
                 if sink_sock in ready:
                     p.sink.drain(p.driver)
                 if workers_sock in ready and p.pool.drain():
@@ -596,6 +632,8 @@ class Daemon:
         self.auth.stop()
         self.ctx.term()
         p.pool.close()
+        if p.cluster is not None:
+            p.cluster.close()
         self._lock.release()
         log.info("stopped")
 

@@ -21,10 +21,11 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from streamfence.cluster.records import call_record
 from streamfence.protocol.codec import decode_untrusted
 from streamfence.protocol.errors import ErrorCode, ProtocolError
 from streamfence.protocol.messages import (
@@ -51,6 +52,9 @@ from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.requests import check_request
 from streamfence.supervisor.sinklink import Refused, SinkLink, SinkLost
 from streamfence.supervisor.timeouts import attempt_timeouts
+
+if TYPE_CHECKING:  # cluster mode only: it brings nats
+    from streamfence.supervisor.clusterlink import ClusterLink
 
 EARLY_CHECK_BYTES = 64 << 10  # a submit this large meets its byte limits before it is decoded
 PEEK_BYTES = 512  # where its op and ref are looked for
@@ -80,8 +84,14 @@ class Front:
     def __init__(self, config: DaemonConfig, journal: Journal, driver: AttemptDriver,
                  clients: Clients, sink: SinkLink, breakers: Breakers, counters: Counter[str],
                  clock: Callable[[], float], transcript_path: str,
-                 status: Callable[[Identity, Callable[[dict[str, Any]], None]], None]) -> None:
+                 status: Callable[[Identity, Callable[[dict[str, Any]], None]], None],
+                 cluster: ClusterLink | None = None) -> None:
         self._config = config
+        # Cluster mode (ARCHITECTURE §4.17): a new call's record until the cluster
+        # stores it, and the replies that wait for that, by call id.
+        self._cluster = cluster
+        self._records: dict[str, bytes] = {}
+        self._replicating: dict[str, list[Accept]] = {}
         self._journal = journal
         self._driver = driver
         self._clients = clients
@@ -254,7 +264,11 @@ class Front:
                     max_attempts=max_attempts, deadline=deadline, request_bytes=size,
                     request_file=self._journal.request_file(call_id) if staged else None,
                     request_overrides=overrides)
-        self._driver.enqueue(call, staged=staged)
+        if self._cluster is not None:  # it runs once the cluster has it (_replicated)
+            self._records[call_id] = call_record(call_id, user.name, spec.provider, spec.request,
+                                                 spec.options.to_map(), spec.session_id,
+                                                 spec.idempotency_key)
+        self._driver.enqueue(call, staged=staged or self._cluster is not None)
         reply = (identity, accepted_msg(req.ref, call_id), self._subscription(req, call_id))
         if staged:
             self._staged[call_id] = [reply]
@@ -269,7 +283,7 @@ class Front:
             replies = self._staged.pop(call_id, [])
             live = self._driver.has_call(call_id)  # not if an admin cancelled it meanwhile
             if error is None:
-                if live:
+                if live and self._cluster is None:  # in cluster mode: once replicated
                     self._driver.release(call_id)
                 self._wait_commit(call_id, replies)
                 continue
@@ -393,12 +407,42 @@ class Front:
 
     def _send_accepts(self, call_ids: list[str]) -> None:
         for call_id in call_ids:
-            for identity, msg, then_subscribe in self._unanswered.pop(call_id, []):
-                if not msg.get("duplicate"):
-                    self._counters["calls_accepted"] += 1
-                self._clients.send(identity, msg)
-                if then_subscribe is not None:
-                    self._subscribe(identity, then_subscribe)
+            replies = self._unanswered.pop(call_id, [])
+            record = self._records.pop(call_id, None)
+            if record is not None and self._cluster is not None:
+                # Accepted means replicated (ARCHITECTURE §4.17): answered then.
+                self._replicating[call_id] = replies
+                self._cluster.accept(call_id, record,
+                                     functools.partial(self._replicated, call_id))
+            elif call_id in self._replicating:  # a duplicate while its record is on its way
+                self._replicating[call_id].extend(replies)
+            else:
+                self._answer(replies)
+
+    def _answer(self, replies: list[Accept]) -> None:
+        for identity, msg, then_subscribe in replies:
+            if not msg.get("duplicate"):
+                self._counters["calls_accepted"] += 1
+            self._clients.send(identity, msg)
+            if then_subscribe is not None:
+                self._subscribe(identity, then_subscribe)
+
+    def _replicated(self, call_id: str, error: str | None) -> None:
+        """Cluster mode: the cluster stored the call (it runs, and is answered
+        `accepted`), or could not (it never runs; its submitters are refused)."""
+        replies = self._replicating.pop(call_id, [])
+        live = self._driver.has_call(call_id)  # not if an admin cancelled it meanwhile
+        if error is None:
+            if live:
+                self._driver.release(call_id)
+            self._answer(replies)
+            return
+        if live:
+            self._driver.drop(call_id)
+        self._journal.finish_call(call_id, "refused")
+        for identity, msg, _ in replies:
+            self._error(identity, msg["ref"], ErrorCode.CLUSTER_UNAVAILABLE,
+                        f"the cluster did not store the call ({error}); it was not accepted")
 
     def _subscribe(self, identity: bytes, req: Subscribe) -> None:
         """The sink replays the call's stored events to the listener, then (a

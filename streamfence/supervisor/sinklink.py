@@ -28,6 +28,7 @@ from streamfence.protocol.internal.control import (
     FinalRefused,
     Finish,
     FinishMeta,
+    Lost,
     Rebind,
     Reply,
     Stats,
@@ -71,6 +72,8 @@ class AttemptEvents(Protocol):
     def on_ended(self, ended: Ended) -> None: ...
 
     def on_final_refused(self, refused: FinalRefused) -> None: ...
+
+    def on_lost(self, lost: Lost) -> None: ...
 
 
 class SinkLink:
@@ -170,6 +173,8 @@ class SinkLink:
                 attempts.on_ended(msg)
             elif isinstance(msg, FinalRefused):
                 attempts.on_final_refused(msg)
+            elif isinstance(msg, Lost):
+                attempts.on_lost(msg)
         return n
 
 

@@ -55,6 +55,8 @@ the sink to the subscribers' listeners, never through the supervisor):
     [R_REFUSED, req, reason]   `encode_refused`
     [E_ENDED, call_id, attempt, stats, outcome]     `encode_ended`
     [E_FINAL_REFUSED, call_id, attempt, reason]     `encode_final_refused`
+    [E_LOST, call_id, attempt, reason]              `encode_lost`: cluster mode, the
+                               cluster refused the call's run: another host owns it
 AttemptStats: [attempt, accepted, dropped, visible_chars, tool_fragments,
     last_seq, closed] (`stats_to_wire` / `stats_from_wire`).
 
@@ -95,6 +97,7 @@ R_OK = 20
 R_REFUSED = 21
 E_ENDED = 31
 E_FINAL_REFUSED = 32
+E_LOST = 33
 
 # supervisor <-> worker
 W_RUN = 40

@@ -17,6 +17,7 @@ from streamfence.protocol.internal import (
     C_SUBSCRIBE,
     E_ENDED,
     E_FINAL_REFUSED,
+    E_LOST,
     R_OK,
     R_REFUSED,
 )
@@ -306,6 +307,12 @@ def encode_final_refused(call_id: str, attempt: int, reason: str) -> bytes:
     return packed
 
 
+def encode_lost(call_id: str, attempt: int, reason: str) -> bytes:
+    """E_LOST: cluster mode, the call's run was refused by the cluster (ARCHITECTURE §4.17)."""
+    packed: bytes = msgpack.packb([E_LOST, call_id, attempt, reason], use_bin_type=True)
+    return packed
+
+
 @dataclass(frozen=True, slots=True)
 class Reply:
     """R_OK / R_REFUSED. `payload`: the reply's payload (ok) or the reason."""
@@ -330,7 +337,14 @@ class FinalRefused:
     reason: str
 
 
-FromSink = Reply | Ended | FinalRefused
+@dataclass(frozen=True, slots=True)
+class Lost:
+    call_id: str
+    attempt: int
+    reason: str
+
+
+FromSink = Reply | Ended | FinalRefused | Lost
 
 
 def parse_from_sink(msg: list[Any]) -> FromSink:
@@ -343,4 +357,6 @@ def parse_from_sink(msg: list[Any]) -> FromSink:
         return Ended(msg[1], msg[2], stats_from_wire(msg[3]), outcome_from_wire(msg[4]))
     if tag == E_FINAL_REFUSED:
         return FinalRefused(msg[1], msg[2], msg[3])
+    if tag == E_LOST:
+        return Lost(msg[1], msg[2], msg[3])
     raise BadFrame(f"unexpected message tag {tag!r}")

@@ -1,0 +1,86 @@
+"""The sink's side of cluster mode (docs/ARCHITECTURE.md §4.17, rules 3 and
+6): the calls' logs on JetStream, written before the transcript.
+
+`open` appends the attempt's epoch record to the call's log before the
+sink acknowledges an authorization; `replicate` appends, at each group
+commit, one record per call with the rows the commit is about to store
+(every call's append in flight together, each conditional on the last
+sequence this sink wrote or read for the call) and returns the calls the
+engine refused: another host opened a later epoch of each, so their rows
+must never be stored or sent here. A call whose log this sink has not
+opened (rows after a restart of the sink, before any authorize) is refused
+the same way: the attempt is fenced and run again, never written blind.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from streamfence.cluster.bridge import LedgerBridge
+from streamfence.cluster.ledger import Fenced, Owner, Ownership
+from streamfence.cluster.settings import ClusterSettings
+
+log = logging.getLogger("streamfence.sink")
+
+Row = tuple[str, int, int, int, str, int, bytes]  # the store's: call, seq, last, attempt, op, n, body
+
+
+class ClusterLog:
+    """Owns the bridge and, per call, the hold this sink has on its log."""
+
+    def __init__(self, settings: ClusterSettings) -> None:
+        self.settings = settings
+        self.bridge = LedgerBridge(settings)
+        self._held: dict[str, Ownership] = {}
+        self.refused = 0  # runs the engine refused (their calls moved to another host)
+        self.appends = 0
+
+    def open(self, call_id: str, attempt: int) -> str | None:
+        """Open `attempt`'s epoch in the call's log; None, or why not (the call's
+        owner in the cluster is not this host at this epoch)."""
+        own = Ownership(Owner(call_id, self.settings.host, attempt, 0))
+        try:
+            self._held[call_id] = self.bridge.call(self.bridge.ledger.open_epoch(own))
+        except Fenced as exc:
+            self._held.pop(call_id, None)
+            return f"cluster_lost: {exc}"
+        return None
+
+    def forget(self, call_ids: Iterable[str]) -> None:
+        for call_id in call_ids:
+            self._held.pop(call_id, None)
+
+    def replicate(self, rows: list[Row]) -> set[str]:
+        """Append each call's rows to its log; the calls refused (module docstring).
+        Raises what the cluster raised otherwise (unreachable past the timeout)."""
+        by_call: dict[str, list[list[Any]]] = defaultdict(list)
+        for call_id, seq, last, attempt, op, n, body in rows:
+            by_call[call_id].append([seq, last, attempt, op, n, body])
+        refused = {c for c in by_call if c not in self._held}
+        calls = [c for c in by_call if c in self._held]
+        ledger = self.bridge.ledger
+        results = self.bridge.gather(ledger.append(self._held[c], by_call[c]) for c in calls)
+        for call_id, result in zip(calls, results, strict=True):
+            if isinstance(result, Ownership):
+                self._held[call_id] = result
+                self.appends += 1
+            elif isinstance(result, Fenced):
+                refused.add(call_id)
+                del self._held[call_id]
+            elif isinstance(result, BaseException):
+                raise result
+        if refused:
+            self.refused += len(refused)
+            log.warning("sink: the cluster refused the runs of %d call(s) (%s): another host "
+                        "owns them now", len(refused), ", ".join(sorted(refused)[:5]))
+        return refused
+
+    def stats(self) -> dict[str, int]:
+        return {"cluster_appends": self.appends, "cluster_refused": self.refused,
+                "cluster_engine_refused": self.bridge.ledger.refused}
+
+    def close(self) -> None:
+        self.bridge.close()
