@@ -8,6 +8,8 @@ appends, and kills its worker (the provider connection closes)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,3 +140,33 @@ def test_a_host_whose_call_was_taken_stops_writing_it_and_kills_its_worker(
     sink = status["sink"]
     assert sink["cluster_refused"] == 1 and sink["cluster_engine_refused"] >= 1, sink
     assert status["counters"]["calls_moved"] == 1, status["counters"]
+
+
+def test_a_sink_killed_mid_stream_goes_on_under_a_new_epoch_it_owns(
+        daemon: DaemonProcess, emu: EmulatorClient, nats: NatsCluster) -> None:
+    """§2.8 in cluster mode: the restarted sink's rebind is owned first (epoch 2
+    in sf_owners, this host) and opened in the log; the call completes from one
+    provider request, and its log holds one answer."""
+    emu.script("sinkdeath", [{"fault": "ok", "chunks": 40, "chunk_delay_s": 0.05}])
+    with daemon.client(timeout_s=20.0) as client:
+        call_id = client.submit("emu", _request("sinkdeath"))
+        events: list[dict[str, Any]] = []
+        for event in client.events(call_id, timeout_s=20.0):
+            events.append(event)
+            if len(events) == 5:
+                break
+        sink_pid = client.status()["processes"]["sink"]
+        os.kill(sink_pid, signal.SIGKILL)
+        events += list(client.events(call_id, timeout_s=15.0))
+        status = client.status()
+    assert status["counters"]["attempts_rebound"] == 1, status["counters"]
+    assert events[-1]["op"] == "done" and events[-1]["status"] == "completed"
+    assert len(emu.log("sinkdeath")) == 1  # one provider request
+
+    async def look(ledger: Ledger) -> tuple[Any, list[Record]]:
+        return await ledger.owner(call_id), await ledger.read(call_id)
+    owner, log = _ledger(nats, "reader", look)
+    assert (owner.host, owner.epoch) == (HOST, 2)
+    assert [(r.kind, r.epoch) for r in log if r.kind == EPOCH] == [(EPOCH, 1), (EPOCH, 2)]
+    assert {r.host for r in log} == {HOST}
+    assert _events_in(log) == events  # the log holds exactly what the subscriber saw

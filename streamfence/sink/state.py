@@ -477,6 +477,10 @@ class SinkState:
             refusal = (AuthorizeRefusal.CALL_FINISHED if view.finished
                        else AuthorizeRefusal.STALE_EPOCH)
             return encode_refused(op.req, self._refusal_reason(refusal, op))
+        if self.cluster is not None:
+            lost = self.cluster.open(op.call_id, op.attempt)  # as for an authorize
+            if lost is not None:
+                return encode_refused(op.req, lost)
         self.flush_pending()
         self._restore_content(live, op.from_attempt, since=op.content_from)
         resume_after = live.content.deltas()

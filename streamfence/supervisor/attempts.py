@@ -628,9 +628,26 @@ class AttemptDriver:
 
     def _rebind(self, rebound: list[tuple[Call, int]]) -> None:
         for call, old in rebound:
-            if call.state is CallState.RUNNING:
-                self._sink.rebind(call.call_id, call.epoch, old, call.content_from, call.token,
-                                  functools.partial(self._rebound, call, call.epoch))
+            if call.state is not CallState.RUNNING:
+                continue
+            if self._cluster is not None:  # the new epoch is owned first, as any (§4.17)
+                self._cluster.take(call.call_id, call.epoch, functools.partial(
+                    self._rebind_owned, call, call.epoch, old))
+            else:
+                self._rebind_at_sink(call, old)
+
+    def _rebind_at_sink(self, call: Call, old: int) -> None:
+        self._sink.rebind(call.call_id, call.epoch, old, call.content_from, call.token,
+                          functools.partial(self._rebound, call, call.epoch))
+
+    def _rebind_owned(self, call: Call, epoch: int, old: int, result: bool | str) -> None:
+        if call.epoch != epoch or call.state is not CallState.RUNNING:
+            return
+        if result is True:
+            self._rebind_at_sink(call, old)
+        else:
+            self.fence(call, FenceReason.CLUSTER_LOST if result is False
+                       else FenceReason.SINK_RESTARTED)
 
     def _rebound(self, call: Call, epoch: int, reply: StatsReply) -> None:
         if call.epoch != epoch or call.state is not CallState.RUNNING:
