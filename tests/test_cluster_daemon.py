@@ -8,6 +8,7 @@ appends, and kills its worker (the provider connection closes)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import psutil
 import pytest
 
 from streamfence.cluster.ledger import EPOCH, EVENTS, Ledger, Record
@@ -75,22 +77,21 @@ def test_a_call_is_replicated_owned_and_logged_on_the_cluster(
         daemon: DaemonProcess, emu: EmulatorClient, nats: NatsCluster) -> None:
     emu.script("logged", [{"fault": "ok", "chunks": 12, "text": "twelve pieces of an answer"}])
     with daemon.client() as client:
-        text = "".join(client.stream_text("emu", _request("logged")))
-    assert text == "twelve pieces of an answer"
+        stream = client.stream_text("emu", _request("logged"))
+        text = "".join(stream)
+        call = stream.call_id
+    assert text == "twelve pieces of an answer" and call is not None
     assert any("cluster: host" in r.get("message", "") for r in daemon.log_records()), \
         "the supervisor did not log its cluster link"
 
     async def look(ledger: Ledger) -> tuple[Any, ...]:
-        ids = await ledger.owners.keys()
-        assert len(ids) == 1, ids
-        call = ids[0]
         record = msgpack.unpackb(await ledger.accepted(call) or b"", raw=False)
-        return call, record, await ledger.owner(call), await ledger.read(call)
+        return record, await ledger.owner(call), await ledger.read(call)
 
-    call, record, owner, log = _ledger(nats, "reader", look)
+    record, owner, log = _ledger(nats, "reader", look)
     assert record["call_id"] == call and record["provider"] == "emu"
     assert record["request"]["model"] == "gpt-emu#logged"
-    assert (owner.host, owner.epoch) == (HOST, 1)
+    assert owner is None  # done: its entry in sf_owners went (it holds live calls only)
     assert (log[0].kind, log[0].epoch, log[0].host) == (EPOCH, 1, HOST)
     assert {r.host for r in log} == {HOST} and {r.epoch for r in log} == {1}
     logged = _events_in(log[1:])
@@ -166,7 +167,92 @@ def test_a_sink_killed_mid_stream_goes_on_under_a_new_epoch_it_owns(
     async def look(ledger: Ledger) -> tuple[Any, list[Record]]:
         return await ledger.owner(call_id), await ledger.read(call_id)
     owner, log = _ledger(nats, "reader", look)
-    assert (owner.host, owner.epoch) == (HOST, 2)
+    assert owner is None  # done
     assert [(r.kind, r.epoch) for r in log if r.kind == EPOCH] == [(EPOCH, 1), (EPOCH, 2)]
     assert {r.host for r in log} == {HOST}
     assert _events_in(log) == events  # the log holds exactly what the subscriber saw
+
+
+def _host(tmp_path: Path, emulator: EmulatorProcess, nats: NatsCluster, name: str,
+          lease_s: float) -> DaemonProcess:
+    return DaemonProcess(tmp_path / name, {"emu": dict(profile_for("openai", emulator),
+                                                      stale_timeout_s=60.0)},
+                         tables={"cluster": {"urls": nats.urls, "host": name, "replicas": 3,
+                                             "lease_s": lease_s}})
+
+
+def _tree(proc: DaemonProcess) -> list[int]:
+    assert proc.proc is not None
+    root = psutil.Process(proc.proc.pid)
+    return [root.pid, *(c.pid for c in root.children(recursive=True))]
+
+
+def test_a_frozen_host_loses_its_call_to_another_host_and_is_fenced_when_it_wakes(
+        tmp_path: Path, emulator: EmulatorProcess, emu: EmulatorClient,
+        nats: NatsCluster) -> None:
+    """The zombie host, end to end: host A streams a call; A is frozen
+    (SIGSTOP of its whole process tree) past its lease; host B takes the call
+    at epoch 2, stores its log, and runs it again (a reset, then a second
+    provider request) to its done; A wakes (SIGCONT): its sink's appends are
+    refused by the engine, its worker is killed (its provider connection
+    closes) and it forgets the call. The log: A's epoch, A's runs, B's epoch,
+    B's runs to the done, nothing of A after B's epoch."""
+    emu.script("zombie", [{"fault": "ok", "chunks": 600, "chunk_delay_s": 0.05},  # A: 30 s
+                          {"fault": "ok", "chunks": 10, "text": "the answer from host b"}])
+    a = _host(tmp_path, emulator, nats, "host-a", 2.0).start()
+    b = _host(tmp_path, emulator, nats, "host-b", 2.0).start()
+    frozen: list[int] = []
+    try:
+        with a.client() as client:
+            call_id = client.submit("emu", _request("zombie"), subscribe=False)
+
+        async def runs(ledger: Ledger) -> int:
+            return sum(1 for r in await ledger.read(call_id) if r.kind == EVENTS)
+        wait_until(lambda: _ledger(nats, "reader", runs) >= 2, 15, "host a's first runs")
+        frozen = _tree(a)
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+
+        async def owner(ledger: Ledger) -> Any:
+            return await ledger.owner(call_id)
+        wait_until(lambda: (o := _ledger(nats, "reader", owner)) is None or o.host == "host-b",
+                   20, "host b to take the call")
+
+        async def done(ledger: Ledger) -> bool:
+            return any(e["op"] == "done" for e in _events_in(await ledger.read(call_id)))
+        wait_until(lambda: _ledger(nats, "reader", done), 30, "host b to finish the call")
+        assert not emu.log("zombie")[0]["ended"], "host a's stream ended while it was frozen"
+
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        frozen = []
+        record = emu.wait_for(lambda log: log[0] if log and log[0]["ended"] else None,
+                              timeout=20.0, what="host a's provider connection to close",
+                              key="zombie")
+        assert record["aborted"] and not record["completed"], record
+        wait_until(lambda: any("moved to another host" in r.get("message", "")
+                               for r in a.log_records()), 20, "host a to forget the call")
+
+        log = _ledger(nats, "reader", lambda ledger: ledger.read(call_id))
+        epochs = [(r.epoch, r.host) for r in log if r.kind == EPOCH]
+        assert epochs == [(1, "host-a"), (2, "host-b")], epochs
+        b_opened = next(r.seq for r in log if r.kind == EPOCH and r.host == "host-b")
+        assert all(r.host == "host-b" for r in log if r.seq > b_opened)
+        events = _events_in(log)
+        after_reset = events[next(i for i, e in enumerate(events) if e["op"] == "reset"):]
+        assert "".join(e["data"] for e in after_reset if e["op"] == "delta") \
+            == "the answer from host b"
+        assert events[-1]["op"] == "done" and events[-1]["status"] == "completed"
+        assert [e["seq"] for e in events] == list(range(1, len(events) + 1))  # no gap, no repeat
+        with a.client() as client:
+            sink = client.status()["sink"]
+        assert sink["cluster_refused"] >= 1 and sink["cluster_engine_refused"] >= 1, sink
+        with b.client() as client:
+            done_b = client.result(call_id, wait_s=5.0)  # host b serves the call it took
+        assert done_b is not None and done_b["status"] == "completed", done_b
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        for proc in (a, b):
+            proc.cleanup()

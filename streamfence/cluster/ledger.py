@@ -42,6 +42,7 @@ from nats.js.errors import (
     BadRequestError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
+    NoKeysError,
     NotFoundError,
 )
 from nats.js.kv import KeyValue
@@ -51,6 +52,7 @@ from streamfence.cluster.settings import ClusterSettings
 CALLS_STREAM = "SF_CALLS"
 EVENTS_STREAM = "SF_EVENTS"
 OWNERS_BUCKET = "sf_owners"
+HOSTS_BUCKET = "sf_hosts"
 CALLS_SUBJECT = "sf.calls."
 EVENTS_SUBJECT = "sf.events."
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
@@ -119,6 +121,8 @@ class Ledger:
         self._js: JetStreamContext = nc.jetstream(timeout=settings.timeout_s)
         self.settings = settings
         self._owners: KeyValue | None = None
+        self._hosts: KeyValue | None = None
+        self._beats = 0
         self.refused = 0  # appends the engine refused (Fenced)
 
     @classmethod
@@ -143,6 +147,8 @@ class Ledger:
                 duplicate_window=120.0))
         self._owners = await self._js.create_key_value(KeyValueConfig(
             bucket=OWNERS_BUCKET, history=1, storage=StorageType.FILE, replicas=r))
+        self._hosts = await self._js.create_key_value(KeyValueConfig(
+            bucket=HOSTS_BUCKET, history=1, storage=StorageType.FILE, replicas=r))
 
     async def close(self) -> None:
         await self._nc.close()
@@ -198,6 +204,52 @@ class Ledger:
         except KeyWrongLastSequenceError:
             return None
         return Ownership(Owner(call_id, self.settings.host, epoch, int(revision)))
+
+    async def release(self, owner: Owner) -> bool:
+        """The call is done: its entry goes, if it is still `owner`'s (so
+        `sf_owners` holds the live calls only). False if it had changed."""
+        try:
+            await self.owners.delete(owner.call_id, last=owner.revision)
+        except KeyWrongLastSequenceError:
+            return False
+        return True
+
+    async def owned_by(self, host: str) -> list[Owner]:
+        """Every call `host` owns (a scan of `sf_owners`: after a host's lease)."""
+        try:
+            keys = await self.owners.keys()
+        except NoKeysError:
+            return []
+        out = []
+        for key in keys:
+            owner = await self.owner(key)
+            if owner is not None and owner.host == host:
+                out.append(owner)
+        return out
+
+    # ---- hosts' heartbeats --------------------------------------------------------
+
+    async def beat(self) -> int:
+        """This host is alive: its key in `sf_hosts` moves (a new revision)."""
+        assert self._hosts is not None, "Ledger.ensure() first"
+        self._beats += 1
+        return int(await self._hosts.put(self.settings.host, msgpack.packb(self._beats)))
+
+    async def host_revisions(self) -> dict[str, int]:
+        """Each host's heartbeat revision (it moves while the host beats)."""
+        assert self._hosts is not None, "Ledger.ensure() first"
+        try:
+            keys = await self._hosts.keys()
+        except NoKeysError:
+            return {}
+        out = {}
+        for key in keys:
+            try:
+                entry = await self._hosts.get(key)
+            except (NotFoundError, KeyNotFoundError):
+                continue
+            out[key] = int(entry.revision or 0)
+        return out
 
     # ---- the fenced log ----------------------------------------------------------
 
@@ -260,3 +312,16 @@ class Ledger:
             seq = int(msg.seq or 0)
             kind, epoch, host, body = msgpack.unpackb(msg.data or b"")
             out.append(Record(seq, kind, epoch, host, body))
+
+
+def valid(records: list[Record]) -> list[Record]:
+    """The records every reader keeps (ARCHITECTURE §4.17, rule 6): those not
+    below the epoch of an EPOCH record before them."""
+    out, epoch = [], 0
+    for record in records:
+        if record.epoch < epoch:
+            continue
+        if record.kind == EPOCH:
+            epoch = record.epoch
+        out.append(record)
+    return out

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from streamfence.cluster.bridge import LedgerBridge
-from streamfence.cluster.ledger import Fenced, Owner, Ownership
+from streamfence.cluster.ledger import EVENTS, Fenced, Owner, Ownership, valid
 from streamfence.cluster.settings import ClusterSettings
 
 log = logging.getLogger("streamfence.sink")
@@ -40,7 +40,10 @@ class ClusterLog:
 
     def open(self, call_id: str, attempt: int) -> str | None:
         """Open `attempt`'s epoch in the call's log; None, or why not (the call's
-        owner in the cluster is not this host at this epoch)."""
+        owner in the cluster is not this host at this epoch). Opened already: None."""
+        held = self._held.get(call_id)
+        if held is not None and held.epoch == attempt:
+            return None
         own = Ownership(Owner(call_id, self.settings.host, attempt, 0))
         try:
             self._held[call_id] = self.bridge.call(self.bridge.ledger.open_epoch(own))
@@ -48,6 +51,22 @@ class ClusterLog:
             self._held.pop(call_id, None)
             return f"cluster_lost: {exc}"
         return None
+
+    def adopt(self, call_id: str, epoch: int) -> list[Row] | str:
+        """A call taken over at `epoch` from a host that lost its lease: open the
+        epoch in its log (the old owner can write no more), and the rows the log
+        holds before it (void records skipped: §4.17, rule 6); or why not."""
+        lost = self.open(call_id, epoch)
+        if lost is not None:
+            return lost
+        opened = self._held[call_id].log_seq
+        records = self.bridge.call(self.bridge.ledger.read(call_id))
+        rows: list[Row] = []
+        for record in valid([r for r in records if r.seq < opened]):
+            if record.kind == EVENTS:
+                rows += [(call_id, seq, last, attempt, op, n, body)
+                         for seq, last, attempt, op, n, body in record.body]
+        return rows
 
     def forget(self, call_ids: Iterable[str]) -> None:
         for call_id in call_ids:

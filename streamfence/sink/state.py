@@ -48,6 +48,7 @@ from streamfence.protocol.internal import T_FINAL_ACK
 from streamfence.protocol.internal.control import (
     FROM_NOW,
     AddSubscriber,
+    Adopt,
     AttemptStats,
     Authorize,
     ControlOp,
@@ -409,6 +410,8 @@ class SinkState:
             return self._rebind(op)
         if isinstance(op, Finish):
             return self._finish(op)
+        if isinstance(op, Adopt):
+            return self._adopt(op)
         return self._add_subscriber(op)
 
     def _authorize(self, op: Authorize) -> bytes:
@@ -465,6 +468,33 @@ class SinkState:
             self.commit()
         log.debug("sink: fenced call=%s attempt=%d", op.call_id, op.attempt)
         return encode_ok(op.req, stats_to_wire(prev))
+
+    def _adopt(self, op: Adopt) -> bytes:
+        """Cluster mode: a call taken over from a host that lost its lease
+        (Adopt's docstring). Its events are stored as the log holds them; the
+        fence stays closed until the supervisor authorizes `op.epoch`."""
+        if self.cluster is None:
+            return encode_refused(op.req, "not in cluster mode")
+        if op.call_id in self.lives or self.store.call_row(op.call_id) is not None:
+            return encode_refused(op.req, f"call {op.call_id} is known here already")
+        rows = self.cluster.adopt(op.call_id, op.epoch)
+        if isinstance(rows, str):
+            return encode_refused(op.req, rows)
+        done = next((r for r in rows if r[4] == "done"), None)
+        last_attempt = max((r[3] for r in rows), default=0)
+        self.store.add_replicated(rows)
+        self.store.set_epoch(op.call_id, op.epoch - 1)
+        if done is not None:
+            self.store.set_done(op.call_id, done[3], msgpack.unpackb(done[6])["status"],
+                                done[1])
+        self.commit()
+        live = self._live(op.call_id)  # from the store: its last seq, its epoch closed
+        if done is not None:
+            return encode_refused(op.req, f"call_finished: {msgpack.unpackb(done[6])['status']}")
+        self._restore_content(live, last_attempt)
+        log.info("sink: call=%s adopted at epoch %d with %d stored event row(s)",
+                 op.call_id, op.epoch, len(rows))
+        return encode_ok(op.req, stats_to_wire(live.stats(closed=True)))
 
     # ---- rebinds (after a restart: docs/ARCHITECTURE.md §2.8) --------------------
     def _rebind(self, op: Rebind) -> bytes:

@@ -450,6 +450,13 @@ class TranscriptStore:
             self._done = [d for d in self._done if d[0] not in call_ids]
         self.replicated = len(self._rows)
 
+    def add_replicated(self, rows: list[Row]) -> None:
+        """Rows the cluster holds already (a call taken over: sink/cluster_log.py),
+        stored at the next commit and never appended again."""
+        assert self.replicated == len(self._rows), "replicate what is buffered first"
+        self._rows += rows
+        self.replicated = len(self._rows)
+
     def set_epoch(self, call_id: str, epoch: int) -> None:
         self._epochs.append((call_id, epoch, time.time()))
 

@@ -49,6 +49,7 @@ from streamfence.supervisor.histograms import Histograms, attempt_outcome
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.logs import log_with_traceback
 from streamfence.supervisor.pool import Pool, exit_text
+from streamfence.supervisor.recovery import make_call
 from streamfence.supervisor.sinklink import (
     SINK_LOST,
     DoneReply,
@@ -62,6 +63,7 @@ from streamfence.supervisor.timeouts import backoff_delay
 from streamfence.supervisor.timers import Deadlines
 
 if TYPE_CHECKING:  # cluster mode only: it brings nats
+    from streamfence.cluster.ledger import Owner
     from streamfence.supervisor.clusterlink import ClusterLink
 
 log = logging.getLogger("streamfence.attempts")
@@ -281,6 +283,49 @@ class AttemptDriver:
             return
         call.to(CallEvent.REFUSED)
         self._queue.appendleft(call.call_id)  # the next turn asks again
+
+    def adopt(self, owner: Owner, record: dict[str, Any]) -> None:
+        """Cluster mode: this host took the call over at `owner.epoch` from a host
+        that lost its lease (§4.17, rule 4). It is journaled here, the sink
+        stores what its log holds (C_ADOPT), and it runs as a recovered call
+        does: under that epoch, with a reset first if anything was delivered."""
+        call_id = owner.call_id
+        profile = self._config.providers.get(record.get("provider", ""))
+        if profile is None or call_id in self._calls:
+            log.error("cluster: call %s taken over names provider %r, which this host does "
+                      "not have (or it is known here); left as is", call_id,
+                      record.get("provider"))
+            return
+        call = make_call(call_id, record["owner"], profile, record["request"],
+                         record.get("options") or {}, record.get("session_id"),
+                         record.get("idempotency_key"), None, owner.epoch - 1,
+                         owner.epoch - 1)
+        self._journal.add_call(call_id, call.owner, call.spec.idempotency_key,
+                               call.spec.session_id, profile.name, call.spec.request,
+                               call.spec.options.to_map())
+        self.enqueue(call, staged=True)  # it runs once the sink holds its log
+        self._counters["calls_taken_over"] += 1
+        log.warning("cluster: call taken over at epoch %d", owner.epoch, extra=_ctx(call))
+        self._sink.adopt(call_id, owner.epoch, functools.partial(self._adopted, call))
+
+    def _adopted(self, call: Call, reply: StatsReply) -> None:
+        if self._calls.get(call.call_id) is not call:
+            return
+        if isinstance(reply, AttemptStats):
+            call.delivered = reply.last_seq > 0  # a reset first: §4.10's rule
+            self.release(call.call_id)
+            return
+        if isinstance(reply, Refused) and reply.reason.startswith("call_finished"):
+            status = reply.reason.partition(": ")[2] or "completed"
+            log.info("cluster: the call taken over had ended (%s)", status, extra=_ctx(call))
+            self._journal.finish_call(call.call_id, status)
+            if self._cluster is not None:
+                self._cluster.finished(call.call_id)
+            self._forget(call)
+            return
+        log.error("cluster: the sink could not take the call's log: %s", why(reply),
+                  extra=_ctx(call))
+        self._move(call)
 
     def _move(self, call: Call) -> None:
         """Cluster mode: another host owns the call now; this host forgets it
@@ -565,6 +610,8 @@ class AttemptDriver:
         self._log_end(call, status)
         self._clients.on_call_done(call.call_id, done,
                                    functools.partial(self._journal.attempts_of, call.call_id))
+        if self._cluster is not None:
+            self._cluster.finished(call.call_id)
         self._forget(call)
 
     @staticmethod

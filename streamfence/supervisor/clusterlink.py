@@ -1,6 +1,11 @@
 """The supervisor's side of cluster mode (docs/ARCHITECTURE.md §4.17, rules
-1 and 2): a call's record replicated before it is `accepted`, and each
-attempt's ownership taken by compare-and-set before the sink hears of it.
+1, 2 and 4): a call's record replicated before it is `accepted`, each
+attempt's ownership taken by compare-and-set before the sink hears of it,
+and the leases: this host beats every lease / 3 in `sf_hosts`, and watches
+the others' beats; a host whose beat has not moved for `lease_s` by this
+host's own clock has lost its calls, and this host tries to take each one
+(`take` from the entry it read, so of all the hosts trying one wins) and
+hands the ones it won to the driver (`on_taken`).
 
 Both go through the bridge (cluster/bridge.py) and answer by callback in
 the supervisor's own loop (`run_done`, when `fd` is readable), as the
@@ -13,6 +18,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
+
 from streamfence.cluster.bridge import LedgerBridge
 from streamfence.cluster.ledger import Owner
 from streamfence.cluster.settings import ClusterSettings
@@ -22,12 +29,22 @@ log = logging.getLogger("streamfence.supervisor")
 class ClusterLink:
     """Owns the bridge and, per live call, the owner entry this host last wrote."""
 
-    def __init__(self, settings: ClusterSettings) -> None:
+    def __init__(self, settings: ClusterSettings, lease_s: float,
+                 clock: Callable[[], float]) -> None:
         self.settings = settings
+        self.lease_s = lease_s
+        self._clock = clock
         self.bridge = LedgerBridge(settings)
         self._owners: dict[str, Owner] = {}
         self.accepted = 0
         self.moved = 0  # calls found owned by another host
+        self.taken = 0  # calls taken from hosts that lost their lease
+        # Each other host's beat as last read: (revision, when it last moved here).
+        self._beats: dict[str, tuple[int, float]] = {}
+        self._dead: set[str] = set()  # hosts whose calls were taken (until they beat again)
+        self._next_beat = clock()
+        self._watching = False  # a read of the beats is on its way
+        self.on_taken: Callable[[Owner, dict[str, Any]], None] = lambda owner, record: None
 
     @property
     def fd(self) -> int:
@@ -54,6 +71,10 @@ class ClusterLink:
         ledger = self.bridge.ledger
         seen = self._owners.get(call_id)
 
+        if seen is not None and seen.host == self.settings.host and seen.epoch == epoch:
+            then(True)  # taken at this epoch already (a call taken over: `_take_over`)
+            return
+
         async def take() -> Owner | None:
             current = seen if seen is not None else await ledger.owner(call_id)
             if current is not None and current.host != self.settings.host:
@@ -78,9 +99,81 @@ class ClusterLink:
     def forget(self, call_id: str) -> None:
         self._owners.pop(call_id, None)
 
+    def finished(self, call_id: str) -> None:
+        """The call's done is stored: its entry in `sf_owners` goes."""
+        owner = self._owners.pop(call_id, None)
+        if owner is not None:
+            self.bridge.submit(self.bridge.ledger.release(owner), _ignore)
+
+    # ---- leases ------------------------------------------------------------------
+
+    def next_due(self) -> float:
+        return self._next_beat
+
+    def tick(self, now: float) -> None:
+        """Every lease / 3: beat, and read the others' beats (`_judge`)."""
+        if now < self._next_beat:
+            return
+        self._next_beat = now + self.lease_s / 3
+        self.bridge.submit(self.bridge.ledger.beat(), _ignore)
+        if not self._watching:
+            self._watching = True
+            self.bridge.submit(self.bridge.ledger.host_revisions(), self._judge)
+
+    def _judge(self, result: Any) -> None:
+        self._watching = False
+        if isinstance(result, BaseException):
+            log.warning("cluster: could not read the hosts' beats: %s", result)
+            return
+        now = self._clock()
+        for host, revision in result.items():
+            if host == self.settings.host:
+                continue
+            last = self._beats.get(host)
+            if last is None or last[0] != revision:
+                self._beats[host] = (revision, now)
+                self._dead.discard(host)
+            elif now - last[1] >= self.lease_s and host not in self._dead:
+                self._dead.add(host)
+                log.warning("cluster: host %r has not beaten for %.1f s (lease %g s): taking "
+                            "over its calls", host, now - last[1], self.lease_s)
+                self.bridge.submit(self._take_over(host), self._took)
+
+    async def _take_over(self, host: str) -> list[tuple[Owner, dict[str, Any]]]:
+        """Take each call of `host` at its next epoch; those this host won, with
+        their records."""
+        ledger = self.bridge.ledger
+        won = []
+        for seen in await ledger.owned_by(host):
+            held = await ledger.take(seen.call_id, seen)
+            if held is None:
+                continue  # another host was first
+            record = await ledger.accepted(seen.call_id)
+            if record is None:
+                log.error("cluster: call %s has an owner but no record; left alone",
+                          seen.call_id)
+                continue
+            won.append((held.owner, msgpack.unpackb(record, raw=False)))
+        return won
+
+    def _took(self, result: Any) -> None:
+        if isinstance(result, BaseException):
+            log.warning("cluster: taking over calls failed: %s", result)
+            return
+        for owner, record in result:
+            self._owners[owner.call_id] = owner
+            self.taken += 1
+            self.on_taken(owner, record)
+
     def stats(self) -> dict[str, Any]:
         return {"host": self.settings.host, "accepted": self.accepted, "moved": self.moved,
-                "owned": len(self._owners)}
+                "taken": self.taken, "owned": len(self._owners),
+                "hosts_dead": sorted(self._dead)}
 
     def close(self) -> None:
         self.bridge.close()
+
+
+def _ignore(result: Any) -> None:
+    if isinstance(result, BaseException):
+        log.debug("cluster: %s", result)

@@ -291,6 +291,8 @@ class Daemon:
                       self.transcript_path, status, cluster)
         parts = Parts(journal, pool, clients, sink, breakers, driver, front, counters, logs_sock,
                       cluster)
+        if cluster is not None:
+            cluster.on_taken = driver.adopt
 
         self._start_sink()
         self._probe_sink(sink)
@@ -310,7 +312,7 @@ class Daemon:
         from streamfence.supervisor.clusterlink import ClusterLink  # brings nats
 
         try:
-            link = ClusterLink(settings)
+            link = ClusterLink(settings, cfg.lease_s, time.monotonic)
         except Exception as exc:
             raise StartupError(f"cannot reach the NATS cluster at {', '.join(cfg.urls)}: "
                                f"{type(exc).__name__}: {exc}") from None
@@ -461,6 +463,8 @@ class Daemon:
                     zygote_fd = self._zygote_conn.fileno()
                     poller.register(zygote_fd, zmq.POLLIN)
                 p.driver.on_timers(now)
+                if p.cluster is not None and drain_until is None:
+                    p.cluster.tick(now)
                 if drain_until is None:
                     # Before the replies: new calls' first attempts join this
                     # turn's journal transaction, so one commit (one fsync)
@@ -485,7 +489,7 @@ class Daemon:
         due = [now + IDLE_WAKE_S, p.driver.next_due(), p.clients.next_due(),
                p.pool.next_due(), drain_until, self._sink_restarts.due(),
                self._zygote_restarts.due(), self._gateway_restarts.due(),
-               p.journal.retry_due]
+               p.journal.retry_due, p.cluster.next_due() if p.cluster is not None else None]
         if self.config.retention_days > 0:
             due.append(p.journal.prune_due)
         nearest = min(d for d in due if d is not None)

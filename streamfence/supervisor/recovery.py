@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 import msgpack
 
@@ -45,31 +46,40 @@ def recover_calls(journal: Journal, providers: dict[str, ProviderProfile],
             log.error("journaled call %s names unknown provider %r; left as is",
                       jc.call_id, jc.provider)
             continue
-        o = jc.options
-        options = CallOptions(stale_timeout_s=o.get("stale_timeout_s"),
-                              first_chunk_timeout_s=o.get("first_chunk_timeout_s"),
-                              max_attempts=o.get("max_attempts"),
-                              deadline_s=o.get("deadline_s"),
-                              on_partial=OnPartial(o.get("on_partial") or "continue"))
-        spec = CallSpec(provider=jc.provider, request=jc.request, session_id=jc.session_id,
-                        idempotency_key=jc.idempotency_key, options=options)
-        max_attempts = options.max_attempts or profile.max_attempts
-        deadline = None
-        if options.deadline_s is not None:
-            # The deadline counts from acceptance, across restarts.
-            left = jc.created + options.deadline_s - time.time()
-            deadline = time.monotonic() + max(0.0, left)
-        call = Call(call_id=jc.call_id, owner=jc.owner, spec=spec, profile=profile,
-                    timeouts=attempt_timeouts(options, profile, jc.request),
-                    max_attempts=max_attempts, deadline=deadline, epoch=jc.epoch,
-                    request_file=jc.request_file,
-                    request_overrides=jc.request_overrides or {},
-                    # Attempts spent before the restart count, but the call
-                    # always gets at least one more (the crash was ours).
-                    attempts=min(jc.attempts, max_attempts - 1))
+        call = make_call(jc.call_id, jc.owner, profile, jc.request, jc.options, jc.session_id,
+                         jc.idempotency_key, jc.created, jc.epoch, jc.attempts,
+                         jc.request_file, jc.request_overrides or {})
         call.delivered = jc.epoch > 0  # the transcript may hold an earlier attempt's text
         recovered.append(call)
         log.info("recovered unfinished call %s (last epoch %d)", jc.call_id, jc.epoch)
     if reader is not None:
         reader.close()
     return recovered
+
+
+def make_call(call_id: str, owner: str, profile: ProviderProfile, request: dict[str, Any],
+              o: dict[str, Any], session_id: str | None, idempotency_key: str | None,
+              created: float | None, epoch: int, attempts: int,
+              request_file: str | None = None,
+              request_overrides: dict[str, Any] | None = None) -> Call:
+    """A call accepted before, to run again: from the journal (a restart) or
+    from the cluster (a call taken over: cluster mode, §4.17). Its deadline
+    counts from `created` (None: from now); the attempts spent count, but it
+    always gets at least one more (the crash was not the call's)."""
+    options = CallOptions(stale_timeout_s=o.get("stale_timeout_s"),
+                          first_chunk_timeout_s=o.get("first_chunk_timeout_s"),
+                          max_attempts=o.get("max_attempts"), deadline_s=o.get("deadline_s"),
+                          on_partial=OnPartial(o.get("on_partial") or "continue"))
+    spec = CallSpec(provider=profile.name, request=request, session_id=session_id,
+                    idempotency_key=idempotency_key, options=options)
+    max_attempts = options.max_attempts or profile.max_attempts
+    deadline = None
+    if options.deadline_s is not None:
+        left = (created if created is not None else time.time()) + options.deadline_s \
+            - time.time()
+        deadline = time.monotonic() + max(0.0, left)
+    return Call(call_id=call_id, owner=owner, spec=spec, profile=profile,
+                timeouts=attempt_timeouts(options, profile, request),
+                max_attempts=max_attempts, deadline=deadline, epoch=epoch,
+                request_file=request_file, request_overrides=request_overrides or {},
+                attempts=min(attempts, max_attempts - 1))

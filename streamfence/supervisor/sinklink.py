@@ -19,6 +19,7 @@ import zmq
 
 from streamfence.protocol.internal.control import (
     AddSubscriber,
+    Adopt,
     AttemptStats,
     Authorize,
     BadFrame,
@@ -117,6 +118,11 @@ class SinkLink:
         the worker resumes)."""
         self._request(lambda req: Rebind(req, call_id, attempt, from_attempt, content_from,
                                          token), stats_from_wire, reply)
+
+    def adopt(self, call_id: str, epoch: int, reply: Callable[[StatsReply], None]) -> None:
+        """Cluster mode: a call taken over at `epoch`; the reply carries the stats
+        of the content its log held (ARCHITECTURE §4.17)."""
+        self._request(lambda req: Adopt(req, call_id, epoch), stats_from_wire, reply)
 
     def finish(self, call_id: str, status: CallStatus, error: dict[str, Any] | None,
                attempts: int, meta: FinishMeta, reply: Callable[[DoneReply], None]) -> None:

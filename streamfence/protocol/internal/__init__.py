@@ -41,6 +41,10 @@ Supervisor -> sink ("sink.ctl"), each carries a request id echoed by the reply
     [C_AUTHORIZE, req, call_id, attempt, reset: bool, model: str|None]
     [C_FENCE, req, call_id, attempt]
     [C_REBIND, req, call_id, attempt, from_attempt, content_from, token]
+    [C_ADOPT, req, call_id, epoch]  cluster mode: the call was taken over from a
+                               dead host at `epoch`: open it in the call's log
+                               and store what the log holds (answered with the
+                               stats of that content; refused if it holds a done)
         after a sink restart: the running attempt `from_attempt` (its worker
         holds `token`) writes on as `attempt`, its answer's content being
         every delta since attempt `content_from` (docs/ARCHITECTURE.md §2.8)
@@ -93,6 +97,7 @@ C_FINISH = 12
 C_STATS = 13
 C_SUBSCRIBE = 14
 C_REBIND = 15
+C_ADOPT = 16
 R_OK = 20
 R_REFUSED = 21
 E_ENDED = 31

@@ -9,6 +9,7 @@ from typing import Any
 import msgpack
 
 from streamfence.protocol.internal import (
+    C_ADOPT,
     C_AUTHORIZE,
     C_FENCE,
     C_FINISH,
@@ -152,6 +153,19 @@ class Rebind:
 
 
 @dataclass(frozen=True, slots=True)
+class Adopt:
+    """C_ADOPT (cluster mode, ARCHITECTURE §4.17): the call was taken over from a
+    host that lost its lease, at `epoch`: the sink opens that epoch in the
+    call's log (no write of the old owner is stored after it), stores what the
+    log holds before it, and answers with that content's stats (refused
+    `call_finished` with the done event if the log holds one)."""
+
+    req: int | str
+    call_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
 class Finish:
     """C_FINISH: append, commit and publish the call's `done` event, built from the
     current attempt's content and `meta`; `status`/`error` as in the public `done`."""
@@ -189,7 +203,7 @@ class AddSubscriber:
     live: bool
 
 
-ControlOp = Authorize | Fence | Rebind | Finish | Stats | AddSubscriber
+ControlOp = Authorize | Fence | Rebind | Finish | Stats | AddSubscriber | Adopt
 
 
 def encode_control(op: ControlOp) -> bytes:
@@ -206,6 +220,8 @@ def encode_control(op: ControlOp) -> bytes:
                meta_to_wire(op.meta)]
     elif isinstance(op, AddSubscriber):
         msg = [C_SUBSCRIBE, op.req, op.call_id, op.listener, op.from_seq, op.live]
+    elif isinstance(op, Adopt):
+        msg = [C_ADOPT, op.req, op.call_id, op.epoch]
     else:
         msg = [C_STATS, op.req]
     packed: bytes = msgpack.packb(msg, use_bin_type=True)
@@ -215,7 +231,7 @@ def encode_control(op: ControlOp) -> bytes:
 MAX_CALL_ID = 256
 MAX_REQ_STR = 256
 _CONTROL_ARITY = {C_AUTHORIZE: (5, 6), C_FENCE: (4,), C_FINISH: (7,), C_STATS: (2,),
-                  C_SUBSCRIBE: (6,), C_REBIND: (7,)}
+                  C_SUBSCRIBE: (6,), C_REBIND: (7,), C_ADOPT: (4,)}
 
 
 def check_call_id(value: Any, req: int | str | None = None) -> str:
@@ -248,6 +264,8 @@ def parse_control(obj: Any) -> ControlOp:
     call_id = check_call_id(obj[2], req)
     if tag == C_FENCE:
         return Fence(req, call_id, check_int(obj[3], "attempt", 1, req))
+    if tag == C_ADOPT:
+        return Adopt(req, call_id, check_int(obj[3], "epoch", 2, req))
     if tag == C_REBIND:
         return Rebind(req, call_id, check_int(obj[3], "attempt", 1, req),
                       check_int(obj[4], "from_attempt", 1, req),
