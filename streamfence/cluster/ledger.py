@@ -189,10 +189,11 @@ class Ledger:
     async def take(self, call_id: str, seen: Owner | None,
                    epoch: int | None = None) -> Ownership | None:
         """Own the call at `epoch` (default: the one after `seen`'s; 1 for a new
-        call), from `seen`, the entry this host read (None: the key must not
-        exist). None if the entry changed since: another host took it first."""
-        floor = 0 if seen is None else seen.epoch
-        epoch = floor + 1 if epoch is None else epoch
+        call; 0 records an accepted call not run yet), from `seen`, the entry
+        this host read (None: the key must not exist). None if the entry
+        changed since: another host took it first."""
+        floor = -1 if seen is None else seen.epoch  # epoch 0: accepted, not run yet
+        epoch = max(floor + 1, 1) if epoch is None else epoch
         if epoch <= floor:
             raise ValueError(f"call {call_id}: epoch {epoch} is not above {floor}")
         value = msgpack.packb([self.settings.host, epoch])

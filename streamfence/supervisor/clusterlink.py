@@ -63,7 +63,14 @@ class ClusterLink:
             else:
                 self.accepted += 1
                 then(None)
-        self.bridge.submit(self.bridge.ledger.accept(call_id, record), done)
+        ledger = self.bridge.ledger
+
+        async def accept() -> None:
+            await ledger.accept(call_id, record)
+            # Owned by this host at epoch 0 (not run yet): so that, should this host
+            # die before the first attempt, the others find the call in `sf_owners`.
+            await ledger.take(call_id, None, 0)  # None: a duplicate's, already there
+        self.bridge.submit(accept(), done)
 
     def take(self, call_id: str, epoch: int, then: Callable[[bool | str], None]) -> None:
         """Own the call at `epoch` (an attempt about to start): `then(True)`;
@@ -77,8 +84,10 @@ class ClusterLink:
 
         async def take() -> Owner | None:
             current = seen if seen is not None else await ledger.owner(call_id)
-            if current is not None and current.host != self.settings.host:
-                return None  # another host's (taking over is the leases' job)
+            if current is None or current.host != self.settings.host:
+                # Another host's (taking over is the leases' job), or done (a done
+                # call's entry goes): after this host's restart, either way not ours.
+                return None
             held = await ledger.take(call_id, current, epoch)
             return held.owner if held is not None else None
 
