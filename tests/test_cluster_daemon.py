@@ -20,7 +20,8 @@ import msgpack
 import psutil
 import pytest
 
-from streamfence.cluster.ledger import EPOCH, EVENTS, Ledger, Record
+from streamfence.cluster.ledger import Ledger, Record
+from streamfence.cluster.records import EPOCH, EVENTS
 from streamfence.cluster.settings import ClusterSettings
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.nats_cluster import NatsCluster
@@ -254,5 +255,36 @@ def test_a_frozen_host_loses_its_call_to_another_host_and_is_fenced_when_it_wake
         for pid in frozen:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+        for proc in (a, b):
+            proc.cleanup()
+
+
+def test_any_host_serves_any_call(tmp_path: Path, emulator: EmulatorProcess,
+                                  emu: EmulatorClient, nats: NatsCluster) -> None:
+    """A call running on host A, read from host B (§4.17, rule 5): B's subscriber
+    gets every event, live, in order, as A's does; a subscribe from a seq
+    resumes exactly after it; `result` on B gives the done; an identity that
+    may not see the call is told there is none."""
+    emu.script("anyhost", [{"fault": "ok", "chunks": 40, "chunk_delay_s": 0.05}])
+    a = _host(tmp_path, emulator, nats, "host-a", 5.0).start()
+    b = _host(tmp_path, emulator, nats, "host-b", 5.0).start()
+    try:
+        with a.client() as on_a, b.client(timeout_s=10.0) as on_b:
+            call_id = on_a.submit("emu", _request("anyhost"))
+            first = next(iter(on_a.events(call_id, timeout_s=10.0)))
+            assert first["op"] == "delta"  # running on A
+            on_b.subscribe(call_id, from_seq=0)
+            seen_on_b = list(on_b.events(call_id, timeout_s=15.0))
+            seen_on_a = [first, *on_a.events(call_id, timeout_s=15.0)]
+            assert seen_on_b == seen_on_a
+            assert seen_on_b[-1]["op"] == "done" and seen_on_b[-1]["status"] == "completed"
+            done = on_b.result(call_id)
+            assert done is not None and done["status"] == "completed"
+            assert done["response"]["content"] == seen_on_a[-1]["response"]["content"]
+        with b.client() as on_b:
+            on_b.subscribe(call_id, from_seq=10)
+            assert list(on_b.events(call_id, timeout_s=10.0)) == seen_on_a[10:]
+        assert len(emu.log("anyhost")) == 1  # one provider request: A's
+    finally:
         for proc in (a, b):
             proc.cleanup()

@@ -14,11 +14,10 @@ import pytest
 
 from streamfence.cluster.ledger import (
     CALLS_STREAM,
-    EPOCH,
-    EVENTS,
     Fenced,
     Ledger,
 )
+from streamfence.cluster.records import EPOCH, EVENTS
 from streamfence.cluster.settings import ClusterSettings
 from streamfence.devtools.nats_cluster import NatsCluster
 

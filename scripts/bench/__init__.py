@@ -27,6 +27,9 @@ Sections (one module each; each returns a `common.Section`):
                straight at the emulator vs the ZeroMQ client (and LiteLLM's
                proxy, when installed), 1 and 32 paced streams: TTFT and CPU
                per delta, as ratios.
+- `cluster`   10. cluster mode (one host on a 3-node NATS cluster) vs single-host
+               mode: TTFT and CPU per delta at 1 and 32 paced streams, deltas/s
+               through the sink at 32 unpaced streams, as ratios.
 
 `load` holds the process entry points shared by sections 2, 3 and 5
 (producers impersonating workers, the ceiling server, a standalone sink);

@@ -72,6 +72,10 @@ class LedgerBridge:
 
     def _finished(self, then: Done, future: concurrent.futures.Future[Any]) -> None:
         self._done.append((then, future))  # deque appends are atomic
+        self.wake()
+
+    def wake(self) -> None:
+        """Make `fd` readable (from the ledger's thread: something for the owner)."""
         with contextlib.suppress(BlockingIOError, OSError):  # a byte is already there
             os.write(self._write, b"!")
 

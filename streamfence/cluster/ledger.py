@@ -30,14 +30,22 @@ Asyncio, on the official `nats-py` client; one `Ledger` per host process.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
 import nats
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType, StreamConfig
+from nats.js.api import (
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    StorageType,
+    StreamConfig,
+)
 from nats.js.errors import (
     BadRequestError,
     KeyNotFoundError,
@@ -47,6 +55,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from streamfence.cluster.records import EPOCH, EVENTS
 from streamfence.cluster.settings import ClusterSettings
 
 CALLS_STREAM = "SF_CALLS"
@@ -62,7 +71,6 @@ WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code when that expectation fails
 # (the server's fix of its issue 4320): the other may yet fail, so ours is tried again.
 IN_FLIGHT = 10164
 IN_FLIGHT_TRIES = 5
-EPOCH, EVENTS = 1, 2  # record kinds on a call's events subject
 OPEN_TRIES = 20  # an epoch record raced by the previous owner's appends: read, try again
 
 
@@ -299,6 +307,21 @@ class Ledger:
                 raise Fenced(own, f"{exc.description} (JetStream error {exc.err_code})") from None
             return replace(own, log_seq=int(ack.seq))
         raise AssertionError("unreachable")
+
+    async def follow(self, call_id: str, after: int,
+                     deliver: Callable[[Record], None]
+                     ) -> Callable[[], Coroutine[Any, Any, None]]:
+        """`deliver` each record of the call's log after stream sequence `after`,
+        as it is stored (an ordered consumer); the unsubscribe."""
+        async def got(msg: Msg) -> None:
+            kind, epoch, host, body = msgpack.unpackb(msg.data or b"")
+            deliver(Record(int(msg.metadata.sequence.stream), kind, epoch, host, body))
+
+        sub = await self._js.subscribe(
+            EVENTS_SUBJECT + call_id, cb=got, ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                  opt_start_seq=after + 1))
+        return sub.unsubscribe
 
     async def read(self, call_id: str, after: int = 0) -> list[Record]:
         """The call's records after stream sequence `after`, in order."""

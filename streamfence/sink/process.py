@@ -166,6 +166,10 @@ class Sink:
         idle = True  # the input ran dry in the last drain
         subscribers = self.subscribers
         replaying = False  # a replay could take more at the end of the last turn
+        cluster_fd = -1  # cluster mode: the followed calls' records came
+        if state.cluster is not None:
+            cluster_fd = state.cluster.bridge.fd
+            poller.register(cluster_fd, zmq.POLLIN)
         while not self._stopping:
             if replaying or self._held:
                 timeout = 0
@@ -186,6 +190,9 @@ class Sink:
                 self._drain_ctl()
             if subscribers.socket in ready:
                 subscribers.drain()
+            if cluster_fd in ready and state.cluster is not None:
+                state.cluster.bridge.run_done()
+                state.apply_followed(state.cluster.incoming())
             idle = True
             if streams_fd in ready:
                 idle = self._drain_streams()

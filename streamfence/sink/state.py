@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
+from streamfence.cluster.records import EVENTS
 from streamfence.protocol.codec import encode
 from streamfence.protocol.internal import T_FINAL_ACK
 from streamfence.protocol.internal.control import (
@@ -54,10 +55,12 @@ from streamfence.protocol.internal.control import (
     ControlOp,
     Fence,
     Finish,
+    Follow,
     Rebind,
     Stats,
     encode_ended,
     encode_final_refused,
+    encode_followed_done,
     encode_lost,
     encode_ok,
     encode_refused,
@@ -66,7 +69,7 @@ from streamfence.protocol.internal.control import (
 from streamfence.protocol.messages import done_event, reset_event
 from streamfence.sink.content import Content
 from streamfence.sink.fence import AuthorizeRefusal, FenceTable, FinalVerdict, Verdict
-from streamfence.sink.store import TranscriptStore
+from streamfence.sink.store import TranscriptStore, split_events
 from streamfence.sink.subscribers import Cuts, Outbox
 from streamfence.sink.wire import Final, Hello, delta_prefix, rebind_frame
 from streamfence.supervisor.histograms import DELTA_LATENCY_BUCKETS, Histogram
@@ -192,6 +195,7 @@ class SinkState:
                  retention_days: float = 0.0, cluster: ClusterLog | None = None) -> None:
         self.store = store
         self.cluster = cluster  # cluster mode: the calls' logs, written first (§4.17)
+        self.followed: dict[str, int] = {}  # calls another host runs -> the epoch read last
         self.peer = peer
         self.listeners = listeners
         self.retention_s = max(0.0, retention_days) * 86400.0
@@ -412,6 +416,8 @@ class SinkState:
             return self._finish(op)
         if isinstance(op, Adopt):
             return self._adopt(op)
+        if isinstance(op, Follow):
+            return self._follow(op)
         return self._add_subscriber(op)
 
     def _authorize(self, op: Authorize) -> bytes:
@@ -495,6 +501,58 @@ class SinkState:
         log.info("sink: call=%s adopted at epoch %d with %d stored event row(s)",
                  op.call_id, op.epoch, len(rows))
         return encode_ok(op.req, stats_to_wire(live.stats(closed=True)))
+
+    def _follow(self, op: Follow) -> bytes:
+        """Cluster mode: a call another host runs (Follow's docstring). Stored
+        here as the log holds it; the fence stays closed (no attempt of this
+        host may write it)."""
+        if self.cluster is None:
+            return encode_refused(op.req, "not in cluster mode")
+        view = self.fence.view(op.call_id)
+        if view is None and self.store.call_row(op.call_id) is None:
+            self.store.set_epoch(op.call_id, 0)
+            self.commit()
+            self._live(op.call_id)  # closed at epoch 0: nothing local writes it
+            self.followed[op.call_id] = 0
+            self.apply_followed([(op.call_id, r) for r in self.cluster.follow(op.call_id)])
+            view = self.fence.view(op.call_id)
+        return encode_ok(op.req, {"done": view is not None and view.finished})
+
+    def apply_followed(self, records: list[tuple[str, Any]]) -> None:
+        """Store the followed calls' records (void ones skipped: §4.17, rule 6)
+        and send their events to the calls' listeners; a done ends the following."""
+        if not records or self.cluster is None:
+            return
+        self.commit()  # the replica's rows go after every row of this sink's own
+        sent: list[tuple[LiveCall, bytes]] = []
+        ended: list[tuple[str, dict[str, Any]]] = []
+        for call_id, record in records:
+            if call_id not in self.followed or record.epoch < self.followed[call_id]:
+                continue
+            if record.kind != EVENTS:
+                self.followed[call_id] = record.epoch
+                continue
+            live = self._live(call_id)
+            rows = [(call_id, seq, last, attempt, op, n, body)
+                    for seq, last, attempt, op, n, body in record.body if seq > live.seq]
+            self.store.add_replicated(rows)
+            for row in rows:
+                live.seq = row[2]
+                sent += [(live, event) for event in split_events(row[6])]
+                if row[4] == "done":
+                    done = msgpack.unpackb(row[6])
+                    self.store.set_done(call_id, row[3], done["status"], row[1])
+                    ended.append((call_id, done))
+        self.commit()
+        for live, event in sent:
+            self._send_event(live.subs, event)
+        for call_id, done in ended:
+            self.fence.finish(call_id)
+            self.lives[call_id].subs = set()
+            self._remember_finished(call_id)
+            self.followed.pop(call_id, None)
+            self.cluster.unfollow(call_id)
+            self.peer.publish(encode_followed_done(call_id, done))
 
     # ---- rebinds (after a restart: docs/ARCHITECTURE.md §2.8) --------------------
     def _rebind(self, op: Rebind) -> bytes:

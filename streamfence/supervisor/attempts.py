@@ -23,6 +23,7 @@ from streamfence.protocol.internal.control import (
     Ended,
     FinalRefused,
     FinishMeta,
+    FollowedDone,
     Lost,
 )
 from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome
@@ -514,6 +515,11 @@ class AttemptDriver:
             self.fence(call, FenceReason.CLUSTER_LOST)
         elif call.state is CallState.FENCING:
             call.fence_reason = FenceReason.CLUSTER_LOST
+
+    def on_followed_done(self, followed: FollowedDone) -> None:
+        """Cluster mode: a call another host ran ended; this host's `result`
+        waiters get its done (its attempts' diagnostics are that host's)."""
+        self._clients.on_call_done(followed.call_id, followed.done, list)
 
     def on_final_refused(self, refused: FinalRefused) -> None:
         call = self._calls.get(refused.call_id)

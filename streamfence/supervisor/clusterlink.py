@@ -72,6 +72,17 @@ class ClusterLink:
             await ledger.take(call_id, None, 0)  # None: a duplicate's, already there
         self.bridge.submit(accept(), done)
 
+    def lookup(self, call_id: str, then: Callable[[dict[str, Any] | None], None]) -> None:
+        """The record of a call this host does not know, from `SF_CALLS`; None if
+        the cluster has none (or could not be asked)."""
+        def done(result: Any) -> None:
+            if isinstance(result, BaseException):
+                log.warning("cluster: could not look call %s up: %s", call_id, result)
+                then(None)
+            else:
+                then(msgpack.unpackb(result, raw=False) if result is not None else None)
+        self.bridge.submit(self.bridge.ledger.accepted(call_id), done)
+
     def take(self, call_id: str, epoch: int, then: Callable[[bool | str], None]) -> None:
         """Own the call at `epoch` (an attempt about to start): `then(True)`;
         `then(False)`: another host owns it; `then(why)`: the cluster failed."""

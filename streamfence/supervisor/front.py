@@ -18,7 +18,7 @@ import errno
 import functools
 import logging
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -92,6 +92,8 @@ class Front:
         self._cluster = cluster
         self._records: dict[str, bytes] = {}
         self._replicating: dict[str, list[Accept]] = {}
+        # Calls another host runs that were asked for here -> their owner identity.
+        self._followed: OrderedDict[str, str] = OrderedDict()
         self._journal = journal
         self._driver = driver
         self._clients = clients
@@ -148,6 +150,9 @@ class Front:
                 ref = request.ref
                 self._status(user, lambda body: self._clients.send(
                     identity, {"v": 1, "op": "status_reply", "ref": ref, **body}))
+            elif self._cluster is not None and \
+                    self._journal.owner_of(request.call_id) is None:
+                self._remote(identity, user, request)  # another host's, if any
             elif not self._may_see(user, request.call_id):
                 self._error(identity, request.ref, ErrorCode.UNKNOWN_CALL,
                             f"no call {request.call_id!r}")
@@ -165,6 +170,58 @@ class Front:
         """Does `call_id` exist for `user`? (Its owner, or any call for an admin.)"""
         owner = self._journal.owner_of(call_id)
         return owner is not None and (owner == user.name or user.is_admin)
+
+    def _remote(self, identity: bytes, user: Identity, request: Subscribe | Result | Cancel
+                ) -> None:
+        """Cluster mode: a call this host does not know may run on another
+        (ARCHITECTURE §4.17, rule 5). Its record in the cluster says who may
+        see it; this host's sink then follows its log, and the request is
+        served from here as for a call of this host's."""
+        assert self._cluster is not None
+        call_id = request.call_id
+
+        def looked_up(record: dict[str, Any] | None) -> None:
+            owner = None if record is None else str(record.get("owner"))
+            if owner is None or (owner != user.name and not user.is_admin):
+                self._error(identity, request.ref, ErrorCode.UNKNOWN_CALL, f"no call {call_id!r}")
+                return
+            # The sink's follow is idempotent: it answers whether the call is done.
+            self._sink.follow(call_id, functools.partial(self._following, identity, request,
+                                                         owner))
+        known = self._followed.get(call_id)
+        if known is not None:
+            looked_up({"owner": known})
+        else:
+            self._cluster.lookup(call_id, looked_up)
+
+    def _following(self, identity: bytes, request: Subscribe | Result | Cancel, owner: str,
+                   reply: dict[str, Any] | Refused | SinkLost) -> None:
+        call_id = request.call_id
+        if not isinstance(reply, dict):
+            self._error(identity, request.ref, ErrorCode.INTERNAL,
+                        f"this host could not follow call {call_id} from the cluster: "
+                        f"{getattr(reply, 'reason', 'the sink restarted')}")
+            return
+        self._followed[call_id] = owner
+        while len(self._followed) > FOLLOWED_KEEP:
+            self._followed.popitem(last=False)
+        done = stored_done(self._transcript_path, call_id) if reply.get("done") else None
+        if isinstance(request, Subscribe):
+            self._subscribe(identity, request, live=done is None)
+        elif isinstance(request, Result):
+            if done is not None:
+                self._clients.send(identity, dict(done, ref=request.ref, diagnostics=[]))
+            elif request.wait_s > 0:
+                self._clients.wait_result(call_id, identity, request.ref,
+                                          self._clock() + request.wait_s)
+            else:
+                self._clients.send(identity, pending_msg(request.ref, call_id))
+        elif done is not None:
+            self._clients.send(identity, dict(done, ref=request.ref))
+        else:
+            self._error(identity, request.ref, ErrorCode.UNKNOWN_CALL,
+                        f"call {call_id!r} runs on another host of the cluster; cancel it "
+                        f"there (a cancel across hosts is not built yet)")
 
     # ---- ops -----------------------------------------------------------------
     def _submit(self, identity: bytes, user: Identity, req: Submit,
@@ -444,13 +501,15 @@ class Front:
             self._error(identity, msg["ref"], ErrorCode.CLUSTER_UNAVAILABLE,
                         f"the cluster did not store the call ({error}); it was not accepted")
 
-    def _subscribe(self, identity: bytes, req: Subscribe) -> None:
+    def _subscribe(self, identity: bytes, req: Subscribe, live: bool | None = None) -> None:
         """The sink replays the call's stored events to the listener, then (a
         live call) follows it. Success has no reply (the events are the
-        answer); a call whose events are gone gets an error with the ref."""
-        live = self._driver.has_call(req.call_id)
-        if live:
-            self._clients.follow(req.call_id, req.listener)
+        answer); a call whose events are gone gets an error with the ref.
+        `live`: a followed call's (cluster mode); else: it is this host's."""
+        if live is None:
+            live = self._driver.has_call(req.call_id)
+            if live:
+                self._clients.follow(req.call_id, req.listener)
 
         def answered(reply: Refused | SinkLost | None) -> None:
             if isinstance(reply, Refused):
@@ -492,6 +551,9 @@ class Front:
         self._clients.send(identity, {"v": 1, "op": "cancelling", "ref": req.ref,
                                       "call_id": req.call_id})
         self._driver.cancel(req.call_id)
+
+
+FOLLOWED_KEEP = 100_000  # followed calls whose owner is remembered (cluster mode)
 
 
 def _peek_op_ref(frame: bytes | memoryview) -> tuple[Any, str | None]:

@@ -29,6 +29,8 @@ from streamfence.protocol.internal.control import (
     FinalRefused,
     Finish,
     FinishMeta,
+    Follow,
+    FollowedDone,
     Lost,
     Rebind,
     Reply,
@@ -75,6 +77,8 @@ class AttemptEvents(Protocol):
     def on_final_refused(self, refused: FinalRefused) -> None: ...
 
     def on_lost(self, lost: Lost) -> None: ...
+
+    def on_followed_done(self, done: FollowedDone) -> None: ...
 
 
 class SinkLink:
@@ -137,6 +141,12 @@ class SinkLink:
         self._request(lambda req: AddSubscriber(req, call_id, listener, from_seq, live),
                       lambda _: None, reply)
 
+    def follow(self, call_id: str, reply: Callable[[dict[str, Any] | Refused | SinkLost], None]
+               ) -> None:
+        """Cluster mode: store and follow a call another host runs; the reply
+        says whether it is done (ARCHITECTURE §4.17, rule 5)."""
+        self._request(lambda req: Follow(req, call_id), _as_map, reply)
+
     def read_stats(self, reply: Callable[[dict[str, Any]], None]) -> None:
         """Ask the sink for its counters; `reply` gets them (the last known
         ones if the sink died before answering)."""
@@ -181,6 +191,8 @@ class SinkLink:
                 attempts.on_final_refused(msg)
             elif isinstance(msg, Lost):
                 attempts.on_lost(msg)
+            elif isinstance(msg, FollowedDone):
+                attempts.on_followed_done(msg)
         return n
 
 

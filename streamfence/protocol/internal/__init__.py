@@ -45,6 +45,9 @@ Supervisor -> sink ("sink.ctl"), each carries a request id echoed by the reply
                                dead host at `epoch`: open it in the call's log
                                and store what the log holds (answered with the
                                stats of that content; refused if it holds a done)
+    [C_FOLLOW, req, call_id]   cluster mode: a call another host runs, asked for
+                               here: store its log as a replica and keep
+                               following it to its done (answered {done})
         after a sink restart: the running attempt `from_attempt` (its worker
         holds `token`) writes on as `attempt`, its answer's content being
         every delta since attempt `content_from` (docs/ARCHITECTURE.md §2.8)
@@ -61,6 +64,8 @@ the sink to the subscribers' listeners, never through the supervisor):
     [E_FINAL_REFUSED, call_id, attempt, reason]     `encode_final_refused`
     [E_LOST, call_id, attempt, reason]              `encode_lost`: cluster mode, the
                                cluster refused the call's run: another host owns it
+    [E_FOLLOWED_DONE, call_id, done]                `encode_followed_done`: cluster
+                               mode, a followed call's done is stored here
 AttemptStats: [attempt, accepted, dropped, visible_chars, tool_fragments,
     last_seq, closed] (`stats_to_wire` / `stats_from_wire`).
 
@@ -98,11 +103,13 @@ C_STATS = 13
 C_SUBSCRIBE = 14
 C_REBIND = 15
 C_ADOPT = 16
+C_FOLLOW = 17
 R_OK = 20
 R_REFUSED = 21
 E_ENDED = 31
 E_FINAL_REFUSED = 32
 E_LOST = 33
+E_FOLLOWED_DONE = 34
 
 # supervisor <-> worker
 W_RUN = 40

@@ -13,11 +13,13 @@ from streamfence.protocol.internal import (
     C_AUTHORIZE,
     C_FENCE,
     C_FINISH,
+    C_FOLLOW,
     C_REBIND,
     C_STATS,
     C_SUBSCRIBE,
     E_ENDED,
     E_FINAL_REFUSED,
+    E_FOLLOWED_DONE,
     E_LOST,
     R_OK,
     R_REFUSED,
@@ -166,6 +168,17 @@ class Adopt:
 
 
 @dataclass(frozen=True, slots=True)
+class Follow:
+    """C_FOLLOW (cluster mode, ARCHITECTURE §4.17): a call another host runs,
+    asked for here: the sink stores its log as a replica and follows it to its
+    done, sending its events to the call's listeners as they are stored.
+    Answered `{"done": bool}`."""
+
+    req: int | str
+    call_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Finish:
     """C_FINISH: append, commit and publish the call's `done` event, built from the
     current attempt's content and `meta`; `status`/`error` as in the public `done`."""
@@ -203,7 +216,7 @@ class AddSubscriber:
     live: bool
 
 
-ControlOp = Authorize | Fence | Rebind | Finish | Stats | AddSubscriber | Adopt
+ControlOp = Authorize | Fence | Rebind | Finish | Stats | AddSubscriber | Adopt | Follow
 
 
 def encode_control(op: ControlOp) -> bytes:
@@ -222,6 +235,8 @@ def encode_control(op: ControlOp) -> bytes:
         msg = [C_SUBSCRIBE, op.req, op.call_id, op.listener, op.from_seq, op.live]
     elif isinstance(op, Adopt):
         msg = [C_ADOPT, op.req, op.call_id, op.epoch]
+    elif isinstance(op, Follow):
+        msg = [C_FOLLOW, op.req, op.call_id]
     else:
         msg = [C_STATS, op.req]
     packed: bytes = msgpack.packb(msg, use_bin_type=True)
@@ -231,7 +246,8 @@ def encode_control(op: ControlOp) -> bytes:
 MAX_CALL_ID = 256
 MAX_REQ_STR = 256
 _CONTROL_ARITY = {C_AUTHORIZE: (5, 6), C_FENCE: (4,), C_FINISH: (7,), C_STATS: (2,),
-                  C_SUBSCRIBE: (6,), C_REBIND: (7,), C_ADOPT: (4,)}
+                  C_SUBSCRIBE: (6,), C_REBIND: (7,), C_ADOPT: (4,),
+                  C_FOLLOW: (3,)}
 
 
 def check_call_id(value: Any, req: int | str | None = None) -> str:
@@ -265,7 +281,9 @@ def parse_control(obj: Any) -> ControlOp:
     if tag == C_FENCE:
         return Fence(req, call_id, check_int(obj[3], "attempt", 1, req))
     if tag == C_ADOPT:
-        return Adopt(req, call_id, check_int(obj[3], "epoch", 2, req))
+        return Adopt(req, call_id, check_int(obj[3], "epoch", 1, req))
+    if tag == C_FOLLOW:
+        return Follow(req, call_id)
     if tag == C_REBIND:
         return Rebind(req, call_id, check_int(obj[3], "attempt", 1, req),
                       check_int(obj[4], "from_attempt", 1, req),
@@ -331,6 +349,12 @@ def encode_lost(call_id: str, attempt: int, reason: str) -> bytes:
     return packed
 
 
+def encode_followed_done(call_id: str, done: dict[str, Any]) -> bytes:
+    """E_FOLLOWED_DONE: a followed call's done is stored here (cluster mode)."""
+    packed: bytes = msgpack.packb([E_FOLLOWED_DONE, call_id, done], use_bin_type=True)
+    return packed
+
+
 @dataclass(frozen=True, slots=True)
 class Reply:
     """R_OK / R_REFUSED. `payload`: the reply's payload (ok) or the reason."""
@@ -362,7 +386,13 @@ class Lost:
     reason: str
 
 
-FromSink = Reply | Ended | FinalRefused | Lost
+@dataclass(frozen=True, slots=True)
+class FollowedDone:
+    call_id: str
+    done: dict[str, Any]
+
+
+FromSink = Reply | Ended | FinalRefused | Lost | FollowedDone
 
 
 def parse_from_sink(msg: list[Any]) -> FromSink:
@@ -377,4 +407,6 @@ def parse_from_sink(msg: list[Any]) -> FromSink:
         return FinalRefused(msg[1], msg[2], msg[3])
     if tag == E_LOST:
         return Lost(msg[1], msg[2], msg[3])
+    if tag == E_FOLLOWED_DONE:
+        return FollowedDone(msg[1], msg[2])
     raise BadFrame(f"unexpected message tag {tag!r}")

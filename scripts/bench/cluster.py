@@ -1,0 +1,184 @@
+"""Section 10: cluster mode against single-host mode (issue 16, acceptance 3).
+
+Two daemons on this machine against the same emulator: `single` (its
+SQLite journal and transcript only) and `cluster` (the same, plus a `[cluster]`
+table: one host on a real 3-node NATS JetStream cluster on loopback ports,
+replication 3; docs/ARCHITECTURE.md §4.17). Each round, in rotated order:
+
+- TTFT: 1 stream (REPS calls one after the other) and a burst of 32, each a
+  stream of 50 chunks at 50/s, read with the ZeroMQ client's wire
+  (common.RawClient, as sections 7 and 9): request -> first text delta, p50;
+- CPU per delta of those runs: the daemon's process tree, and in cluster
+  mode the three nats-server processes beside it (shown apart and summed);
+- deltas/s through the sink: 32 streams of 400 chunks sent as fast as the
+  emulator writes them (`chunk_delay_s` 0): all deltas / the burst's wall
+  time, from the first submit to the last done.
+
+The cluster's extra cost is its round trips: `accepted` waits for the call's
+record at the quorum, each attempt's compare-and-set and epoch record, and
+each group commit waits for its appends (one per call, in flight together).
+Reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from scripts.bench.common import (
+    CpuMeter,
+    RawClient,
+    Section,
+    emulator,
+    log,
+    median,
+    percentile,
+    providers_for,
+    raise_fd_limit,
+    realistic_text,
+    rotated,
+    wait_idle,
+    wait_quiet,
+)
+from scripts.bench.gateway import _zmq_streams
+from scripts.bench.ttft import Call
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.launcher import DaemonProcess
+from streamfence.devtools.nats_cluster import NatsCluster
+
+VARIANTS = ("single", "cluster")
+CHUNKS, DELAY_S = 50, 0.02
+FAST_CHUNKS = 400
+SPARE = 34
+
+
+@contextlib.contextmanager
+def _daemon(root: Path, emu: EmulatorProcess, name: str,
+            cluster: dict[str, Any] | None) -> Iterator[DaemonProcess]:
+    proc = DaemonProcess(root / name, providers_for(emu, stale_timeout_s=60.0),
+                         daemon={"log_level": "WARNING", "workers_spare": SPARE,
+                                 "workers_max": SPARE + 16},
+                         tables={"cluster": cluster} if cluster else None)
+    try:
+        proc.start(ready_timeout=180.0)
+        yield proc
+    finally:
+        proc.cleanup()
+
+
+def _calls(control: EmulatorClient, n: int, chunks: int, delay: float, text: str) -> list[Call]:
+    calls = []
+    for _ in range(n):
+        key = f"cl-{uuid.uuid4().hex[:10]}"
+        control.script(key, [{"fault": "ok", "chunks": chunks, "chunk_delay_s": delay,
+                              "text": text}])
+        calls.append(Call(f"emu-model#{key}", key))
+    return calls
+
+
+def _measure(proc: DaemonProcess, raw: RawClient, nats_pids: list[int],
+             batches: list[list[Call]], text: str) -> dict[str, Any]:
+    assert proc.proc is not None
+    daemon_cpu, nats_cpu = CpuMeter([proc.proc.pid]), CpuMeter(nats_pids)
+    daemon_cpu.start()
+    nats_cpu.start()
+    wall0 = time.perf_counter()
+    for batch in batches:
+        _zmq_streams(raw, batch)
+    wall = time.perf_counter() - wall0
+    daemon_cpu.stop()
+    nats_cpu.stop()
+    calls = [c for b in batches for c in b]
+    bad = [c for c in calls if c.error or c.text != text]
+    if bad:
+        raise RuntimeError(f"{len(bad)}/{len(calls)} calls failed; first: "
+                           f"{bad[0].error or len(bad[0].text)}")
+    deltas = sum(c.pieces for c in calls)
+    return {"ttft": [c.first - c.t0 for c in calls], "daemon": daemon_cpu.total() / deltas,
+            "nats": nats_cpu.total() / deltas, "rate": deltas / wall}
+
+
+def run(quick: bool, rounds: int) -> Section:
+    sec = Section("cluster", "10 cluster mode")
+    reps = 2 if quick else 5
+    sec.params = {"rounds": rounds, "stream": f"{CHUNKS} chunks @ {1 / DELAY_S:.0f}/s",
+                  "levels": f"1 (x {reps} one after the other), 32 (one burst); throughput: "
+                            f"32 x {FAST_CHUNKS} chunks unpaced",
+                  "NATS": "3 nodes, replication 3", "RLIMIT_NOFILE": raise_fd_limit()}
+    text = realistic_text(CHUNKS)
+    fast_text = realistic_text(FAST_CHUNKS)
+    res: dict[str, dict[str, list[dict[str, Any]]]] = {
+        level: {v: [] for v in VARIANTS} for level in ("1", "32", "rate")}
+    with tempfile.TemporaryDirectory(prefix="sfbench-cl-") as tmp, emulator() as emu:
+        nats = NatsCluster(Path(tmp) / "nats").start()
+        try:
+            table = {"urls": nats.urls, "host": "bench", "replicas": 3}
+            with _daemon(Path(tmp), emu, "single", None) as single, \
+                    _daemon(Path(tmp), emu, "cluster", table) as clustered:
+                procs = {"single": single, "cluster": clustered}
+                nats_pids = [nats.pid(i) for i in range(len(nats.nodes))]
+                control = emu.client()
+                raws = {v: RawClient(p) for v, p in procs.items()}
+                try:
+                    for v, p in procs.items():
+                        wait_idle(p, SPARE)
+                        _measure(p, raws[v], [], [_calls(control, 4, 10, 0.0,
+                                                         realistic_text(10))],
+                                 realistic_text(10))  # unmeasured: connections, paths
+                    for r in range(rounds):
+                        for v in rotated(VARIANTS, r):
+                            p, raw = procs[v], raws[v]
+                            pids = nats_pids if v == "cluster" else []
+                            wait_quiet(p)
+                            res["1"][v].append(_measure(p, raw, pids, [
+                                _calls(control, 1, CHUNKS, DELAY_S, text) for _ in range(reps)],
+                                text))
+                            wait_quiet(p)
+                            res["32"][v].append(_measure(p, raw, pids, [
+                                _calls(control, 32, CHUNKS, DELAY_S, text)], text))
+                            wait_quiet(p)
+                            res["rate"][v].append(_measure(p, raw, pids, [
+                                _calls(control, 32, FAST_CHUNKS, 0.0, fast_text)], fast_text))
+                        log(f"  cluster round {r + 1}/{rounds}: " + ", ".join(
+                            f"{v} 32-burst p50 {percentile(sorted(res['32'][v][-1]['ttft']), 50) * 1e3:.1f} ms, "
+                            f"{res['rate'][v][-1]['rate']:,.0f} deltas/s" for v in VARIANTS))
+                finally:
+                    for raw in raws.values():
+                        raw.close()
+        finally:
+            nats.stop()
+    _report(sec, res, reps)
+    return sec
+
+
+def _report(sec: Section, res: dict[str, dict[str, list[dict[str, Any]]]], reps: int) -> None:
+    for level, label in (("1", "1 stream"), ("32", "32 streams")):
+        p50 = {v: percentile(sorted(t for r in res[level][v] for t in r["ttft"]), 50)
+               for v in VARIANTS}
+        cpu = {v: median([r["daemon"] + r["nats"] for r in res[level][v]]) for v in VARIANTS}
+        daemon_only = median([r["daemon"] for r in res[level]["cluster"]])
+        sec.row(f"{label}: TTFT p50 single / cluster",
+                f"{p50['single'] * 1e3:.1f} / {p50['cluster'] * 1e3:.1f} ms "
+                f"(x{p50['cluster'] / p50['single']:.2f}, +{(p50['cluster'] - p50['single']) * 1e3:.1f} ms)")
+        sec.row(f"{label}: CPU per delta single / cluster (daemon + NATS nodes)",
+                f"{cpu['single'] * 1e6:,.0f} / {cpu['cluster'] * 1e6:,.0f} µs "
+                f"(x{cpu['cluster'] / cpu['single']:.2f}; the cluster's daemon alone "
+                f"{daemon_only * 1e6:,.0f} µs)")
+    rate = {v: median([r["rate"] for r in res["rate"][v]]) for v in VARIANTS}
+    cpu_fast = {v: median([r["daemon"] + r["nats"] for r in res["rate"][v]]) for v in VARIANTS}
+    sec.row("deltas/s through the sink, 32 unpaced streams, single / cluster",
+            f"{rate['single']:,.0f} / {rate['cluster']:,.0f} (x{rate['cluster'] / rate['single']:.2f})")
+    sec.row("CPU per delta there, single / cluster (daemon + NATS nodes)",
+            f"{cpu_fast['single'] * 1e6:,.0f} / {cpu_fast['cluster'] * 1e6:,.0f} µs "
+            f"(x{cpu_fast['cluster'] / cpu_fast['single']:.2f})")
+    sec.note("- per-round 32-burst TTFT p50 (ms): " + "; ".join(
+        f"{v} " + ", ".join(f"{percentile(sorted(r['ttft']), 50) * 1e3:.1f}"
+                            for r in res["32"][v]) for v in VARIANTS)
+        + "; per-round deltas/s: " + "; ".join(
+        f"{v} " + ", ".join(f"{r['rate']:,.0f}" for r in res["rate"][v]) for v in VARIANTS)
+        + f". 1 stream: {reps} calls one after the other per run.")
