@@ -82,7 +82,7 @@ class Cluster:
             daemon={"workers_spare": 4, "workers_max": 32, "backoff_base_s": 0.05,
                     "backoff_max_s": 0.3, "log_level": "WARNING"},
             tables={"cluster": {"urls": nats.urls, "host": name, "replicas": 3,
-                                "lease_s": lease_s}}, log_json=False) for name in HOSTS}
+                                "lease_s": lease_s}}, log_json=True) for name in HOSTS}
         self.down: set[str] = set()  # hosts killed or frozen now
         self.injected: dict[str, int] = {}
         self.refused = 0  # appends the engine refused, as the frozen hosts counted them
@@ -177,6 +177,21 @@ async def _read_logs(nats: NatsCluster, records: list[CallRecord], deadline: flo
         await ledger.close()
 
 
+async def _explain(nats: NatsCluster, lost: list[CallRecord]) -> None:
+    ledger = await Ledger.connect(ClusterSettings(tuple(nats.urls), "chaos-reader"))
+    try:
+        for r in lost:
+            owner = await ledger.owner(r.call_id)
+            log = [(x.kind, x.epoch, x.host, [row[:5] for row in x.body] if x.body else None)
+                   for x in await ledger.read(r.call_id)]
+            print(f"  {r.call_id}: owner {owner}, {len(log)} records (kind, epoch, host, rows "
+                  f"(seq, last, attempt, op, n)):")
+            for entry in log:
+                print(f"      {entry}")
+    finally:
+        await ledger.close()
+
+
 def _unpack(body: bytes) -> list[dict[str, Any]]:
     unpacker = msgpack.Unpacker(raw=False)
     unpacker.feed(body)
@@ -264,9 +279,18 @@ def _verdict(cluster: Cluster, records: list[CallRecord]) -> int:
     width = max(len(k) for k, _ in rows)
     for k, n in rows:
         print(f"  {k:<{width}} {n:>7}")
-    lost = [r for r, labels in zip(accepted, outcomes, strict=True) if "lost" in labels]
+    lost = [r for r, labels in zip(accepted, outcomes, strict=True)
+            if any(bad in labels for bad in BAD)]
     for r in lost[:5]:
-        print(f"  lost: {r.key} call={r.call_id}")
+        print(f"  bad: {r.key} call={r.call_id} (what the emulator got: "
+              f"{[(x['n'], x['completed'], x['aborted']) for x in cluster.emu.log(r.key)]})")
+    if lost:
+        asyncio.run(_explain(cluster.nats, lost[:5]))
+        for name, host in cluster.hosts.items():
+            lines = [f"{r.get('levelname', r.get('level'))} {r.get('message')}"
+                     for r in host.log_records()
+                     if str(r.get("level", r.get("levelname", ""))) in ("WARNING", "ERROR")]
+            print(f"  {name}'s last warnings:\n    " + "\n    ".join(lines[-12:]))
     faults_ok = all(any(k in what for what in cluster.injected) for k in ("kill", "SIGSTOP",
                                                                          "NATS"))
     print(f"  every fault injected: {'yes' if faults_ok else 'no'}")

@@ -165,3 +165,22 @@ def test_the_quorum_carries_on_without_one_node_and_it_catches_up(nats: NatsClus
         log: list[Any] = [r.body for r in await _until(lambda: b.read("call5"), 30, "the log")]
         assert log == [None, ["while n1 is down"], ["now n2 is down"]]
     _run(nats, body)
+
+
+def test_an_append_tried_again_after_its_answer_was_lost_is_stored_once(
+        nats: NatsCluster) -> None:
+    """A sink whose append's answer was lost (a node died) tries it again: the
+    same record at the same position is the same append (its id), so the log
+    holds it once and the retry gets its sequence; another record at that
+    position is still refused."""
+    async def body(a: Ledger, b: Ledger) -> None:
+        held = await a.take("call7", None)
+        assert held is not None
+        before = await a.open_epoch(held)
+        after = await a.append(before, ["run"])
+        again = await a.append(before, ["run"])  # its answer "lost": tried again
+        assert again.log_seq == after.log_seq
+        with pytest.raises(Fenced):
+            await a.append(before, ["another run"])
+        assert [r.body for r in await a.read("call7")] == [None, ["run"]]
+    _run(nats, body)

@@ -30,6 +30,7 @@ Asyncio, on the official `nats-py` client; one `Ledger` per host process.
 from __future__ import annotations
 
 import asyncio
+import zlib
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
@@ -292,7 +293,11 @@ class Ledger:
 
     async def _append(self, own: Ownership, kind: int, body: Any) -> Ownership:
         record = msgpack.packb([kind, own.epoch, own.owner.host, body])
-        headers = {EXPECTED_LAST_SUBJECT_SEQ: str(own.log_seq)}
+        # The id makes a retry of an append whose answer was lost (a node died
+        # meanwhile) the same append: JetStream answers it as a duplicate. Its
+        # content is in it: another record at that position is not a retry.
+        headers = {EXPECTED_LAST_SUBJECT_SEQ: str(own.log_seq),
+                   MSG_ID: f"{own.call_id}.{own.epoch}.{own.log_seq}.{zlib.crc32(record):x}"}
         for attempt in range(1, IN_FLIGHT_TRIES + 1):
             try:
                 ack = await self._js.publish(EVENTS_SUBJECT + own.call_id, record,

@@ -15,6 +15,7 @@ the same way: the attempt is fenced and run again, never written blind.
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
@@ -25,6 +26,8 @@ from streamfence.cluster.records import EVENTS
 from streamfence.cluster.settings import ClusterSettings
 
 log = logging.getLogger("streamfence.sink")
+RETRY_FIRST_S = 0.05  # an append the cluster did not answer is tried again after this,
+RETRY_FOR_S = 60.0  # doubling to 1 s, for this long before the sink gives up (restarts)
 
 Row = tuple[str, int, int, int, str, int, bytes]  # the store's: call, seq, last, attempt, op, n, body
 
@@ -40,7 +43,9 @@ class ClusterLog:
         # and the records their consumers delivered (filled by the ledger's thread).
         self._following: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {}
         self._incoming: deque[tuple[str, Record]] = deque()
+        self.first_open = False  # the last `open` was this process's first of the call
         self.refused = 0  # runs the engine refused (their calls moved to another host)
+        self.retries = 0  # appends tried again (the cluster did not answer)
         self.appends = 0
 
     def open(self, call_id: str, attempt: int) -> str | None:
@@ -49,6 +54,7 @@ class ClusterLog:
         held = self._held.get(call_id)
         if held is not None and held.epoch == attempt:
             return None
+        self.first_open = held is None
         own = Ownership(Owner(call_id, self.settings.host, attempt, 0))
         try:
             self._held[call_id] = self.bridge.call(self.bridge.ledger.open_epoch(own))
@@ -56,6 +62,17 @@ class ClusterLog:
             self._held.pop(call_id, None)
             return f"cluster_lost: {exc}"
         return None
+
+    def missing(self, call_id: str, after_seq: int) -> list[Row]:
+        """The rows the call's log holds after `after_seq` (this sink's last stored
+        one): after a restart of the sink, the runs its predecessor appended
+        but never committed here (the log is written first)."""
+        if not self.first_open:
+            return []
+        opened = self._held[call_id].log_seq
+        records = self.bridge.call(self.bridge.ledger.read(call_id))
+        return [row for row in _rows(call_id, valid([r for r in records if r.seq < opened]))
+                if row[1] > after_seq]
 
     def adopt(self, call_id: str, epoch: int) -> list[Row] | str:
         """A call taken over at `epoch` from a host that lost its lease: open the
@@ -66,12 +83,7 @@ class ClusterLog:
             return lost
         opened = self._held[call_id].log_seq
         records = self.bridge.call(self.bridge.ledger.read(call_id))
-        rows: list[Row] = []
-        for record in valid([r for r in records if r.seq < opened]):
-            if record.kind == EVENTS:
-                rows += [(call_id, seq, last, attempt, op, n, body)
-                         for seq, last, attempt, op, n, body in record.body]
-        return rows
+        return _rows(call_id, valid([r for r in records if r.seq < opened]))
 
     def follow(self, call_id: str) -> list[Record]:
         """Follow a call another host runs: the records its log holds now; the
@@ -113,16 +125,29 @@ class ClusterLog:
         refused = {c for c in by_call if c not in self._held}
         calls = [c for c in by_call if c in self._held]
         ledger = self.bridge.ledger
-        results = self.bridge.gather(ledger.append(self._held[c], by_call[c]) for c in calls)
-        for call_id, result in zip(calls, results, strict=True):
-            if isinstance(result, Ownership):
-                self._held[call_id] = result
-                self.appends += 1
-            elif isinstance(result, Fenced):
-                refused.add(call_id)
-                del self._held[call_id]
-            elif isinstance(result, BaseException):
-                raise result
+        wait, waited = RETRY_FIRST_S, 0.0
+        while calls:
+            results = self.bridge.gather(ledger.append(self._held[c], by_call[c]) for c in calls)
+            failed = []
+            for call_id, result in zip(calls, results, strict=True):
+                if isinstance(result, Ownership):
+                    self._held[call_id] = result
+                    self.appends += 1
+                elif isinstance(result, Fenced):
+                    refused.add(call_id)
+                    del self._held[call_id]
+                elif isinstance(result, BaseException):
+                    failed.append((call_id, result))
+            calls = [c for c, _ in failed]
+            if calls:  # the cluster is electing a leader, or a node went: wait it out
+                if waited >= RETRY_FOR_S:
+                    raise failed[0][1]
+                self.retries += 1
+                log.warning("sink: appends of %d call(s) failed (%s); trying again in %.2f s",
+                            len(calls), failed[0][1], wait)
+                time.sleep(wait)
+                waited += wait
+                wait = min(wait * 2, 1.0)
         if refused:
             self.refused += len(refused)
             log.warning("sink: the cluster refused the runs of %d call(s) (%s): another host "
@@ -131,7 +156,14 @@ class ClusterLog:
 
     def stats(self) -> dict[str, int]:
         return {"cluster_appends": self.appends, "cluster_refused": self.refused,
+                "cluster_append_retries": self.retries,
                 "cluster_engine_refused": self.bridge.ledger.refused}
 
     def close(self) -> None:
         self.bridge.close()
+
+
+def _rows(call_id: str, records: list[Record]) -> list[Row]:
+    """The store's rows that EVENTS records carry."""
+    return [(call_id, seq, last, attempt, op, n, body) for record in records
+            if record.kind == EVENTS for seq, last, attempt, op, n, body in record.body]

@@ -39,6 +39,7 @@ import sqlite3
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
@@ -432,6 +433,10 @@ class SinkState:
                 log.info("sink: authorize refused call=%s attempt=%d: %s", op.call_id,
                          op.attempt, lost)
                 return encode_refused(op.req, lost)
+            if self._catch_up(live) and not op.reset:
+                # Text of an earlier attempt the supervisor never heard of: the new
+                # attempt voids it, or the log would hold two answers.
+                op = replace(op, reset=True)
         refusal = self.fence.authorize(op.call_id, op.attempt)
         if refusal is not None:
             reason = self._refusal_reason(refusal, op)
@@ -474,6 +479,22 @@ class SinkState:
             self.commit()
         log.debug("sink: fenced call=%s attempt=%d", op.call_id, op.attempt)
         return encode_ok(op.req, stats_to_wire(prev))
+
+    def _catch_up(self, live: LiveCall) -> bool:
+        """Cluster mode, a call this sink process opens for the first time: the
+        runs its log holds that the transcript does not (a predecessor that died
+        between its appends and its commit) are stored first, so no seq is
+        handed out twice. True if they hold deltas."""
+        assert self.cluster is not None
+        rows = self.cluster.missing(live.call_id, live.seq)
+        if not rows:
+            return False
+        self.commit()
+        self.store.add_replicated(rows)
+        self.commit()
+        live.seq = rows[-1][2]
+        log.info("sink: call=%s: %d run(s) from its log stored here", live.call_id, len(rows))
+        return any(row[4] == "delta" for row in rows)
 
     def _adopt(self, op: Adopt) -> bytes:
         """Cluster mode: a call taken over from a host that lost its lease
@@ -569,6 +590,7 @@ class SinkState:
             lost = self.cluster.open(op.call_id, op.attempt)  # as for an authorize
             if lost is not None:
                 return encode_refused(op.req, lost)
+            self._catch_up(live)
         self.flush_pending()
         self._restore_content(live, op.from_attempt, since=op.content_from)
         resume_after = live.content.deltas()
