@@ -88,7 +88,7 @@ def test_chaos_cluster_hosts_and_nodes_die_and_no_call_is_lost() -> None:
     and woken, a NATS node killed and restarted: every accepted call ends with
     one answer in its log (0 lost, 0 interleaved, 0 duplicated, 0 superseded)."""
     proc = subprocess.run([sys.executable, "-m", "scripts.chaos_cluster", "--seed", "17",
-                           "--duration", "28", "--storm", "2", "--lease", "1.5",
+                           "--duration", "16", "--storm", "1.5", "--lease", "1.5",
                            "--concurrency", "12"],
                           capture_output=True, text=True, timeout=280)
     report = proc.stdout + proc.stderr[-3000:]
