@@ -158,6 +158,22 @@ class Ledger:
             bucket=OWNERS_BUCKET, history=1, storage=StorageType.FILE, replicas=r))
         self._hosts = await self._js.create_key_value(KeyValueConfig(
             bucket=HOSTS_BUCKET, history=1, storage=StorageType.FILE, replicas=r))
+        for name in (CALLS_STREAM, EVENTS_STREAM, f"KV_{OWNERS_BUCKET}", f"KV_{HOSTS_BUCKET}"):
+            await self._led(name)
+
+    async def _led(self, stream: str) -> None:
+        """Until the stream has a leader (a new stream's first writes would find
+        no responder while its replicas elect one)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.timeout_s * 4
+        while True:
+            info = await self._js.stream_info(stream)
+            if info.cluster is None or info.cluster.leader:
+                return
+            if loop.time() > deadline:
+                raise TimeoutError(f"stream {stream} has no leader after "
+                                   f"{self.settings.timeout_s * 4:g} s")
+            await asyncio.sleep(0.05)
 
     async def close(self) -> None:
         await self._nc.close()

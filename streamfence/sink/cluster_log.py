@@ -63,6 +63,12 @@ class ClusterLog:
             return f"cluster_lost: {exc}"
         return None
 
+    def hold(self, call_id: str, attempt: int, log_seq: int) -> None:
+        """The supervisor opened `attempt`'s epoch in the call's log at `log_seq`:
+        this sink's appends go on from there (ARCHITECTURE §4.17)."""
+        self.first_open = call_id not in self._held
+        self._held[call_id] = Ownership(Owner(call_id, self.settings.host, attempt, 0), log_seq)
+
     def missing(self, call_id: str, after_seq: int) -> list[Row]:
         """The rows the call's log holds after `after_seq` (this sink's last stored
         one): after a restart of the sink, the runs its predecessor appended

@@ -428,12 +428,15 @@ class SinkState:
         view = self.fence.view(op.call_id)
         if self.cluster is not None and (view is None or op.attempt > view.epoch) \
                 and not (view is not None and view.finished):
-            lost = self.cluster.open(op.call_id, op.attempt)  # the log before the fence table
-            if lost is not None:
-                log.info("sink: authorize refused call=%s attempt=%d: %s", op.call_id,
-                         op.attempt, lost)
-                return encode_refused(op.req, lost)
-            if self._catch_up(live) and not op.reset:
+            if op.log_seq:  # the supervisor opened the epoch in the log (§4.17)
+                self.cluster.hold(op.call_id, op.attempt, op.log_seq)
+            else:
+                lost = self.cluster.open(op.call_id, op.attempt)  # the log first
+                if lost is not None:
+                    log.info("sink: authorize refused call=%s attempt=%d: %s", op.call_id,
+                             op.attempt, lost)
+                    return encode_refused(op.req, lost)
+            if op.attempt > 1 and self._catch_up(live) and not op.reset:
                 # Text of an earlier attempt the supervisor never heard of: the new
                 # attempt voids it, or the log would hold two answers.
                 op = replace(op, reset=True)

@@ -262,19 +262,20 @@ class AttemptDriver:
             else:
                 self._authorize_at_sink(call)
 
-    def _authorize_at_sink(self, call: Call) -> None:
+    def _authorize_at_sink(self, call: Call, log_seq: int = 0) -> None:
         reset = call.delivered  # only under on_partial=restart can this hold here
         model = str(call.spec.request.get("model") or call.spec.request.get("modelId") or "-")
         self._sink.authorize(call.call_id, call.epoch, reset, model,
-                             functools.partial(self._authorized, call))
+                             functools.partial(self._authorized, call), log_seq)
 
-    def _owned(self, call: Call, epoch: int, result: bool | str) -> None:
-        """Cluster mode: the attempt's ownership was taken (True), is another
-        host's (False), or the cluster failed (why): tried again later."""
+    def _owned(self, call: Call, epoch: int, result: int | bool | str) -> None:
+        """Cluster mode: the attempt's ownership was taken and its epoch opened
+        in the call's log at `result` (a sequence), is another host's (False),
+        or the cluster failed (why): tried again later."""
         if self._calls.get(call.call_id) is not call or call.epoch != epoch:
             return
-        if result is True:
-            self._authorize_at_sink(call)
+        if isinstance(result, int) and not isinstance(result, bool):
+            self._authorize_at_sink(call, result)
             return
         worker = self._pool.get(call.worker_id)
         if worker is not None:
@@ -685,7 +686,7 @@ class AttemptDriver:
                 continue
             if self._cluster is not None:  # the new epoch is owned first, as any (§4.17)
                 self._cluster.take(call.call_id, call.epoch, functools.partial(
-                    self._rebind_owned, call, call.epoch, old))
+                    self._rebind_owned, call, call.epoch, old), open_log=False)
             else:
                 self._rebind_at_sink(call, old)
 
@@ -693,10 +694,10 @@ class AttemptDriver:
         self._sink.rebind(call.call_id, call.epoch, old, call.content_from, call.token,
                           functools.partial(self._rebound, call, call.epoch))
 
-    def _rebind_owned(self, call: Call, epoch: int, old: int, result: bool | str) -> None:
+    def _rebind_owned(self, call: Call, epoch: int, old: int, result: int | bool | str) -> None:
         if call.epoch != epoch or call.state is not CallState.RUNNING:
             return
-        if result is True:
+        if isinstance(result, int) and not isinstance(result, bool):
             self._rebind_at_sink(call, old)
         else:
             self.fence(call, FenceReason.CLUSTER_LOST if result is False

@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 
 from streamfence.cluster.bridge import LedgerBridge
-from streamfence.cluster.ledger import Owner
+from streamfence.cluster.ledger import Fenced, Owner, Ownership
 from streamfence.cluster.settings import ClusterSettings
 
 log = logging.getLogger("streamfence.supervisor")
@@ -62,14 +62,17 @@ class ClusterLink:
                 then(f"{type(result).__name__}: {result}")
             else:
                 self.accepted += 1
+                if result is not None:
+                    self._owners[call_id] = result
                 then(None)
         ledger = self.bridge.ledger
 
-        async def accept() -> None:
+        async def accept() -> Owner | None:
             await ledger.accept(call_id, record)
             # Owned by this host at epoch 0 (not run yet): so that, should this host
             # die before the first attempt, the others find the call in `sf_owners`.
-            await ledger.take(call_id, None, 0)  # None: a duplicate's, already there
+            held = await ledger.take(call_id, None, 0)  # None: a duplicate's, already there
+            return held.owner if held is not None else None
         self.bridge.submit(accept(), done)
 
     def lookup(self, call_id: str, then: Callable[[dict[str, Any] | None], None]) -> None:
@@ -83,24 +86,36 @@ class ClusterLink:
                 then(msgpack.unpackb(result, raw=False) if result is not None else None)
         self.bridge.submit(self.bridge.ledger.accepted(call_id), done)
 
-    def take(self, call_id: str, epoch: int, then: Callable[[bool | str], None]) -> None:
-        """Own the call at `epoch` (an attempt about to start): `then(True)`;
-        `then(False)`: another host owns it; `then(why)`: the cluster failed."""
+    def take(self, call_id: str, epoch: int, then: Callable[[int | bool | str], None],
+             open_log: bool = True) -> None:
+        """Own the call at `epoch` (an attempt about to start), and with
+        `open_log` open that epoch in its log, all in the ledger's loop (so the
+        attempts of a burst go together, not one by one in the sink's):
+        `then(log_seq)` (0 without `open_log`); `then(False)`: another host owns
+        it; `then(why)`: the cluster failed."""
         ledger = self.bridge.ledger
         seen = self._owners.get(call_id)
+        taken = seen is not None and seen.host == self.settings.host and seen.epoch == epoch
 
-        if seen is not None and seen.host == self.settings.host and seen.epoch == epoch:
-            then(True)  # taken at this epoch already (a call taken over: `_take_over`)
-            return
-
-        async def take() -> Owner | None:
-            current = seen if seen is not None else await ledger.owner(call_id)
-            if current is None or current.host != self.settings.host:
-                # Another host's (taking over is the leases' job), or done (a done
-                # call's entry goes): after this host's restart, either way not ours.
+        async def take() -> tuple[Owner, int] | None:
+            owner = seen
+            if not taken:  # else: taken at this epoch already (a call taken over)
+                current = seen if seen is not None else await ledger.owner(call_id)
+                if current is None or current.host != self.settings.host:
+                    # Another host's (taking over is the leases' job), or done (a done
+                    # call's entry goes): after this host's restart, not ours either way.
+                    return None
+                held = await ledger.take(call_id, current, epoch)
+                if held is None:
+                    return None
+                owner = held.owner
+            assert owner is not None
+            if taken or not open_log:  # a call taken over: its sink's adopt opened it
+                return owner, 0
+            try:
+                return owner, (await ledger.open_epoch(Ownership(owner))).log_seq
+            except Fenced:
                 return None
-            held = await ledger.take(call_id, current, epoch)
-            return held.owner if held is not None else None
 
         def done(result: Any) -> None:
             if isinstance(result, BaseException):
@@ -112,8 +127,8 @@ class ClusterLink:
                 self._owners.pop(call_id, None)
                 then(False)
             else:
-                self._owners[call_id] = result
-                then(True)
+                self._owners[call_id] = result[0]
+                then(result[1])
         self.bridge.submit(take(), done)
 
     def forget(self, call_id: str) -> None:

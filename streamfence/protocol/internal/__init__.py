@@ -38,7 +38,9 @@ Sink -> worker:
 Supervisor -> sink ("sink.ctl"), each carries a request id echoed by the reply
 (records `Authorize`, `Fence`, `Rebind`, `Finish`, `Stats`, `AddSubscriber`;
 `control.encode_control` / `control.parse_control`):
-    [C_AUTHORIZE, req, call_id, attempt, reset: bool, model: str|None]
+    [C_AUTHORIZE, req, call_id, attempt, reset: bool, model: str|None, log_seq: int]
+                               (log_seq: cluster mode, where the supervisor opened the
+                               attempt's epoch in the call's log; 0 or absent: none)
     [C_FENCE, req, call_id, attempt]
     [C_REBIND, req, call_id, attempt, from_attempt, content_from, token]
     [C_ADOPT, req, call_id, epoch]  cluster mode: the call was taken over from a

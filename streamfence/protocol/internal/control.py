@@ -127,6 +127,9 @@ class Authorize:
     attempt: int
     reset: bool
     model: str | None = None
+    # Cluster mode: the supervisor opened the attempt's epoch in the call's log
+    # at this sequence (ARCHITECTURE §4.17); 0: the sink opens it itself.
+    log_seq: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +225,7 @@ ControlOp = Authorize | Fence | Rebind | Finish | Stats | AddSubscriber | Adopt 
 def encode_control(op: ControlOp) -> bytes:
     msg: list[Any]
     if isinstance(op, Authorize):
-        msg = [C_AUTHORIZE, op.req, op.call_id, op.attempt, op.reset, op.model]
+        msg = [C_AUTHORIZE, op.req, op.call_id, op.attempt, op.reset, op.model, op.log_seq]
     elif isinstance(op, Fence):
         msg = [C_FENCE, op.req, op.call_id, op.attempt]
     elif isinstance(op, Rebind):
@@ -245,7 +248,7 @@ def encode_control(op: ControlOp) -> bytes:
 
 MAX_CALL_ID = 256
 MAX_REQ_STR = 256
-_CONTROL_ARITY = {C_AUTHORIZE: (5, 6), C_FENCE: (4,), C_FINISH: (7,), C_STATS: (2,),
+_CONTROL_ARITY = {C_AUTHORIZE: (5, 6, 7), C_FENCE: (4,), C_FINISH: (7,), C_STATS: (2,),
                   C_SUBSCRIBE: (6,), C_REBIND: (7,), C_ADOPT: (4,),
                   C_FOLLOW: (3,)}
 
@@ -300,10 +303,12 @@ def parse_control(obj: Any) -> ControlOp:
         reset = obj[4]
         if type(reset) is not bool:
             raise BadFrame("reset must be a boolean", req)
-        model = obj[5] if len(obj) == 6 else None
+        model = obj[5] if len(obj) >= 6 else None
         if model is not None and type(model) is not str:
             raise BadFrame("model must be a string or nil", req)
-        return Authorize(req, call_id, check_int(obj[3], "attempt", 1, req), reset, model)
+        log_seq = check_int(obj[6], "log_seq", 0, req) if len(obj) == 7 else 0
+        return Authorize(req, call_id, check_int(obj[3], "attempt", 1, req), reset, model,
+                         log_seq)
     status = obj[3]
     if type(status) is not str or status not in _STATUSES:
         raise BadFrame(f"status must be one of {sorted(_STATUSES)}", req)
