@@ -14,11 +14,14 @@ journal's commits and the sink's replies do.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import nats.errors
 
 from streamfence.cluster.bridge import LedgerBridge
 from streamfence.cluster.ledger import Fenced, Owner, Ownership
@@ -68,11 +71,21 @@ class ClusterLink:
         ledger = self.bridge.ledger
 
         async def accept() -> Owner | None:
-            await ledger.accept(call_id, record)
-            # Owned by this host at epoch 0 (not run yet): so that, should this host
-            # die before the first attempt, the others find the call in `sf_owners`.
-            held = await ledger.take(call_id, None, 0)  # None: a duplicate's, already there
-            return held.owner if held is not None else None
+            # Tried again while the time allows: a write whose answer was lost (a node
+            # died) may have landed, and both writes are idempotent (the record's id;
+            # the owner entry, found as this host's at epoch 0).
+            deadline = asyncio.get_running_loop().time() + self.settings.timeout_s * 3
+            while True:
+                try:
+                    await ledger.accept(call_id, record)
+                    # Owned by this host at epoch 0 (not run yet): should this host
+                    # die before the first attempt, the others find it in `sf_owners`.
+                    held = await ledger.take(call_id, None, 0)
+                    return held.owner if held is not None else await self._landed(call_id, 0)
+                except (TimeoutError, nats.errors.Error) as exc:
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise exc from None
+                    await asyncio.sleep(0.1)
         self.bridge.submit(accept(), done)
 
     def lookup(self, call_id: str, then: Callable[[dict[str, Any] | None], None]) -> None:
@@ -106,9 +119,9 @@ class ClusterLink:
                     # call's entry goes): after this host's restart, not ours either way.
                     return None
                 held = await ledger.take(call_id, current, epoch)
-                if held is None:
+                owner = held.owner if held is not None else await self._landed(call_id, epoch)
+                if owner is None:
                     return None
-                owner = held.owner
             assert owner is not None
             if taken or not open_log:  # a call taken over: its sink's adopt opened it
                 return owner, 0
@@ -130,6 +143,16 @@ class ClusterLink:
                 self._owners[call_id] = result[0]
                 then(result[1])
         self.bridge.submit(take(), done)
+
+    async def _landed(self, call_id: str, epoch: int) -> Owner | None:
+        """A compare-and-set found the entry changed: by this host's own earlier
+        write at `epoch`, whose answer was lost (then it is this host's), or by
+        another host (None)."""
+        current = await self.bridge.ledger.owner(call_id)
+        if current is not None and current.host == self.settings.host \
+                and current.epoch == epoch:
+            return current
+        return None
 
     def forget(self, call_id: str) -> None:
         self._owners.pop(call_id, None)
@@ -172,7 +195,8 @@ class ClusterLink:
                 self._dead.add(host)
                 log.warning("cluster: host %r has not beaten for %.1f s (lease %g s): taking "
                             "over its calls", host, now - last[1], self.lease_s)
-                self.bridge.submit(self._take_over(host), self._took)
+                self.bridge.submit(self._take_over(host),
+                                   functools.partial(self._took, host=host))
 
     async def _take_over(self, host: str) -> list[tuple[Owner, dict[str, Any]]]:
         """Take each call of `host` at its next epoch; those this host won, with
@@ -181,19 +205,24 @@ class ClusterLink:
         won = []
         for seen in await ledger.owned_by(host):
             held = await ledger.take(seen.call_id, seen)
-            if held is None:
+            owner = held.owner if held is not None else \
+                await self._landed(seen.call_id, seen.epoch + 1)
+            if owner is None:
                 continue  # another host was first
             record = await ledger.accepted(seen.call_id)
             if record is None:
                 log.error("cluster: call %s has an owner but no record; left alone",
                           seen.call_id)
                 continue
-            won.append((held.owner, msgpack.unpackb(record, raw=False)))
+            won.append((owner, msgpack.unpackb(record, raw=False)))
         return won
 
-    def _took(self, result: Any) -> None:
+    def _took(self, result: Any, host: str = "") -> None:
         if isinstance(result, BaseException):
-            log.warning("cluster: taking over calls failed: %s", result)
+            log.warning("cluster: taking over the calls of %r failed (%s); tried again at "
+                        "the next look", host, result)
+            self._dead.discard(host)
+            self._beats.pop(host, None)  # judged again from the next read
             return
         for owner, record in result:
             self._owners[owner.call_id] = owner
