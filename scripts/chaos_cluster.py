@@ -88,6 +88,7 @@ class Cluster:
         self.refused = 0  # appends the engine refused, as the frozen hosts counted them
         self.lock = threading.Lock()
         self.started = time.monotonic()
+        self.errors: list[str] = []  # faults that could not be carried out (a host did not restart)
 
     def count(self, what: str) -> None:
         self.injected[what] = self.injected.get(what, 0) + 1
@@ -236,7 +237,11 @@ def _faults(cluster: Cluster, rng: random.Random, args: Any, stop: threading.Eve
     kinds = list(FAULTS)
     while not stop.wait(args.storm * rng.uniform(0.6, 1.0)):
         kind = kinds.pop(0) if kinds else rng.choice(FAULTS)  # each kind once first
-        cluster.fault(kind, rng, args.lease, stop)
+        try:
+            cluster.fault(kind, rng, args.lease, stop)
+        except Exception as exc:  # a host that cannot start again fails the verdict
+            cluster.errors.append(f"{kind}: {type(exc).__name__}: {str(exc)[-1500:]}")
+            cluster.note(f"the {kind} fault failed: {type(exc).__name__}")
 
 
 def _load(cluster: Cluster, rng: random.Random, args: Any) -> list[CallRecord]:
@@ -294,7 +299,10 @@ def _verdict(cluster: Cluster, records: list[CallRecord]) -> int:
     faults_ok = all(any(k in what for what in cluster.injected) for k in ("kill", "SIGSTOP",
                                                                          "NATS"))
     print(f"  every fault injected: {'yes' if faults_ok else 'no'}")
-    ok = verdict_ok(counts) and counts["submitted"] > 0 and faults_ok
+    for error in cluster.errors:
+        print(f"  FAULT FAILED: {error}")
+    print(f"  every host came back: {'no' if cluster.errors else 'yes'}")
+    ok = verdict_ok(counts) and counts["submitted"] > 0 and faults_ok and not cluster.errors
     print(f"  verdict: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 

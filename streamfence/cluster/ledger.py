@@ -37,6 +37,7 @@ from typing import Any
 
 import msgpack
 import nats
+import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -140,12 +141,21 @@ class Ledger:
                                 connect_timeout=settings.timeout_s, max_reconnect_attempts=-1,
                                 reconnect_time_wait=0.2, allow_reconnect=True)
         ledger = cls(nc, settings)
-        try:
-            await ledger.ensure()
-        except BaseException:
-            await nc.close()
-            raise
-        return ledger
+        deadline = asyncio.get_running_loop().time() + settings.timeout_s * 6
+        while True:
+            try:
+                await ledger.ensure()
+                return ledger
+            except (TimeoutError, nats.errors.Error) as exc:
+                # A node restarting, a leader being elected: tried again for a while.
+                if asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.2)
+                    continue
+                await nc.close()
+                raise exc from None
+            except BaseException:
+                await nc.close()
+                raise
 
     async def ensure(self) -> None:
         """Make the streams and the bucket if missing (idempotent, any host)."""

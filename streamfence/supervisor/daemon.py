@@ -127,7 +127,7 @@ class Daemon:
         except statedir.StateDirError as exc:
             raise StartupError(str(exc)) from None
         try:
-            self._pairing = storepair.check(state_dir)
+            self._pairing = storepair.check(state_dir, cluster=self.config.cluster.enabled)
         except storepair.StoreError as exc:
             self._lock.release()
             raise StartupError(str(exc)) from None

@@ -279,8 +279,12 @@ def check_wal(db_path: str) -> None:
         raise StoreError(f"{wal} is damaged: {found}; {FIX}")
 
 
-def check(state_dir: Path) -> Pairing:
-    """The verdict on the state dir's pair (StoreError: refuse to start)."""
+def check(state_dir: Path, cluster: bool = False) -> Pairing:
+    """The verdict on the state dir's pair (StoreError: refuse to start).
+    `cluster`: the transcript also holds calls the journal never had (other
+    hosts' calls followed here, calls taken over at an epoch the journal
+    learns only when it runs them: ARCHITECTURE §4.17), so "the journal is
+    behind" is not looked for; the cluster's log is the record there."""
     journal_path, transcript_path = str(state_dir / JOURNAL), str(state_dir / TRANSCRIPT)
     check_wal(journal_path)
     check_wal(transcript_path)
@@ -288,7 +292,7 @@ def check(state_dir: Path) -> Pairing:
     # journal read second is never behind it (were a daemon writing both).
     transcript = read_facts(transcript_path)
     journal = read_facts(journal_path)
-    return judge(journal, transcript, behind(journal, transcript))
+    return judge(journal, transcript, None if cluster else behind(journal, transcript))
 
 
 def _write_meta(path: str, ddl: str, rows: Mapping[str, str | int | float]) -> None:
