@@ -13,8 +13,9 @@ hosts in turn, while one fault at a time hits them (random, seeded):
             later on its store.
 
 The verdict is computed from the calls' logs on JetStream (what any host
-serves of a call: its events, void records skipped) and from the
-emulator's own record of what it sent (streamfence.devtools.verdict), never
+serves of a call: its events, void records skipped), from what a
+subscriber reads of a sample of them from a host chosen at random (equal to
+the log), and from the emulator's own record of what it sent (streamfence.devtools.verdict), never
 from the hosts' counters: 0 lost, 0 interleaved, 0 duplicated, 0
 superseded among the accepted calls. A submit the client saw no answer to
 (its host was killed or frozen) promised nothing; it is counted apart.
@@ -203,6 +204,8 @@ def main() -> int:
     p = parser(__doc__.split("\n")[0], calls=2000, duration=60.0)
     p.add_argument("--lease", type=float, default=2.0, help="[cluster] lease_s of every host")
     p.add_argument("--storm", type=float, default=8.0, help="seconds between two faults")
+    p.add_argument("--sample", type=int, default=100,
+                   help="calls read by a subscriber of a host at random for the verdict")
     args = p.parse_args()
     rng = seeded(args)
     with tempfile.TemporaryDirectory(prefix="streamfence-chaos-cluster-") as tmp, \
@@ -224,7 +227,8 @@ def main() -> int:
             for name in HOSTS:  # a frozen host is woken before the verdict
                 _signal(_tree(cluster.hosts[name]), signal.SIGCONT)
             asyncio.run(_read_logs(nats, records, time.monotonic() + 120.0))
-            return _verdict(cluster, records)
+            served = _subscribers_view(cluster, records, rng, args.sample)
+            return _verdict(cluster, records, served)
         finally:
             stop.set()
             for host in cluster.hosts.values():
@@ -266,7 +270,29 @@ def _load(cluster: Cluster, rng: random.Random, args: Any) -> list[CallRecord]:
     return records
 
 
-def _verdict(cluster: Cluster, records: list[CallRecord]) -> int:
+def _subscribers_view(cluster: Cluster, records: list[CallRecord], rng: random.Random,
+                      sample: int) -> tuple[int, list[str]]:
+    """A subscriber's view: `sample` accepted calls read from a host chosen at
+    random (often not the one that ran them: any host serves any call), from
+    seq 0 to the done; each must equal its log's events. (checked, differing)"""
+    done = [r for r in records if r.call_id and r.events]
+    differing = []
+    for r in rng.sample(done, min(sample, len(done))):
+        host = cluster.hosts[rng.choice(HOSTS)]
+        try:
+            with host.client(timeout_s=10.0) as client:
+                client.subscribe(r.call_id, from_seq=0)
+                seen = list(client.events(r.call_id, timeout_s=30.0))
+        except (TimeoutError, ClientError, OSError) as exc:
+            differing.append(f"{r.key}: {type(exc).__name__}: {exc}"[:300])
+            continue
+        if seen != r.events:
+            differing.append(f"{r.key}: {len(seen)} events served, {len(r.events)} in the log")
+    return min(sample, len(done)), differing
+
+
+def _verdict(cluster: Cluster, records: list[CallRecord],
+             served: tuple[int, list[str]] = (0, [])) -> int:
     accepted = [r for r in records if r.call_id]
     outcomes = [judge(r, cluster.emu.log(r.key)) for r in accepted]
     counts = tally(outcomes)
@@ -301,8 +327,14 @@ def _verdict(cluster: Cluster, records: list[CallRecord]) -> int:
     print(f"  every fault injected: {'yes' if faults_ok else 'no'}")
     for error in cluster.errors:
         print(f"  FAULT FAILED: {error}")
+    checked, differing = served
+    print(f"  a subscriber's view (from a host at random, from seq 0) equal to the log: "
+          f"{checked - len(differing)} of {checked}")
+    for line in differing[:5]:
+        print(f"    differs: {line}")
     print(f"  every host came back: {'no' if cluster.errors else 'yes'}")
-    ok = verdict_ok(counts) and counts["submitted"] > 0 and faults_ok and not cluster.errors
+    ok = verdict_ok(counts) and counts["submitted"] > 0 and faults_ok and not cluster.errors \
+        and not differing
     print(f"  verdict: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 

@@ -52,7 +52,6 @@ from nats.js.errors import (
     BadRequestError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
-    NoKeysError,
     NotFoundError,
 )
 from nats.js.kv import KeyValue
@@ -250,12 +249,16 @@ class Ledger:
             return False
         return True
 
+    async def _keys(self, bucket: str) -> list[str]:
+        """A bucket's keys, from its stream's subjects (no consumer is made: the
+        client's `keys()` makes one per call, and a cluster under load ran out)."""
+        prefix = f"$KV.{bucket}."
+        info = await self._js.stream_info(f"KV_{bucket}", subjects_filter=prefix + ">")
+        return [subject[len(prefix):] for subject in (info.state.subjects or {})]
+
     async def owned_by(self, host: str) -> list[Owner]:
         """Every call `host` owns (a scan of `sf_owners`: after a host's lease)."""
-        try:
-            keys = await self.owners.keys()
-        except NoKeysError:
-            return []
+        keys = await self._keys(OWNERS_BUCKET)
         out = []
         for key in keys:
             owner = await self.owner(key)
@@ -274,10 +277,7 @@ class Ledger:
     async def host_revisions(self) -> dict[str, int]:
         """Each host's heartbeat revision (it moves while the host beats)."""
         assert self._hosts is not None, "Ledger.ensure() first"
-        try:
-            keys = await self._hosts.keys()
-        except NoKeysError:
-            return {}
+        keys = await self._keys(HOSTS_BUCKET)
         out = {}
         for key in keys:
             try:

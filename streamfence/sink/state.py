@@ -532,14 +532,16 @@ class SinkState:
         host may write it)."""
         if self.cluster is None:
             return encode_refused(op.req, "not in cluster mode")
+        if op.call_id not in self.followed:
+            if self.fence.view(op.call_id) is None and self.store.call_row(op.call_id) is None:
+                self.store.set_epoch(op.call_id, 0)
+                self.commit()
+            self._live(op.call_id)  # closed: nothing of this host writes it (a call that
+            view = self.fence.view(op.call_id)  # moved away was fenced here first)
+            if view is None or not view.finished:
+                self.followed[op.call_id] = 0
+                self.apply_followed([(op.call_id, r) for r in self.cluster.follow(op.call_id)])
         view = self.fence.view(op.call_id)
-        if view is None and self.store.call_row(op.call_id) is None:
-            self.store.set_epoch(op.call_id, 0)
-            self.commit()
-            self._live(op.call_id)  # closed at epoch 0: nothing local writes it
-            self.followed[op.call_id] = 0
-            self.apply_followed([(op.call_id, r) for r in self.cluster.follow(op.call_id)])
-            view = self.fence.view(op.call_id)
         return encode_ok(op.req, {"done": view is not None and view.finished})
 
     def apply_followed(self, records: list[tuple[str, Any]]) -> None:

@@ -150,8 +150,9 @@ class Front:
                 ref = request.ref
                 self._status(user, lambda body: self._clients.send(
                     identity, {"v": 1, "op": "status_reply", "ref": ref, **body}))
-            elif self._cluster is not None and \
-                    self._journal.owner_of(request.call_id) is None:
+            elif self._cluster is not None and (
+                    self._journal.owner_of(request.call_id) is None
+                    or self._journal.is_moved(request.call_id)):
                 self._remote(identity, user, request)  # another host's, if any
             elif not self._may_see(user, request.call_id):
                 self._error(identity, request.ref, ErrorCode.UNKNOWN_CALL,

@@ -522,6 +522,12 @@ class Journal:
                     "done = NULL WHERE call_id = ?", (status, time.time(), call_id))
         self._remove_after_commit.append(call_id)
 
+    def is_moved(self, call_id: str) -> bool:
+        """Cluster mode: another host owns the call now (calls.MOVED)."""
+        row = self._db.execute("SELECT status FROM calls WHERE call_id = ?",
+                               (call_id,)).fetchone()
+        return row is not None and row[0] == "moved"
+
     def is_finished(self, call_id: str) -> bool:
         if call_id in self._remove_after_commit:  # finished in the unit not yet committed
             return True
