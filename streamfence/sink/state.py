@@ -536,8 +536,13 @@ class SinkState:
             if self.fence.view(op.call_id) is None and self.store.call_row(op.call_id) is None:
                 self.store.set_epoch(op.call_id, 0)
                 self.commit()
-            self._live(op.call_id)  # closed: nothing of this host writes it (a call that
-            view = self.fence.view(op.call_id)  # moved away was fenced here first)
+            live = self._live(op.call_id)  # closed: nothing of this host writes it (a
+            view = self.fence.view(op.call_id)  # call that moved away was fenced here first)
+            row = self.store.call_row(op.call_id)
+            # What is stored, not what this sink once accepted: the runs the cluster
+            # refused when the call moved away counted in `seq` but were never stored,
+            # and the new owner's rows at those seqs must not be taken for repeats.
+            live.seq = row.last_seq if row is not None else 0
             if view is None or not view.finished:
                 self.followed[op.call_id] = 0
                 self.apply_followed([(op.call_id, r) for r in self.cluster.follow(op.call_id)])
