@@ -45,8 +45,7 @@ from scripts.bench.common import (
     wait_idle,
     wait_quiet,
 )
-from scripts.bench.gateway import _zmq_streams
-from scripts.bench.ttft import Call
+from scripts.bench.ttft import Call, zmq_streams
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
 from streamfence.devtools.nats_cluster import NatsCluster
@@ -89,7 +88,7 @@ def _measure(proc: DaemonProcess, raw: RawClient, nats_pids: list[int],
     nats_cpu.start()
     wall0 = time.perf_counter()
     for batch in batches:
-        _zmq_streams(raw, batch)
+        zmq_streams(raw, batch)
     wall = time.perf_counter() - wall0
     daemon_cpu.stop()
     nats_cpu.stop()

@@ -89,11 +89,10 @@ from scripts.bench.common import (
     wait_idle,
     wait_quiet,
 )
-from scripts.bench.ttft import Call, _sdk_burst
+from scripts.bench.ttft import Call, _sdk_burst, zmq_streams
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess, wait_until
 from streamfence.gateway.keys import http_key
-from streamfence.protocol.client_base import new_ref
 from streamfence.protocol.credentials import load_credentials
 
 BASE_VARIANTS = ("sdk-direct", "sdk-gateway", "sse-gateway", "zmq-client")
@@ -211,46 +210,6 @@ def _litellm(exe: str, emu: EmulatorProcess, port: int, key: str
 
 # ---- the variants ------------------------------------------------------------------
 
-def _zmq_streams(raw: RawClient, calls: list[Call]) -> None:
-    """Submit every call (subscribed) back to back, then read all their events in one loop."""
-    by_ref: dict[str, Call] = {}
-    by_call: dict[str, Call] = {}
-    parts: dict[str, list[str]] = {}
-    for call in calls:
-        ref = new_ref()
-        by_ref[ref] = call
-        frame = raw.submit_frame(ref, call.model, PROMPT)
-        call.t0, call.w0 = time.perf_counter(), time.time()
-        raw.req.send(frame)
-    finished = 0
-    deadline = time.monotonic() + 120.0
-    while finished < len(calls) and time.monotonic() < deadline:
-        for msg in raw.messages(200):
-            op = msg.get("op")
-            if op == "delta":
-                if msg["kind"] == "text":
-                    call = by_call[msg["call_id"]]
-                    if not call.first:
-                        call.first, call.wfirst = time.perf_counter(), time.time()
-                    call.pieces += 1
-                    parts[msg["call_id"]].append(msg["data"])
-            elif op == "accepted":
-                call = by_ref[msg["ref"]]
-                by_call[msg["call_id"]] = call
-                parts[msg["call_id"]] = []
-            elif op == "done":
-                call = by_call[msg["call_id"]]
-                if msg["status"] != "completed":
-                    call.error = f"ended {msg['status']}: {msg.get('error')}"
-                call.text = "".join(parts[msg["call_id"]])
-                finished += 1
-            elif op == "error":
-                raise RuntimeError(f"the daemon refused a call: {msg}")
-    for call in calls:
-        if not call.text and not call.error:
-            call.error = "no done within 120 s"
-
-
 class SseClient:
     """A minimal HTTP/1.1 client of the gateway's chat completions on raw sockets
     (module docstring, `sse-gateway`): a pool of kept-alive connections, one per
@@ -322,7 +281,7 @@ class _SseResponse:
 
 def _sse_streams(client: SseClient, calls: list[Call]) -> None:
     """Send every request back to back, each on a connection of its own, then
-    read every response in one loop (the HTTP twin of _zmq_streams)."""
+    read every response in one loop (the HTTP twin of ttft.zmq_streams)."""
     sel = selectors.DefaultSelector()
     for sock, call in zip(client.conns, calls, strict=False):
         frame = client.request(call.model)
@@ -402,7 +361,7 @@ class Bench:
             lite = self.litellm
             return "", lambda calls: _sdk_burst(lite, calls), self.litellm_pid
         raw = self.raw
-        return "", lambda calls: _zmq_streams(raw, calls), self.daemon_pid
+        return "", lambda calls: zmq_streams(raw, calls), self.daemon_pid
 
     def run(self, variant: str, streams: int, reps: int, chunks: int,
             text: str) -> dict[str, Any]:

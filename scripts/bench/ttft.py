@@ -152,43 +152,52 @@ def _sf_burst(proc: DaemonProcess, calls: list[Call]) -> None:
     to what is measured (the daemon's path to the first token)."""
     raw = RawClient(proc)
     try:
-        by_ref: dict[str, Call] = {}
-        by_call: dict[str, Call] = {}
-        parts: dict[str, list[str]] = {}
-        for call in calls:
-            ref = new_ref()
-            by_ref[ref] = call
-            frame = raw.submit_frame(ref, call.model, PROMPT)
-            call.t0, call.w0 = time.perf_counter(), time.time()
-            raw.req.send(frame)
-        finished = 0
-        deadline = time.monotonic() + 120.0
-        while finished < len(calls) and time.monotonic() < deadline:
-            for msg in raw.messages(200):
-                op = msg.get("op")
-                if op == "delta":
-                    call = by_call[msg["call_id"]]
-                    if msg["kind"] == "text":
-                        call.last = time.perf_counter()
-                        if not call.first:
-                            call.first, call.wfirst = call.last, time.time()
-                        call.pieces += 1
-                        parts[call.call_id].append(msg["data"])
-                elif op == "accepted":
-                    call = by_ref[msg["ref"]]
-                    call.call_id = msg["call_id"]
-                    by_call[call.call_id] = call
-                    parts[call.call_id] = []
-                elif op == "done":
-                    call = by_call[msg["call_id"]]
-                    if msg["status"] != "completed":
-                        call.error = f"ended {msg['status']}: {msg.get('error')}"
-                    call.text = "".join(parts[call.call_id])
-                    finished += 1
-                elif op == "error":
-                    raise RuntimeError(f"the daemon refused a call: {msg}")
+        zmq_streams(raw, calls)
     finally:
         raw.close()
+
+
+def zmq_streams(raw: RawClient, calls: list[Call]) -> None:
+    """Submit every call (subscribed) back to back on `raw`, then read all their
+    events in one loop (sections 7, 9 and 10)."""
+    by_ref: dict[str, Call] = {}
+    by_call: dict[str, Call] = {}
+    parts: dict[str, list[str]] = {}
+    for call in calls:
+        ref = new_ref()
+        by_ref[ref] = call
+        frame = raw.submit_frame(ref, call.model, PROMPT)
+        call.t0, call.w0 = time.perf_counter(), time.time()
+        raw.req.send(frame)
+    finished = 0
+    deadline = time.monotonic() + 120.0
+    while finished < len(calls) and time.monotonic() < deadline:
+        for msg in raw.messages(200):
+            op = msg.get("op")
+            if op == "delta":
+                call = by_call[msg["call_id"]]
+                if msg["kind"] == "text":
+                    call.last = time.perf_counter()
+                    if not call.first:
+                        call.first, call.wfirst = call.last, time.time()
+                    call.pieces += 1
+                    parts[call.call_id].append(msg["data"])
+            elif op == "accepted":
+                call = by_ref[msg["ref"]]
+                call.call_id = msg["call_id"]
+                by_call[call.call_id] = call
+                parts[call.call_id] = []
+            elif op == "done":
+                call = by_call[msg["call_id"]]
+                if msg["status"] != "completed":
+                    call.error = f"ended {msg['status']}: {msg.get('error')}"
+                call.text = "".join(parts[call.call_id])
+                finished += 1
+            elif op == "error":
+                raise RuntimeError(f"the daemon refused a call: {msg}")
+    for call in calls:
+        if not call.text and not call.error:
+            call.error = "no done within 120 s"
 
 
 def _settle(proc: DaemonProcess, quiet_s: float = 0.5, timeout_s: float = 60.0) -> int:

@@ -43,7 +43,6 @@ class ClusterLog:
         # and the records their consumers delivered (filled by the ledger's thread).
         self._following: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {}
         self._incoming: deque[tuple[str, Record]] = deque()
-        self.first_open = False  # the last `open` was this process's first of the call
         self.refused = 0  # runs the engine refused (their calls moved to another host)
         self.retries = 0  # appends tried again (the cluster did not answer)
         self.appends = 0
@@ -54,7 +53,6 @@ class ClusterLog:
         held = self._held.get(call_id)
         if held is not None and held.epoch == attempt:
             return None
-        self.first_open = held is None
         own = Ownership(Owner(call_id, self.settings.host, attempt, 0))
         try:
             self._held[call_id] = self.bridge.call(self.bridge.ledger.open_epoch(own))
@@ -63,18 +61,19 @@ class ClusterLog:
             return f"cluster_lost: {exc}"
         return None
 
+    def holds(self, call_id: str) -> bool:
+        """This sink process has opened (or been given) the call's log before."""
+        return call_id in self._held
+
     def hold(self, call_id: str, attempt: int, log_seq: int) -> None:
         """The supervisor opened `attempt`'s epoch in the call's log at `log_seq`:
         this sink's appends go on from there (ARCHITECTURE §4.17)."""
-        self.first_open = call_id not in self._held
         self._held[call_id] = Ownership(Owner(call_id, self.settings.host, attempt, 0), log_seq)
 
     def missing(self, call_id: str, after_seq: int) -> list[Row]:
         """The rows the call's log holds after `after_seq` (this sink's last stored
         one): after a restart of the sink, the runs its predecessor appended
         but never committed here (the log is written first)."""
-        if not self.first_open:
-            return []
         opened = self._held[call_id].log_seq
         records = self.bridge.call(self.bridge.ledger.read(call_id))
         return [row for row in _rows(call_id, valid([r for r in records if r.seq < opened]))

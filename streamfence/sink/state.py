@@ -428,6 +428,7 @@ class SinkState:
         view = self.fence.view(op.call_id)
         if self.cluster is not None and (view is None or op.attempt > view.epoch) \
                 and not (view is not None and view.finished):
+            first = not self.cluster.holds(op.call_id)
             if op.log_seq:  # the supervisor opened the epoch in the log (§4.17)
                 self.cluster.hold(op.call_id, op.attempt, op.log_seq)
             else:
@@ -436,7 +437,7 @@ class SinkState:
                     log.info("sink: authorize refused call=%s attempt=%d: %s", op.call_id,
                              op.attempt, lost)
                     return encode_refused(op.req, lost)
-            if op.attempt > 1 and self._catch_up(live) and not op.reset:
+            if first and op.attempt > 1 and self._catch_up(live) and not op.reset:
                 # Text of an earlier attempt the supervisor never heard of: the new
                 # attempt voids it, or the log would hold two answers.
                 op = replace(op, reset=True)
@@ -484,7 +485,7 @@ class SinkState:
         return encode_ok(op.req, stats_to_wire(prev))
 
     def _catch_up(self, live: LiveCall) -> bool:
-        """Cluster mode, a call this sink process opens for the first time: the
+        """Cluster mode, for a call this sink process opens for the first time: the
         runs its log holds that the transcript does not (a predecessor that died
         between its appends and its commit) are stored first, so no seq is
         handed out twice. True if they hold deltas."""
@@ -597,10 +598,12 @@ class SinkState:
                        else AuthorizeRefusal.STALE_EPOCH)
             return encode_refused(op.req, self._refusal_reason(refusal, op))
         if self.cluster is not None:
+            first = not self.cluster.holds(op.call_id)
             lost = self.cluster.open(op.call_id, op.attempt)  # as for an authorize
             if lost is not None:
                 return encode_refused(op.req, lost)
-            self._catch_up(live)
+            if first:
+                self._catch_up(live)
         self.flush_pending()
         self._restore_content(live, op.from_attempt, since=op.content_from)
         resume_after = live.content.deltas()
