@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from streamfence.cluster.ledger import Ledger, Record
-from streamfence.cluster.records import EPOCH, EVENTS
+from streamfence.cluster.records import EPOCH, EVENTS, call_record
 from streamfence.cluster.settings import ClusterSettings
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.nats_cluster import NatsCluster
@@ -288,3 +288,132 @@ def test_any_host_serves_any_call(tmp_path: Path, emulator: EmulatorProcess,
     finally:
         for proc in (a, b):
             proc.cleanup()
+
+
+def test_a_host_takes_up_at_its_start_the_calls_the_cluster_says_it_owns(
+        tmp_path: Path, emulator: EmulatorProcess, emu: EmulatorClient,
+        nats: NatsCluster) -> None:
+    """Strays (§4.17, rule 4): between two starts of host A, the cluster came
+    to say A owns two calls its journal does not run: one A finished (its
+    entry outlived its done: a release whose answer was lost) and one
+    accepted at epoch 0 (A died before its journal had it). At its start A
+    runs the second to its done and only releases the first."""
+    emu.script("ended", [{"fault": "ok", "chunks": 4, "text": "ended once"}])
+    emu.script("stray", [{"fault": "ok", "chunks": 4, "text": "the stray's answer"}])
+    a = _host(tmp_path, emulator, nats, "host-a", 2.0).start()
+    try:
+        with a.client() as client:
+            ended = client.submit("emu", _request("ended"))
+            assert client.result(ended, wait_s=15.0)["status"] == "completed"
+        assert a.stop() == 0
+        stray = "0" * 31 + "5"
+
+        async def leave_strays(ledger: Ledger) -> None:
+            record = msgpack.unpackb(await ledger.accepted(ended) or b"", raw=False)
+            assert await ledger.take(ended, None, 1) is not None  # the entry, as if kept
+            await ledger.accept(stray, call_record(
+                stray, record["owner"], "emu", _request("stray"), {}, None, None))
+            assert await ledger.take(stray, None, 0) is not None
+        _ledger(nats, "host-a", leave_strays)
+
+        a.start()
+        with a.client() as client:
+            done = client.result(stray, wait_s=20.0)
+        assert done is not None and done["status"] == "completed", done
+        assert done["response"]["content"] == "the stray's answer"
+
+        async def owners(ledger: Ledger) -> tuple[Any, Any]:
+            return await ledger.owner(ended), await ledger.owner(stray)
+        wait_until(lambda: _ledger(nats, "reader", owners) == (None, None), 15,
+                   "both entries to go (done calls have none)")
+        assert len(emu.log("ended")) == 1  # the ended call did not run again
+        assert len(emu.log("stray")) == 1
+        assert any("run nowhere here" in r.get("message", "") for r in a.log_records())
+    finally:
+        a.cleanup()
+
+
+def test_a_host_wins_back_a_call_it_had_moved_away(
+        tmp_path: Path, emulator: EmulatorProcess, emu: EmulatorClient,
+        nats: NatsCluster) -> None:
+    """Host A runs a call; host B (a ledger here) takes it at epoch 2, opens
+    its epoch (A's sink is refused, A forgets the call: `moved`), and falls
+    silent past its lease; A takes the call back at epoch 3, journals it
+    anew, and runs it to its done: the log holds A, B, A's epochs and one
+    answer after the reset."""
+    emu.script("back", [{"fault": "ok", "chunks": 600, "chunk_delay_s": 0.05},  # A, 30 s
+                        {"fault": "ok", "chunks": 6, "text": "won back"}])
+    a = _host(tmp_path, emulator, nats, "host-a", 2.0).start()
+    try:
+        with a.client() as client:
+            call_id = client.submit("emu", _request("back"), subscribe=False)
+
+        async def runs(ledger: Ledger) -> int:
+            return sum(1 for r in await ledger.read(call_id) if r.kind == EVENTS)
+        wait_until(lambda: _ledger(nats, "reader", runs) >= 2, 15, "host a's first runs")
+
+        async def take(ledger: Ledger) -> None:
+            await ledger.beat()  # host b was alive: A watches its beat from here
+            seen = await ledger.owner(call_id)
+            held = await ledger.take(call_id, seen)
+            assert held is not None and held.epoch == 2
+            await ledger.open_epoch(held)
+        _ledger(nats, "host-b", take)
+        wait_until(lambda: any("moved to another host" in r.get("message", "")
+                               for r in a.log_records()), 20, "host a to forget the call")
+
+        with a.client() as client:
+            done = client.result(call_id, wait_s=30.0)
+        assert done is not None and done["status"] == "completed", done
+        assert done["response"]["content"] == "won back"
+        log = _ledger(nats, "reader", lambda ledger: ledger.read(call_id))
+        epochs = [(r.epoch, r.host) for r in log if r.kind == EPOCH]
+        assert epochs == [(1, "host-a"), (2, "host-b"), (3, "host-a")], epochs
+        events = _events_in(log)
+        after_reset = events[next(i for i, e in enumerate(events) if e["op"] == "reset"):]
+        assert "".join(e["data"] for e in after_reset if e["op"] == "delta") == "won back"
+        assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+        assert a.proc is not None and a.proc.poll() is None, "host a died"
+    finally:
+        a.cleanup()
+
+
+def test_a_take_whose_answer_was_lost_does_not_lose_the_call(
+        tmp_path: Path, emulator: EmulatorProcess, emu: EmulatorClient,
+        nats: NatsCluster) -> None:
+    """A take's compare-and-set may land with its answer lost (a node killed):
+    the entry is this host's at the earlier epoch with a revision the host
+    never saw, and the driver's next try comes at the next epoch. Here the
+    entry is rewritten (same host, same epoch) while attempt 1 stalls; the
+    stale kill's retry, attempt 2, must own the call, not take it for
+    another host's and forget it."""
+    emu.script("lostanswer", [{"fault": "stall", "stall_s": 60.0},
+                              {"fault": "ok", "chunks": 4, "text": "second try"}])
+    a = DaemonProcess(tmp_path / "a", {"emu": dict(profile_for("openai", emulator),
+                                                   stale_timeout_s=3.0)},
+                      tables={"cluster": {"urls": nats.urls, "host": "host-a", "replicas": 3}})
+    a.start()
+    try:
+        with a.client() as client:
+            call_id = client.submit("emu", _request("lostanswer"), subscribe=False)
+        emu.wait_for(lambda log: log[0] if log else None, timeout=15.0,
+                     what="attempt 1's request",
+                     key="lostanswer")
+
+        async def rewrite(ledger: Ledger) -> None:
+            seen = await ledger.owner(call_id)
+            assert seen is not None and (seen.host, seen.epoch) == ("host-a", 1), seen
+            await ledger.owners.update(call_id, msgpack.packb(["host-a", 1]),
+                                       last=seen.revision)
+        _ledger(nats, "host-a", rewrite)
+        assert not emu.log("lostanswer")[0]["ended"], "attempt 1 ended before the rewrite"
+
+        with a.client() as client:
+            done = client.result(call_id, wait_s=30.0)
+        assert done is not None and done["status"] == "completed", done
+        assert done["response"]["content"] == "second try"
+        assert len(emu.log("lostanswer")) == 2
+        assert not any("moved to another host" in r.get("message", "")
+                       for r in a.log_records())
+    finally:
+        a.cleanup()

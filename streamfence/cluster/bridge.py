@@ -95,6 +95,8 @@ class LedgerBridge:
         if hasattr(self, "ledger"):
             with contextlib.suppress(Exception):
                 self.call(self.ledger.close(), 5.0)
+        with contextlib.suppress(Exception):
+            self.call(_cancel_the_rest(), 5.0)
         self._stop_loop()
 
     def _stop_loop(self) -> None:
@@ -105,3 +107,12 @@ class LedgerBridge:
         for fd in (self._read, self._write):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+async def _cancel_the_rest() -> None:
+    """The client's own tasks (a consumer's activity checks) end before the
+    loop does, instead of being destroyed pending (a logged error each)."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -73,6 +73,7 @@ WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code when that expectation fails
 IN_FLIGHT = 10164
 IN_FLIGHT_TRIES = 5
 OPEN_TRIES = 20  # an epoch record raced by the previous owner's appends: read, try again
+READS_IN_FLIGHT = 64  # owner entries read together by a scan of sf_owners
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,10 +261,10 @@ class Ledger:
         """Every call `host` owns (a scan of `sf_owners`: after a host's lease)."""
         keys = await self._keys(OWNERS_BUCKET)
         out = []
-        for key in keys:
-            owner = await self.owner(key)
-            if owner is not None and owner.host == host:
-                out.append(owner)
+        for at in range(0, len(keys), READS_IN_FLIGHT):  # one round trip per batch, not per key
+            for owner in await asyncio.gather(*map(self.owner, keys[at:at + READS_IN_FLIGHT])):
+                if owner is not None and owner.host == host:
+                    out.append(owner)
         return out
 
     # ---- hosts' heartbeats --------------------------------------------------------

@@ -506,23 +506,33 @@ class SinkState:
         fence stays closed until the supervisor authorizes `op.epoch`."""
         if self.cluster is None:
             return encode_refused(op.req, "not in cluster mode")
-        if op.call_id in self.lives or self.store.call_row(op.call_id) is not None:
-            return encode_refused(op.req, f"call {op.call_id} is known here already")
+        if op.call_id in self.followed:  # another host's until now: this host's from here
+            self.followed.pop(op.call_id)
+            self.cluster.unfollow(op.call_id)
         rows = self.cluster.adopt(op.call_id, op.epoch)
         if isinstance(rows, str):
             return encode_refused(op.req, rows)
-        done = next((r for r in rows if r[4] == "done"), None)
-        last_attempt = max((r[3] for r in rows), default=0)
+        # A call this host once ran or followed holds a prefix of its log here
+        # (its rows were stored after the log had them): the rest is stored.
+        known = self.store.call_row(op.call_id)
+        rows = [r for r in rows if known is None or r[1] > known.last_seq]
         self.store.add_replicated(rows)
         self.store.set_epoch(op.call_id, op.epoch - 1)
+        done = next((r for r in rows if r[4] == "done"), None)
         if done is not None:
             self.store.set_done(op.call_id, done[3], msgpack.unpackb(done[6])["status"],
                                 done[1])
         self.commit()
-        live = self._live(op.call_id)  # from the store: its last seq, its epoch closed
-        if done is not None:
-            return encode_refused(op.req, f"call_finished: {msgpack.unpackb(done[6])['status']}")
-        self._restore_content(live, last_attempt)
+        live = self._live(op.call_id)  # from the store: its epoch closed
+        row = self.store.call_row(op.call_id)
+        assert row is not None
+        # What is stored, not what this sink counted (runs refused when the call
+        # moved away counted and were never stored: `_follow`'s reason).
+        live.seq = row.last_seq
+        if row.status is not None:
+            return encode_refused(op.req, f"call_finished: {row.status}")
+        if row.last_seq:
+            self._restore_content(live, op.epoch - 1)  # what was delivered, in its stats
         log.info("sink: call=%s adopted at epoch %d with %d stored event row(s)",
                  op.call_id, op.epoch, len(rows))
         return encode_ok(op.req, stats_to_wire(live.stats(closed=True)))

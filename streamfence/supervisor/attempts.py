@@ -288,20 +288,28 @@ class AttemptDriver:
 
     def adopt(self, owner: Owner, record: dict[str, Any]) -> None:
         """Cluster mode: this host took the call over at `owner.epoch` from a host
-        that lost its lease (§4.17, rule 4). It is journaled here, the sink
-        stores what its log holds (C_ADOPT), and it runs as a recovered call
-        does: under that epoch, with a reset first if anything was delivered."""
+        that lost its lease, or took up a stray of its own (§4.17, rule 4). It
+        is journaled here, the sink stores what its log holds (C_ADOPT), and it
+        runs as a recovered call does: under that epoch, with a reset first if
+        anything was delivered. A call this host's journal has ended (its
+        entry outlived its done) is only released."""
         call_id = owner.call_id
+        assert self._cluster is not None
         profile = self._config.providers.get(record.get("provider", ""))
         if profile is None or call_id in self._calls:
             log.error("cluster: call %s taken over names provider %r, which this host does "
                       "not have (or it is known here); left as is", call_id,
                       record.get("provider"))
             return
+        if self._journal.is_finished(call_id) and not self._journal.is_moved(call_id):
+            log.info("cluster: call %s taken up had ended here; its entry goes", call_id)
+            self._cluster.finished(call_id)
+            return
         call = make_call(call_id, record["owner"], profile, record["request"],
                          record.get("options") or {}, record.get("session_id"),
                          record.get("idempotency_key"), None, owner.epoch - 1,
                          owner.epoch - 1)
+        self._journal.take_back(call_id)  # a call it had moved away: journaled anew
         self._journal.add_call(call_id, call.owner, call.spec.idempotency_key,
                                call.spec.session_id, profile.name, call.spec.request,
                                call.spec.options.to_map())

@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgpack
@@ -28,6 +29,10 @@ from streamfence.cluster.ledger import Fenced, Owner, Ownership
 from streamfence.cluster.settings import ClusterSettings
 
 log = logging.getLogger("streamfence.supervisor")
+Won = tuple[Owner, dict[str, Any]]  # a call taken over, with its record
+
+AUDIT_LEASES = 3  # between two looks for this host's stray calls (`_audited`)
+OWN_TRIES = 5  # compare-and-sets of one take before it gives up (the next turn tries again)
 
 class ClusterLink:
     """Owns the bridge and, per live call, the owner entry this host last wrote."""
@@ -47,7 +52,11 @@ class ClusterLink:
         self._dead: set[str] = set()  # hosts whose calls were taken (until they beat again)
         self._next_beat = clock()
         self._watching = False  # a read of the beats is on its way
+        self._next_audit = clock()
+        self._auditing = False  # a listing of this host's calls is on its way
+        self._writing: Counter[str] = Counter()  # accepts and takes on their way, per call
         self.on_taken: Callable[[Owner, dict[str, Any]], None] = lambda owner, record: None
+        self.knows: Callable[[str], bool] = lambda call_id: False  # the driver runs it
 
     @property
     def fd(self) -> int:
@@ -86,7 +95,7 @@ class ClusterLink:
                     if asyncio.get_running_loop().time() > deadline:
                         raise exc from None
                     await asyncio.sleep(0.1)
-        self.bridge.submit(accept(), done)
+        self._write(call_id, accept(), done)
 
     def lookup(self, call_id: str, then: Callable[[dict[str, Any] | None], None]) -> None:
         """The record of a call this host does not know, from `SF_CALLS`; None if
@@ -111,18 +120,9 @@ class ClusterLink:
         taken = seen is not None and seen.host == self.settings.host and seen.epoch == epoch
 
         async def take() -> tuple[Owner, int] | None:
-            owner = seen
-            if not taken:  # else: taken at this epoch already (a call taken over)
-                current = seen if seen is not None else await ledger.owner(call_id)
-                if current is None or current.host != self.settings.host:
-                    # Another host's (taking over is the leases' job), or done (a done
-                    # call's entry goes): after this host's restart, not ours either way.
-                    return None
-                held = await ledger.take(call_id, current, epoch)
-                owner = held.owner if held is not None else await self._landed(call_id, epoch)
-                if owner is None:
-                    return None
-            assert owner is not None
+            owner = seen if taken else await self._own(call_id, seen, epoch)
+            if owner is None:
+                return None
             if taken or not open_log:  # a call taken over: its sink's adopt opened it
                 return owner, 0
             try:
@@ -142,7 +142,44 @@ class ClusterLink:
             else:
                 self._owners[call_id] = result[0]
                 then(result[1])
-        self.bridge.submit(take(), done)
+        self._write(call_id, take(), done)
+
+    def _write(self, call_id: str, op: Coroutine[Any, Any, Any],
+                done: Callable[[Any], None]) -> None:
+        """`op` on the call's entry, in the ledger's loop, counted as on its way
+        until `done` (so the audit leaves the call alone meanwhile)."""
+        self._writing[call_id] += 1
+
+        def finished(result: Any) -> None:
+            self._writing[call_id] -= 1
+            if not self._writing[call_id]:
+                del self._writing[call_id]
+            done(result)
+        self.bridge.submit(op, finished)
+
+    async def _own(self, call_id: str, seen: Owner | None, epoch: int) -> Owner | None:
+        """This host's entry for the call raised to `epoch` from the entry it
+        last saw (`seen`, or read now); None if the entry is another host's, or
+        gone (done: after this host's restart, not ours either way). A
+        compare-and-set that finds the entry changed reads it again: changed by
+        this host's own earlier write whose answer was lost (a try at this
+        epoch, which then stands, or at an earlier one: the driver's next try
+        comes at the next epoch), or by another host."""
+        ledger = self.bridge.ledger
+        current = seen if seen is not None else await ledger.owner(call_id)
+        for _ in range(OWN_TRIES):
+            if current is None or current.host != self.settings.host:
+                return None
+            if current.epoch == epoch:  # this very write landed before
+                return current
+            if current.epoch > epoch:  # the driver's next try comes at the next epoch
+                raise ValueError(f"call {call_id}: this host owns it at epoch "
+                                 f"{current.epoch}, above {epoch}")
+            held = await ledger.take(call_id, current, epoch)
+            if held is not None:
+                return held.owner
+            current = await ledger.owner(call_id)
+        raise TimeoutError(f"call {call_id}: its entry kept changing for {OWN_TRIES} tries")
 
     async def _landed(self, call_id: str, epoch: int) -> Owner | None:
         """A compare-and-set found the entry changed: by this host's own earlier
@@ -169,14 +206,21 @@ class ClusterLink:
         return self._next_beat
 
     def tick(self, now: float) -> None:
-        """Every lease / 3: beat, and read the others' beats (`_judge`)."""
+        """Every lease / 3: beat, and read the others' beats (`_judge`); every
+        AUDIT_LEASES leases (the first at the start), look for this host's
+        strays (`_audited`)."""
         if now < self._next_beat:
             return
         self._next_beat = now + self.lease_s / 3
-        self.bridge.submit(self.bridge.ledger.beat(), _ignore)
+        ledger = self.bridge.ledger
+        self.bridge.submit(ledger.beat(), _ignore)
         if not self._watching:
             self._watching = True
-            self.bridge.submit(self.bridge.ledger.host_revisions(), self._judge)
+            self.bridge.submit(ledger.host_revisions(), self._judge)
+        if now >= self._next_audit and not self._auditing:
+            self._auditing = True
+            self._next_audit = now + AUDIT_LEASES * self.lease_s
+            self.bridge.submit(ledger.owned_by(self.settings.host), self._audited)
 
     def _judge(self, result: Any) -> None:
         self._watching = False
@@ -195,36 +239,63 @@ class ClusterLink:
                 self._dead.add(host)
                 log.warning("cluster: host %r has not beaten for %.1f s (lease %g s): taking "
                             "over its calls", host, now - last[1], self.lease_s)
-                self.bridge.submit(self._take_over(host),
-                                   functools.partial(self._took, host=host))
 
-    async def _take_over(self, host: str) -> list[tuple[Owner, dict[str, Any]]]:
-        """Take each call of `host` at its next epoch; those this host won, with
-        their records."""
+                async def take_over(host: str = host) -> tuple[list[Won], int]:
+                    return await self._take_over(await self.bridge.ledger.owned_by(host))
+                self.bridge.submit(take_over(), functools.partial(self._took, host=host))
+
+    def _audited(self, result: Any) -> None:
+        """The calls `sf_owners` says this host owns that run nowhere here
+        (strays) are taken up as calls taken over are: a take-over or an accept
+        whose journal write this host did not live to commit, a take whose
+        answer was lost, a call it had moved away and won back. Any call this
+        host runs, or has a write on its way for, is not one."""
+        self._auditing = False
+        if isinstance(result, BaseException):
+            log.warning("cluster: could not list this host's calls: %s", result)
+            return
+        strays = [o for o in result if o.call_id not in self._owners
+                  and not self._writing[o.call_id] and not self.knows(o.call_id)]
+        if strays:
+            log.warning("cluster: %d call(s) this host owns in the cluster run nowhere here; "
+                        "taking them up", len(strays))
+            self.bridge.submit(self._take_over(strays), self._took)
+
+    async def _take_over(self, entries: list[Owner]) -> tuple[list[Won], int]:
+        """Take each call from the entry read at its next epoch: those this host
+        won, with their records, and how many could not be tried (the cluster
+        failed: a call whose write may have landed is found by the audit)."""
         ledger = self.bridge.ledger
-        won = []
-        for seen in await ledger.owned_by(host):
-            held = await ledger.take(seen.call_id, seen)
-            owner = held.owner if held is not None else \
-                await self._landed(seen.call_id, seen.epoch + 1)
-            if owner is None:
-                continue  # another host was first
-            record = await ledger.accepted(seen.call_id)
+        won, failed = [], 0
+        for seen in entries:
+            try:
+                held = await ledger.take(seen.call_id, seen)
+                owner = held.owner if held is not None else \
+                    await self._landed(seen.call_id, seen.epoch + 1)
+                if owner is None:
+                    continue  # another host was first
+                record = await ledger.accepted(seen.call_id)
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.warning("cluster: could not take call %s: %s", seen.call_id, exc)
+                failed += 1
+                continue
             if record is None:
                 log.error("cluster: call %s has an owner but no record; left alone",
                           seen.call_id)
                 continue
             won.append((owner, msgpack.unpackb(record, raw=False)))
-        return won
+        return won, failed
 
-    def _took(self, result: Any, host: str = "") -> None:
-        if isinstance(result, BaseException):
-            log.warning("cluster: taking over the calls of %r failed (%s); tried again at "
-                        "the next look", host, result)
+    def _took(self, result: Any, host: str | None = None) -> None:
+        failed = isinstance(result, BaseException) or result[1] > 0
+        if failed and host is not None:
+            log.warning("cluster: taking over the calls of %r failed in part (%s); tried "
+                        "again at the next look", host, result)
             self._dead.discard(host)
             self._beats.pop(host, None)  # judged again from the next read
+        if isinstance(result, BaseException):
             return
-        for owner, record in result:
+        for owner, record in result[0]:
             self._owners[owner.call_id] = owner
             self.taken += 1
             self.on_taken(owner, record)

@@ -293,6 +293,7 @@ class Daemon:
                       cluster)
         if cluster is not None:
             cluster.on_taken = driver.adopt
+            cluster.knows = driver.has_call
 
         self._start_sink()
         self._probe_sink(sink)

@@ -528,6 +528,14 @@ class Journal:
                                (call_id,)).fetchone()
         return row is not None and row[0] == "moved"
 
+    def take_back(self, call_id: str) -> None:
+        """Cluster mode: a call this host had moved away is its own again (won
+        back from a host that lost its lease): its old rows go, so that it is
+        journaled anew (its attempts' rows stay: later epochs are new rows)."""
+        if self.is_moved(call_id):
+            self._write(call_id, "DELETE FROM requests WHERE call_id = ?", (call_id,))
+            self._write(call_id, "DELETE FROM calls WHERE call_id = ?", (call_id,))
+
     def is_finished(self, call_id: str) -> bool:
         if call_id in self._remove_after_commit:  # finished in the unit not yet committed
             return True
