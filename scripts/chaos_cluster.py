@@ -278,17 +278,41 @@ def _subscribers_view(cluster: Cluster, records: list[CallRecord], rng: random.R
     done = [r for r in records if r.call_id and r.events]
     differing = []
     for r in rng.sample(done, min(sample, len(done))):
-        host = cluster.hosts[rng.choice(HOSTS)]
+        name = rng.choice(HOSTS)
+        host = cluster.hosts[name]
         try:
             with host.client(timeout_s=10.0) as client:
                 client.subscribe(r.call_id, from_seq=0)
                 seen = list(client.events(r.call_id, timeout_s=30.0))
         except (TimeoutError, ClientError, OSError) as exc:
-            differing.append(f"{r.key}: {type(exc).__name__}: {exc}"[:300])
+            differing.append(f"{r.key} on {name}: {type(exc).__name__}: {exc}"[:300]
+                             + _mentions(host, r.call_id))
             continue
         if seen != r.events:
-            differing.append(f"{r.key}: {len(seen)} events served, {len(r.events)} in the log")
+            differing.append(f"{r.key} on {name}: {len(seen)} events served (seqs "
+                             f"{_ranges([e.get('seq', 0) for e in seen])}, last "
+                             f"{seen[-1].get('op') if seen else None}), {len(r.events)} in the "
+                             f"log" + _mentions(host, r.call_id))
     return min(sample, len(done)), differing
+
+
+def _ranges(seqs: list[int]) -> str:
+    """1-24,51: the runs of consecutive seqs."""
+    runs: list[list[int]] = []
+    for seq in seqs:
+        if runs and seq == runs[-1][1] + 1:
+            runs[-1][1] = seq
+        else:
+            runs.append([seq, seq])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+
+
+def _mentions(host: DaemonProcess, call_id: str) -> str:
+    """What the host logged of the call (its last lines), to explain a differing view."""
+    lines = [f"{r.get('level', r.get('levelname'))} {r.get('message')}"[:200]
+             for r in host.log_records()
+             if r.get("call_id") == call_id or call_id in str(r.get("message", ""))]
+    return "".join(f"\n        {line}" for line in lines[-10:])
 
 
 def _verdict(cluster: Cluster, records: list[CallRecord],

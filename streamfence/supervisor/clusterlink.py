@@ -147,7 +147,7 @@ class ClusterLink:
     def _write(self, call_id: str, op: Coroutine[Any, Any, Any],
                 done: Callable[[Any], None]) -> None:
         """`op` on the call's entry, in the ledger's loop, counted as on its way
-        until `done` (so the audit leaves the call alone meanwhile)."""
+        until `done` (so the look for strays leaves the call alone meanwhile)."""
         self._writing[call_id] += 1
 
         def finished(result: Any) -> None:
@@ -198,7 +198,7 @@ class ClusterLink:
         """The call's done is stored: its entry in `sf_owners` goes."""
         owner = self._owners.pop(call_id, None)
         if owner is not None:
-            self.bridge.submit(self.bridge.ledger.release(owner), _ignore)
+            self._write(call_id, self.bridge.ledger.release(owner), _ignore)
 
     # ---- leases ------------------------------------------------------------------
 
