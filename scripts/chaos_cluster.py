@@ -357,8 +357,14 @@ def _verdict(cluster: Cluster, records: list[CallRecord],
     for line in differing[:5]:
         print(f"    differs: {line}")
     print(f"  every host came back: {'no' if cluster.errors else 'yes'}")
+    # Every provider request ended (completed, or closed when its worker was
+    # killed: a zombie's once it noticed, a killed host's with it).
+    still_open = [(r.key, x["n"]) for r in records for x in cluster.emu.log(r.key)
+                  if not x["ended"]]
+    print(f"  provider requests still open at the end (must be 0): {len(still_open)}"
+          + (f" {still_open[:5]}" if still_open else ""))
     ok = verdict_ok(counts) and counts["submitted"] > 0 and faults_ok and not cluster.errors \
-        and not differing
+        and not differing and not still_open
     print(f"  verdict: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 

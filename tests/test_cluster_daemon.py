@@ -25,6 +25,7 @@ from streamfence.cluster.records import EPOCH, EVENTS, call_record
 from streamfence.cluster.settings import ClusterSettings
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.nats_cluster import NatsCluster
+from streamfence.protocol.client_router import ClientError
 from streamfence.sink.store import events_after
 from tests.harness import DaemonProcess, wait_until
 from tests.wires import profile_for
@@ -417,3 +418,26 @@ def test_a_take_whose_answer_was_lost_does_not_lose_the_call(
                        for r in a.log_records())
     finally:
         a.cleanup()
+
+
+def test_a_call_the_cluster_cannot_be_asked_about_is_not_called_unknown(
+        daemon: DaemonProcess, nats: NatsCluster) -> None:
+    """A call this host does not know may run on another host: while the
+    cluster cannot be asked (every NATS node frozen here), `result` is
+    answered `cluster_unavailable`, not `unknown_call`; once it can, a call
+    no host has is `unknown_call`."""
+    stranger = "f" * 32
+    nodes = [n.proc.pid for n in nats.nodes if n.proc is not None]
+    for pid in nodes:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with daemon.client(timeout_s=30.0) as client, pytest.raises(ClientError) as refused:
+            client.result(stranger)
+        assert refused.value.code == "cluster_unavailable", refused.value
+        assert "could not ask the cluster" in refused.value.message
+    finally:
+        for pid in nodes:
+            os.kill(pid, signal.SIGCONT)
+    with daemon.client(timeout_s=30.0) as client, pytest.raises(ClientError) as unknown:
+        client.result(stranger)
+    assert unknown.value.code == "unknown_call", unknown.value

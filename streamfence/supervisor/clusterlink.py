@@ -97,13 +97,14 @@ class ClusterLink:
                     await asyncio.sleep(0.1)
         self._write(call_id, accept(), done)
 
-    def lookup(self, call_id: str, then: Callable[[dict[str, Any] | None], None]) -> None:
+    def lookup(self, call_id: str,
+               then: Callable[[dict[str, Any] | str | None], None]) -> None:
         """The record of a call this host does not know, from `SF_CALLS`; None if
-        the cluster has none (or could not be asked)."""
+        the cluster has none; why, if it could not be asked."""
         def done(result: Any) -> None:
             if isinstance(result, BaseException):
                 log.warning("cluster: could not look call %s up: %s", call_id, result)
-                then(None)
+                then(f"{type(result).__name__}: {result}")
             else:
                 then(msgpack.unpackb(result, raw=False) if result is not None else None)
         self.bridge.submit(self.bridge.ledger.accepted(call_id), done)

@@ -181,7 +181,12 @@ class Front:
         assert self._cluster is not None
         call_id = request.call_id
 
-        def looked_up(record: dict[str, Any] | None) -> None:
+        def looked_up(record: dict[str, Any] | str | None) -> None:
+            if isinstance(record, str):
+                self._error(identity, request.ref, ErrorCode.CLUSTER_UNAVAILABLE,
+                            f"this host does not know call {call_id!r} and could not ask "
+                            f"the cluster ({record}); ask again")
+                return
             owner = None if record is None else str(record.get("owner"))
             if owner is None or (owner != user.name and not user.is_admin):
                 self._error(identity, request.ref, ErrorCode.UNKNOWN_CALL, f"no call {call_id!r}")
