@@ -441,3 +441,66 @@ def test_a_call_the_cluster_cannot_be_asked_about_is_not_called_unknown(
     with daemon.client(timeout_s=30.0) as client, pytest.raises(ClientError) as unknown:
         client.result(stranger)
     assert unknown.value.code == "unknown_call", unknown.value
+
+
+def test_a_done_the_cluster_refuses_is_never_sent_stored_or_journaled(
+        daemon: DaemonProcess, emu: EmulatorClient, nats: NatsCluster) -> None:
+    """A zombie's last word: host A's attempt stalls (nothing to append, so
+    A has not noticed) while host B (a ledger here) takes the call and opens
+    epoch 2; a client cancels the call on A. The cluster refuses A's done:
+    A's subscriber never gets it, A's journal says `moved`, not cancelled,
+    and A then serves the call from the log (pending: B wrote no done)."""
+    emu.script("lastword", [{"fault": "stall", "after": 2, "stall_s": 60.0}])
+    with daemon.client(timeout_s=10.0) as client:
+        call_id = client.submit("emu", _request("lastword"))
+        events = client.events(call_id, timeout_s=3.0)
+        seen = [next(events)]
+        assert seen[0]["op"] == "delta", seen
+
+        async def take(ledger: Ledger) -> None:
+            seen = await ledger.owner(call_id)
+            assert seen is not None and (seen.host, seen.epoch) == (HOST, 1), seen
+            held = await ledger.take(call_id, seen)
+            assert held is not None
+            await ledger.open_epoch(held)
+        _ledger(nats, "host-b", take)
+        client.cancel(call_id)
+        wait_until(lambda: any("moved to another host" in r.get("message", "")
+                               for r in daemon.log_records()), 20, "host a to forget the call")
+        with pytest.raises(TimeoutError):  # no done comes: 3 s of silence
+            seen.extend(events)
+        assert client.result(call_id) is None  # pending: served from the log, no done in it
+        assert client.status()["counters"].get("calls_cancelled", 0) == 0
+    logged = _events_in(_ledger(nats, "reader", lambda ledger: ledger.read(call_id)))
+    assert not any(e["op"] == "done" for e in logged)
+    assert seen == logged[:len(seen)]  # what A's subscriber got is what the log holds
+
+
+def test_a_call_cancelled_before_it_ran_has_its_done_in_the_log(
+        tmp_path: Path, emulator: EmulatorProcess, emu: EmulatorClient,
+        nats: NatsCluster) -> None:
+    """A call cancelled while queued (one worker, busy) never opened an epoch:
+    its done is written under epoch 0 (the entry its accept left), so every
+    host sees it ended, not only this one."""
+    emu.script("busy", [{"fault": "stall", "after": 1, "stall_s": 60.0}])
+    a = DaemonProcess(tmp_path / "a", {"emu": dict(profile_for("openai", emulator),
+                                                   stale_timeout_s=60.0)},
+                      daemon={"workers_max": 1, "workers_spare": 1},
+                      tables={"cluster": {"urls": nats.urls, "host": HOST, "replicas": 3}})
+    a.start()
+    try:
+        with a.client(timeout_s=10.0) as client:
+            client.submit("emu", _request("busy"), subscribe=False)
+            emu.wait_for(lambda log: log[0] if log else None, timeout=15.0,
+                         what="the busy call's request", key="busy")
+            queued = client.submit("emu", _request("queued"), subscribe=False)
+            client.cancel(queued)
+            done = client.result(queued, wait_s=10.0)
+        assert done is not None and done["status"] == "cancelled", done
+        log = _ledger(nats, "reader", lambda ledger: ledger.read(queued))
+        assert [(r.kind, r.epoch, r.host) for r in log if r.kind == EPOCH] == [(EPOCH, 0, HOST)]
+        logged = _events_in(log)
+        assert [e["op"] for e in logged] == ["done"] and logged[0]["status"] == "cancelled"
+        assert emu.log("queued") == []  # it never ran
+    finally:
+        a.cleanup()

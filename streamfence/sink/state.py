@@ -680,16 +680,31 @@ class SinkState:
             if body is None:
                 return encode_refused(op.req, "call_finished: no done event stored")
             return encode_ok(op.req, msgpack.unpackb(body))
+        epoch = view.epoch if view is not None else 0
+        if self.cluster is not None and not self.cluster.holds(op.call_id):
+            # A call that never ran here (its entry at epoch 0: cancelled while
+            # queued) opens its log to write its done; one lost meanwhile cannot.
+            lost = self.cluster.open(op.call_id, epoch)
+            if lost is not None:
+                self.fence.fence(op.call_id, epoch)
+                return encode_refused(op.req, lost)
         response = live.content.build_response(op.meta)
         self.fence.finish(op.call_id)  # nothing more is accepted for this call
         self.flush_pending()
         live.seq += 1
-        epoch = view.epoch if view is not None else 0
         done = done_event(op.call_id, live.seq, op.status, response, op.error, op.attempts)
         body = encode(done)
         self.store.add(op.call_id, live.seq, live.seq, epoch, "done", body)
         self.store.set_done(op.call_id, epoch, op.status.value, live.seq)
         self.commit()  # committed before anyone can see it
+        if self.cluster is not None and not self.cluster.holds(op.call_id):
+            # The cluster refused it (another host took the call): the done went
+            # with the run, never stored or sent; memory forgets it as the store did.
+            self.fence.evict(op.call_id)
+            self.fence.seed(op.call_id, epoch)
+            row = self.store.call_row(op.call_id)
+            live.seq = row.last_seq if row is not None else 0
+            return encode_refused(op.req, "cluster_lost: another host owns the call now")
         self._send_event(live.subs, body)
         live.subs = set()  # the done is the last event
         live.content = Content()  # free the text; the store has it

@@ -613,6 +613,9 @@ class AttemptDriver:
             # Ask the restarted sink again (a repeated finish is idempotent there).
             self._send_finish(call, call.finishing)
             return
+        if isinstance(reply, Refused) and reply.reason.startswith("cluster_lost"):
+            self._move(call)  # the cluster refused its done: another host owns the call
+            return
         if not isinstance(reply, dict):
             log.error("sink refused to finish the call: %s", why(reply), extra=_ctx(call))
             return
