@@ -504,3 +504,43 @@ def test_a_call_cancelled_before_it_ran_has_its_done_in_the_log(
         assert emu.log("queued") == []  # it never ran
     finally:
         a.cleanup()
+
+
+def test_a_call_is_cancelled_from_any_host(tmp_path: Path, emulator: EmulatorProcess,
+                                           emu: EmulatorClient, nats: NatsCluster) -> None:
+    """A cancel sent to host B for a call host A runs is forwarded to A, which
+    cancels it (its provider connection closes); B answers `cancelling`, and
+    both hosts then give the same done, status cancelled. While A cannot
+    answer (frozen), B says so: `cluster_unavailable`, ask again."""
+    emu.script("farcancel", [{"fault": "ok", "chunks": 600, "chunk_delay_s": 0.05}])  # 30 s
+    a = _host(tmp_path, emulator, nats, "host-a", 30.0).start()
+    b = _host(tmp_path, emulator, nats, "host-b", 30.0).start()
+    frozen: list[int] = []
+    try:
+        with a.client() as on_a, b.client(timeout_s=15.0) as on_b:
+            call_id = on_a.submit("emu", _request("farcancel"))
+            assert next(iter(on_a.events(call_id, timeout_s=10.0)))["op"] == "delta"
+            frozen = [a.proc.pid] if a.proc is not None else []  # A's supervisor only
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            with pytest.raises(ClientError) as unanswered:
+                on_b.cancel(call_id)
+            assert unanswered.value.code == "cluster_unavailable", unanswered.value
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+            frozen = []
+            assert on_b.cancel(call_id)["op"] == "cancelling"
+            done_b = on_b.result(call_id, wait_s=15.0)
+            done_a = on_a.result(call_id, wait_s=15.0)
+        assert done_b is not None and done_b["status"] == "cancelled", done_b
+        assert done_a is not None and done_a["seq"] == done_b["seq"], (done_a, done_b)
+        record = emu.wait_for(lambda log: log[0] if log and log[0]["ended"] else None,
+                              timeout=15.0, what="A's provider connection to close",
+                              key="farcancel")
+        assert record["aborted"] and not record["completed"], record
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        for proc in (a, b):
+            proc.cleanup()

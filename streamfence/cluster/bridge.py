@@ -70,6 +70,13 @@ class LedgerBridge:
         future = asyncio.run_coroutine_threadsafe(op, self._loop)
         future.add_done_callback(lambda f: self._finished(then, f))
 
+    def post(self, then: Callable[[], None]) -> None:
+        """From the ledger's thread: run `then()` in the owner's thread (something
+        the cluster asked of it), from `run_done`."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future.set_result(None)
+        self._finished(lambda _: then(), future)
+
     def _finished(self, then: Done, future: concurrent.futures.Future[Any]) -> None:
         self._done.append((then, future))  # deque appends are atomic
         self.wake()

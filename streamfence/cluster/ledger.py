@@ -65,6 +65,7 @@ OWNERS_BUCKET = "sf_owners"
 HOSTS_BUCKET = "sf_hosts"
 CALLS_SUBJECT = "sf.calls."
 EVENTS_SUBJECT = "sf.events."
+CANCELS_SUBJECT = "sf.cancel."  # + host: cancels forwarded to it (core NATS: not stored)
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 MSG_ID = "Nats-Msg-Id"
 WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code when that expectation fails
@@ -368,6 +369,27 @@ class Ledger:
             seq = int(msg.seq or 0)
             kind, epoch, host, body = msgpack.unpackb(msg.data or b"")
             out.append(Record(seq, kind, epoch, host, body))
+
+
+    # ---- cancels across hosts -----------------------------------------------------
+
+    async def serve_cancels(self, asked: Callable[[str, str], None]) -> None:
+        """Hand each cancel another host forwards to this one to `asked(call_id,
+        reply_to)`; `answer_cancel(reply_to, ...)` answers it."""
+        async def got(msg: Msg) -> None:
+            asked(msgpack.unpackb(msg.data or b'""', raw=False), msg.reply)
+        await self._nc.subscribe(CANCELS_SUBJECT + self.settings.host, cb=got)
+
+    async def answer_cancel(self, reply_to: str, answer: dict[str, Any]) -> None:
+        await self._nc.publish(reply_to, msgpack.packb(answer))
+
+    async def forward_cancel(self, host: str, call_id: str) -> dict[str, Any]:
+        """`host`'s answer to a cancel of `call_id`. Raises NoRespondersError or
+        TimeoutError if it is not there to answer."""
+        reply = await self._nc.request(CANCELS_SUBJECT + host, msgpack.packb(call_id),
+                                       timeout=self.settings.timeout_s)
+        answer: dict[str, Any] = msgpack.unpackb(reply.data or b"\x80", raw=False)
+        return answer
 
 
 def valid(records: list[Record]) -> list[Record]:

@@ -57,6 +57,9 @@ class ClusterLink:
         self._writing: Counter[str] = Counter()  # accepts and takes on their way, per call
         self.on_taken: Callable[[Owner, dict[str, Any]], None] = lambda owner, record: None
         self.knows: Callable[[str], bool] = lambda call_id: False  # the driver runs it
+        # A cancel another host forwarded: the answer its client gets (the front's).
+        self.on_cancel: Callable[[str], dict[str, Any]] = lambda call_id: {"op": "unknown"}
+        self.bridge.call(self.bridge.ledger.serve_cancels(self._cancel_asked))
 
     @property
     def fd(self) -> int:
@@ -200,6 +203,43 @@ class ClusterLink:
         owner = self._owners.pop(call_id, None)
         if owner is not None:
             self._write(call_id, self.bridge.ledger.release(owner), _ignore)
+
+    # ---- cancels across hosts ------------------------------------------------------
+
+    def cancel(self, call_id: str,
+               then: Callable[[dict[str, Any] | str | None], None]) -> None:
+        """Have the host that runs the call cancel it: `then(its answer)` (op
+        `cancelling`, or the call's done); None: no host owns it now (it has
+        just ended, or is being taken over); why, if its host did not answer."""
+        ledger = self.bridge.ledger
+
+        async def cancel() -> dict[str, Any] | None:
+            for _ in range(OWN_TRIES):  # the call may move while it is asked
+                owner = await ledger.owner(call_id)
+                if owner is None:
+                    return None
+                answer = await ledger.forward_cancel(owner.host, call_id)
+                if answer.get("op") != "unknown":
+                    return answer
+            return None
+
+        def done(result: Any) -> None:
+            if isinstance(result, BaseException):
+                log.warning("cluster: could not forward the cancel of call %s: %s", call_id,
+                            result)
+                then(f"{type(result).__name__}: {result}" if str(result)
+                     else type(result).__name__)
+            else:
+                then(result)
+        self.bridge.submit(cancel(), done)
+
+    def _cancel_asked(self, call_id: str, reply_to: str) -> None:
+        """In the ledger's thread: a cancel forwarded to this host, answered from
+        the supervisor's (`on_cancel`)."""
+        def answer() -> None:
+            self.bridge.submit(self.bridge.ledger.answer_cancel(reply_to, self.on_cancel(call_id)),
+                               _ignore)
+        self.bridge.post(answer)
 
     # ---- leases ------------------------------------------------------------------
 

@@ -294,6 +294,7 @@ class Daemon:
         if cluster is not None:
             cluster.on_taken = driver.adopt
             cluster.knows = driver.has_call
+            cluster.on_cancel = front.cancel_for_peer
 
         self._start_sink()
         self._probe_sink(sink)

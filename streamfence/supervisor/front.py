@@ -224,10 +224,36 @@ class Front:
                 self._clients.send(identity, pending_msg(request.ref, call_id))
         elif done is not None:
             self._clients.send(identity, dict(done, ref=request.ref))
+        else:  # the host that runs it cancels it
+            assert self._cluster is not None
+            self._cluster.cancel(call_id, functools.partial(self._cancelled_there, identity,
+                                                            request))
+
+    def _cancelled_there(self, identity: bytes, request: Subscribe | Result | Cancel,
+                         answer: dict[str, Any] | str | None) -> None:
+        """Cluster mode: the answer of the host that runs the call to its cancel."""
+        call_id = request.call_id
+        if isinstance(answer, dict) and answer.get("op") == "cancelling":
+            self._clients.send(identity, {"v": 1, "op": "cancelling", "ref": request.ref,
+                                          "call_id": call_id})
+        elif isinstance(answer, dict) and answer.get("op") == "done":
+            self._clients.send(identity, dict(answer, ref=request.ref))
         else:
-            self._error(identity, request.ref, ErrorCode.UNKNOWN_CALL,
-                        f"call {call_id!r} runs on another host of the cluster; cancel it "
-                        f"there (a cancel across hosts is not built yet)")
+            why = answer if isinstance(answer, str) else \
+                "no host owns it now: it has just ended, or is being taken over"
+            self._error(identity, request.ref, ErrorCode.CLUSTER_UNAVAILABLE,
+                        f"call {call_id!r} runs on another host of the cluster, which could "
+                        f"not be asked to cancel it ({why}); ask again")
+
+    def cancel_for_peer(self, call_id: str) -> dict[str, Any]:
+        """Cluster mode: a cancel another host forwarded (it checked that its
+        client may see the call). The answer: `cancelling`, the call's done, or
+        `unknown` (not this host's: the asker looks for its owner again)."""
+        if self._driver.has_call(call_id):
+            self._driver.cancel(call_id)
+            return {"op": "cancelling"}
+        done = self._done_of(call_id)
+        return dict(done) if done is not None else {"op": "unknown"}
 
     # ---- ops -----------------------------------------------------------------
     def _submit(self, identity: bytes, user: Identity, req: Submit,
