@@ -10,6 +10,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import msgpack
+import nats as nats_py
 import pytest
 
 from streamfence.cluster.ledger import (
@@ -183,4 +185,30 @@ def test_an_append_tried_again_after_its_answer_was_lost_is_stored_once(
         with pytest.raises(Fenced):
             await a.append(before, ["another run"])
         assert [r.body for r in await a.read("call7")] == [None, ["run"]]
+    _run(nats, body)
+
+
+def test_a_forwarded_cancel_reaches_its_host_and_one_naming_no_call_is_unknown(
+        nats: NatsCluster) -> None:
+    """Cancels across hosts (core NATS request/reply on sf.cancel.<host>): B's
+    cancel reaches A's handler and comes back with A's answer; a request
+    whose payload is not a call id (bytes msgpack cannot read, a list) is
+    answered `unknown` without reaching the handler."""
+    async def body(a: Ledger, b: Ledger) -> None:
+        asked: list[str] = []
+
+        def handle(call_id: str, reply_to: str) -> None:
+            asked.append(call_id)
+            asyncio.get_running_loop().create_task(
+                a.answer_cancel(reply_to, {"op": "cancelling", "call_id": call_id}))
+        await a.serve_cancels(handle)
+        assert await b.forward_cancel("host-a", "c1") == {"op": "cancelling", "call_id": "c1"}
+        client = await nats_py.connect(servers=nats.urls)  # a peer that speaks nonsense
+        try:
+            for junk in (b"\xc1", msgpack.packb([1, 2])):
+                reply = await client.request("sf.cancel.host-a", junk, timeout=5.0)
+                assert msgpack.unpackb(reply.data) == {"op": "unknown"}
+        finally:
+            await client.close()
+        assert asked == ["c1"]
     _run(nats, body)

@@ -377,7 +377,14 @@ class Ledger:
         """Hand each cancel another host forwards to this one to `asked(call_id,
         reply_to)`; `answer_cancel(reply_to, ...)` answers it."""
         async def got(msg: Msg) -> None:
-            asked(msgpack.unpackb(msg.data or b'""', raw=False), msg.reply)
+            try:
+                call_id = msgpack.unpackb(msg.data or b"", raw=False)
+            except ValueError:
+                call_id = None
+            if isinstance(call_id, str) and msg.reply:
+                asked(call_id, msg.reply)
+            elif msg.reply:  # not a call id: nothing here is cancelled
+                await self.answer_cancel(msg.reply, {"op": "unknown"})
         await self._nc.subscribe(CANCELS_SUBJECT + self.settings.host, cb=got)
 
     async def answer_cancel(self, reply_to: str, answer: dict[str, Any]) -> None:
