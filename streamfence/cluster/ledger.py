@@ -357,19 +357,34 @@ class Ledger:
         return sub.unsubscribe
 
     async def read(self, call_id: str, after: int = 0) -> list[Record]:
-        """The call's records after stream sequence `after`, in order."""
+        """The call's records after stream sequence `after`, in order, up to the
+        last one stored when asked: streamed by an ordered consumer (one round
+        trip per record was 0.75 ms a record on loopback)."""
+        last = await self.last_seq(call_id)
+        if last <= after:
+            return []
         out: list[Record] = []
-        seq = after
-        while True:
-            try:
-                msg = await self._js.get_msg(EVENTS_STREAM, seq + 1, subject=EVENTS_SUBJECT + call_id,
-                                             next=True)
-            except NotFoundError:
-                return out
-            seq = int(msg.seq or 0)
+        loop = asyncio.get_running_loop()
+        read_all = loop.create_future()
+
+        async def got(msg: Msg) -> None:
+            seq = int(msg.metadata.sequence.stream)
+            if seq > last:
+                return
             kind, epoch, host, body = msgpack.unpackb(msg.data or b"")
             out.append(Record(seq, kind, epoch, host, body))
+            if seq == last and not read_all.done():
+                read_all.set_result(None)
 
+        sub = await self._js.subscribe(
+            EVENTS_SUBJECT + call_id, cb=got, ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                  opt_start_seq=after + 1))
+        try:
+            await asyncio.wait_for(read_all, self.settings.timeout_s * 2)
+        finally:
+            await sub.unsubscribe()
+        return out
 
     # ---- cancels across hosts -----------------------------------------------------
 
