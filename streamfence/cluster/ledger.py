@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import nats
@@ -52,6 +52,7 @@ from nats.js.errors import (
     BadRequestError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
+    NoStreamResponseError,
     NotFoundError,
 )
 from nats.js.kv import KeyValue
@@ -59,6 +60,7 @@ from nats.js.kv import KeyValue
 from streamfence.cluster.records import EPOCH, EVENTS
 from streamfence.cluster.settings import ClusterSettings
 
+T = TypeVar("T")
 CALLS_STREAM = "SF_CALLS"
 EVENTS_STREAM = "SF_EVENTS"
 OWNERS_BUCKET = "sf_owners"
@@ -189,6 +191,21 @@ class Ledger:
     async def close(self) -> None:
         await self._nc.close()
 
+    async def _stored(self, write: Callable[[], Awaitable[T]]) -> T:
+        """`write()`, tried again while no stream answers its subject (one just
+        made, whose interest has not reached this node yet, or electing its
+        leader: JetStream answers 503, so the write surely did not land), for
+        up to `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.timeout_s
+        while True:
+            try:
+                return await write()
+            except (NoStreamResponseError, nats.errors.NoRespondersError):
+                if loop.time() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
     @property
     def connected(self) -> bool:
         return bool(self._nc.is_connected)
@@ -197,7 +214,8 @@ class Ledger:
 
     async def accept(self, call_id: str, record: bytes) -> int:
         """Store the call's record at the stream's replication; its sequence."""
-        ack = await self._js.publish(CALLS_SUBJECT + call_id, record, headers={MSG_ID: call_id})
+        ack = await self._stored(lambda: self._js.publish(CALLS_SUBJECT + call_id, record,
+                                                          headers={MSG_ID: call_id}))
         return int(ack.seq)
 
     async def accepted(self, call_id: str) -> bytes | None:
@@ -235,9 +253,10 @@ class Ledger:
         value = msgpack.packb([self.settings.host, epoch])
         try:
             if seen is None:
-                revision = await self.owners.create(call_id, value)
+                revision = await self._stored(lambda: self.owners.create(call_id, value))
             else:
-                revision = await self.owners.update(call_id, value, last=seen.revision)
+                revision = await self._stored(
+                    lambda: self.owners.update(call_id, value, last=seen.revision))
         except KeyWrongLastSequenceError:
             return None
         return Ownership(Owner(call_id, self.settings.host, epoch, int(revision)))
@@ -246,7 +265,7 @@ class Ledger:
         """The call is done: its entry goes, if it is still `owner`'s (so
         `sf_owners` holds the live calls only). False if it had changed."""
         try:
-            await self.owners.delete(owner.call_id, last=owner.revision)
+            await self._stored(lambda: self.owners.delete(owner.call_id, last=owner.revision))
         except KeyWrongLastSequenceError:
             return False
         return True
@@ -274,7 +293,8 @@ class Ledger:
         """This host is alive: its key in `sf_hosts` moves (a new revision)."""
         assert self._hosts is not None, "Ledger.ensure() first"
         self._beats += 1
-        return int(await self._hosts.put(self.settings.host, msgpack.packb(self._beats)))
+        hosts, beat = self._hosts, msgpack.packb(self._beats)
+        return int(await self._stored(lambda: hosts.put(self.settings.host, beat)))
 
     async def host_revisions(self) -> dict[str, int]:
         """Each host's heartbeat revision (it moves while the host beats)."""
@@ -328,8 +348,8 @@ class Ledger:
                    MSG_ID: f"{own.call_id}.{own.epoch}.{own.log_seq}.{zlib.crc32(record):x}"}
         for attempt in range(1, IN_FLIGHT_TRIES + 1):
             try:
-                ack = await self._js.publish(EVENTS_SUBJECT + own.call_id, record,
-                                             headers=headers)
+                ack = await self._stored(lambda: self._js.publish(
+                    EVENTS_SUBJECT + own.call_id, record, headers=headers))
             except BadRequestError as exc:
                 if exc.err_code == IN_FLIGHT and attempt < IN_FLIGHT_TRIES:
                     await asyncio.sleep(0.005 * attempt)
