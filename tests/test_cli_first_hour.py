@@ -37,18 +37,18 @@ from streamfence.cli.config_template import (
     PROFILE_DOCS,
     render,
 )
-from streamfence.devtools import demo
-from streamfence.devtools.emulator.control import EmulatorClient, emulator_profile
-from streamfence.protocol.client import Client
-from streamfence.protocol.wires import WIRES
-from streamfence.supervisor import identities
-from streamfence.supervisor.config import (
+from streamfence.config.model import (
     ClusterConfig,
     DaemonConfig,
     ProviderProfile,
     load_config,
     parse_config,
 )
+from streamfence.devtools import demo
+from streamfence.devtools.emulator.control import EmulatorClient, emulator_profile
+from streamfence.protocol.client import Client
+from streamfence.protocol.wires import WIRES
+from streamfence.supervisor import identities
 from tests.harness import wait_until
 
 UNCOMMENT = re.compile(r"^# (?=[a-z_]+ = )", re.MULTILINE)  # `# key = value`, not `#   key`

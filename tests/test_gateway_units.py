@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from streamfence.config.model import ConfigError, HttpConfig, parse_config
 from streamfence.gateway.keys import HttpKeys, http_key
 from streamfence.gateway.routes import NoRoute, Route, models, route
 from streamfence.protocol.keys import KeyStore
-from streamfence.supervisor.config import ConfigError, HttpConfig, parse_config
 
 PROFILES = {"oa": {"kind": "openai"}, "oa2": {"kind": "openai"}, "an": {"kind": "anthropic"}}
 

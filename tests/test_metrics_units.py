@@ -16,16 +16,17 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from streamfence.gateway.metrics import DaemonStatus, Health, _Snapshot, families, missing
+from streamfence.protocol.histograms import Histogram
 from streamfence.protocol.internal.outcome import (
     AttemptDiag,
     AttemptError,
     AttemptOutcome,
     ErrorClass,
 )
+from streamfence.protocol.states import FenceReason
 from streamfence.sink.state import COMMIT_AFTER_S, SinkState
 from streamfence.sink.store import TranscriptStore
-from streamfence.supervisor.calls import FenceReason
-from streamfence.supervisor.histograms import Histogram, Histograms, attempt_outcome
+from streamfence.supervisor.histograms import Histograms, attempt_outcome
 from tests.test_sink_robustness import NoListeners, NoPeer
 
 

@@ -22,7 +22,8 @@ from streamfence.protocol.internal.workers import (
     SpawnWorker,
     ZygoteCommand,
 )
-from streamfence.supervisor.pool import Pool, Worker, WorkerState
+from streamfence.protocol.states import WorkerState
+from streamfence.supervisor.pool import Pool, Worker
 from streamfence.workers.liveness import LivenessTable
 
 HALF_LIFE_S = 30.0

@@ -22,6 +22,13 @@ import msgpack
 import pytest
 import zmq
 
+from streamfence.config.model import (
+    ConfigError,
+    DaemonConfig,
+    ProviderProfile,
+    apply_env,
+    parse_config,
+)
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
 from streamfence.protocol.client import Client, ClientError
@@ -29,13 +36,6 @@ from streamfence.protocol.codec import encode
 from streamfence.protocol.credentials import Credentials
 from streamfence.protocol.keys import KeyStore
 from streamfence.supervisor.attempts import AttemptDriver
-from streamfence.supervisor.config import (
-    ConfigError,
-    DaemonConfig,
-    ProviderProfile,
-    apply_env,
-    parse_config,
-)
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.recovery import recover_calls
 from tests.wires import profile_for, request_for

@@ -3,8 +3,11 @@
 - An application with its own `protocol.py` and `supervisor.py` (names that
   the daemon's parts used to have as top-level packages) imports
   `streamfence` and streams a real call through a real daemon.
-- The daemon's parts (protocol, supervisor, workers, sink) never import the
-  developer tools or the command line, not even through another module.
+- Every package has its place in the layers (`LAYERS`): it imports only
+  the packages below it, so the gateway is an ordinary client (protocol and
+  config), the sink never reaches into the supervisor, no part of the
+  daemon reaches the developer tools or the command line, and a new package
+  fails here until it is given a place.
 - No import cycle among streamfence's modules. Every import counts: at module
   level, inside a function, under `if TYPE_CHECKING:`; an import that is
   deferred into a function to dodge a cycle is the same dependency.
@@ -34,8 +37,6 @@ from tests.wires import profile_for, request_for
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "streamfence"
-DAEMON_PARTS = ("protocol", "supervisor", "workers", "sink")
-TOOLS = ("streamfence.devtools", "streamfence.cli")
 
 
 # ---- the import graph -------------------------------------------------------------------
@@ -181,17 +182,60 @@ def test_the_graph_sees_module_level_and_function_level_imports() -> None:
     assert sum(len(e) for e in graph.values()) > 100
 
 
-def test_the_daemons_parts_never_import_devtools_or_the_cli() -> None:
+# Each package, bottom up, and the packages it may import (the top-level
+# modules `streamfence` and `streamfence.__main__` are the faces of the
+# client library and of the command line).
+LAYERS: dict[str, frozenset[str]] = {
+    "protocol": frozenset(),
+    "cluster": frozenset({"protocol"}),
+    "config": frozenset({"protocol", "cluster"}),
+    "workers": frozenset({"protocol"}),
+    "sink": frozenset({"protocol", "cluster"}),
+    "supervisor": frozenset({"protocol", "cluster", "config", "sink", "workers"}),
+    "gateway": frozenset({"protocol", "config"}),
+    "devtools": frozenset({"protocol", "config"}),
+    "cli": frozenset({"protocol", "cluster", "config", "sink", "supervisor", "workers",
+                      "gateway", "devtools"}),
+}
+FACES = {"streamfence": frozenset({"protocol"}), "streamfence.__main__": frozenset({"cli"})}
+
+
+def _package_of(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_every_package_imports_only_the_layers_below_it() -> None:
     graph = import_graph()
-    tools = {m for m in graph if any(m == t or m.startswith(t + ".") for t in TOOLS)}
     problems = []
     for module in sorted(graph):
-        if module.split(".")[1:2] and module.split(".")[1] in DAEMON_PARTS:
-            path = _shortest_path(graph, module, tools)
-            if path is not None:
-                problems.append(f"{module} reaches {path[-1]}:\n{_where(graph, path)}")
-    assert not problems, ("the daemon's parts must not depend on streamfence.devtools or "
-                          "streamfence.cli:\n" + "\n".join(problems))
+        if module in FACES:
+            allowed, own = FACES[module], None
+        else:
+            own = _package_of(module)
+            if own not in LAYERS:
+                problems.append(f"{module}: package {own!r} has no place in LAYERS")
+                continue
+            allowed = LAYERS[own]
+        for target, edge in sorted(graph[module].items()):
+            theirs = _package_of(target) if target not in FACES else target
+            if theirs != own and theirs not in allowed:
+                file = _modules()[module].relative_to(ROOT)
+                problems.append(f"{module} imports {target} ({file}:{edge.line}): "
+                                f"{own or module} may import only {sorted(allowed)}")
+    assert not problems, "imports across the layers:\n" + "\n".join(problems)
+
+
+def test_the_layers_are_a_hierarchy() -> None:
+    """No two packages may import each other, directly or not, through LAYERS."""
+    def below(package: str, seen: frozenset[str] = frozenset()) -> set[str]:
+        assert package not in seen, f"LAYERS has a cycle through {package}"
+        out: set[str] = set()
+        for lower in LAYERS[package]:
+            out |= {lower} | below(lower, seen | {package})
+        return out
+
+    for package in LAYERS:
+        assert package not in below(package)
 
 
 def test_no_import_cycle_among_streamfence_modules() -> None:

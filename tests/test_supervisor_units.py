@@ -17,6 +17,7 @@ import msgpack
 import pytest
 import zmq
 
+from streamfence.config.model import DaemonConfig, ProviderProfile
 from streamfence.protocol.codec import encode
 from streamfence.protocol.errors import ErrorCode
 from streamfence.protocol.internal import C_SUBSCRIBE, W_RUN
@@ -49,14 +50,13 @@ from streamfence.protocol.messages import (
     done_event,
     reset_event,
 )
+from streamfence.protocol.states import CallState, FenceReason, WorkerState
 from streamfence.sink.store import TranscriptStore
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.calls import (
     Call,
     CallEvent,
-    CallState,
-    FenceReason,
     InvalidTransition,
     Retry,
     decide,
@@ -66,11 +66,10 @@ from streamfence.supervisor.calls import (
     Finish as Decision,
 )
 from streamfence.supervisor.clients import Clients
-from streamfence.supervisor.config import DaemonConfig, ProviderProfile
 from streamfence.supervisor.fallbacks import Fallbacks
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.pool import InvalidTransition as WorkerTransition
-from streamfence.supervisor.pool import Pool, Worker, WorkerEvent, WorkerState
+from streamfence.supervisor.pool import Pool, Worker, WorkerEvent
 from streamfence.supervisor.sinklink import SINK_LOST, Refused, SinkLink
 from streamfence.supervisor.timeouts import AttemptTimeouts
 from streamfence.workers.liveness import LivenessTable

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
+from streamfence.config.model import DaemonConfig
 from streamfence.devtools.emulator.control import EmulatorProcess
-from streamfence.supervisor.config import DaemonConfig
 from tests.harness import DaemonProcess
 from tests.wires import profile_for
 

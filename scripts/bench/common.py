@@ -243,8 +243,8 @@ def daemon_roles(status: dict[str, Any]) -> dict[int, str]:
 
 def sink_in_endpoint(proc: DaemonProcess) -> str:
     """The daemon's worker wire: the sink's stream socket (streamfence.protocol.internal.Endpoints)."""
+    from streamfence.config.model import load_config
     from streamfence.protocol.internal import Endpoints
-    from streamfence.supervisor.config import load_config
 
     cfg = load_config(str(proc.config_path), env={})
     return Endpoints(cfg.runtime_dir()).sink_stream

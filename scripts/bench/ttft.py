@@ -60,10 +60,10 @@ from scripts.bench.common import (
     rotated,
     wait_quiet,
 )
+from streamfence.config.model import DaemonConfig
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
 from streamfence.protocol.client_base import new_ref
-from streamfence.supervisor.config import DaemonConfig
 
 DaemonFactory = Callable[..., AbstractContextManager[DaemonProcess]]
 

@@ -32,7 +32,7 @@ from streamfence.cli.keys import keys
 from streamfence.cli.prune import prune
 
 if TYPE_CHECKING:
-    from streamfence.supervisor.config import DaemonConfig, ProviderProfile
+    from streamfence.config.model import DaemonConfig, ProviderProfile
 
 # `submit`'s model when --model is not given, per wire.
 DEFAULT_MODELS = {"openai": "gpt-4o-mini", "anthropic": "claude-sonnet-4-5",
@@ -51,15 +51,18 @@ def main() -> None:
 def serve(config_path: str | None, log_json: bool) -> None:
     """Run the daemon in the foreground until SIGTERM/SIGINT."""
     from streamfence.protocol.lifecycle import set_process_title
-    from streamfence.supervisor.daemon import Daemon, StartupError
+    from streamfence.supervisor.daemon import Daemon, GatewayEntry, StartupError
     from streamfence.supervisor.logs import setup_logging
 
     set_process_title("supervisor")
     cfg = load(config_path)
     setup_logging(cfg.log_level, log_json or cfg.log_json)
     path = config_path_of(config_path)
+    gateway: GatewayEntry | None = None
+    if cfg.http.listen is not None:  # aiohttp and uvloop load only for a gateway
+        from streamfence.gateway.process import run_gateway as gateway
     try:
-        daemon = Daemon(cfg)  # refuses a bad state dir in one line, before any of ours
+        daemon = Daemon(cfg, gateway=gateway)  # refuses a bad state dir in one line, before any of ours
         _log_what_serves(path, cfg)
         code = daemon.run()
     except StartupError as exc:  # name the file, as configuration errors do

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from streamfence.supervisor.config import ConfigError, DaemonConfig, load_config
+from streamfence.config.model import ConfigError, DaemonConfig, load_config
 
 if TYPE_CHECKING:
     from streamfence.protocol.client import Client

@@ -21,13 +21,13 @@ from dataclasses import MISSING, fields
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from streamfence.devtools.emulator.control import emulator_profile
-from streamfence.protocol.wires import WIRES
-from streamfence.supervisor.config import DaemonConfig, ProviderProfile
-from streamfence.supervisor.identities import (
+from streamfence.config.identities import (
     DEFAULT_MAX_IN_FLIGHT_BYTES,
     DEFAULT_SUBMIT_BYTES_PER_S,
 )
+from streamfence.config.model import DaemonConfig, ProviderProfile
+from streamfence.devtools.emulator.control import emulator_profile
+from streamfence.protocol.wires import WIRES
 
 EMULATOR_PORT = 7790  # `streamfence emulator`'s default port
 EMULATOR_URL = f"http://127.0.0.1:{EMULATOR_PORT}"

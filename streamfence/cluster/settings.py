@@ -1,5 +1,5 @@
 """What a process needs to reach the cluster (built from the `[cluster]`
-table, supervisor/config.py); importing it does not import nats."""
+table, config/model.py); importing it does not import nats."""
 
 from __future__ import annotations
 

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from streamfence.config.model import DaemonConfig
 from streamfence.gateway import anthropic_messages, http_errors, openai_chat
 from streamfence.gateway.keys import HttpKeys
 from streamfence.gateway.metrics import Health
@@ -45,7 +46,6 @@ from streamfence.gateway.routes import models as route_models
 from streamfence.protocol.client_async import AsyncClient
 from streamfence.protocol.client_router import ClientError
 from streamfence.protocol.credentials import LOCAL_NAME, Credentials
-from streamfence.supervisor.config import DaemonConfig
 
 log = logging.getLogger("streamfence.gateway")
 

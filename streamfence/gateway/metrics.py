@@ -43,14 +43,13 @@ from streamfence.protocol.client_async import AsyncClient
 from streamfence.protocol.client_router import ClientError
 from streamfence.protocol.credentials import LOCAL_NAME, CredentialsError, load_credentials
 from streamfence.protocol.messages import CallStatus
-from streamfence.supervisor.calls import CallState, FenceReason
-from streamfence.supervisor.pool import WorkerState
+from streamfence.protocol.states import CallState, FenceReason, WorkerState
 
 log = logging.getLogger("streamfence.gateway")
 
 STATUS_TIMEOUT_S = 2.0  # well inside a scraper's timeout (Prometheus: 10 s by default)
 REUSE_S = 1.0
-ATTEMPT_OUTCOMES = ("ok", "error", *(r.value for r in FenceReason))  # supervisor/histograms.py
+ATTEMPT_OUTCOMES = ("ok", "error", *(r.value for r in FenceReason))  # protocol/histograms.py
 HISTOGRAMS = {  # status `histograms` key -> (metric, help)
     "attempt_first_chunk_seconds": (
         "streamfence_attempt_first_chunk_seconds",

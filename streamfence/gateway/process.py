@@ -18,6 +18,7 @@ from typing import Any
 import uvloop
 import zmq
 
+from streamfence.config.model import DaemonConfig
 from streamfence.gateway.app import Gateway, keys_dir_of
 from streamfence.protocol.internal import Endpoints
 from streamfence.protocol.lifecycle import (
@@ -27,7 +28,6 @@ from streamfence.protocol.lifecycle import (
     set_process_title,
 )
 from streamfence.protocol.logs import route_logs_to
-from streamfence.supervisor.config import DaemonConfig
 
 log = logging.getLogger("streamfence.gateway")
 

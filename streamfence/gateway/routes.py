@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streamfence.supervisor.config import HttpConfig, ProviderProfile
+from streamfence.config.model import HttpConfig, ProviderProfile
 
 PROFILE_HEADER = "X-Streamfence-Profile"
 

@@ -46,6 +46,7 @@ import msgpack
 
 from streamfence.cluster.records import EVENTS
 from streamfence.protocol.codec import encode
+from streamfence.protocol.histograms import DELTA_LATENCY_BUCKETS, Histogram
 from streamfence.protocol.internal import T_FINAL_ACK
 from streamfence.protocol.internal.control import (
     FROM_NOW,
@@ -73,7 +74,6 @@ from streamfence.sink.fence import AuthorizeRefusal, FenceTable, FinalVerdict, V
 from streamfence.sink.store import TranscriptStore, split_events
 from streamfence.sink.subscribers import Cuts, Outbox
 from streamfence.sink.wire import Final, Hello, delta_prefix, rebind_frame
-from streamfence.supervisor.histograms import DELTA_LATENCY_BUCKETS, Histogram
 
 if TYPE_CHECKING:  # imported by the sink only in cluster mode (it brings nats)
     from streamfence.sink.cluster_log import ClusterLog

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from streamfence.config.model import DaemonConfig
 from streamfence.protocol.codec import encode
 from streamfence.protocol.errors import ErrorCode
 from streamfence.protocol.internal.control import (
@@ -29,6 +30,7 @@ from streamfence.protocol.internal.control import (
 from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome
 from streamfence.protocol.internal.workers import AttemptSettings, RunAttempt
 from streamfence.protocol.messages import CallStatus, DeltaKind, visible_chars
+from streamfence.protocol.states import CallState, FenceReason
 from streamfence.sink.store import events_after
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.calls import (
@@ -36,15 +38,12 @@ from streamfence.supervisor.calls import (
     MOVED,
     Call,
     CallEvent,
-    CallState,
-    FenceReason,
     Finish,
     call_error,
     decide,
     fence_error,
 )
 from streamfence.supervisor.clients import Clients
-from streamfence.supervisor.config import DaemonConfig
 from streamfence.supervisor.fallbacks import Fallbacks
 from streamfence.supervisor.histograms import Histograms, attempt_outcome
 from streamfence.supervisor.journal import Journal
@@ -119,7 +118,7 @@ class AttemptDriver:
         self._due: Deadlines[str] = Deadlines()
         self._next_token = 1
         self._counters = counters
-        # Durations for `status` (supervisor/histograms.py): observed once per
+        # Durations for `status` (protocol/histograms.py): observed once per
         # attempt end and per call end, never per delta.
         self.histograms = Histograms()
 

@@ -26,9 +26,9 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from streamfence.config.identities import Identity, identity_named
 from streamfence.protocol.credentials import LOCAL_NAME
 from streamfence.protocol.keys import KeyStore, make_curve_server, start_authenticator
-from streamfence.supervisor.identities import Identity, identity_named
 
 log = logging.getLogger("streamfence.auth")
 

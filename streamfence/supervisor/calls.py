@@ -19,22 +19,13 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
+from streamfence.config.model import ProviderProfile
 from streamfence.protocol.errors import ErrorCode
 from streamfence.protocol.internal.control import AttemptStats, FinishMeta
 from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome, ErrorClass
 from streamfence.protocol.messages import CallSpec, CallStatus, OnPartial
-from streamfence.supervisor.config import ProviderProfile
+from streamfence.protocol.states import CallState, FenceReason
 from streamfence.supervisor.timeouts import AttemptTimeouts
-
-
-class CallState(Enum):
-    QUEUED = "queued"
-    AUTHORIZING = "authorizing"
-    RUNNING = "running"
-    FENCING = "fencing"
-    BACKOFF = "backoff"
-    FINISHING = "finishing"
-    DONE = "done"
 
 
 class CallEvent(Enum):
@@ -73,18 +64,6 @@ class InvalidTransition(Exception):
 
 
 MOVED = "moved"  # cluster mode: the journal's status of a call another host owns now
-
-
-class FenceReason(Enum):
-    """Why the supervisor fenced an attempt (journaled as the attempt's `how`)."""
-
-    STALE = "stale"
-    WORKER_DIED = "worker_died"
-    FINAL_REFUSED = "final_refused"
-    DEADLINE = "deadline"
-    SINK_RESTARTED = "sink_restarted"
-    CANCELLED = "cancelled"
-    CLUSTER_LOST = "cluster_lost"  # cluster mode: another host owns the call now
 
 
 _FENCE_ERRORS: dict[FenceReason, tuple[str, str]] = {

@@ -39,6 +39,7 @@ import multiprocess
 import zmq
 
 from streamfence.cluster.settings import ClusterSettings
+from streamfence.config.model import DaemonConfig
 from streamfence.protocol.internal import L_RECORD, Endpoints
 from streamfence.protocol.internal.control import FROM_NOW
 from streamfence.protocol.internal.workers import (
@@ -54,6 +55,7 @@ from streamfence.protocol.internal.workers import (
 from streamfence.protocol.keys import KeyStore
 from streamfence.protocol.lifecycle import ExitCode
 from streamfence.protocol.messages import events_endpoint
+from streamfence.protocol.states import WorkerState
 from streamfence.sink.process import run_sink
 from streamfence.supervisor import statedir, storepair
 from streamfence.supervisor.attempts import AttemptDriver
@@ -61,12 +63,11 @@ from streamfence.supervisor.auth import ClientAuth
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.calls import Call
 from streamfence.supervisor.clients import Clients
-from streamfence.supervisor.config import DaemonConfig
 from streamfence.supervisor.front import Front
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.logs import emit_child_record
 from streamfence.supervisor.notify import Notifier
-from streamfence.supervisor.pool import Pool, WorkerState, exit_text
+from streamfence.supervisor.pool import Pool, exit_text
 from streamfence.supervisor.recovery import recover_calls
 from streamfence.supervisor.restarts import GiveUp, RestartPolicy
 from streamfence.supervisor.sinklink import SinkLink
@@ -87,6 +88,9 @@ IO_THREADS = 8
 
 FRONT_TURN_S = 0.005  # the most one turn spends reading client requests
 IDLE_WAKE_S = 60.0  # the longest sleep: nothing is due (the loop is event driven)
+
+
+GatewayEntry = Callable[[DaemonConfig, str], None]  # (config, runtime dir)
 
 
 class StartupError(Exception):
@@ -119,8 +123,14 @@ class Daemon:
     """Owns the child processes (sink, zygote) and their restarts, the sockets'
     lifetimes, and the loop."""
 
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, gateway: GatewayEntry | None = None) -> None:
+        """`gateway`: the HTTP gateway's process entry (gateway/process.py
+        `run_gateway`), handed in by the command line so that the supervisor
+        never imports the gateway (an ordinary client of ours)."""
         self.config = config
+        if config.http.listen is not None and gateway is None:
+            raise StartupError("[http] listen is set but this daemon was built without a gateway")
+        self._gateway_entry = gateway
         try:
             state_dir = statedir.prepare(config.state_dir)
             self._lock = statedir.StateLock(state_dir)
@@ -189,11 +199,9 @@ class Daemon:
 
     def _start_gateway(self) -> int:
         """Start the HTTP gateway (an ordinary client of ours); its sentinel, or -1."""
-        if self.config.http.listen is None:
+        if self._gateway_entry is None:
             return -1
-        from streamfence.gateway.process import run_gateway
-
-        self._gateway = self._mp.Process(target=run_gateway, name="gateway",
+        self._gateway = self._mp.Process(target=self._gateway_entry, name="gateway",
                                          args=(self.config, self.runtime_dir))
         self._gateway.start()
         self._gateway_restarts.started()

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from streamfence.cluster.records import call_record
+from streamfence.config.identities import Identity
+from streamfence.config.model import DaemonConfig
 from streamfence.protocol.codec import decode_untrusted
 from streamfence.protocol.errors import ErrorCode, ProtocolError
 from streamfence.protocol.messages import (
@@ -46,11 +48,10 @@ from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.calls import Call
 from streamfence.supervisor.clients import Clients
-from streamfence.supervisor.config import DaemonConfig
-from streamfence.supervisor.identities import Identity, SubmitRate
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.requests import check_request
 from streamfence.supervisor.sinklink import Refused, SinkLink, SinkLost
+from streamfence.supervisor.submit_rate import SubmitRate
 from streamfence.supervisor.timeouts import attempt_timeouts
 
 if TYPE_CHECKING:  # cluster mode only: it brings nats

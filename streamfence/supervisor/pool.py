@@ -43,6 +43,7 @@ import zmq
 from streamfence.protocol.internal import W_HELLO, W_IDLE
 from streamfence.protocol.internal.workers import RunAttempt, SpawnWorker, ZygoteCommand, encode_run
 from streamfence.protocol.lifecycle import ExitCode
+from streamfence.protocol.states import WorkerState
 from streamfence.workers.liveness import LivenessTable
 
 log = logging.getLogger("streamfence.pool")
@@ -50,15 +51,6 @@ log = logging.getLogger("streamfence.pool")
 PEAK_HALF_LIFE_S = 30.0
 RETIRE_AFTER_S = 10.0
 RETIRE_CHECK_S = 1.0  # how often a pool above its floor looks for workers to retire
-
-
-class WorkerState(Enum):
-    SPAWNING = "spawning"  # fork requested, no hello yet
-    IDLE = "idle"  # ready for an attempt
-    RESERVED = "reserved"  # picked for an attempt that awaits its authorization
-    BUSY = "busy"  # running an attempt
-    KILLING = "killing"  # SIGKILL sent, not yet reaped
-    DEAD = "dead"
 
 
 class WorkerEvent(Enum):

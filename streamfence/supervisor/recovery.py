@@ -13,11 +13,11 @@ from typing import Any
 
 import msgpack
 
+from streamfence.config.model import ProviderProfile
 from streamfence.protocol.messages import CallOptions, CallSpec, OnPartial
 from streamfence.sink.store import TranscriptReader
 from streamfence.supervisor import storepair
 from streamfence.supervisor.calls import Call
-from streamfence.supervisor.config import ProviderProfile
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.timeouts import attempt_timeouts
 

@@ -7,9 +7,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from streamfence.config.identities import Identity
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.breaker import Breakers
-from streamfence.supervisor.identities import Identity
 from streamfence.supervisor.pool import Pool
 
 
@@ -27,7 +27,7 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
     calls accepted and not done hold (the byte budgets: front.py); an admin
     also sees them per owner and `in_flight_bytes_max`; `storage`, the
     journal's storage fault while one lasts (nil otherwise); and
-    `histograms` (supervisor/histograms.py): the driver's, and the sink's
+    `histograms` (protocol/histograms.py): the driver's, and the sink's
     `delta_latency` (taken out of its counters)."""
     if not user.is_admin:
         # Its calls' request bytes (`in_flight_bytes`) next to its budget for them.

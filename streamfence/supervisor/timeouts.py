@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import msgpack
 
+from streamfence.config.model import ProviderProfile
 from streamfence.protocol.messages import CallOptions
-from streamfence.supervisor.config import ProviderProfile
 
 DEFAULT_STALE_S = 180.0
 LOCAL_STALE_S = 900.0

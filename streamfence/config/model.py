@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlparse
 
-from streamfence.supervisor.identities import Identity, parse_identities
+from streamfence.config.identities import Identity, parse_identities
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7755"
 DEFAULT_IN_FLIGHT_BYTES_MAX = 256 * 1024 * 1024
