@@ -1,6 +1,7 @@
 """Cluster mode's retry helper (streamfence/cluster/retry.py), run to its end
 on a fake clock whose only way forward is the helper's own sleeps: which
-failures are tried again, the waits between tries, and when it gives up."""
+failures are tried again, the waits between tries, and when it gives up.
+The named policies keep the timings of the loops they replaced."""
 
 from __future__ import annotations
 
@@ -9,8 +10,20 @@ import math
 from collections.abc import Callable
 
 import pytest
+from nats.js.errors import BadRequestError
 
+from streamfence.cluster.ledger import (
+    APPEND_IN_FLIGHT,
+    CONNECTING,
+    ELECTING,
+    EPOCH_RACED,
+    IN_FLIGHT,
+    NO_STREAM,
+    WRONG_LAST_SEQUENCE,
+)
 from streamfence.cluster.retry import RetryPolicy, TryAgain, retry_async, retry_sync
+from streamfence.sink.cluster_log import APPENDS_UNANSWERED
+from streamfence.supervisor.clusterlink import ACCEPTING, CANCEL_MOVED, ENTRY_RACED
 
 
 class FakeTime:
@@ -158,3 +171,32 @@ def test_within_sets_the_budget_and_keeps_the_rest() -> None:
     policy = RetryPolicy((OSError,), first_s=0.2)
     assert policy.within(30.0).budget_s == 30.0 and policy.budget_s == math.inf
     assert policy.within(30.0).first_s == 0.2
+
+
+def test_an_append_raced_by_one_in_flight_is_tried_again_a_refused_one_not() -> None:
+    """An append raced by one still in flight (10164) is tried again; one
+    refused for its sequence (10071) is not: it is fenced."""
+    raced, refused = BadRequestError(err_code=IN_FLIGHT), BadRequestError(
+        err_code=WRONG_LAST_SEQUENCE)
+    op = Failing(FakeTime(), [raced, raced, refused])
+    with pytest.raises(BadRequestError) as raised:
+        _sync(APPEND_IN_FLIGHT, op)
+    assert raised.value is refused and op.tries == 3
+
+
+@pytest.mark.parametrize(("policy", "waits", "tries", "budget_s"), [
+    (CONNECTING, [0.2, 0.2, 0.2], None, math.inf),  # budget 6 × timeout_s, at use
+    (ELECTING, [0.05, 0.05, 0.05], None, math.inf),  # 4 × timeout_s
+    (NO_STREAM, [0.05, 0.05, 0.05], None, math.inf),  # 1 × timeout_s
+    (APPEND_IN_FLIGHT, [0.005, 0.01, 0.015, 0.02], 5, math.inf),
+    (EPOCH_RACED, [0.0, 0.0, 0.0], 20, math.inf),
+    (ACCEPTING, [0.1, 0.1, 0.1], None, math.inf),  # 3 × timeout_s
+    (ENTRY_RACED, [0.0, 0.0, 0.0], 5, math.inf),
+    (CANCEL_MOVED, [0.0, 0.0, 0.0], 5, math.inf),
+    (APPENDS_UNANSWERED, [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0], None, 60.0),
+], ids=["CONNECTING", "ELECTING", "NO_STREAM", "APPEND_IN_FLIGHT", "EPOCH_RACED", "ACCEPTING",
+         "ENTRY_RACED", "CANCEL_MOVED", "APPENDS_UNANSWERED"])
+def test_the_named_policies_keep_the_timings_of_the_loops_they_replaced(
+        policy: RetryPolicy, waits: list[float], tries: int | None, budget_s: float) -> None:
+    assert _waits(policy, len(waits)) == waits
+    assert policy.tries == tries and policy.budget_s == budget_s
