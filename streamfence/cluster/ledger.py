@@ -6,9 +6,9 @@ here by the engine, not by a host's view:
 - **Accepted means replicated.** `accept` stores a call's record on the
   stream `SF_CALLS` (subject `sf.calls.<call>`) and returns only when
   JetStream acknowledged it, which it does once the record is stored on a
-  quorum of the stream's replicas. A second accept of the same call is the
-  same record (`Nats-Msg-Id` is the call id, and the append expects the
-  subject to be empty).
+  quorum of the stream's replicas. A second accept of the same call within
+  the stream's duplicate window (2 minutes) is the same record
+  (`Nats-Msg-Id` is the call id; no expectation on the subject is sent).
 - **Ownership by compare-and-set.** The bucket `sf_owners` maps a call to
   its owner and epoch. `take` creates the key (epoch 1) or updates it from
   the revision the taker saw, raising the epoch by one: of two hosts that
@@ -58,6 +58,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from streamfence.cluster.records import EPOCH, EVENTS
+from streamfence.cluster.retry import RetryPolicy, TryAgain, retry_async
 from streamfence.cluster.settings import ClusterSettings
 
 T = TypeVar("T")
@@ -74,9 +75,25 @@ WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code when that expectation fails
 # ... and when another conditional append to the subject is still being replicated
 # (the server's fix of its issue 4320): the other may yet fail, so ours is tried again.
 IN_FLIGHT = 10164
-IN_FLIGHT_TRIES = 5
-OPEN_TRIES = 20  # an epoch record raced by the previous owner's appends: read, try again
 READS_IN_FLIGHT = 64  # owner entries read together by a scan of sf_owners
+
+
+def _in_flight(failure: BaseException) -> bool:
+    return isinstance(failure, BadRequestError) and failure.err_code == IN_FLIGHT
+
+
+# How the ledger tries again (cluster/retry.py); a budget `within` a multiple of timeout_s.
+# A node restarting, a leader being elected, at connect: 6 timeouts.
+CONNECTING = RetryPolicy((TimeoutError, nats.errors.Error), first_s=0.2)
+# A stream just made electing its leader: 4 timeouts.
+ELECTING = RetryPolicy((TryAgain,), first_s=0.05)
+# A write JetStream answered 503 (no stream there yet: it surely did not land): 1 timeout.
+NO_STREAM = RetryPolicy((NoStreamResponseError, nats.errors.NoRespondersError), first_s=0.05)
+# An append raced by another conditional append still being replicated (IN_FLIGHT).
+APPEND_IN_FLIGHT = RetryPolicy((BadRequestError,), first_s=0.005, step_s=0.005, tries=5,
+                               only_if=_in_flight)
+# An epoch record raced by the previous owner's appends: read the log again, at once.
+EPOCH_RACED = RetryPolicy((TryAgain,), tries=20)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +152,7 @@ class Ledger:
         self.settings = settings
         self._owners: KeyValue | None = None
         self._hosts: KeyValue | None = None
+        self._no_stream = NO_STREAM.within(settings.timeout_s)
         self._beats = 0
         self.refused = 0  # appends the engine refused (Fenced)
 
@@ -144,21 +162,12 @@ class Ledger:
                                 connect_timeout=settings.timeout_s, max_reconnect_attempts=-1,
                                 reconnect_time_wait=0.2, allow_reconnect=True)
         ledger = cls(nc, settings)
-        deadline = asyncio.get_running_loop().time() + settings.timeout_s * 6
-        while True:
-            try:
-                await ledger.ensure()
-                return ledger
-            except (TimeoutError, nats.errors.Error) as exc:
-                # A node restarting, a leader being elected: tried again for a while.
-                if asyncio.get_running_loop().time() < deadline:
-                    await asyncio.sleep(0.2)
-                    continue
-                await nc.close()
-                raise exc from None
-            except BaseException:
-                await nc.close()
-                raise
+        try:
+            await retry_async(CONNECTING.within(settings.timeout_s * 6), ledger.ensure)
+        except BaseException:
+            await nc.close()
+            raise
+        return ledger
 
     async def ensure(self) -> None:
         """Make the streams and the bucket if missing (idempotent, any host)."""
@@ -177,34 +186,25 @@ class Ledger:
     async def _led(self, stream: str) -> None:
         """Until the stream has a leader (a new stream's first writes would find
         no responder while its replicas elect one)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.timeout_s * 4
-        while True:
+        async def has_leader() -> None:
             info = await self._js.stream_info(stream)
-            if info.cluster is None or info.cluster.leader:
-                return
-            if loop.time() > deadline:
-                raise TimeoutError(f"stream {stream} has no leader after "
-                                   f"{self.settings.timeout_s * 4:g} s")
-            await asyncio.sleep(0.05)
+            if info.cluster is not None and not info.cluster.leader:
+                raise TryAgain
+        budget_s = self.settings.timeout_s * 4
+        try:
+            await retry_async(ELECTING.within(budget_s), has_leader)
+        except TryAgain:
+            raise TimeoutError(f"stream {stream} has no leader after {budget_s:g} s") from None
 
     async def close(self) -> None:
         await self._nc.close()
 
-    async def _stored(self, write: Callable[[], Awaitable[T]]) -> T:
+    def _stored(self, write: Callable[[], Awaitable[T]]) -> Coroutine[Any, Any, T]:
         """`write()`, tried again while no stream answers its subject (one just
         made, whose interest has not reached this node yet, or electing its
         leader: JetStream answers 503, so the write surely did not land), for
-        up to `timeout_s`."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.timeout_s
-        while True:
-            try:
-                return await write()
-            except (NoStreamResponseError, nats.errors.NoRespondersError):
-                if loop.time() > deadline:
-                    raise
-                await asyncio.sleep(0.05)
+        up to `timeout_s` (NO_STREAM)."""
+        return retry_async(self._no_stream, write)
 
     @property
     def connected(self) -> bool:
@@ -323,7 +323,7 @@ class Ledger:
         """Append this owner's epoch record after whatever the log holds: from
         then on no earlier owner can append. Raises Fenced if a later owner
         took the call meanwhile."""
-        for _ in range(OPEN_TRIES):
+        async def after_the_last_record() -> Ownership:
             current = await self.owner(own.call_id)
             if current is None or current.epoch != own.epoch or current.host != own.owner.host:
                 raise Fenced(own, f"the call's owner is now {current}")
@@ -331,8 +331,11 @@ class Ledger:
             try:
                 return await self._append(at, EPOCH, None)
             except Fenced:  # the previous owner appended meanwhile: read again
-                continue
-        raise Fenced(own, f"the log kept moving for {OPEN_TRIES} tries")
+                raise TryAgain from None
+        try:
+            return await retry_async(EPOCH_RACED, after_the_last_record)
+        except TryAgain:
+            raise Fenced(own, f"the log kept moving for {EPOCH_RACED.tries} tries") from None
 
     async def append(self, own: Ownership, body: Any) -> Ownership:
         """Append a batch of the call's events; the ownership to append with next.
@@ -346,20 +349,15 @@ class Ledger:
         # content is in it: another record at that position is not a retry.
         headers = {EXPECTED_LAST_SUBJECT_SEQ: str(own.log_seq),
                    MSG_ID: f"{own.call_id}.{own.epoch}.{own.log_seq}.{zlib.crc32(record):x}"}
-        for attempt in range(1, IN_FLIGHT_TRIES + 1):
-            try:
-                ack = await self._stored(lambda: self._js.publish(
-                    EVENTS_SUBJECT + own.call_id, record, headers=headers))
-            except BadRequestError as exc:
-                if exc.err_code == IN_FLIGHT and attempt < IN_FLIGHT_TRIES:
-                    await asyncio.sleep(0.005 * attempt)
-                    continue
-                if exc.err_code not in (WRONG_LAST_SEQUENCE, IN_FLIGHT):
-                    raise
-                self.refused += 1
-                raise Fenced(own, f"{exc.description} (JetStream error {exc.err_code})") from None
-            return replace(own, log_seq=int(ack.seq))
-        raise AssertionError("unreachable")
+        try:
+            ack = await retry_async(APPEND_IN_FLIGHT, lambda: self._stored(lambda: self._js.publish(
+                EVENTS_SUBJECT + own.call_id, record, headers=headers)))
+        except BadRequestError as exc:
+            if exc.err_code not in (WRONG_LAST_SEQUENCE, IN_FLIGHT):
+                raise
+            self.refused += 1
+            raise Fenced(own, f"{exc.description} (JetStream error {exc.err_code})") from None
+        return replace(own, log_seq=int(ack.seq))
 
     async def follow(self, call_id: str, after: int,
                      deliver: Callable[[Record], None]

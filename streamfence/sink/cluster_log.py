@@ -15,7 +15,6 @@ the same way: the attempt is fenced and run again, never written blind.
 from __future__ import annotations
 
 import logging
-import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
@@ -23,11 +22,24 @@ from typing import Any
 from streamfence.cluster.bridge import LedgerBridge
 from streamfence.cluster.ledger import Fenced, Owner, Ownership, Record, valid
 from streamfence.cluster.records import EVENTS
+from streamfence.cluster.retry import RetryPolicy, retry_sync
 from streamfence.cluster.settings import ClusterSettings
 
 log = logging.getLogger("streamfence.sink")
-RETRY_FIRST_S = 0.05  # an append the cluster did not answer is tried again after this,
-RETRY_FOR_S = 60.0  # doubling to 1 s, for this long before the sink gives up (restarts)
+
+
+class _Unanswered(Exception):
+    """Appends of a commit the cluster did not answer (an election, a node gone)."""
+
+    def __init__(self, failed: list[tuple[str, BaseException]]) -> None:
+        super().__init__(f"appends of {len(failed)} call(s) failed ({failed[0][1]})")
+        self.failed = failed
+
+
+# The commit's appends the cluster did not answer are tried again (cluster/retry.py),
+# 50 ms doubling to 1 s, for 60 s before the sink gives up (and is restarted).
+APPENDS_UNANSWERED = RetryPolicy((_Unanswered,), first_s=0.05, factor=2.0, cap_s=1.0,
+                                 budget_s=60.0)
 
 Row = tuple[str, int, int, int, str, int, bytes]  # the store's: call, seq, last, attempt, op, n, body
 
@@ -130,8 +142,9 @@ class ClusterLog:
         refused = {c for c in by_call if c not in self._held}
         calls = [c for c in by_call if c in self._held]
         ledger = self.bridge.ledger
-        wait, waited = RETRY_FIRST_S, 0.0
-        while calls:
+
+        def append_calls() -> None:
+            nonlocal calls
             results = self.bridge.gather(ledger.append(self._held[c], by_call[c]) for c in calls)
             failed = []
             for call_id, result in zip(calls, results, strict=True):
@@ -144,20 +157,22 @@ class ClusterLog:
                 elif isinstance(result, BaseException):
                     failed.append((call_id, result))
             calls = [c for c, _ in failed]
-            if calls:  # the cluster is electing a leader, or a node went: wait it out
-                if waited >= RETRY_FOR_S:
-                    raise failed[0][1]
-                self.retries += 1
-                log.warning("sink: appends of %d call(s) failed (%s); trying again in %.2f s",
-                            len(calls), failed[0][1], wait)
-                time.sleep(wait)
-                waited += wait
-                wait = min(wait * 2, 1.0)
+            if failed:  # the cluster is electing a leader, or a node went: wait it out
+                raise _Unanswered(failed)
+        if calls:
+            try:
+                retry_sync(APPENDS_UNANSWERED, append_calls, on_retry=self._retrying)
+            except _Unanswered as exc:
+                raise exc.failed[0][1] from None
         if refused:
             self.refused += len(refused)
             log.warning("sink: the cluster refused the runs of %d call(s) (%s): another host "
                         "owns them now", len(refused), ", ".join(sorted(refused)[:5]))
         return refused
+
+    def _retrying(self, failure: BaseException, wait_s: float) -> None:
+        self.retries += 1
+        log.warning("sink: %s; trying again in %.2f s", failure, wait_s)
 
     def stats(self) -> dict[str, int]:
         return {"cluster_appends": self.appends, "cluster_refused": self.refused,

@@ -14,7 +14,6 @@ journal's commits and the sink's replies do.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 from collections import Counter
@@ -26,13 +25,22 @@ import nats.errors
 
 from streamfence.cluster.bridge import LedgerBridge
 from streamfence.cluster.ledger import Fenced, Owner, Ownership
+from streamfence.cluster.retry import RetryPolicy, TryAgain, retry_async
 from streamfence.cluster.settings import ClusterSettings
 
 log = logging.getLogger("streamfence.supervisor")
 Won = tuple[Owner, dict[str, Any]]  # a call taken over, with its record
 
 AUDIT_LEASES = 3  # between two looks for this host's stray calls (`_audited`)
-OWN_TRIES = 5  # compare-and-sets of one take before it gives up (the next turn tries again)
+# How this side tries again (cluster/retry.py). An accept whose write failed or whose
+# answer was lost (both writes are idempotent): for 3 × timeout_s.
+ACCEPTING = RetryPolicy((TimeoutError, nats.errors.Error), first_s=0.1)
+# A take's compare-and-set that found the entry changed: read it, try again at once
+# (given up: the driver's next turn tries again).
+ENTRY_RACED = RetryPolicy((TryAgain,), tries=5)
+# A forwarded cancel the owner named does not know: the call moved while asked.
+CANCEL_MOVED = RetryPolicy((TryAgain,), tries=5)
+
 
 class ClusterLink:
     """Owns the bridge and, per live call, the owner entry this host last wrote."""
@@ -42,6 +50,7 @@ class ClusterLink:
         self.settings = settings
         self.lease_s = lease_s
         self._clock = clock
+        self._accepting = ACCEPTING.within(settings.timeout_s * 3)
         self.bridge = LedgerBridge(settings)
         self._owners: dict[str, Owner] = {}
         self.accepted = 0
@@ -83,22 +92,15 @@ class ClusterLink:
         ledger = self.bridge.ledger
 
         async def accept() -> Owner | None:
-            # Tried again while the time allows: a write whose answer was lost (a node
-            # died) may have landed, and both writes are idempotent (the record's id;
-            # the owner entry, found as this host's at epoch 0).
-            deadline = asyncio.get_running_loop().time() + self.settings.timeout_s * 3
-            while True:
-                try:
-                    await ledger.accept(call_id, record)
-                    # Owned by this host at epoch 0 (not run yet): should this host
-                    # die before the first attempt, the others find it in `sf_owners`.
-                    held = await ledger.take(call_id, None, 0)
-                    return held.owner if held is not None else await self._landed(call_id, 0)
-                except (TimeoutError, nats.errors.Error) as exc:
-                    if asyncio.get_running_loop().time() > deadline:
-                        raise exc from None
-                    await asyncio.sleep(0.1)
-        self._write(call_id, accept(), done)
+            # Tried again (ACCEPTING): a write whose answer was lost (a node died) may
+            # have landed, and both writes are idempotent (the record's id; the owner
+            # entry, found as this host's at epoch 0).
+            await ledger.accept(call_id, record)
+            # Owned by this host at epoch 0 (not run yet): should this host die
+            # before the first attempt, the others find it in `sf_owners`.
+            held = await ledger.take(call_id, None, 0)
+            return held.owner if held is not None else await self._landed(call_id, 0)
+        self._write(call_id, retry_async(self._accepting, accept), done)
 
     def lookup(self, call_id: str,
                then: Callable[[dict[str, Any] | str | None], None]) -> None:
@@ -171,7 +173,9 @@ class ClusterLink:
         comes at the next epoch), or by another host."""
         ledger = self.bridge.ledger
         current = seen if seen is not None else await ledger.owner(call_id)
-        for _ in range(OWN_TRIES):
+
+        async def raised_entry() -> Owner | None:
+            nonlocal current
             if current is None or current.host != self.settings.host:
                 return None
             if current.epoch == epoch:  # this very write landed before
@@ -183,7 +187,12 @@ class ClusterLink:
             if held is not None:
                 return held.owner
             current = await ledger.owner(call_id)
-        raise TimeoutError(f"call {call_id}: its entry kept changing for {OWN_TRIES} tries")
+            raise TryAgain
+        try:
+            return await retry_async(ENTRY_RACED, raised_entry)
+        except TryAgain:
+            raise TimeoutError(f"call {call_id}: its entry kept changing for "
+                               f"{ENTRY_RACED.tries} tries") from None
 
     async def _landed(self, call_id: str, epoch: int) -> Owner | None:
         """A compare-and-set found the entry changed: by this host's own earlier
@@ -213,15 +222,20 @@ class ClusterLink:
         just ended, or is being taken over); why, if its host did not answer."""
         ledger = self.bridge.ledger
 
+        async def ask_the_owner() -> dict[str, Any] | None:
+            owner = await ledger.owner(call_id)
+            if owner is None:
+                return None
+            answer = await ledger.forward_cancel(owner.host, call_id)
+            if answer.get("op") == "unknown":  # the call moved while it was asked
+                raise TryAgain
+            return answer
+
         async def cancel() -> dict[str, Any] | None:
-            for _ in range(OWN_TRIES):  # the call may move while it is asked
-                owner = await ledger.owner(call_id)
-                if owner is None:
-                    return None
-                answer = await ledger.forward_cancel(owner.host, call_id)
-                if answer.get("op") != "unknown":
-                    return answer
-            return None
+            try:
+                return await retry_async(CANCEL_MOVED, ask_the_owner)
+            except TryAgain:
+                return None
 
         def done(result: Any) -> None:
             if isinstance(result, BaseException):
