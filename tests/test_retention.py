@@ -22,8 +22,9 @@ from streamfence.protocol.client import ClientError
 from streamfence.protocol.codec import encode
 from streamfence.protocol.messages import delta_event
 from streamfence.sink.state import PRUNE_FIRST_S, SinkState, prune_grace_s
-from streamfence.sink.store import TranscriptReader, TranscriptStore, prune_transcript
+from streamfence.sink.store import TranscriptStore
 from streamfence.sink.subscribers import Outbox
+from streamfence.sink.transcript import TranscriptReader, prune_transcript
 from streamfence.supervisor.journal import Journal, prune_journal
 from tests.harness import DaemonProcess, wait_until
 

@@ -29,8 +29,9 @@ from streamfence.protocol.internal.control import AddSubscriber, encode_control,
 from streamfence.sink.fence import Verdict
 from streamfence.sink.process import run_sink
 from streamfence.sink.state import SinkState
-from streamfence.sink.store import TranscriptReader, TranscriptStore
+from streamfence.sink.store import TranscriptStore
 from streamfence.sink.subscribers import Outbox
+from streamfence.sink.transcript import TranscriptReader
 from tests.test_sink_process import (
     MP,
     START_S,

@@ -28,9 +28,10 @@ from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.protocol.codec import encode
 from streamfence.protocol.internal import C_AUTHORIZE, C_STATS, R_OK, R_REFUSED
 from streamfence.protocol.internal.control import Stats
+from streamfence.protocol.sqlite_faults import is_storage_fault
 from streamfence.sink.process import run_sink
 from streamfence.sink.state import SinkState
-from streamfence.sink.store import StoreStopped, TranscriptStore, is_storage_fault
+from streamfence.sink.store import StoreStopped, TranscriptStore
 from streamfence.sink.subscribers import Cuts, Outbox
 from tests.harness import DaemonProcess, assert_one_exact_answer, wait_until
 from tests.test_sink_process import MP, START_S, SinkUnderTest, Supervisor, delta

@@ -11,11 +11,11 @@ import pytest
 
 from streamfence.protocol.codec import encode
 from streamfence.protocol.messages import CallStatus, delta_event, done_event, reset_event
-from streamfence.sink.store import (
+from streamfence.sink.store import TranscriptStore
+from streamfence.sink.transcript import (
     TranscriptReader,
-    TranscriptStore,
-    events_after,
     max_epochs,
+    read_events_after,
     split_events,
 )
 
@@ -58,16 +58,16 @@ def test_replay_across_runs_from_any_seq(store: TranscriptStore) -> None:
     assert store.commit() == 2
     everything = [*run1, reset, *run2]
     for from_seq in range(0, 8):
-        got = events_after(store.path, "c", from_seq)
+        got = read_events_after(store.path, "c", from_seq)
         assert got == everything[from_seq:], from_seq
         assert [msgpack.unpackb(e)["seq"] for e in got] == list(range(from_seq + 1, 7))
 
 
 def test_uncommitted_rows_are_invisible_to_readers(store: TranscriptStore) -> None:
     store.add_run("c", 1, 1, deltas("c", 1, 1, ["a"]))
-    assert events_after(store.path, "c", 0) == []
+    assert read_events_after(store.path, "c", 0) == []
     store.commit()
-    assert len(events_after(store.path, "c", 0)) == 1
+    assert len(read_events_after(store.path, "c", 0)) == 1
 
 
 def test_epochs_only_grow_and_done_is_recorded(store: TranscriptStore) -> None:

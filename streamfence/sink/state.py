@@ -70,8 +70,9 @@ from streamfence.protocol.internal.control import (
 from streamfence.protocol.messages import done_event, reset_event
 from streamfence.sink.content import Content
 from streamfence.sink.fence import AuthorizeRefusal, FenceTable, FinalVerdict, Verdict
-from streamfence.sink.store import TranscriptStore, split_events
+from streamfence.sink.store import TranscriptStore
 from streamfence.sink.subscribers import Cuts, Outbox
+from streamfence.sink.transcript import split_events
 from streamfence.sink.wire import Final, Hello, delta_prefix, rebind_frame
 from streamfence.supervisor.histograms import DELTA_LATENCY_BUCKETS, Histogram
 

@@ -14,7 +14,7 @@ from typing import Any
 import msgpack
 
 from streamfence.protocol.messages import CallOptions, CallSpec, OnPartial
-from streamfence.sink.store import TranscriptReader
+from streamfence.sink.transcript import TranscriptReader
 from streamfence.supervisor import storepair
 from streamfence.supervisor.calls import Call
 from streamfence.supervisor.config import ProviderProfile
