@@ -14,6 +14,7 @@ from streamfence.protocol.messages import CallStatus, delta_event, done_event, r
 from streamfence.sink.store import TranscriptStore
 from streamfence.sink.transcript import (
     TranscriptReader,
+    answer_so_far,
     max_epochs,
     read_events_after,
     split_events,
@@ -43,6 +44,24 @@ def test_wal_mode_and_schema(store: TranscriptStore) -> None:
 def test_split_events_returns_each_encoded_event() -> None:
     events = [*deltas("c", 1, 1, ["a", "b" * 300, ""]), encode({"k": [1, {"x": b"\x00"}]})]
     assert split_events(b"".join(events)) == events
+
+
+def test_the_answer_so_far_is_after_the_last_reset_of_the_attempts_that_wrote_it() -> None:
+    """One definition for the sink (a reload) and the supervisor (its stats)."""
+    tool = encode(delta_event("c", 2, 7, "tool_call", {"index": 0, "name": "f"}))
+    events = [*deltas("c", 1, 1, ["void"]), encode(reset_event("c", 2, 2)),
+              *deltas("c", 2, 3, ["ab ", " c"]), *deltas("c", 3, 5, ["d"]),
+              *deltas("c", 4, 6, ["later"]), tool]
+    both = answer_so_far(events, 2, 3)  # a rebound answer: attempts 2 and 3 wrote it
+    assert both.text == ["ab ", " c", "d"] and both.tools == [tool_data(tool)]
+    assert (both.deltas(), both.visible_chars(), both.tool_fragments()) == (4, 4, 1)
+    newest = answer_so_far(events, None, 99)  # after a restart: the newest attempt's
+    assert newest.text == ["later"] and newest.deltas() == 1
+    assert answer_so_far([*events, encode(reset_event("c", 5, 8))], 1, 5).deltas() == 0
+
+
+def tool_data(event: bytes) -> object:
+    return msgpack.unpackb(event)["data"]
 
 
 def test_replay_across_runs_from_any_seq(store: TranscriptStore) -> None:
