@@ -33,7 +33,7 @@ from pathlib import Path
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
 from streamfence.protocol.client import ClientError
-from streamfence.sink.state import prune_grace_s
+from streamfence.sink.retention import prune_grace_s
 
 FILES = ("journal.db", "journal.db-wal", "transcript.db", "transcript.db-wal")
 SAMPLE_EVERY_S = 5.0

@@ -26,7 +26,7 @@ from streamfence.cluster.settings import ClusterSettings
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.nats_cluster import NatsCluster
 from streamfence.protocol.client_router import ClientError
-from streamfence.sink.store import events_after
+from streamfence.sink.transcript import read_events_after
 from tests.harness import DaemonProcess, wait_until
 from tests.wires import profile_for
 
@@ -127,7 +127,7 @@ def test_a_call_is_replicated_owned_and_logged_on_the_cluster(
     assert {r.host for r in log} == {HOST} and {r.epoch for r in log} == {1}
     logged = _events_in(log[1:])
     stored_events = [msgpack.unpackb(b, raw=False)
-                     for b in events_after(str(daemon.state_dir / "transcript.db"), call)]
+                     for b in read_events_after(str(daemon.state_dir / "transcript.db"), call)]
     assert logged == stored_events  # the log holds what the transcript holds, done included
     assert "".join(e["data"] for e in logged if e["op"] == "delta") == text
     assert logged[-1]["op"] == "done" and logged[-1]["status"] == "completed"

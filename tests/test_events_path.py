@@ -21,7 +21,7 @@ import zmq
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.protocol.credentials import load_credentials
 from streamfence.protocol.messages import events_endpoint
-from streamfence.sink.store import TranscriptReader
+from streamfence.sink.transcript import TranscriptReader
 from tests.harness import DaemonProcess, process_state
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,8 @@ from streamfence.protocol.internal.outcome import (
     ErrorClass,
 )
 from streamfence.protocol.states import FenceReason
-from streamfence.sink.state import COMMIT_AFTER_S, SinkState
+from streamfence.sink.commits import COMMIT_AFTER_S
+from streamfence.sink.state import SinkState
 from streamfence.sink.store import TranscriptStore
 from streamfence.supervisor.histograms import Histograms, attempt_outcome
 from tests.test_sink_robustness import NoListeners, NoPeer
@@ -62,10 +63,10 @@ def test_the_supervisors_histograms_and_attempt_outcomes() -> None:
 def test_the_sink_observes_delta_latency_once_per_commit_of_deltas(tmp_path: Path) -> None:
     state = SinkState(TranscriptStore(str(tmp_path / "t.db")), NoPeer(), NoListeners())
     try:
-        state.commit()  # nothing pending: nothing observed
-        state.pending_events = 3  # read 0.2 s ago (the loop set commit_due then)
-        state.commit_due = time.monotonic() - 0.2 + COMMIT_AFTER_S
-        state.commit()
+        state.commits.commit()  # nothing pending: nothing observed
+        state.commits.pending_events = 3  # read 0.2 s ago (the loop set commit_due then)
+        state.commits.commit_due = time.monotonic() - 0.2 + COMMIT_AFTER_S
+        state.commits.commit()
         latency = state.stats()["delta_latency"]
     finally:
         state.store.close()

@@ -21,9 +21,11 @@ from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.protocol.client import ClientError
 from streamfence.protocol.codec import encode
 from streamfence.protocol.messages import delta_event
-from streamfence.sink.state import PRUNE_FIRST_S, SinkState, prune_grace_s
-from streamfence.sink.store import TranscriptReader, TranscriptStore, prune_transcript
+from streamfence.sink.retention import PRUNE_FIRST_S, prune_grace_s
+from streamfence.sink.state import SinkState
+from streamfence.sink.store import TranscriptStore
 from streamfence.sink.subscribers import Outbox
+from streamfence.sink.transcript import TranscriptReader, prune_transcript
 from streamfence.supervisor.journal import Journal, prune_journal
 from tests.harness import DaemonProcess, wait_until
 
@@ -241,12 +243,12 @@ def test_sink_state_prunes_its_own_file_a_grace_after_the_journal(tmp_path: Path
     _age_transcript(path, 2 * DAY, "old-")
     # Past the retention, but not past the retention and the grace: kept for now.
     _age_transcript(path, DAY + prune_grace_s(DAY) / 2, "edge-")
-    assert SinkState(store, NoPeer(), NoListeners()).prune_due is None  # 0: keep forever
+    assert SinkState(store, NoPeer(), NoListeners()).retention.due is None  # 0: keep forever
     before = time.monotonic()
     state = SinkState(store, NoPeer(), NoListeners(), retention_days=1.0)
-    assert state.prune_due is not None and state.prune_due >= before + PRUNE_FIRST_S
-    assert state.prune() == 1
-    assert state.prune_due > time.monotonic()
+    assert state.retention.due is not None and state.retention.due >= before + PRUNE_FIRST_S
+    assert state.retention.prune() == 1
+    assert state.retention.due > time.monotonic()
     assert state.stats()["calls_pruned"] == 1
     assert store.call_row("old-done") is None
     assert store.call_row("edge-done") is not None

@@ -51,7 +51,7 @@ from streamfence.protocol.internal.control import (
 from streamfence.protocol.internal.outcome import AttemptOutcome, outcome_from_wire, outcome_to_wire
 from streamfence.protocol.messages import visible_chars
 from streamfence.sink.process import run_sink
-from streamfence.sink.store import TranscriptReader, events_after
+from streamfence.sink.transcript import TranscriptReader, read_events_after
 
 MP = multiprocess.get_context("spawn")
 START_S = 20.0  # a spawned child imports zmq, msgpack, sqlite3: well under this
@@ -284,7 +284,7 @@ class SinkUnderTest:
         return p
 
     def transcript(self, call: str) -> list[dict[str, Any]]:
-        return [msgpack.unpackb(e) for e in events_after(self.db_path, call, 0)]
+        return [msgpack.unpackb(e) for e in read_events_after(self.db_path, call, 0)]
 
     def close(self) -> None:
         for s in self.sockets:
@@ -601,7 +601,7 @@ def test_finish_builds_commits_then_publishes_the_done_event(sink: SinkUnderTest
     assert sup.ok(C_FINISH, call, "failed", None, 2, None) == done
     assert sup.stats()["events_sent"] == sent["events_sent"], "a repeated finish sent an event"
     assert sup.request(C_AUTHORIZE, call, 2, False)[0] == R_REFUSED
-    assert len(events_after(sink.db_path, call, 0)) == len(parts) + 1
+    assert len(read_events_after(sink.db_path, call, 0)) == len(parts) + 1
     worker.send(delta(call, 1, len(parts) + 1))
     sup.wait_stats(lambda s: s["dropped_by_verdict"]["closed"] == 1, "the late delta's drop")
 

@@ -29,8 +29,9 @@ from streamfence.protocol.internal.control import AddSubscriber, encode_control,
 from streamfence.sink.fence import Verdict
 from streamfence.sink.process import run_sink
 from streamfence.sink.state import SinkState
-from streamfence.sink.store import TranscriptReader, TranscriptStore
+from streamfence.sink.store import TranscriptStore
 from streamfence.sink.subscribers import Outbox
+from streamfence.sink.transcript import TranscriptReader
 from tests.test_sink_process import (
     MP,
     START_S,
@@ -232,12 +233,12 @@ def test_drop_log_line_is_greppable_and_sparse(tmp_path: Path,
     """First drop of a (call, attempt) at WARNING with the counts, the rest at DEBUG."""
     state = SinkState(TranscriptStore(str(tmp_path / "t.db")), NoPeer(), NoListeners())
     try:
-        assert state.fence.authorize("c", 1) is None
-        state._live("c").start_attempt(1, "gpt-test")
-        assert state.fence.authorize("c", 2) is None
+        assert state.calls.fence.authorize("c", 1) is None
+        state.calls.live("c").start_attempt(1, "gpt-test")
+        assert state.calls.fence.authorize("c", 2) is None
         caplog.set_level(logging.DEBUG, logger="streamfence.sink.fence")
         for seq in (7, 8):
-            state.drop("c", 1, seq, Verdict.STALE_ATTEMPT)
+            state.counters.drop("c", 1, seq, Verdict.STALE_ATTEMPT)
     finally:
         state.store.close()
     first, second = caplog.records

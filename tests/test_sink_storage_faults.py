@@ -28,9 +28,10 @@ from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.protocol.codec import encode
 from streamfence.protocol.internal import C_AUTHORIZE, C_STATS, R_OK, R_REFUSED
 from streamfence.protocol.internal.control import Stats
+from streamfence.protocol.sqlite_faults import is_storage_fault
 from streamfence.sink.process import run_sink
 from streamfence.sink.state import SinkState
-from streamfence.sink.store import StoreStopped, TranscriptStore, is_storage_fault
+from streamfence.sink.store import StoreStopped, TranscriptStore
 from streamfence.sink.subscribers import Cuts, Outbox
 from tests.harness import DaemonProcess, assert_one_exact_answer, wait_until
 from tests.test_sink_process import MP, START_S, SinkUnderTest, Supervisor, delta
@@ -228,15 +229,15 @@ def test_a_prune_on_a_full_disk_is_logged_and_tried_later(
         other.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         other.close()
         filler = disks.fill(disk)
-        assert state.prune() == 0  # neither raised nor retried in place
+        assert state.retention.prune() == 0  # neither raised nor retried in place
         failed = wait_for_record(caplog, "pruning finished calls", "failed")
         assert failed.levelno == logging.WARNING
         assert "SQLITE_FULL" in failed.getMessage()
-        assert state.prune() == 0
+        assert state.retention.prune() == 0
         assert len([r for r in caplog.records if "pruning" in r.getMessage()]) == 1
         assert store.fault is None  # a prune is no commit: nothing waits for it
         filler.unlink()
-        assert state.prune() == 20
+        assert state.retention.prune() == 20
         wait_for_record(caplog, "pruning finished calls", "works again")
     finally:
         store.close()
@@ -260,7 +261,7 @@ def test_stats_do_not_wait_for_the_disk(small_disk: Callable[[int], Path],
         assert reply[2]["storage_fault"].startswith("SQLITE_FULL"), reply[2]
         assert isinstance(reply[2]["storage_fault_since"], float)
         filler.unlink()
-        assert state.commit()
+        assert state.commits.commit()
         assert stored_bodies(path) == expected
         assert msgpack.unpackb(state.handle_control(Stats(1)))[2]["storage_fault"] is None
     finally:

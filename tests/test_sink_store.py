@@ -11,11 +11,12 @@ import pytest
 
 from streamfence.protocol.codec import encode
 from streamfence.protocol.messages import CallStatus, delta_event, done_event, reset_event
-from streamfence.sink.store import (
+from streamfence.sink.store import TranscriptStore
+from streamfence.sink.transcript import (
     TranscriptReader,
-    TranscriptStore,
-    events_after,
+    answer_so_far,
     max_epochs,
+    read_events_after,
     split_events,
 )
 
@@ -45,6 +46,24 @@ def test_split_events_returns_each_encoded_event() -> None:
     assert split_events(b"".join(events)) == events
 
 
+def test_the_answer_so_far_is_after_the_last_reset_of_the_attempts_that_wrote_it() -> None:
+    """One definition for the sink (a reload) and the supervisor (its stats)."""
+    tool = encode(delta_event("c", 2, 7, "tool_call", {"index": 0, "name": "f"}))
+    events = [*deltas("c", 1, 1, ["void"]), encode(reset_event("c", 2, 2)),
+              *deltas("c", 2, 3, ["ab ", " c"]), *deltas("c", 3, 5, ["d"]),
+              *deltas("c", 4, 6, ["later"]), tool]
+    both = answer_so_far(events, 2, 3)  # a rebound answer: attempts 2 and 3 wrote it
+    assert both.text == ["ab ", " c", "d"] and both.tools == [tool_data(tool)]
+    assert (both.deltas(), both.visible_chars(), both.tool_fragments()) == (4, 4, 1)
+    newest = answer_so_far(events, None, 99)  # after a restart: the newest attempt's
+    assert newest.text == ["later"] and newest.deltas() == 1
+    assert answer_so_far([*events, encode(reset_event("c", 5, 8))], 1, 5).deltas() == 0
+
+
+def tool_data(event: bytes) -> object:
+    return msgpack.unpackb(event)["data"]
+
+
 def test_replay_across_runs_from_any_seq(store: TranscriptStore) -> None:
     run1 = deltas("c", 1, 1, ["a", "b", "c"])
     reset = encode(reset_event("c", 2, 4))
@@ -58,16 +77,16 @@ def test_replay_across_runs_from_any_seq(store: TranscriptStore) -> None:
     assert store.commit() == 2
     everything = [*run1, reset, *run2]
     for from_seq in range(0, 8):
-        got = events_after(store.path, "c", from_seq)
+        got = read_events_after(store.path, "c", from_seq)
         assert got == everything[from_seq:], from_seq
         assert [msgpack.unpackb(e)["seq"] for e in got] == list(range(from_seq + 1, 7))
 
 
 def test_uncommitted_rows_are_invisible_to_readers(store: TranscriptStore) -> None:
     store.add_run("c", 1, 1, deltas("c", 1, 1, ["a"]))
-    assert events_after(store.path, "c", 0) == []
+    assert read_events_after(store.path, "c", 0) == []
     store.commit()
-    assert len(events_after(store.path, "c", 0)) == 1
+    assert len(read_events_after(store.path, "c", 0)) == 1
 
 
 def test_epochs_only_grow_and_done_is_recorded(store: TranscriptStore) -> None:

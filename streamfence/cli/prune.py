@@ -45,7 +45,7 @@ def _age_option(ctx: click.Context, param: click.Parameter, value: str) -> float
               help="Remove the calls that finished longer ago than this (3d, 12h, 30m, 90s).")
 def prune(config_path: str | None, age_s: float) -> None:
     """Remove finished calls older than --older-than from the journal and the transcript."""
-    from streamfence.sink.store import prune_transcript
+    from streamfence.sink.transcript import prune_transcript
     from streamfence.supervisor.journal import prune_journal
 
     cfg = load(config_path)

@@ -13,7 +13,7 @@ group commit, never per delta:
 - `call_duration_seconds`: from a call's acceptance (AttemptDriver.release:
   it joins the queue) to the sink's storing of its done event. A call
   recovered at a start counts from its recovery.
-- `delta_latency_seconds` is the sink's (sink/state.py `SinkState.commit`):
+- `delta_latency_seconds` is the sink's (sink/commits.py `Commits.commit`):
   per group commit that stored deltas, from the end of the loop turn that
   read its first delta (or the commit's start, when the commit came in that
   same turn) to the hand-off of its events to the subscribers' sockets after

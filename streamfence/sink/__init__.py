@@ -4,16 +4,24 @@ It accepts a delta only from the attempt currently authorized for its call
 (the fence), persists accepted events to SQLite and forwards them to the
 supervisor. Modules:
 
+- `streamfence.sink.process`: `run_sink(runtime_dir, db_path, ...)`, the process
+  entry point: sockets, signals and the loop.
+- `streamfence.sink.intake`: the worker wire's doors and the per-delta hot path.
 - `streamfence.sink.fence`: `FenceTable` and `check(call, attempt, seq) -> Verdict`, the
   pure single-writer rule (no I/O).
+- `streamfence.sink.state`: `SinkState`, which holds one owner per job and
+  dispatches control ops to them: `calls` (the fence table and the calls'
+  runtime state), `counters`, `commits` (group commits), `retention`,
+  `fencing` (authorize, fence, finish, finals), `rebinds` (after a restart),
+  `replays`, `replica` (cluster mode, with `cluster_log`).
 - `streamfence.sink.content`: per-attempt content and `build_response(meta)`.
-- `streamfence.sink.store`: the transcript (`TranscriptStore` for the sink,
-  `TranscriptReader` / `events_after` / `max_epochs` for other processes).
+- `streamfence.sink.transcript`: the transcript's format and every read of it;
+  other packages reach the transcript through it alone (`TranscriptReader`,
+  `answer_so_far`, `stored_done`, `prune_transcript`, ...).
+- `streamfence.sink.store`: `TranscriptStore`, the writer (group commits, storage
+  faults waited out); `checkpoints` its WAL checkpoint thread.
 - `streamfence.sink.wire`: T_FINAL's shape check and the per-delta pre-encoded pieces
   (control messages: `streamfence.protocol.internal`).
-- `streamfence.sink.state`: control ops, finals, drop accounting, commits (no sockets).
-- `streamfence.sink.peer`: the supervisor as the sink's peer (who may drive it,
-  where events go, the backlog while it is away).
-- `streamfence.sink.process`: `run_sink(runtime_dir, db_path, log_level)`, the process
-  entry point: sockets, the loop and the per-delta hot path.
+- `streamfence.sink.streams`, `routers`, `subscribers`, `peer`: the sockets (worker
+  streams, the ROUTERs, the events socket, the supervisor as the sink's peer).
 """

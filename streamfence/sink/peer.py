@@ -4,12 +4,21 @@ hears how attempts ended."""
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import zmq
 
 log = logging.getLogger("streamfence.sink")
 
 BACKLOG_MAX = 200_000  # messages kept while no supervisor is connected
+
+
+class Publisher(Protocol):
+    """What the rest of the sink needs of `SupervisorPeer` (tests give a stand-in)."""
+
+    def publish(self, frame: bytes) -> None: ...
+
+    def stats(self) -> dict[str, int]: ...
 
 
 class SupervisorPeer:

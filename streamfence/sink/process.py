@@ -20,7 +20,7 @@ Duties (`run_sink` is the entry point the supervisor starts with
   are sent after a commit too;
 - count and sparsely log refused deltas and bad frames; never crash on input;
 - retention: one batch of finished calls deleted from the transcript when
-  `state.prune_due` has come (sink/state.py, "Retention");
+  `Retention.due` has come (sink/retention.py);
 - storage faults (a full disk, an I/O error, a lock held past the busy
   timeout: docs/ARCHITECTURE.md §4.15) are waited out inside the store's
   commit, through `_pause`: it answers C_STATS meanwhile (status shows the
@@ -30,14 +30,13 @@ Duties (`run_sink` is the entry point the supervisor starts with
   last commit (given up, in one ERROR line, if the store is in a storage
   fault). SIGINT is ignored: the supervisor owns the shutdown order.
 
-The per-delta path is one method, `_take`, on purpose flat: an integer tag
-test, a dict lookup in the fence, list appends and pre-encoded byte pieces;
-both doors decode before it (a stream's unpacker, or one frame).
+The worker wire's doors and the per-delta path are `intake.WorkerIntake`'s
+(sink/intake.py); the state the loop drives is `SinkState`'s owners
+(sink/state.py).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import signal
@@ -45,17 +44,15 @@ import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
 
-import msgpack
 import zmq
 
 from streamfence.cluster.settings import ClusterSettings
-from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted
+from streamfence.protocol.codec import decode_untrusted
 from streamfence.protocol.errors import ProtocolError
-from streamfence.protocol.internal import T_DELTA, T_HELLO, Endpoints
+from streamfence.protocol.internal import Endpoints
 from streamfence.protocol.internal.control import (
     BadFrame,
     ControlOp,
@@ -72,37 +69,36 @@ from streamfence.protocol.lifecycle import (
     set_process_title,
 )
 from streamfence.protocol.logs import route_logs_to
-from streamfence.sink.content import check_tool_fragment
-from streamfence.sink.fence import Verdict
+from streamfence.sink.commits import COMMIT_AFTER_S, COMMIT_EVERY, IDLE_COMMIT_GAP_S
+from streamfence.sink.intake import WorkerIntake
 from streamfence.sink.peer import SupervisorPeer
-from streamfence.sink.state import COMMIT_AFTER_S, COMMIT_EVERY, IDLE_COMMIT_GAP_S, SinkState, log
+from streamfence.sink.routers import resync, router, send
+from streamfence.sink.state import SinkState
 from streamfence.sink.store import StoreStopped, TranscriptStore
-from streamfence.sink.streams import READ_BYTES, WorkerStreams
+from streamfence.sink.streams import WorkerStreams
 from streamfence.sink.subscribers import Subscribers
-from streamfence.sink.wire import KIND_TAIL, TOOL_CALL, parse_final, parse_hello
+
+log = logging.getLogger("streamfence.sink")
 
 CTL_BURST = 100
 IDLE_POLL_MS = 60_000  # nothing due: the loop is event driven (signals wake it)
 
-_ACCEPT = Verdict.ACCEPT
-_PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException)
-_STREAM_ERRORS = (ValueError, msgpack.UnpackException, msgpack.BufferFull, RecursionError)
-
 
 class Sink:
-    """Owns the worker and control sockets, the loop, signal handling and the
-    per-delta hot path; `state` (SinkState) owns the fence, the calls, the
-    store and the counters, `peer` (SupervisorPeer) what goes to the
-    supervisor, `subscribers` the events socket."""
+    """Owns the worker and control sockets, the loop and signal handling;
+    `intake` reads the worker wire (the per-delta hot path), `state`
+    (SinkState) holds the fence, the calls, the store, the commit schedule
+    and the counters, `peer` (SupervisorPeer) what goes to the supervisor,
+    `subscribers` the events socket."""
 
     def __init__(self, runtime_dir: str, db_path: str, events_endpoint: str,
                  keys_dir: str | None = None, control_identity: bytes | None = None,
                  retention_days: float = 0.0, cluster: ClusterSettings | None = None) -> None:
         ep = Endpoints(runtime_dir)
         self.ctx = zmq.Context()
-        self.sin = self._router(ep.sink_in)
+        self.sin = router(self.ctx, ep.sink_in)
         self.streams = WorkerStreams(ep.sink_stream)
-        self.ctl = self._router(ep.sink_ctl)
+        self.ctl = router(self.ctx, ep.sink_ctl)
         self.peer = SupervisorPeer(self.ctl, control_identity)
         self.subscribers = Subscribers(self.ctx, events_endpoint,
                                        KeyStore(keys_dir) if keys_dir is not None else None)
@@ -121,20 +117,8 @@ class Sink:
             cluster_log = ClusterLog(cluster)
         self.state = SinkState(TranscriptStore(db_path, pause=self._pause), self.peer,
                                self.subscribers, retention_days, cluster_log)
+        self.intake = WorkerIntake(self.sin, self.streams, self.state)
         self._ready = True
-
-    def _router(self, endpoint: str) -> zmq.Socket[bytes]:
-        s: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
-        # Mandatory: an unknown peer is an error we see, not a silent drop.
-        # No send HWM: the supervisor is our own process and must get every
-        # event (with HWM+mandatory a send could block the loop instead).
-        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        s.setsockopt(zmq.SNDHWM, 0)
-        s.setsockopt(zmq.RCVHWM, 10_000)
-        s.setsockopt(zmq.MAXMSGSIZE, DEFAULT_MAX_FRAME)
-        s.setsockopt(zmq.LINGER, 500)
-        s.bind(endpoint)
-        return s
 
     # ---- loop -------------------------------------------------------------------------
 
@@ -157,59 +141,65 @@ class Sink:
         try:
             self._loop(poller, streams_fd, wake_fd)
             log.info("sink: stopping; final commit")
-            self.state.commit()
+            self.state.commits.commit()
         except StoreStopped as exc:
             log.error("sink: %s", exc)
 
     def _loop(self, poller: zmq.Poller, streams_fd: int, wake_fd: int) -> None:
-        state = self.state
+        state, intake, subscribers = self.state, self.intake, self.subscribers
+        commits, retention, replays, replica = (state.commits, state.retention, state.replays,
+                                                state.replica)
         idle = True  # the input ran dry in the last drain
-        subscribers = self.subscribers
         replaying = False  # a replay could take more at the end of the last turn
         cluster_fd = -1  # cluster mode: the followed calls' records came
-        if state.cluster is not None:
-            cluster_fd = state.cluster.bridge.fd
+        if replica is not None:
+            cluster_fd = replica.wake_fd()
             poller.register(cluster_fd, zmq.POLLIN)
         while not self._stopping:
-            if replaying or self._held:
-                timeout = 0
-            elif subscribers.outstanding:
-                timeout = max(0, int((subscribers.ping_due - time.monotonic()) * 1000) + 1)
-            else:
-                timeout = IDLE_POLL_MS
-            if state.commit_due is not None:
-                due = min(state.commit_due, state.last_commit + IDLE_COMMIT_GAP_S) \
-                    if idle else state.commit_due
-                timeout = min(timeout, max(0, int((due - time.monotonic()) * 1000) + 1))
-            if state.prune_due is not None:
-                timeout = min(timeout, max(0, int((state.prune_due - time.monotonic()) * 1000) + 1))
-            ready = dict(poller.poll(timeout))
+            ready = dict(poller.poll(self._timeout(idle, replaying)))
             if wake_fd in ready:  # plain fds come back as their fileno
                 self._drain_signals()
             if self.ctl in ready or self._held:
                 self._drain_ctl()
             if subscribers.socket in ready:
                 subscribers.drain()
-            if cluster_fd in ready and state.cluster is not None:
-                state.cluster.bridge.run_done()
-                state.apply_followed(state.cluster.incoming())
+            if cluster_fd in ready and replica is not None:
+                replica.on_wake()
             idle = True
             if streams_fd in ready:
-                idle = self._drain_streams()
+                idle = intake.drain_streams()
             if self.sin in ready:
-                idle = self._drain_in(max(1, COMMIT_EVERY - state.pending_events)) and idle
-            if state.pending_events:
+                idle = intake.drain_in(max(1, COMMIT_EVERY - commits.pending_events)) and idle
+            if commits.pending_events:
                 now = time.monotonic()
-                if state.commit_due is None:
-                    state.commit_due = now + COMMIT_AFTER_S
-                if (state.pending_events >= COMMIT_EVERY or now >= state.commit_due
-                        or (idle and now >= state.last_commit + IDLE_COMMIT_GAP_S)):
-                    state.commit()
-            if state.prune_due is not None and time.monotonic() >= state.prune_due:
-                state.prune()
-            replaying = bool(state.replays) and state.serve_replays()
+                if commits.commit_due is None:
+                    commits.commit_due = now + COMMIT_AFTER_S
+                if (commits.pending_events >= COMMIT_EVERY or now >= commits.commit_due
+                        or (idle and now >= commits.last_commit + IDLE_COMMIT_GAP_S)):
+                    commits.commit()
+            if retention.due is not None and time.monotonic() >= retention.due:
+                retention.prune()
+            replaying = bool(replays.active) and replays.serve()
             if subscribers.outstanding and time.monotonic() >= subscribers.ping_due:
                 subscribers.ping()
+
+    def _timeout(self, idle: bool, replaying: bool) -> int:
+        """How long the next poll may wait (ms): until the next thing due."""
+        commits, subscribers = self.state.commits, self.subscribers
+        if replaying or self._held:
+            timeout = 0
+        elif subscribers.outstanding:
+            timeout = max(0, int((subscribers.ping_due - time.monotonic()) * 1000) + 1)
+        else:
+            timeout = IDLE_POLL_MS
+        if commits.commit_due is not None:
+            due = min(commits.commit_due, commits.last_commit + IDLE_COMMIT_GAP_S) \
+                if idle else commits.commit_due
+            timeout = min(timeout, max(0, int((due - time.monotonic()) * 1000) + 1))
+        prune_due = self.state.retention.due
+        if prune_due is not None:
+            timeout = min(timeout, max(0, int((prune_due - time.monotonic()) * 1000) + 1))
+        return timeout
 
     def _drain_signals(self) -> None:
         try:
@@ -230,20 +220,12 @@ class Sink:
         self.subscribers.close()
         self.ctx.term()
         self.state.store.close()
-        if self.state.cluster is not None:
-            self.state.cluster.close()
+        if self.state.replica is not None:
+            self.state.replica.close()
         self._wake_r.close()
         self._wake_w.close()
 
     # ---- sockets ---------------------------------------------------------------------
-
-    def _resync(self, sock: zmq.Socket[bytes]) -> bool:
-        """Drop the rest of a multi-part message; True if there was any."""
-        if not sock.getsockopt(zmq.RCVMORE):
-            return False
-        while sock.getsockopt(zmq.RCVMORE):
-            sock.recv()
-        return True
 
     def _drain_ctl(self) -> None:
         """Up to CTL_BURST control ops: the held ones first, then the socket's."""
@@ -252,35 +234,35 @@ class Sink:
             if got is None:
                 return
             ident, op = got
-            self._send(self.ctl, ident, self.state.handle_control(op))
+            send(self.ctl, ident, self.state.handle_control(op))
 
     def _recv_ctl(self) -> tuple[bytes, ControlOp] | None:
         """The next well-formed control op from the supervisor, counting (and,
         when its sender waits, refusing) anything else on the way; None when
         no message waits."""
         sock = self.ctl
-        state = self.state
+        counters = self.state.counters
         while True:
             try:
                 ident = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return None
             frame = sock.recv()
-            if self._resync(sock):
-                state.bad_frame("ctl", "more than one frame")
+            if resync(sock):
+                counters.bad_frame("ctl", "more than one frame")
                 continue
             if not self.peer.admits(ident):
-                state.bad_frame("ctl", "control message from a peer that is not the supervisor")
+                counters.bad_frame("ctl", "control message from a peer that is not the supervisor")
                 continue
             try:
                 op = parse_control(decode_untrusted(frame))
             except ProtocolError as exc:
-                state.bad_frame("ctl", exc.message)
+                counters.bad_frame("ctl", exc.message)
                 continue
             except BadFrame as exc:
-                state.bad_frame("ctl", exc.reason)
+                counters.bad_frame("ctl", exc.reason)
                 if exc.req is not None:  # the sender is waiting on this req: answer it
-                    self._send(sock, ident, encode_refused(exc.req, f"bad_message: {exc.reason}"))
+                    send(sock, ident, encode_refused(exc.req, f"bad_message: {exc.reason}"))
                 continue
             self.peer.heard_from(ident)
             return ident, op
@@ -311,137 +293,10 @@ class Sink:
             if self.ctl in ready:
                 while (got := self._recv_ctl()) is not None:
                     if isinstance(got[1], Stats):
-                        self._send(self.ctl, got[0], encode_ok(got[1].req, self.state.stats()))
+                        send(self.ctl, got[0], encode_ok(got[1].req, self.state.stats()))
                     else:
                         self._held.append(got)
         return True
-
-    def _send(self, sock: zmq.Socket[bytes], ident: bytes, frame: bytes) -> bool:
-        try:
-            sock.send(ident, zmq.SNDMORE | zmq.NOBLOCK)
-            sock.send(frame, zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError:
-            return False  # the peer is gone (EHOSTUNREACH): nobody to answer
-
-    def _out_of_line(self, msg: Any, reply: Callable[[bytes], bool]) -> None:
-        """Anything from a worker that is not a well-formed delta: a final, a
-        hello, or garbage."""
-        state = self.state
-        try:
-            if msg[0] == T_HELLO:
-                state.handle_hello(parse_hello(msg), reply)
-                return
-            final = parse_final(msg)
-        except BadFrame as exc:
-            state.bad_frame("in", exc.reason)
-            return
-        if not reply(state.handle_final(final)):
-            # The worker exited without waiting for its ack (it will count the
-            # attempt as unfinished); the supervisor has E_ENDED anyway.
-            state.acks_unroutable += 1
-
-    def _take(self, msgs: Iterable[Any], reply: Callable[[bytes], bool]) -> None:
-        """Decoded worker messages from one sender (the per-delta hot path, a
-        loop with locals on purpose): the fence check, then, accepted, the
-        call's next public seq, the public event built from pre-encoded pieces,
-        queued for the store and (after its commit) for the call's listeners.
-        Anything else goes out of line; `reply` sends a final's ack back."""
-        state = self.state
-        check = state.fence.check
-        lives = state.lives
-        pack = state.pack
-        tails = KIND_TAIL
-        dirty_append = state.dirty.append
-        outbox_append = state.outbox.append
-        n = 0
-        try:
-            for msg in msgs:
-                try:
-                    tag = msg[0]
-                    if tag != T_DELTA or type(tag) is not int:
-                        # Out of line (finals, garbage). It may commit: settle
-                        # the counters first.
-                        state.pending_events += n
-                        state.accepted += n
-                        n = 0
-                        self._out_of_line(msg, reply)
-                        continue
-                    _, call, attempt, seq, kind, data = msg
-                    tail = tails[kind]
-                    if type(call) is not str or type(attempt) is not int \
-                            or type(seq) is not int:
-                        raise TypeError
-                    if kind == TOOL_CALL:
-                        check_tool_fragment(data)
-                    elif type(data) is not str:
-                        raise TypeError
-                except _PARSE_ERRORS:
-                    state.bad_frame("in", "malformed T_DELTA")
-                    continue
-                verdict = check(call, attempt, seq)
-                if verdict is not _ACCEPT:
-                    state.drop(call, attempt, seq, verdict)
-                    continue
-                live = lives[call]
-                pseq = live.seq + 1
-                live.seq = pseq
-                event = live.prefix + pack(pseq) + tail + pack(data)
-                pending = live.pending
-                if not pending:
-                    live.pending_seq = pseq
-                    dirty_append(live)
-                pending.append(event)
-                live.add[kind](data)
-                n += 1
-                subs = live.subs
-                if subs:
-                    outbox_append((subs, event))  # sent after its commit
-        finally:
-            state.pending_events += n
-            state.accepted += n
-
-    def _drain_streams(self) -> bool:
-        """The workers' stream connections: every message that arrived. True if
-        the input ran dry (no connection filled its read)."""
-        idle = True
-        for conn, data in self.streams.ready():
-            idle = idle and len(data) < READ_BYTES
-            try:
-                conn.unpacker.feed(data)  # BufferFull: a message over the frame limit
-                self._take(conn.unpacker, conn.send)
-            except _STREAM_ERRORS:
-                self.state.bad_frame("in", "a worker's stream cannot be framed (not msgpack, or "
-                                           "a message over the frame limit); connection closed")
-                self.streams.drop(conn)
-        return idle
-
-    def _drain_in(self, budget: int) -> bool:
-        """The ZeroMQ door of the worker wire (`sink.in`, kept beside the
-        stream socket that workers use): up to `budget` single-frame messages.
-        True if the input ran dry."""
-        sock = self.sin
-        state = self.state
-        for _ in range(budget):
-            try:
-                ident = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            try:
-                frame = sock.recv(zmq.NOBLOCK)  # never block: a message arrives whole
-            except zmq.Again:
-                state.bad_frame("in", "lone frame (a misaligned multi-part message)")
-                return True
-            if self._resync(sock):
-                state.bad_frame("in", "more than one frame")
-                continue
-            try:
-                msg = decode_untrusted(frame)
-            except ProtocolError as exc:
-                state.bad_frame("in", exc.message)
-                continue
-            self._take((msg,), functools.partial(self._send, sock, ident))
-        return False
 
 
 def _route_logs(runtime_dir: str, level: str | int) -> zmq.Socket[bytes]:

@@ -7,7 +7,7 @@ routing id is its *listener id*, a secret it chose and named only to the
 supervisor, over its authenticated request socket; it says `listen` and is
 answered `listening` (so it knows its connection is up). The supervisor
 decides who may see a call and tells the sink "listener L follows call C
-after seq S" (C_SUBSCRIBE, `SinkState.add_subscriber`): the sink replays what
+after seq S" (C_SUBSCRIBE, `Replays.subscribe`): the sink replays what
 the transcript holds after S, then sends each new event of C right after the
 commit that stores it. The supervisor is off the per-delta path
 (docs/ARCHITECTURE.md §1).
@@ -24,7 +24,7 @@ together. A listener says `ack` with the bytes it has read since its
 off from that call with a `cut_off` event naming the last seq it was sent,
 and it subscribes again from there (as Redis drops a client whose output
 buffer passes its limit). A replay never cuts off: it waits for the
-listener's acks (sink/state.py serves replays in slices). A frame to a
+listener's acks (sink/replays.py serves replays in slices). A frame to a
 listener that is not connected (say, reconnecting to a restarted sink) is
 dropped and counted, and the subscription stays until the call's done: the
 client sees a gap in seq and subscribes again from its last seq. A listener
@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import zmq
@@ -74,10 +74,24 @@ Outbox = list[tuple[set[bytes], bytes]]  # (the call's listeners, one event) aft
 Cuts = list[tuple[bytes, list[bytes]]]  # (listener, the events it was not sent, in order)
 
 
+class Listeners(Protocol):
+    """What the rest of the sink needs of `Subscribers` (tests give a stand-in)."""
+
+    def deliver(self, outbox: Outbox) -> Cuts: ...
+
+    def replay(self, listener: bytes, events: list[bytes]) -> int: ...
+
+    def room(self, listener: bytes) -> int: ...
+
+    def cut_off(self, listener: bytes, call_id: str, seq: int) -> None: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+
 class Subscribers:
     """Owns the events socket (and its ZAP authenticator, if auth is on), each
     listener's unacknowledged bytes and the delivery counters. Who follows
-    which call is kept on each call's `LiveCall.subs` (sink/state.py), where
+    which call is kept on each call's `LiveCall.subs` (sink/calls.py), where
     the hot path looks; a cut-off is carried out there too."""
 
     def __init__(self, ctx: zmq.Context[Any], endpoint: str, keys: KeyStore | None,

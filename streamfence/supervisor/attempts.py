@@ -14,8 +14,6 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import msgpack
-
 from streamfence.config.model import DaemonConfig
 from streamfence.protocol.codec import encode
 from streamfence.protocol.errors import ErrorCode
@@ -29,9 +27,9 @@ from streamfence.protocol.internal.control import (
 )
 from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome
 from streamfence.protocol.internal.workers import AttemptSettings, RunAttempt
-from streamfence.protocol.messages import CallStatus, DeltaKind, visible_chars
+from streamfence.protocol.messages import CallStatus
 from streamfence.protocol.states import CallState, FenceReason
-from streamfence.sink.store import events_after
+from streamfence.sink.transcript import answer_so_far, read_events_after
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.calls import (
     BUSY_STATES,
@@ -730,18 +728,10 @@ class AttemptDriver:
     def _stats_from_transcript(self, call: Call) -> AttemptStats:
         """The current attempt's stats as the transcript holds them (events are
         sent only after their commit: what subscribers could see)."""
-        visible = fragments = accepted = 0
-        first = call.content_from  # a rebound attempt's answer began there
-        stored = events_after(self._transcript_path, call.call_id) \
+        stored = read_events_after(self._transcript_path, call.call_id) \
             if os.path.exists(self._transcript_path) else []  # no sink ever started
-        for frame in stored:
-            event = msgpack.unpackb(frame, raw=False)
-            if event.get("op") == "reset":
-                visible = fragments = accepted = 0
-            elif event.get("op") == "delta" and first <= event["attempt"] <= call.epoch:
-                accepted += 1
-                visible += visible_chars(event["kind"], event["data"])
-                if event["kind"] == DeltaKind.TOOL_CALL:
-                    fragments += 1
-        return AttemptStats(call.epoch, accepted=accepted, visible_chars=visible,
-                            tool_fragments=fragments)
+        # A rebound attempt's answer began at call.content_from.
+        answer = answer_so_far(stored, call.content_from, call.epoch)
+        return AttemptStats(call.epoch, accepted=answer.deltas(),
+                            visible_chars=answer.visible_chars(),
+                            tool_fragments=answer.tool_fragments())

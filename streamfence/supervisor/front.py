@@ -43,7 +43,7 @@ from streamfence.protocol.messages import (
     pending_msg,
     ref_of,
 )
-from streamfence.sink.store import stored_done
+from streamfence.sink.transcript import stored_done
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.calls import Call

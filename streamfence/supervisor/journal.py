@@ -85,7 +85,7 @@ from streamfence.protocol import retention
 from streamfence.protocol.errors import ErrorCode, ProtocolError
 from streamfence.protocol.internal.outcome import AttemptOutcome
 from streamfence.protocol.messages import submitted_request
-from streamfence.sink.store import is_storage_fault
+from streamfence.protocol.sqlite_faults import is_storage_fault
 from streamfence.supervisor.journal_sync import WalSyncer
 from streamfence.supervisor.request_files import RequestFiles
 
@@ -189,7 +189,7 @@ class StorageFault:
 
 
 def storage_fault(path: str, exc: sqlite3.Error) -> StorageFault | None:
-    """The fault `exc` is (the sink's set: `is_storage_fault`), or None if it
+    """The fault `exc` is (protocol/sqlite_faults.py: `is_storage_fault`), or None if it
     is no storage fault (damage, a bug)."""
     if not is_storage_fault(exc):
         return None

@@ -15,7 +15,7 @@ import msgpack
 
 from streamfence.config.model import ProviderProfile
 from streamfence.protocol.messages import CallOptions, CallSpec, OnPartial
-from streamfence.sink.store import TranscriptReader
+from streamfence.sink.transcript import TranscriptReader
 from streamfence.supervisor import storepair
 from streamfence.supervisor.calls import Call
 from streamfence.supervisor.journal import Journal

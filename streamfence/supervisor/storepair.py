@@ -46,7 +46,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamfence.sink.store import META_TABLE as TRANSCRIPT_META
+from streamfence.sink.transcript import META_TABLE as TRANSCRIPT_META
+from streamfence.sink.transcript import calls_sql
 from streamfence.supervisor import walframes
 from streamfence.supervisor.journal import META_TABLE as JOURNAL_META
 
@@ -177,10 +178,11 @@ def read_facts(path: str) -> FileFacts:
 
 
 _BEHIND = """
-WITH j(call_id, epoch) AS ({journal_calls})
-SELECT count(*), min(t.call_id), t.max_epoch, j.epoch
-FROM t.calls AS t LEFT JOIN j ON j.call_id = t.call_id
-WHERE (j.call_id IS NULL AND (t.status IS NULL OR t.updated_at > ?)) OR j.epoch < t.max_epoch
+WITH j(call_id, epoch) AS ({journal_calls}),
+t(call_id, epoch, finished, updated_at) AS ({transcript_calls})
+SELECT count(*), min(t.call_id), t.epoch, j.epoch
+FROM t LEFT JOIN j ON j.call_id = t.call_id
+WHERE (j.call_id IS NULL AND (NOT t.finished OR t.updated_at > ?)) OR j.epoch < t.epoch
 """
 
 
@@ -196,9 +198,10 @@ def behind(journal: FileFacts, transcript: FileFacts) -> str | None:
         try:
             has_calls = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "
                                    "name = 'calls'").fetchone()
-            db.execute("ATTACH DATABASE ? AS t", (read_only_uri(transcript.path),))
+            db.execute("ATTACH DATABASE ? AS transcript", (read_only_uri(transcript.path),))
             sql = _BEHIND.format(journal_calls="SELECT call_id, epoch FROM main.calls"
-                                 if has_calls else "SELECT NULL, NULL WHERE 0")
+                                 if has_calls else "SELECT NULL, NULL WHERE 0",
+                                 transcript_calls=calls_sql("transcript"))
             n, call_id, t_epoch, j_epoch = db.execute(sql, (exempt + PRUNE_SLACK_S,)).fetchone()
         finally:
             db.close()

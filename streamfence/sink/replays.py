@@ -1,0 +1,116 @@
+"""Replays: a listener gets a call's stored events, then (maybe) its live feed.
+
+C_SUBSCRIBE (`subscribe`; the supervisor checked that the subscriber may
+see the call): the listener gets the stored events after `from_seq`, then,
+for a call that has not ended, follows it (`LiveCall.subs`, where the hot
+path looks). It replaces the listener's earlier subscription to the call.
+
+A replay is served in slices (`serve`, once per loop turn): at most
+`REPLAY_ROWS` stored rows per replay per slice, only while its listener has
+room (sink/subscribers.py's flow control: a replay waits for acks, never
+cuts off), and at most `REPLAY_BUDGET_S` of the loop's time in all, round
+robin, so no replay holds the loop. A replay that finds nothing more stored
+after its seq has caught up: once everything accepted for the call is
+stored (a commit first, if events wait), the listener joins the live feed,
+so it gets no gap and no repeat; for an ended call the replay just ends.
+"""
+
+from __future__ import annotations
+
+import time
+
+from streamfence.protocol.internal.control import FROM_NOW, AddSubscriber, encode_ok, encode_refused
+from streamfence.sink.calls import Calls
+from streamfence.sink.commits import Commits
+from streamfence.sink.store import TranscriptStore
+from streamfence.sink.subscribers import Listeners
+
+REPLAY_BUDGET_S = 0.002  # time spent per loop turn, at most ...
+REPLAY_ROWS = 8  # ... in slices of this many stored rows (each up to COMMIT_EVERY events)
+
+
+class Replay:
+    """A listener's replay of one call: `seq` is the last seq sent; `follow`:
+    join the live feed once caught up, if the call has not ended."""
+
+    __slots__ = ("follow", "seq")
+
+    def __init__(self, seq: int, follow: bool) -> None:
+        self.seq = seq
+        self.follow = follow
+
+
+class Replays:
+    """Owns the replays in progress: (listener, call_id) -> its Replay."""
+
+    def __init__(self, store: TranscriptStore, calls: Calls, commits: Commits,
+                 listeners: Listeners) -> None:
+        self._store = store
+        self._calls = calls
+        self._commits = commits
+        self._listeners = listeners
+        self.active: dict[tuple[bytes, str], Replay] = {}
+
+    def subscribe(self, op: AddSubscriber) -> bytes:
+        """C_SUBSCRIBE (module docstring)."""
+        listener = op.listener.encode()
+        key = (listener, op.call_id)
+        self.active.pop(key, None)
+        view = self._calls.fence.view(op.call_id)
+        if op.live and (view is None or not view.finished):
+            live = self._calls.live(op.call_id)  # a queued call is not known here yet
+            live.subs.discard(listener)
+            if op.from_seq == FROM_NOW or op.from_seq >= live.seq:
+                live.subs.add(listener)
+            else:
+                self.active[key] = Replay(op.from_seq, follow=True)
+            return encode_ok(op.req, None)
+        if op.from_seq == FROM_NOW:
+            return encode_ok(op.req, None)  # ended: nothing comes from now on
+        if op.from_seq == 0 and not self._store.events_after(op.call_id, 0, max_rows=1):
+            # Pruned by retention before the journal's row: the call no longer exists.
+            return encode_refused(op.req, f"unknown_call: no event of call {op.call_id} is stored")
+        self.active[key] = Replay(op.from_seq, follow=False)
+        return encode_ok(op.req, None)
+
+    def serve(self) -> bool:
+        """One slice of each replay that has room, for at most REPLAY_BUDGET_S in
+        all; True if one could take more now (module docstring)."""
+        listeners, started = self._listeners, time.monotonic()
+        active = self.active
+        more = False
+        for key in list(active):
+            if time.monotonic() - started >= REPLAY_BUDGET_S:
+                return True
+            listener, call_id = key
+            replay = active.pop(key)  # put back at the end: round robin
+            if listeners.room(listener) <= 0:
+                active[key] = replay
+                continue
+            events = self._store.events_after(call_id, replay.seq, max_rows=REPLAY_ROWS)
+            if events:
+                sent = listeners.replay(listener, events)
+                if sent >= 0:  # else not connected: the replay ends, nothing follows
+                    replay.seq += sent
+                    active[key] = replay
+                    more = True
+                continue
+            if self._caught_up(key, replay):
+                active[key] = replay
+                more = True
+        return more
+
+    def _caught_up(self, key: tuple[bytes, str], replay: Replay) -> bool:
+        """Nothing more is stored after the replay's seq: the listener joins the
+        live feed, or the replay ends. True if it must go on (events accepted,
+        not stored yet: they are committed now)."""
+        listener, call_id = key
+        live = self._calls.lives.get(call_id)
+        view = self._calls.fence.view(call_id)
+        if live is None or view is None or view.finished or not replay.follow:
+            return False  # ended: all sent
+        if live.seq > replay.seq:  # accepted, not stored yet
+            self._commits.commit()
+            return True
+        live.subs.add(listener)
+        return False

@@ -1,0 +1,249 @@
+"""Cluster mode at the sink (docs/ARCHITECTURE.md §4.17): the transcript as
+a replica of the calls' logs on JetStream (sink/cluster_log.py).
+
+`Replica` owns the ClusterLog and the calls this host follows (another host
+runs them). Its steps, each called where the sink's operations need them:
+
+- `replicate` (before every commit's write: sink/commits.py): the logs take
+  the commit's rows first; the runs of calls another host took are dropped
+  here (never stored, never sent), their attempts fenced, and the
+  supervisor told (E_LOST);
+- `authorize` / `rebind` / `finish_open`: an attempt's epoch is opened in
+  the call's log before the sink acks it; `catch_up` stores first the runs
+  the log holds that the transcript does not (a predecessor that died
+  between its appends and its commit), so no seq is handed out twice;
+- `adopt` (C_ADOPT): a call taken over from a host that lost its lease;
+- `follow` (C_FOLLOW) and `apply_followed`: a call another host runs, stored
+  here as its log holds it, its events sent to this host's listeners.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from streamfence.cluster.records import EVENTS
+from streamfence.protocol.internal.control import (
+    Adopt,
+    Authorize,
+    Follow,
+    Rebind,
+    encode_followed_done,
+    encode_lost,
+    encode_ok,
+    encode_refused,
+    stats_to_wire,
+)
+from streamfence.sink.calls import Calls, LiveCall
+from streamfence.sink.commits import Commits
+from streamfence.sink.peer import Publisher
+from streamfence.sink.store import TranscriptStore
+from streamfence.sink.transcript import split_events
+
+if TYPE_CHECKING:  # imported by the sink only in cluster mode (it brings nats)
+    from streamfence.sink.cluster_log import ClusterLog
+
+log = logging.getLogger("streamfence.sink")
+
+
+class Replica:
+    """Owns the ClusterLog and `followed`: the calls another host runs that
+    this host follows -> the epoch of the record read last."""
+
+    def __init__(self, cluster: ClusterLog, store: TranscriptStore, calls: Calls,
+                 commits: Commits, peer: Publisher) -> None:
+        self.cluster = cluster
+        self._store = store
+        self._calls = calls
+        self._commits = commits
+        self._peer = peer
+        self.followed: dict[str, int] = {}
+
+    def replicate(self) -> None:
+        """The calls' logs take the commit's rows first (module docstring)."""
+        store = self._store
+        rows = store.unreplicated()
+        if not rows:
+            return
+        moved = self.cluster.replicate(rows)
+        store.replicated_but(moved)
+        if not moved:
+            return
+        lives, fence, outbox = self._calls.lives, self._calls.fence, self._commits.outbox
+        lost = {id(lives[c].subs) for c in moved if c in lives}
+        outbox[:] = [entry for entry in outbox if id(entry[0]) not in lost]
+        for call_id in moved:
+            view = fence.view(call_id)
+            epoch = view.epoch if view is not None else 0
+            if view is not None and view.open:
+                fence.fence(call_id, epoch)
+            self._peer.publish(encode_lost(call_id, epoch, "another host owns the call now"))
+
+    def catch_up(self, live: LiveCall) -> bool:
+        """For a call this sink process opens for the first time: the runs its
+        log holds that the transcript does not are stored first. True if they
+        hold deltas."""
+        rows = self.cluster.missing(live.call_id, live.seq)
+        if not rows:
+            return False
+        self._commits.commit()
+        self._store.add_replicated(rows)
+        self._commits.commit()
+        live.seq = rows[-1][2]
+        log.info("sink: call=%s: %d run(s) from its log stored here", live.call_id, len(rows))
+        return any(row[4] == "delta" for row in rows)
+
+    def authorize(self, op: Authorize, live: LiveCall) -> Authorize | str:
+        """The log first: `op.attempt`'s epoch opened in the call's log (or held
+        at `op.log_seq`, where the supervisor opened it). Returns the op to
+        carry out, or why not."""
+        cluster = self.cluster
+        first = not cluster.holds(op.call_id)
+        if op.log_seq:  # the supervisor opened the epoch in the log (§4.17)
+            cluster.hold(op.call_id, op.attempt, op.log_seq)
+        else:
+            lost = cluster.open(op.call_id, op.attempt)
+            if lost is not None:
+                return lost
+        if first and op.attempt > 1 and self.catch_up(live) and not op.reset:
+            # Text of an earlier attempt the supervisor never heard of: the new
+            # attempt voids it, or the log would hold two answers.
+            return replace(op, reset=True)
+        return op
+
+    def rebind(self, op: Rebind, live: LiveCall) -> str | None:
+        """The rebound epoch opened in the call's log, as for an authorize: None,
+        or why not."""
+        first = not self.cluster.holds(op.call_id)
+        lost = self.cluster.open(op.call_id, op.attempt)
+        if lost is not None:
+            return lost
+        if first:
+            self.catch_up(live)
+        return None
+
+    def finish_open(self, call_id: str, epoch: int) -> str | None:
+        """A call that never ran here (its entry at epoch 0: cancelled while
+        queued) opens its log to write its done; one lost meanwhile cannot
+        (why not)."""
+        if self.cluster.holds(call_id):
+            return None
+        return self.cluster.open(call_id, epoch)
+
+    def lost(self, call_id: str) -> bool:
+        """The cluster refused the call's runs (another host took it)."""
+        return not self.cluster.holds(call_id)
+
+    def adopt(self, op: Adopt) -> bytes:
+        """A call taken over from a host that lost its lease (Adopt's
+        docstring). Its events are stored as the log holds them; the fence
+        stays closed until the supervisor authorizes `op.epoch`."""
+        if op.call_id in self.followed:  # another host's until now: this host's from here
+            self.followed.pop(op.call_id)
+            self.cluster.unfollow(op.call_id)
+        rows = self.cluster.adopt(op.call_id, op.epoch)
+        if isinstance(rows, str):
+            return encode_refused(op.req, rows)
+        store = self._store
+        # A call this host once ran or followed holds a prefix of its log here
+        # (its rows were stored after the log had them): the rest is stored.
+        known = store.call_row(op.call_id)
+        rows = [r for r in rows if known is None or r[1] > known.last_seq]
+        store.add_replicated(rows)
+        store.set_epoch(op.call_id, op.epoch - 1)
+        done = next((r for r in rows if r[4] == "done"), None)
+        if done is not None:
+            store.set_done(op.call_id, done[3], msgpack.unpackb(done[6])["status"], done[1])
+        self._commits.commit()
+        live = self._calls.live(op.call_id)  # from the store: its epoch closed
+        row = store.call_row(op.call_id)
+        assert row is not None
+        # What is stored, not what this sink counted (runs refused when the call
+        # moved away counted and were never stored: `follow`'s reason).
+        live.seq = row.last_seq
+        if row.status is not None:
+            return encode_refused(op.req, f"call_finished: {row.status}")
+        if row.last_seq:
+            self._calls.restore_content(live, op.epoch - 1)  # what was delivered, in its stats
+        log.info("sink: call=%s adopted at epoch %d with %d stored event row(s)",
+                 op.call_id, op.epoch, len(rows))
+        return encode_ok(op.req, stats_to_wire(live.stats(closed=True)))
+
+    def follow(self, op: Follow) -> bytes:
+        """A call another host runs (Follow's docstring). Stored here as the
+        log holds it; the fence stays closed (no attempt of this host may
+        write it)."""
+        calls, store = self._calls, self._store
+        if op.call_id not in self.followed:
+            if calls.fence.view(op.call_id) is None and store.call_row(op.call_id) is None:
+                store.set_epoch(op.call_id, 0)
+                self._commits.commit()
+            live = calls.live(op.call_id)  # closed: nothing of this host writes it (a
+            view = calls.fence.view(op.call_id)  # call that moved away was fenced here first)
+            row = store.call_row(op.call_id)
+            # What is stored, not what this sink once accepted: the runs the cluster
+            # refused when the call moved away counted in `seq` but were never stored,
+            # and the new owner's rows at those seqs must not be taken for repeats.
+            live.seq = row.last_seq if row is not None else 0
+            if view is None or not view.finished:
+                self.followed[op.call_id] = 0
+                self.apply_followed([(op.call_id, r) for r in self.cluster.follow(op.call_id)])
+        view = calls.fence.view(op.call_id)
+        return encode_ok(op.req, {"done": view is not None and view.finished})
+
+    def wake_fd(self) -> int:
+        """Readable when followed calls' records came (for the sink's poller)."""
+        return self.cluster.bridge.fd
+
+    def on_wake(self) -> None:
+        self.cluster.bridge.run_done()
+        self.apply_followed(self.cluster.incoming())
+
+    def apply_followed(self, records: list[tuple[str, Any]]) -> None:
+        """Store the followed calls' records (void ones skipped: §4.17, rule 6)
+        and send their events to the calls' listeners; a done ends the following."""
+        if not records:
+            return
+        commits, store = self._commits, self._store
+        commits.commit()  # the replica's rows go after every row of this sink's own
+        sent: list[tuple[LiveCall, bytes]] = []
+        ended: list[tuple[str, dict[str, Any]]] = []
+        for call_id, record in records:
+            if call_id not in self.followed or record.epoch < self.followed[call_id]:
+                continue
+            if record.kind != EVENTS:
+                self.followed[call_id] = record.epoch
+                continue
+            live = self._calls.live(call_id)
+            rows = [(call_id, seq, last, attempt, op, n, body)
+                    for seq, last, attempt, op, n, body in record.body if seq > live.seq]
+            store.add_replicated(rows)
+            for row in rows:
+                live.seq = row[2]
+                sent += [(live, event) for event in split_events(row[6])]
+                if row[4] == "done":
+                    done = msgpack.unpackb(row[6])
+                    store.set_done(call_id, row[3], done["status"], row[1])
+                    ended.append((call_id, done))
+        commits.commit()
+        for live, event in sent:
+            commits.send_event(live.subs, event)
+        for call_id, done in ended:
+            self._end_following(call_id, done)
+
+    def _end_following(self, call_id: str, done: dict[str, Any]) -> None:
+        self._calls.fence.finish(call_id)
+        self._calls.lives[call_id].subs = set()
+        self._calls.remember_finished(call_id)
+        self.followed.pop(call_id, None)
+        self.cluster.unfollow(call_id)
+        self._peer.publish(encode_followed_done(call_id, done))
+
+    def stats(self) -> dict[str, int]:
+        return self.cluster.stats()
+
+    def close(self) -> None:
+        self.cluster.close()
