@@ -9,8 +9,9 @@ supervisor. Modules:
 - `streamfence.sink.content`: per-attempt content and `build_response(meta)`.
 - `streamfence.sink.store`: the transcript (`TranscriptStore` for the sink,
   `TranscriptReader` / `events_after` / `max_epochs` for other processes).
-- `streamfence.sink.wire`: T_FINAL's shape check and the per-delta pre-encoded pieces
-  (control messages: `streamfence.protocol.internal`).
+- `streamfence.sink.event_pieces`: the public delta event's pre-encoded pieces
+  (the worker wire: `streamfence.protocol.internal.worker_wire`; control
+  messages: `streamfence.protocol.internal.control`).
 - `streamfence.sink.state`: control ops, finals, drop accounting, commits (no sockets).
 - `streamfence.sink.peer`: the supervisor as the sink's peer (who may drive it,
   where events go, the backlog while it is away).

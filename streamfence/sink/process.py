@@ -64,6 +64,12 @@ from streamfence.protocol.internal.control import (
     encode_refused,
     parse_control,
 )
+from streamfence.protocol.internal.worker_wire import (
+    TOOL_CALL,
+    check_tool_fragment,
+    parse_final,
+    parse_hello,
+)
 from streamfence.protocol.keys import KeyStore
 from streamfence.protocol.lifecycle import (
     ExitCode,
@@ -72,14 +78,13 @@ from streamfence.protocol.lifecycle import (
     set_process_title,
 )
 from streamfence.protocol.logs import route_logs_to
-from streamfence.sink.content import check_tool_fragment
+from streamfence.sink.event_pieces import KIND_TAIL
 from streamfence.sink.fence import Verdict
 from streamfence.sink.peer import SupervisorPeer
 from streamfence.sink.state import COMMIT_AFTER_S, COMMIT_EVERY, IDLE_COMMIT_GAP_S, SinkState, log
 from streamfence.sink.store import StoreStopped, TranscriptStore
 from streamfence.sink.streams import READ_BYTES, WorkerStreams
 from streamfence.sink.subscribers import Subscribers
-from streamfence.sink.wire import KIND_TAIL, TOOL_CALL, parse_final, parse_hello
 
 CTL_BURST = 100
 IDLE_POLL_MS = 60_000  # nothing due: the loop is event driven (signals wake it)
@@ -367,6 +372,8 @@ class Sink:
                         n = 0
                         self._out_of_line(msg, reply)
                         continue
+                    # worker_wire.parse_delta's checks, inline: a call per
+                    # delta would cost about a quarter of the parse.
                     _, call, attempt, seq, kind, data = msg
                     tail = tails[kind]
                     if type(call) is not str or type(attempt) is not int \

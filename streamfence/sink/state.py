@@ -46,7 +46,6 @@ import msgpack
 
 from streamfence.cluster.records import EVENTS
 from streamfence.protocol.codec import encode
-from streamfence.protocol.internal import T_FINAL_ACK
 from streamfence.protocol.internal.control import (
     FROM_NOW,
     AddSubscriber,
@@ -67,12 +66,18 @@ from streamfence.protocol.internal.control import (
     encode_refused,
     stats_to_wire,
 )
+from streamfence.protocol.internal.worker_wire import (
+    Final,
+    Hello,
+    final_ack_frame,
+    rebind_frame,
+)
 from streamfence.protocol.messages import done_event, reset_event
 from streamfence.sink.content import Content
+from streamfence.sink.event_pieces import delta_prefix
 from streamfence.sink.fence import AuthorizeRefusal, FenceTable, FinalVerdict, Verdict
 from streamfence.sink.store import TranscriptStore, split_events
 from streamfence.sink.subscribers import Cuts, Outbox
-from streamfence.sink.wire import Final, Hello, delta_prefix, rebind_frame
 from streamfence.supervisor.histograms import DELTA_LATENCY_BUCKETS, Histogram
 
 if TYPE_CHECKING:  # imported by the sink only in cluster mode (it brings nats)
@@ -820,9 +825,9 @@ class SinkState:
             self.finals_accepted += 1
             stats = self.lives[f.call_id].stats(closed=True)
             self.peer.publish(encode_ended(f.call_id, f.attempt, stats, f.outcome))
-            return encode([T_FINAL_ACK, f.call_id, f.attempt, True, ""])
+            return final_ack_frame(f, True)
         if verdict is FinalVerdict.REPEATED:
-            return encode([T_FINAL_ACK, f.call_id, f.attempt, True, "repeated"])
+            return final_ack_frame(f, True, "repeated")
         view = self.fence.view(f.call_id)
         if view is None:
             reason = f"{verdict.value}: call {f.call_id} is not known to the sink"
@@ -833,7 +838,7 @@ class SinkState:
         log.warning("sink: final refused call=%s attempt=%d reason=%s",
                     f.call_id, f.attempt, reason)
         self.peer.publish(encode_final_refused(f.call_id, f.attempt, reason))
-        return encode([T_FINAL_ACK, f.call_id, f.attempt, False, reason])
+        return final_ack_frame(f, False, reason)
 
     # ---- refusals ------------------------------------------------------------------
 
