@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from streamfence.protocol.client import AsyncClient, CallFailed, Client, ClientError
-from streamfence.protocol.client_core import Wait
+from streamfence.protocol.client_effects import Wait
 from streamfence.protocol.client_router import ANY, LISTENING, Router
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted, encode
 from streamfence.protocol.errors import ErrorCode, ProtocolError

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from streamfence.protocol.client_core import ClientCore, Flow, Send, Wait
+from streamfence.protocol.client_core import ClientCore
+from streamfence.protocol.client_effects import Flow, Send, Wait
 from streamfence.protocol.client_router import ClientError, Router
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME, decode_untrusted, encode
 from streamfence.protocol.messages import (

@@ -1,5 +1,5 @@
 """Response assembly (streamfence.sink.content), the sink's pre-encoded event pieces
-(streamfence.sink.wire) and the shape checks of the messages it is sent."""
+(streamfence.sink.event_pieces) and the shape checks of the messages it is sent."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ from streamfence.protocol.internal.control import (
     parse_control,
 )
 from streamfence.protocol.internal.outcome import AttemptOutcome, outcome_to_wire
+from streamfence.protocol.internal.worker_wire import check_tool_fragment, parse_final
 from streamfence.protocol.messages import CallStatus, DeltaKind, delta_event, empty_response
-from streamfence.sink.content import Content, check_tool_fragment
-from streamfence.sink.wire import KIND_TAIL, delta_prefix, parse_final
+from streamfence.sink.content import Content
+from streamfence.sink.event_pieces import KIND_TAIL, delta_prefix
 
 OK = outcome_to_wire(AttemptOutcome(ok=True, finish_reason="stop"))
 LISTENER = "l-" + "0123456789abcdef" * 2  # a listener id: 16-64 of [A-Za-z0-9_-]

@@ -40,7 +40,7 @@ from streamfence.protocol.internal.control import (
     stats_to_wire,
 )
 from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome, ErrorClass
-from streamfence.protocol.internal.workers import SpawnWorker, ZygoteCommand, decode_run
+from streamfence.protocol.internal.workers import SpawnWorker, ZygoteCommand, parse_run
 from streamfence.protocol.messages import (
     CallOptions,
     CallSpec,
@@ -330,7 +330,7 @@ def test_one_call_authorize_dispatch_end_finish(parts: dict[str, Any]) -> None:
     sink_sock.inbox.append(encode_ok(1, stats_to_wire(AttemptStats(0))))
     parts["sink"].drain(driver)
     (identity, frame), = parts["workers"].sent
-    run = decode_run(msgpack.unpackb(frame))
+    run = parse_run(frame)
     assert msgpack.unpackb(frame)[0] == W_RUN and identity == b"w%d" % spawn.worker_id
     assert (run.call_id, run.attempt, run.settings.streaming) == ("c1", 1, True)
     stats = AttemptStats(1, accepted=1, visible_chars=2, last_seq=1, closed=True)

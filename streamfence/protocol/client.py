@@ -61,11 +61,12 @@ reply, code and message as sent), CallFailed (stream_text on a call that
 ended failed or cancelled), TimeoutError.
 
 Layout: the protocol logic is written once, without I/O, in `client_core`
-(each operation a flow of effects, the events() policy, stream_text),
-`client_base` (the messages built and the replies accepted) and
-`client_router` (routing what the daemon sends). This module and
-`client_async` are shells that run those flows on a socket: the sync
-`Client` here (which re-exports the rest), `AsyncClient` there.
+(each operation a flow of `client_effects`), `client_reader` (the events()
+policy), `client_shell` (stream_text, what both shells share), `client_base`
+(the messages built and the replies accepted) and `client_router` (routing
+what the daemon sends). This module and `client_async` are shells that run
+those flows on a socket: the sync `Client` here (which re-exports the rest),
+`AsyncClient` there.
 """
 
 from __future__ import annotations
@@ -82,16 +83,10 @@ import zmq
 
 from streamfence.protocol.client_async import AsyncClient, AsyncTextStream
 from streamfence.protocol.client_base import DEFAULT_ENDPOINT
-from streamfence.protocol.client_core import (
-    ClientBase,
-    ClientCore,
-    Flow,
-    Send,
-    TextFlow,
-    Wait,
-    shown_as,
-)
+from streamfence.protocol.client_core import ClientCore
+from streamfence.protocol.client_effects import Flow, Send, Wait
 from streamfence.protocol.client_router import BAD_REPLY, EVENTS_LOST, CallFailed, ClientError
+from streamfence.protocol.client_shell import ClientBase, TextFlow, shown_as
 from streamfence.protocol.client_sockets import close_sockets
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME
 from streamfence.protocol.credentials import Credentials, resolve
@@ -181,7 +176,7 @@ class Client(ClientBase):
         `timeout_s` is the longest silence allowed between two events
         (TimeoutError naming the call); None: no limit while the daemon
         answers the liveness probes sent every `self.timeout_s` of silence
-        (see client_core.EventReader). The call must be subscribed (submit
+        (see client_reader.EventReader). The call must be subscribed (submit
         does it by default). Ends at once for a call whose done was handed
         out already; subscribe again to replay it.
         """

@@ -40,16 +40,10 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import zmq
 
 from streamfence.protocol.client_base import DEFAULT_ENDPOINT
-from streamfence.protocol.client_core import (
-    ClientBase,
-    ClientCore,
-    Flow,
-    Send,
-    TextFlow,
-    Wait,
-    shown_as,
-)
+from streamfence.protocol.client_core import ClientCore
+from streamfence.protocol.client_effects import Flow, Send, Wait
 from streamfence.protocol.client_router import ANY, ClientError
+from streamfence.protocol.client_shell import ClientBase, TextFlow, shown_as
 from streamfence.protocol.client_sockets import close_sockets
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME
 from streamfence.protocol.credentials import Credentials, resolve

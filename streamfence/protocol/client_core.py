@@ -1,23 +1,11 @@
 """The client's protocol logic, once and without I/O: what `Client` and `AsyncClient` run.
 
-Each operation is a *flow*: a generator that builds the request, yields the
-I/O it needs as effects, and returns the interpreted reply (or raises
-ClientError / TimeoutError). A shell (the sync `Client`, the asyncio
-`AsyncClient`) runs a flow to its end by performing each effect on its socket
-and resuming the flow with nothing:
-
-    Send(frames, what, to_events)
-                        send the frames, on the request socket, or with
-                        `to_events` on the events socket. A failure (a send
-                        timeout, raised as `core.send_failed(what)`, or a
-                        closed client) is thrown into the flow, whose cleanup
-                        then runs.
-    Wait(deadline, on)  receive frames from both sockets, routing each through
-                        `core.router`, until one answers a waiting request or
-                        `deadline` passes; returning early is allowed. `on`
-                        names what the flow waits for (a ref, a call id,
-                        `client_router.LISTENING`; None: anything), so a shell
-                        serving many flows wakes only the one concerned.
+`ClientCore` holds the settings and the Router and runs every client
+operation as a flow (client_effects.py: a generator yielding the I/O it
+needs); `run` assembles an answer whose done event omits its content.
+Reading a call's events is client_reader.py's `EventReader`; what the two
+shells share besides (`ClientBase`, `stream_text`'s `TextFlow`) is
+client_shell.py.
 
 Two sockets, one endpoint to configure (docs/PROTOCOL.md §1): requests go to
 the client endpoint; the calls' events come from the daemon's events
@@ -32,83 +20,45 @@ collected, an exception or interrupt out of `run`, the client closed), it
 is cancelled: `leave` queues the cancel (no I/O) and the shell sends it
 without waiting for the reply (`send_cancels`): at once where that is safe
 (not inside a send of the same socket, not from another thread), else when
-the current operation ends, at the latest on close. A call of `submit` or read with `events()` is never cancelled by the
-client: its reader may be one of several, and its caller holds the id.
+the current operation ends, at the latest on close. A call of `submit` or
+read with `events()` is never cancelled by the client: its reader may be one
+of several, and its caller holds the id.
 
 Deadlines are `time.monotonic()` values, the only clock read here. What to
 send, which reply ops are valid, what to raise, when `events()` re-subscribes
-or probes and what `stream_text` yields are all decided here and in
-`client_base`; the shells hold no protocol logic. An operation added to
+or probes and what `stream_text` yields are all decided here, in
+client_reader.py, client_shell.py and client_base.py; the shells hold no
+protocol logic. An operation added to
 `ClientCore` becomes a method of each shell by one line
 (`name = _blocking(ClientCore.name)` in client.py, `_awaitable` in client_async.py).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 from collections import deque
-from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from time import monotonic
-from typing import Any, TypeVar
+from typing import Any
 
 from streamfence.protocol.client_base import (
     Options,
     accepted_call_id,
     call_msg,
     expect_reply,
-    finished_ok,
     listen_msg,
     new_ref,
     raw_ref,
     status_msg,
     submit_msg,
-    text_piece,
 )
-from streamfence.protocol.client_router import (
-    BAD_REPLY,
-    EVENTS_LOST,
-    LISTENING,
-    ClientError,
-    Router,
-)
+from streamfence.protocol.client_effects import Flow, Send, Wait
+from streamfence.protocol.client_reader import EventReader
+from streamfence.protocol.client_router import BAD_REPLY, LISTENING, ClientError, Router
 from streamfence.protocol.codec import encode
 from streamfence.protocol.messages import Op, events_endpoint
 
-T = TypeVar("T")
-F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("streamfence.client")
-
-
-@dataclass(slots=True)
-class Send:
-    frames: list[bytes]
-    what: str  # names the request in a send-timeout error
-    to_events: bool = False  # on the events socket (`listen`)
-
-
-@dataclass(slots=True)
-class Wait:
-    deadline: float
-    on: str | None = None  # the key the router marks `woken` for it (None: any message)
-
-
-Effect = Send | Wait
-Flow = Generator[Effect, None, T]
-_DONE = Op.DONE.value  # compared per event: a plain str compares faster than the enum member
-
-
-def shown_as(flow: Callable[..., Any]) -> Callable[[F], F]:
-    """Give a shell's method the name, docstring and parameters of the flow it runs
-    (not its return annotation: the method returns what the flow returns)."""
-    def show(method: F) -> F:
-        functools.update_wrapper(method, flow)
-        setattr(method, "__signature__",  # noqa: B010 (mypy knows no such attribute)
-                inspect.signature(flow).replace(return_annotation=inspect.Signature.empty))
-        return method
-    return show
 
 
 class ClientCore:
@@ -352,191 +302,3 @@ class _Answer:
                     "reasoning": "".join(self.parts["reasoning"]),
                     "refusal": "".join(self.parts["refusal"]) or None}
         return {**done, "response": response}
-
-
-class EventReader:
-    """One `events()` iteration: hands out the call's events, decides when to wait,
-    re-subscribe, probe or give up.
-
-    A shell iterates with `take()` (a buffered event, no I/O) and, when that
-    finds none, runs the `wait()` flow. `limit` (the caller's timeout_s) is
-    the longest silence allowed between two events; None means no limit while
-    the daemon answers. A gap (a later event came, the next one did not) is
-    refilled by a subscribe from the last seq handed out. After the client's
-    timeout_s without an event it probes: it re-subscribes from the last seq
-    (which repairs a subscription lost to a reconnect or a daemon restart)
-    and asks `result` with wait_s 0, whose missing answer raises TimeoutError.
-    A probe that finds the call done hands that done event to the stream; if
-    the events before it still have not come by the next probe, EVENTS_LOST
-    is raised. When the events connection was made again (the router counts
-    reconnects), it re-subscribes from the last seq at once.
-    """
-
-    def __init__(self, core: ClientCore, call_id: str, limit: float | None) -> None:
-        self._core, self._router = core, core.router
-        self._next_event = core.router.next_event  # bound once: take() runs per event
-        self.call_id = call_id
-        self.limit = limit
-        self.last_event = self.quiet_since = monotonic()
-        self.done_probes = 0  # probes in a row that found the call done
-        self.reconnects = core.router.reconnects  # the router's count, as last acted on
-        self.ended = False  # its done was handed out, or it had ended before
-        self._wait = Wait(0.0, call_id)  # reused: the wait path allocates no effect per event
-
-    def take(self) -> dict[str, Any] | None:
-        """The call's next event if it is buffered; None otherwise or after its done."""
-        if self.ended:
-            return None
-        event = self._next_event(self.call_id)
-        if event is not None:
-            self.last_event = self.quiet_since = monotonic()
-            self.done_probes = 0
-            self.ended = event["op"] == _DONE
-        return event
-
-    def wait(self) -> Flow[dict[str, Any] | None]:
-        """After take() found nothing: the call's next event, waiting for it (and
-        re-subscribing or probing when due); None once its events have ended."""
-        router, call_id, wait = self._router, self.call_id, self._wait
-        while not self.ended:
-            if router.is_finished(call_id):
-                self.ended = True
-                break
-            gap_from = router.gap(call_id)
-            if router.take_cut(call_id):
-                gap_from = router.last_seq(call_id)
-            if router.reconnects != self.reconnects:
-                self.reconnects = router.reconnects
-                gap_from = router.last_seq(call_id)
-            if gap_from is not None:
-                yield from self._core.subscribe(call_id, gap_from)
-            if self._probe_due(monotonic()):
-                yield from self._probe()
-            else:
-                probe_at = self.quiet_since + self._core.timeout_s
-                wait.deadline = (probe_at if self.limit is None
-                                 else min(probe_at, self.last_event + self.limit))
-                yield wait
-            event = self.take()
-            if event is not None:
-                return event
-        return None
-
-    def _probe_due(self, now: float) -> bool:
-        """True if a probe is due; raises TimeoutError past the caller's limit."""
-        if self.limit is not None and now - self.last_event >= self.limit:
-            raise TimeoutError(f"no event for call {self.call_id} within {self.limit:g} s "
-                               f"(last seq received: {self._router.last_seq(self.call_id)})")
-        return now - self.quiet_since >= self._core.timeout_s
-
-    def _probe(self) -> Flow[None]:
-        core, router, call_id = self._core, self._router, self.call_id
-        yield from core.subscribe(call_id, router.last_seq(call_id))
-        try:
-            reply = yield from core.result(call_id)
-        except TimeoutError as exc:
-            raise TimeoutError(f"waiting for events of call {call_id} (last seq received: "
-                               f"{router.last_seq(call_id)}), the daemon did not answer a "
-                               f"liveness probe: {exc}") from None
-        self.quiet_since = monotonic()
-        if reply is None:
-            return
-        self.done_probes += 1
-        if self.done_probes > 1:
-            raise ClientError(EVENTS_LOST, f"call {call_id} is done (done seq "
-                              f"{reply.get('seq')}) but its events after seq "
-                              f"{router.last_seq(call_id)} did not arrive after re-subscribing",
-                              reply)
-        # The done event as stored: without the reply's ref and diagnostics.
-        router.deliver({k: v for k, v in reply.items() if k not in ("ref", "diagnostics")})
-
-
-class TextFlow:
-    """The state of one `stream_text`: submits on the first piece, then reads the text.
-
-    `call_id` is set once the call was accepted, `done` once its done event
-    came. A call that ends `failed` or `cancelled` raises CallFailed after its
-    text; after the end, an exception or `close()`, every further piece is
-    None (the end). Closed (or left by an exception) before its done, the
-    call is cancelled unless `detach` (module docstring).
-    """
-
-    def __init__(self, core: ClientCore, provider: str, request: Mapping[str, Any],
-                 markers: bool, timeout_s: float | None, detach: bool,
-                 submit_kw: dict[str, Any]) -> None:
-        self.call_id: str | None = None
-        self.done: dict[str, Any] | None = None
-        self.detach = detach
-        self._core, self._provider, self._request = core, provider, request
-        self._markers, self._timeout_s, self._submit_kw = markers, timeout_s, submit_kw
-        self._events: EventReader | None = None
-        self._over = False
-        self._left = False  # `close` left the accepted call (once)
-
-    def close(self) -> None:
-        """No more pieces; an accepted call without its done is left (`ClientCore.leave`:
-        cancelled unless detached). Idempotent, no I/O: the shell sends the cancel."""
-        self._over = True
-        if self.call_id is not None and self.done is None and not self._left:
-            self._left = True
-            self._core.leave(self.call_id)
-
-    def next_piece(self) -> Flow[str | None]:
-        """The next piece of text (see client_base.text_piece); None at the end."""
-        if self._over:
-            return None
-        try:
-            if self._events is None:
-                call_id = yield from self._core.submit(
-                    self._provider, self._request, subscribe=True, **self._submit_kw)
-                self.call_id = call_id
-                if not self.detach:
-                    self._core.owned.add(call_id)
-                if self._over:  # closed (by another task) while the submit was out
-                    self.close()
-                    return None
-                self._events = self._core.events(call_id, self._timeout_s)
-            events = self._events
-            while (event := events.take() or (yield from events.wait())) is not None:
-                if event["op"] == Op.DONE:
-                    self._over = True
-                    self.done = dict(event)
-                    self._core.owned.discard(events.call_id)
-                    finished_ok(event)
-                    return None
-                piece = text_piece(event, self._markers)
-                if piece:
-                    return piece
-            self._over = True
-            return None
-        except BaseException:
-            self.close()
-            raise
-
-
-class ClientBase:
-    """What both shells share besides their transport: the core and its settings."""
-
-    def __init__(self, endpoint: str, timeout_s: float, max_frame: int) -> None:
-        self._core = ClientCore(endpoint, timeout_s, max_frame)
-        self._closed = False
-
-    @property
-    def endpoint(self) -> str:
-        return self._core.endpoint
-
-    @property
-    def timeout_s(self) -> float:
-        return self._core.timeout_s
-
-    def last_seq(self, call_id: str) -> int:
-        """Highest seq of `call_id` handed out by events(); 0 if none.
-
-        A program that reconnects (or restarts, having stored it) resumes
-        with `subscribe(call_id, from_seq=last_seq)`: the next event is seq+1.
-        """
-        return self._core.router.last_seq(call_id)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"the client of {self.endpoint} is closed")

@@ -40,7 +40,7 @@ it, without a socket, so it is shared by both flavours and testable alone:
 `woken` collects what the routing since the shell last emptied it was for:
 the refs answered, the calls that got an event (or a subscribe error, or a
 cut-off), `LISTENING`, `ANY` for an unattributed error; the asyncio shell
-wakes the flows waiting on those keys only (client_core.Wait.on).
+wakes the flows waiting on those keys only (client_effects.Wait.on).
 
 Nothing here blocks or reads a clock (the shell passes the time to `ack_due`).
 """

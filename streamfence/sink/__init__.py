@@ -20,8 +20,9 @@ supervisor. Modules:
   `answer_so_far`, `stored_done`, `prune_transcript`, ...).
 - `streamfence.sink.store`: `TranscriptStore`, the writer (group commits, storage
   faults waited out); `checkpoints` its WAL checkpoint thread.
-- `streamfence.sink.wire`: T_FINAL's shape check and the per-delta pre-encoded pieces
-  (control messages: `streamfence.protocol.internal`).
+- `streamfence.sink.event_pieces`: the public delta event's pre-encoded pieces
+  (the worker wire: `streamfence.protocol.internal.worker_wire`; control
+  messages: `streamfence.protocol.internal.control`).
 - `streamfence.sink.streams`, `routers`, `subscribers`, `peer`: the sockets (worker
   streams, the ROUTERs, the events socket, the supervisor as the sink's peer).
 """

@@ -21,10 +21,10 @@ from collections import deque
 
 from streamfence.protocol.internal.control import AttemptStats
 from streamfence.sink.content import Content
+from streamfence.sink.event_pieces import delta_prefix
 from streamfence.sink.fence import FenceTable
 from streamfence.sink.store import TranscriptStore
 from streamfence.sink.transcript import answer_so_far
-from streamfence.sink.wire import delta_prefix
 
 log = logging.getLogger("streamfence.sink")
 

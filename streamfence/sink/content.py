@@ -36,26 +36,6 @@ REFUSAL = DeltaKind.REFUSAL.value
 REASONING = DeltaKind.REASONING.value
 KEEP_BYTES = 1 << 20  # an attempt's text kept for its done response, about; then counted only
 
-_TOOL_KEYS = frozenset(("index", "id", "name", "arguments"))
-MAX_TOOL_INDEX = 4096
-
-
-def check_tool_fragment(data: Any) -> dict[str, Any]:
-    """Validate one `tool_call` delta payload; raises ValueError naming the field."""
-    if type(data) is not dict:
-        raise ValueError("tool_call data must be a map")
-    for key in data:
-        if key not in _TOOL_KEYS:
-            raise ValueError(f"tool_call data has unknown field {key!r}")
-    index = data.get("index")
-    if type(index) is not int or not 0 <= index <= MAX_TOOL_INDEX:
-        raise ValueError(f"tool_call.index must be an integer in 0..{MAX_TOOL_INDEX}")
-    for key in ("id", "name", "arguments"):
-        value = data.get(key)
-        if value is not None and type(value) is not str:
-            raise ValueError(f"tool_call.{key} must be a string or nil")
-    return data
-
 
 class Content:
     """Accumulated content of one attempt."""

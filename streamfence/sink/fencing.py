@@ -23,7 +23,6 @@ import logging
 import msgpack
 
 from streamfence.protocol.codec import encode
-from streamfence.protocol.internal import T_FINAL_ACK
 from streamfence.protocol.internal.control import (
     Authorize,
     Fence,
@@ -35,6 +34,7 @@ from streamfence.protocol.internal.control import (
     encode_refused,
     stats_to_wire,
 )
+from streamfence.protocol.internal.worker_wire import Final, final_ack_frame
 from streamfence.protocol.messages import done_event, reset_event
 from streamfence.sink.calls import Calls, LiveCall
 from streamfence.sink.commits import Commits
@@ -43,7 +43,6 @@ from streamfence.sink.fence import AuthorizeRefusal, FenceTable, FinalVerdict
 from streamfence.sink.peer import Publisher
 from streamfence.sink.replica import Replica
 from streamfence.sink.store import TranscriptStore
-from streamfence.sink.wire import Final
 
 log = logging.getLogger("streamfence.sink")
 
@@ -174,9 +173,9 @@ class Fencing:
             self._counters.finals_accepted += 1
             stats = self._calls.lives[f.call_id].stats(closed=True)
             self._peer.publish(encode_ended(f.call_id, f.attempt, stats, f.outcome))
-            return encode([T_FINAL_ACK, f.call_id, f.attempt, True, ""])
+            return final_ack_frame(f, True)
         if verdict is FinalVerdict.REPEATED:
-            return encode([T_FINAL_ACK, f.call_id, f.attempt, True, "repeated"])
+            return final_ack_frame(f, True, "repeated")
         view = fence.view(f.call_id)
         if view is None:
             reason = f"{verdict.value}: call {f.call_id} is not known to the sink"
@@ -187,4 +186,4 @@ class Fencing:
         log.warning("sink: final refused call=%s attempt=%d reason=%s",
                     f.call_id, f.attempt, reason)
         self._peer.publish(encode_final_refused(f.call_id, f.attempt, reason))
-        return encode([T_FINAL_ACK, f.call_id, f.attempt, False, reason])
+        return final_ack_frame(f, False, reason)

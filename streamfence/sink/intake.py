@@ -1,6 +1,6 @@
 """The worker wire's two doors and the per-delta hot path.
 
-Workers write T_DELTA, T_FINAL and T_HELLO (sink/wire.py) on their AF_UNIX
+Workers write T_DELTA, T_FINAL and T_HELLO (protocol/internal/worker_wire.py) on their AF_UNIX
 stream connections (`drain_streams`, sink/streams.py); the ROUTER `sink.in`
 takes the same messages as ZeroMQ frames, for tests and tools
 (`drain_in`). Both doors decode before `_take`.
@@ -29,12 +29,17 @@ from streamfence.protocol.codec import decode_untrusted
 from streamfence.protocol.errors import ProtocolError
 from streamfence.protocol.internal import T_DELTA, T_HELLO
 from streamfence.protocol.internal.control import BadFrame
-from streamfence.sink.content import check_tool_fragment
+from streamfence.protocol.internal.worker_wire import (
+    TOOL_CALL,
+    check_tool_fragment,
+    parse_final,
+    parse_hello,
+)
+from streamfence.sink.event_pieces import KIND_TAIL
 from streamfence.sink.fence import Verdict
 from streamfence.sink.routers import resync, send
 from streamfence.sink.state import SinkState
 from streamfence.sink.streams import READ_BYTES, WorkerStreams
-from streamfence.sink.wire import KIND_TAIL, TOOL_CALL, parse_final, parse_hello
 
 _ACCEPT = Verdict.ACCEPT
 _PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException)
@@ -99,6 +104,8 @@ class WorkerIntake:
                         n = 0
                         self._out_of_line(msg, reply)
                         continue
+                    # worker_wire.parse_delta's checks, inline: a call per
+                    # delta would cost about a quarter of the parse.
                     _, call, attempt, seq, kind, data = msg
                     tail = tails[kind]
                     if type(call) is not str or type(attempt) is not int \

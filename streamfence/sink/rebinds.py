@@ -21,13 +21,13 @@ import logging
 from collections.abc import Callable
 
 from streamfence.protocol.internal.control import Rebind, encode_ok, encode_refused, stats_to_wire
+from streamfence.protocol.internal.worker_wire import Hello, rebind_frame
 from streamfence.sink.calls import Calls
 from streamfence.sink.commits import Commits
 from streamfence.sink.fence import AuthorizeRefusal
 from streamfence.sink.fencing import refusal_reason
 from streamfence.sink.replica import Replica
 from streamfence.sink.store import TranscriptStore
-from streamfence.sink.wire import Hello, rebind_frame
 
 log = logging.getLogger("streamfence.sink")
 

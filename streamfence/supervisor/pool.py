@@ -37,11 +37,17 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import msgpack
 import zmq
 
-from streamfence.protocol.internal import W_HELLO, W_IDLE
-from streamfence.protocol.internal.workers import RunAttempt, SpawnWorker, ZygoteCommand, encode_run
+from streamfence.protocol.internal.control import BadFrame
+from streamfence.protocol.internal.workers import (
+    RunAttempt,
+    SpawnWorker,
+    WorkerHello,
+    ZygoteCommand,
+    encode_run,
+    parse_from_worker,
+)
 from streamfence.protocol.lifecycle import ExitCode
 from streamfence.protocol.states import WorkerState
 from streamfence.workers.liveness import LivenessTable
@@ -326,11 +332,15 @@ class Pool:
                 _identity, frame = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return hellos
-            msg = msgpack.unpackb(frame, raw=False)
-            if msg[0] == W_HELLO:
-                hellos += self.on_hello(msg[1], msg[2]) is not None
-            elif msg[0] == W_IDLE:
-                self.on_idle(msg[1], bool(msg[3]))
+            try:
+                msg = parse_from_worker(frame)
+            except BadFrame as exc:
+                log.warning("unexpected message from a worker: %s", exc.reason)
+                continue
+            if isinstance(msg, WorkerHello):
+                hellos += self.on_hello(msg.worker_id, msg.pid) is not None
+            else:
+                self.on_idle(msg.worker_id, msg.final_accepted)
 
     # ---- actions -----------------------------------------------------------
     def reserve(self, call_id: str, attempt: int, token: int) -> Worker | None:

@@ -29,28 +29,30 @@ import time
 from dataclasses import replace
 from typing import Any, NoReturn
 
-import msgpack
 import zmq
 
-from streamfence.protocol.internal import (
-    T_DELTA,
-    T_FINAL,
-    T_FINAL_ACK,
-    T_HELLO,
-    T_REBIND,
-    W_EXIT,
-    W_HELLO,
-    W_IDLE,
-    W_RUN,
-    Endpoints,
-)
+from streamfence.protocol.internal import Endpoints
+from streamfence.protocol.internal.control import BadFrame
 from streamfence.protocol.internal.outcome import (
     AttemptDiag,
     AttemptError,
     AttemptOutcome,
     outcome_to_wire,
 )
-from streamfence.protocol.internal.workers import RunAttempt, decode_run
+from streamfence.protocol.internal.worker_wire import (
+    FinalAck,
+    RebindTo,
+    delta_frame,
+    final_frame,
+    hello_frame,
+    parse_sink_reply,
+)
+from streamfence.protocol.internal.workers import (
+    RunAttempt,
+    idle_frame,
+    parse_run,
+    worker_hello_frame,
+)
 from streamfence.protocol.lifecycle import ExitCode, set_process_title
 from streamfence.protocol.logs import clear_context, route_logs_to, set_context
 from streamfence.protocol.messages import DeltaKind, submitted_request, visible_chars
@@ -79,15 +81,13 @@ class SinkOutput:
     after which seq to send them again. Answered 0, or with the deltas not
     kept, it is `over`: it writes nothing more and the supervisor ends it."""
 
-    __slots__ = ("_call_id", "_chan", "_kept", "_kept_bytes", "_live", "_pack", "_rebinding",
-                 "_send", "_slot", "_token", "attempt", "exc", "first_chunk_ns", "over", "seq",
-                 "visible")
+    __slots__ = ("_call_id", "_chan", "_kept", "_kept_bytes", "_live", "_rebinding", "_send",
+                 "_slot", "_token", "attempt", "exc", "first_chunk_ns", "over", "seq", "visible")
 
     def __init__(self, sink: SinkChannel, call_id: str, attempt: int, token: int,
                  live: LivenessTable, slot: int) -> None:
         self._chan = sink
         self._send = sink.send
-        self._pack = msgpack.Packer(use_bin_type=True).pack
         self._call_id = call_id
         self._token = token
         self.attempt = attempt
@@ -109,10 +109,10 @@ class SinkOutput:
         self._live.touch(self._slot, nbytes)
 
     def delta(self, kind: str, data: Any) -> None:
-        self.seq += 1
+        seq = self.seq = self.seq + 1
         if not self.visible and visible_chars(kind, data):
             self.visible = True
-        frame = self._pack([T_DELTA, self._call_id, self.attempt, self.seq, kind, data])
+        frame = delta_frame(self._call_id, self.attempt, seq, kind, data)
         kept = self._kept
         if kept is not None:
             kept.append((kind, data))
@@ -141,7 +141,7 @@ class SinkOutput:
                     self.over = True
                     return
                 self._rebinding = True
-                self._send(self._pack([T_HELLO, self._call_id, self.attempt, self._token]))
+                self._send(hello_frame(self._call_id, self.attempt, self._token))
             if not self._rebinding:
                 return
             reply = chan.wait_reply(wait_s)
@@ -149,11 +149,15 @@ class SinkOutput:
                 return  # not answered yet: the deltas wait
             if reply is LOST:
                 continue
-            if not (type(reply) is list and len(reply) == 5 and reply[0] == T_REBIND
-                    and reply[1] == self._call_id and reply[2] == self.attempt):
+            try:
+                answer = parse_sink_reply(reply)
+            except BadFrame:
+                continue
+            if not (type(answer) is RebindTo and answer.call_id == self._call_id
+                    and answer.attempt == self.attempt):
                 continue  # not for this attempt (an ack of an earlier one)
             self._rebinding = False
-            new_attempt, after = reply[3], reply[4]
+            new_attempt, after = answer.new_attempt, answer.resume_after
             if not new_attempt or self._kept is None or after > self.seq:
                 log.warning("the restarted sink ended this attempt: it writes nothing more")
                 self.over = True
@@ -163,9 +167,9 @@ class SinkOutput:
             self.attempt = new_attempt
             for seq in range(after + 1, self.seq + 1):
                 kind, data = self._kept[seq - 1]
-                self._send(self._pack([T_DELTA, self._call_id, new_attempt, seq, kind, data]))
+                self._send(delta_frame(self._call_id, new_attempt, seq, kind, data))
 
-    def finish(self, outcome: Any, timeout_s: float) -> bool:
+    def finish(self, outcome: list[Any], timeout_s: float) -> bool:
         """Send the final message and wait for its ack (over a sink restart
         too: the final goes again under the attempt number that goes on).
         False if the sink refused it or the attempt is over; no ack within
@@ -176,7 +180,7 @@ class SinkOutput:
             if self.over:
                 return False
             if not self._rebinding:
-                self._send(self._pack([T_FINAL, self._call_id, self.attempt, self.seq, outcome]))
+                self._send(final_frame(self._call_id, self.attempt, self.seq, outcome))
                 accepted = self._wait_ack(deadline)
                 if accepted is not LOST:
                     return bool(accepted)
@@ -191,10 +195,12 @@ class SinkOutput:
                 self._no_ack()
             if reply is LOST:
                 return LOST
-            if reply[0] == T_FINAL_ACK and reply[1] == self._call_id and reply[2] == self.attempt:
-                if not reply[3]:
-                    log.warning("sink refused the final message: %s", reply[4])
-                return bool(reply[3])
+            answer = parse_sink_reply(reply)  # BadFrame: our own sink is broken (a crash)
+            if type(answer) is FinalAck and answer.call_id == self._call_id \
+                    and answer.attempt == self.attempt:
+                if not answer.accepted:
+                    log.warning("sink refused the final message: %s", answer.reason)
+                return answer.accepted
 
     @staticmethod
     def _no_ack() -> NoReturn:
@@ -280,25 +286,23 @@ def worker_main(worker_id: int, slot: int, runtime_dir: str, slots: int,
     ctl.connect(ep.workers)
     sink = SinkChannel(ep.sink_stream)
     live = LivenessTable(ep.liveness_file, slots)
-    ctl.send(msgpack.packb([W_HELLO, worker_id, os.getpid()]))
+    ctl.send(worker_hello_frame(worker_id, os.getpid()))
     if warm:
         warm_worker_in_background()
     code = ExitCode.OK
     try:
         while True:
-            msg = msgpack.unpackb(ctl.recv(), raw=False)
-            if msg[0] == W_EXIT:
-                break
-            if msg[0] != W_RUN:
-                log.warning("unexpected message tag %r from the supervisor", msg[0])
+            try:
+                run = parse_run(ctl.recv())
+            except BadFrame as exc:
+                log.warning("unexpected message from the supervisor: %s", exc.reason)
                 continue
-            run = decode_run(msg)
             set_process_title(f"worker {worker_id} (call {run.call_id[:8]}…, "
                               f"attempt {run.attempt})")
             accepted = _run_one(run, sink, live, slot)
             clear_context()
             set_process_title(idle)
-            ctl.send(msgpack.packb([W_IDLE, worker_id, run.token, accepted]))
+            ctl.send(idle_frame(worker_id, run.token, accepted))
     except Exception:
         log.exception("worker crashed")
         code = ExitCode.CRASHED

@@ -1,5 +1,41 @@
-"""Supervisor <-> sink messages ("sink.ctl"): records, one builder and one parser each
-(the frame layouts are in the package docstring)."""
+"""Supervisor <-> sink messages ("sink.ctl"): records, one builder and one parser each.
+
+Supervisor -> sink, each carrying a request id `req` that its reply echoes
+(records `Authorize`, `Fence`, `Rebind`, `Finish`, `Stats`, `AddSubscriber`,
+`Adopt`, `Follow`; `encode_control` / `parse_control`, which takes the
+decoded array as untrusted and raises only BadFrame):
+    [C_AUTHORIZE, req, call_id, attempt, reset: bool, model: str|nil, log_seq: int]
+        model and log_seq may be absent; log_seq (cluster mode): where the
+        supervisor opened the attempt's epoch in the call's log, 0: none
+    [C_FENCE, req, call_id, attempt]
+    [C_REBIND, req, call_id, attempt, from_attempt, content_from, token]
+        after a sink restart: the running attempt `from_attempt` (its worker
+        holds `token`) writes on as `attempt`, its answer's content being
+        every delta since attempt `content_from` (docs/ARCHITECTURE.md §2.8)
+    [C_FINISH, req, call_id, status, error: map|nil, attempts, meta]   meta: FinishMeta map
+    [C_STATS, req]
+    [C_SUBSCRIBE, req, call_id, listener, from_seq, live: bool]   from_seq -1: from now
+    [C_ADOPT, req, call_id, epoch]   cluster mode: the call was taken over from a
+        dead host at `epoch`: open it in the call's log and store what the log
+        holds (answered with the stats of that content; refused if it holds a done)
+    [C_FOLLOW, req, call_id]   cluster mode: a call another host runs, asked for
+        here: store its log as a replica and follow it to its done (answered {done})
+Sink -> supervisor (`parse_from_sink`, on the supervisor's side: its own sink,
+trusted; the events themselves go from the sink to the subscribers'
+listeners, never through the supervisor):
+    [R_OK, req, payload]   `encode_ok`: AttemptStats for AUTHORIZE, FENCE, REBIND and
+                           ADOPT, the done event for FINISH, the counters for STATS,
+                           {"done": bool} for FOLLOW, nil for SUBSCRIBE
+    [R_REFUSED, req, reason]                        `encode_refused`
+    [E_ENDED, call_id, attempt, stats, outcome]     `encode_ended`
+    [E_FINAL_REFUSED, call_id, attempt, reason]     `encode_final_refused`
+    [E_LOST, call_id, attempt, reason]              `encode_lost`: cluster mode, the
+        cluster refused the call's run: another host owns it
+    [E_FOLLOWED_DONE, call_id, done]                `encode_followed_done`: cluster
+        mode, a followed call's done is stored here
+AttemptStats: [attempt, accepted, dropped, visible_chars, tool_fragments,
+    last_seq, closed] (`stats_to_wire` / `stats_from_wire`).
+"""
 
 from __future__ import annotations
 
@@ -323,8 +359,9 @@ _STATUSES = frozenset(s.value for s in CallStatus)
 
 def encode_ok(req: int | str, payload: Any) -> bytes:
     """R_OK. payload: AUTHORIZE/FENCE the AttemptStats (wire form) of the attempt
-    current before (attempt 0 for a new call); FINISH the done event; STATS the
-    counters map."""
+    current before (attempt 0 for a new call); REBIND those of the attempt that
+    writes on; ADOPT those of the content the call's log holds; FINISH the done
+    event; STATS the counters map; FOLLOW {"done": bool}; SUBSCRIBE nil."""
     packed: bytes = msgpack.packb([R_OK, req, payload], use_bin_type=True)
     return packed
 

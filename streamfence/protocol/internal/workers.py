@@ -1,5 +1,21 @@
-"""Supervisor -> worker (`W_RUN` as `RunAttempt`) and the zygote pipe
-(supervisor <-> zygote)."""
+"""The supervisor's conversations with its workers ("workers": ZeroMQ
+DEALER per worker, ROUTER at the supervisor; one msgpack array per frame) and
+with the zygote (a pipe). Each message has one builder and one parser.
+
+Supervisor -> worker ("workers"):
+    [W_RUN, token, call_id, attempt, session_id, profile, request, settings,
+     request_file]   `encode_run(RunAttempt)` / `parse_run`
+        profile: the provider profile as a map; settings: `AttemptSettings`'
+        values in field order; request_file: a stored submit frame to read the
+        request from, or nil.
+Worker -> supervisor (`parse_from_worker` parses both):
+    [W_HELLO, worker_id, pid]                      `worker_hello_frame`
+    [W_IDLE, worker_id, token, final_accepted]     `idle_frame`
+The parsers take the frame's bytes and raise only `BadFrame`.
+
+The zygote pipe: see "the zygote pipe" below (`encode_zygote`,
+`decode_zygote_command`, `decode_zygote_event`; those raise ValueError).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +25,8 @@ from typing import Any
 
 import msgpack
 
-from streamfence.protocol.internal import W_RUN
+from streamfence.protocol.internal import W_HELLO, W_IDLE, W_RUN
+from streamfence.protocol.internal.control import BadFrame
 
 # ---- W_RUN (supervisor -> worker) -----------------------------------------
 
@@ -58,11 +75,69 @@ def encode_run(run: RunAttempt) -> bytes:
     return packed
 
 
-def decode_run(msg: list[Any]) -> RunAttempt:
-    """`msg`: the decoded W_RUN array (from the daemon's own supervisor, trusted)."""
+def _unpack(frame: bytes) -> Any:
+    try:
+        return msgpack.unpackb(frame, raw=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise BadFrame(f"not msgpack: {exc}") from None
+
+
+def parse_run(frame: bytes) -> RunAttempt:
+    """A W_RUN frame (from the daemon's own supervisor: its fields are not
+    checked one by one); anything else raises BadFrame."""
+    msg = _unpack(frame)
+    if not (type(msg) is list and len(msg) == 9 and type(msg[0]) is int and msg[0] == W_RUN
+            and type(msg[7]) is list):
+        raise BadFrame(f"not a W_RUN array of 9 elements: {str(msg)[:100]}")
     _, token, call_id, attempt, session_id, profile, request, settings, request_file = msg
-    return RunAttempt(token, call_id, attempt, session_id, profile, request,
-                      AttemptSettings(*settings), request_file)
+    try:
+        run_settings = AttemptSettings(*settings)
+    except TypeError as exc:
+        raise BadFrame(f"W_RUN's settings: {exc}") from None
+    return RunAttempt(token, call_id, attempt, session_id, profile, request, run_settings,
+                      request_file)
+
+
+# ---- W_HELLO, W_IDLE (worker -> supervisor) -----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerHello:
+    """The worker is up (its first message)."""
+
+    worker_id: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdle:
+    """The worker's attempt is over; `final_accepted`: the sink acked its final."""
+
+    worker_id: int
+    token: int
+    final_accepted: bool
+
+
+def worker_hello_frame(worker_id: int, pid: int) -> bytes:
+    packed: bytes = msgpack.packb([W_HELLO, worker_id, pid])
+    return packed
+
+
+def idle_frame(worker_id: int, token: int, final_accepted: bool) -> bytes:
+    packed: bytes = msgpack.packb([W_IDLE, worker_id, token, final_accepted])
+    return packed
+
+
+def parse_from_worker(frame: bytes) -> WorkerHello | WorkerIdle:
+    """A W_HELLO or W_IDLE frame; anything else raises BadFrame."""
+    msg = _unpack(frame)
+    if type(msg) is list and msg and type(msg[0]) is int \
+            and all(type(v) is int for v in msg[1:3]):
+        if msg[0] == W_HELLO and len(msg) == 3:
+            return WorkerHello(msg[1], msg[2])
+        if msg[0] == W_IDLE and len(msg) == 4 and type(msg[3]) is bool:
+            return WorkerIdle(msg[1], msg[2], msg[3])
+    raise BadFrame(f"not a W_HELLO or W_IDLE: {str(msg)[:100]}")
 
 
 # ---- the zygote pipe (supervisor <-> zygote) --------------------------------
