@@ -462,6 +462,8 @@ def test_closed_client_refuses_and_close_is_idempotent(env: Env) -> None:
 
 def test_events_before_the_accept_are_buffered_sorted_and_deduplicated(env: Env) -> None:
     def handle(msg: dict[str, Any]) -> list[Out]:
+        if msg["op"] != "submit":  # a probe's subscribe (under load) gets nothing
+            return []  # more: sent again, the events could find the client closed
         return [delta("c1", 2, "b"), delta("c1", 1, "a"), accepted_msg(msg["ref"], "c1"),
                 delta("c1", 1, "a"), reset_event("c1", 2, 3), delta("c1", 4, "c", attempt=2),
                 done("c1", 5), delta("c1", 6, "after done")]
