@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from streamfence.protocol.codec import decode_untrusted
 from streamfence.protocol.errors import ProtocolError
-from streamfence.protocol.internal.control import BadFrame
+from streamfence.protocol.internal.checks import BadFrame
 from streamfence.protocol.internal.outcome import (
     AttemptDiag,
     AttemptError,

@@ -10,11 +10,11 @@ import pytest
 
 from streamfence.protocol.codec import encode
 from streamfence.protocol.internal import C_AUTHORIZE, C_FENCE, C_FINISH, C_STATS, C_SUBSCRIBE
+from streamfence.protocol.internal.checks import BadFrame
 from streamfence.protocol.internal.control import (
     FROM_NOW,
     AddSubscriber,
     Authorize,
-    BadFrame,
     Fence,
     Finish,
     FinishMeta,

@@ -28,7 +28,7 @@ import zmq
 from streamfence.protocol.codec import decode_untrusted
 from streamfence.protocol.errors import ProtocolError
 from streamfence.protocol.internal import T_DELTA, T_HELLO
-from streamfence.protocol.internal.control import BadFrame
+from streamfence.protocol.internal.checks import BadFrame
 from streamfence.protocol.internal.worker_wire import (
     TOOL_CALL,
     check_tool_fragment,

@@ -53,8 +53,8 @@ from streamfence.cluster.settings import ClusterSettings
 from streamfence.protocol.codec import decode_untrusted
 from streamfence.protocol.errors import ProtocolError
 from streamfence.protocol.internal import Endpoints
+from streamfence.protocol.internal.checks import BadFrame
 from streamfence.protocol.internal.control import (
-    BadFrame,
     ControlOp,
     Stats,
     encode_ok,

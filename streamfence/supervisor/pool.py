@@ -39,7 +39,7 @@ from typing import Any
 
 import zmq
 
-from streamfence.protocol.internal.control import BadFrame
+from streamfence.protocol.internal.checks import BadFrame
 from streamfence.protocol.internal.workers import (
     RunAttempt,
     SpawnWorker,

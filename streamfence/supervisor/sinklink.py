@@ -17,12 +17,12 @@ from typing import Any, Protocol, TypeVar
 import msgpack
 import zmq
 
+from streamfence.protocol.internal.checks import BadFrame
 from streamfence.protocol.internal.control import (
     AddSubscriber,
     Adopt,
     AttemptStats,
     Authorize,
-    BadFrame,
     ControlOp,
     Ended,
     Fence,

@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 import zmq
 
 from streamfence.protocol.internal import Endpoints
-from streamfence.protocol.internal.control import BadFrame
+from streamfence.protocol.internal.checks import BadFrame
 from streamfence.protocol.internal.outcome import (
     AttemptDiag,
     AttemptError,

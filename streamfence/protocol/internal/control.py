@@ -60,6 +60,7 @@ from streamfence.protocol.internal import (
     R_OK,
     R_REFUSED,
 )
+from streamfence.protocol.internal.checks import BadFrame, check_call_id, check_int
 from streamfence.protocol.internal.outcome import (
     AttemptOutcome,
     outcome_from_wire,
@@ -71,16 +72,6 @@ from streamfence.protocol.messages import LISTENER_RE, CallStatus
 # Each message: a record, one builder (`encode_*`) and one parser. The sink
 # parses what it is sent as untrusted (`parse_control`: it refuses strangers
 # but never crashes on a bad frame); the supervisor trusts its own sink.
-
-
-class BadFrame(ValueError):
-    """A frame without the shape of its message. `req` is set when the request
-    id could be read, so that the sender can still be answered."""
-
-    def __init__(self, reason: str, req: int | str | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.req = req
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,24 +273,10 @@ def encode_control(op: ControlOp) -> bytes:
     return packed
 
 
-MAX_CALL_ID = 256
 MAX_REQ_STR = 256
 _CONTROL_ARITY = {C_AUTHORIZE: (5, 6, 7), C_FENCE: (4,), C_FINISH: (7,), C_STATS: (2,),
                   C_SUBSCRIBE: (6,), C_REBIND: (7,), C_ADOPT: (4,),
                   C_FOLLOW: (3,)}
-
-
-def check_call_id(value: Any, req: int | str | None = None) -> str:
-    if type(value) is not str or not 0 < len(value) <= MAX_CALL_ID:
-        raise BadFrame(f"call_id must be a string of 1..{MAX_CALL_ID} characters", req)
-    return value
-
-
-def check_int(value: Any, name: str, minimum: int, req: int | str | None = None) -> int:
-    # type() not isinstance(): a bool is not an attempt number.
-    if type(value) is not int or value < minimum:
-        raise BadFrame(f"{name} must be an integer >= {minimum}", req)
-    return value
 
 
 def parse_control(obj: Any) -> ControlOp:

@@ -46,7 +46,7 @@ from typing import Any
 import msgpack
 
 from streamfence.protocol.internal import T_DELTA, T_FINAL, T_FINAL_ACK, T_HELLO, T_REBIND
-from streamfence.protocol.internal.control import BadFrame, check_call_id, check_int
+from streamfence.protocol.internal.checks import BadFrame, check_call_id, check_int
 from streamfence.protocol.internal.outcome import AttemptOutcome, BadOutcome, outcome_from_wire
 from streamfence.protocol.messages import DeltaKind
 

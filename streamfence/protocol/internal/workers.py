@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 
 from streamfence.protocol.internal import W_HELLO, W_IDLE, W_RUN
-from streamfence.protocol.internal.control import BadFrame
+from streamfence.protocol.internal.checks import BadFrame
 
 # ---- W_RUN (supervisor -> worker) -----------------------------------------
 
