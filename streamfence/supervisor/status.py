@@ -31,7 +31,7 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
     `delta_latency` (taken out of its counters)."""
     if not user.is_admin:
         # Its calls' request bytes (`in_flight_bytes`) next to its budget for them.
-        calls = dict(driver.status(owner=user.name), max_in_flight_bytes=user.max_in_flight_bytes)
+        calls = dict(driver.calls.status(owner=user.name), max_in_flight_bytes=user.max_in_flight_bytes)
         reply({"identity": user.name, "role": user.role.value, "calls": calls})
         return
     body = {"identity": user.name, "role": user.role.value,
@@ -39,7 +39,7 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
             "workers": pool.snapshot(),
             "pool": {"spare": pool.spare, "max": pool.max_workers,
                      "spawned_total": pool.spawned_total, "killed_total": pool.killed_total},
-            "calls": driver.status(),
+            "calls": driver.calls.status(),
             "breakers": breakers.snapshot(),
             "storage": storage(),
             "counters": dict(counters, **auth_counts())}
