@@ -24,7 +24,8 @@ from streamfence.protocol.messages import delta_event
 from streamfence.sink.state import PRUNE_FIRST_S, SinkState, prune_grace_s
 from streamfence.sink.store import TranscriptReader, TranscriptStore, prune_transcript
 from streamfence.sink.subscribers import Outbox
-from streamfence.supervisor.journal import Journal, prune_journal
+from streamfence.supervisor.journal import Journal
+from streamfence.supervisor.journal_file import prune_journal
 from tests.harness import DaemonProcess, wait_until
 
 DAY = 86400.0

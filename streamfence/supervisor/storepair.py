@@ -48,7 +48,7 @@ from pathlib import Path
 
 from streamfence.sink.store import META_TABLE as TRANSCRIPT_META
 from streamfence.supervisor import walframes
-from streamfence.supervisor.journal import META_TABLE as JOURNAL_META
+from streamfence.supervisor.journal_file import META_TABLE as JOURNAL_META
 
 JOURNAL = "journal.db"
 TRANSCRIPT = "transcript.db"
