@@ -24,7 +24,7 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
     an admin's reply waits for the sink's counters (`sink_stats`: asked for,
     not polled, so an idle daemon sleeps; the last known ones while the sink
     is down). `calls.in_flight_bytes` is the request bytes the
-    calls accepted and not done hold (the byte budgets: front.py); an admin
+    calls accepted and not done hold (the byte budgets: admission.py); an admin
     also sees them per owner and `in_flight_bytes_max`; `storage`, the
     journal's storage fault while one lasts (nil otherwise); and
     `histograms` (supervisor/histograms.py): the driver's, and the sink's
