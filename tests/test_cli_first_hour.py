@@ -37,6 +37,7 @@ from streamfence.cli.config_template import (
     PROFILE_DOCS,
     render,
 )
+from streamfence.config import identities
 from streamfence.config.model import (
     ClusterConfig,
     DaemonConfig,
@@ -48,7 +49,6 @@ from streamfence.devtools import demo
 from streamfence.devtools.emulator.control import EmulatorClient, emulator_profile
 from streamfence.protocol.client import Client
 from streamfence.protocol.wires import WIRES
-from streamfence.supervisor import identities
 from tests.harness import wait_until
 
 UNCOMMENT = re.compile(r"^# (?=[a-z_]+ = )", re.MULTILINE)  # `# key = value`, not `#   key`

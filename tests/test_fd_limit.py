@@ -14,10 +14,10 @@ import logging, resource, sys
 logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(levelname)s %(message)s")
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
-from streamfence.supervisor.daemon import _raise_fd_limit
-_raise_fd_limit(64)
+from streamfence.supervisor.startup import raise_fd_limit
+raise_fd_limit(64)
 print("limits", *resource.getrlimit(resource.RLIMIT_NOFILE))
-_raise_fd_limit(hard)  # 256 + 4 x workers_max wanted: more than the hard limit
+raise_fd_limit(hard)  # 256 + 4 x workers_max wanted: more than the hard limit
 """
 
 

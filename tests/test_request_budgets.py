@@ -248,15 +248,15 @@ def test_recovered_calls_count_until_done(tmp_path: Path) -> None:
     for call in recover_calls(journal, profiles, str(tmp_path / "transcript.db")):
         driver.enqueue(call)
     one = len(encode(request))
-    assert (driver.in_flight_bytes(), driver.in_flight_bytes("alice"),
-            driver.in_flight_bytes("bob")) == (3 * one, 2 * one, one)
-    assert driver.status()["in_flight_bytes_by_owner"] == {"alice": 2 * one, "bob": one}
+    assert (driver.calls.in_flight_bytes(), driver.calls.in_flight_bytes("alice"),
+            driver.calls.in_flight_bytes("bob")) == (3 * one, 2 * one, one)
+    assert driver.calls.status()["in_flight_bytes_by_owner"] == {"alice": 2 * one, "bob": one}
     driver.cancel("c1")  # a queued call: finished at once
-    assert (driver.in_flight_bytes(), driver.in_flight_bytes("alice")) == (2 * one, one)
+    assert (driver.calls.in_flight_bytes(), driver.calls.in_flight_bytes("alice")) == (2 * one, one)
     driver.cancel("c2")
     driver.cancel("c3")
-    assert driver.in_flight_bytes() == 0
-    assert driver.status()["in_flight_bytes_by_owner"] == {}
+    assert driver.calls.in_flight_bytes() == 0
+    assert driver.calls.status()["in_flight_bytes_by_owner"] == {}
     journal.close()
 
 

@@ -26,7 +26,8 @@ from streamfence.sink.state import SinkState
 from streamfence.sink.store import TranscriptStore
 from streamfence.sink.subscribers import Outbox
 from streamfence.sink.transcript import TranscriptReader, prune_transcript
-from streamfence.supervisor.journal import Journal, prune_journal
+from streamfence.supervisor.journal import Journal
+from streamfence.supervisor.journal_file import prune_journal
 from tests.harness import DaemonProcess, wait_until
 
 DAY = 86400.0

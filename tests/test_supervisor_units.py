@@ -343,7 +343,7 @@ def test_one_call_authorize_dispatch_end_finish(parts: dict[str, Any]) -> None:
     done = done_event("c1", 2, CallStatus.COMPLETED, None, None, 1)
     sink_sock.inbox.append(encode_ok(finish.req, done))
     parts["sink"].drain(driver)
-    assert not driver.has_call("c1") and parts["counters"]["calls_completed"] == 1
+    assert not driver.calls.has("c1") and parts["counters"]["calls_completed"] == 1
     assert parts["journal"].is_finished("c1")  # the done event itself is the sink's to store
     assert parts["client_sock"].sent == []  # no waiter; the events went from the sink
     assert parts["journal"].attempts_of("c1")[0]["how"] == "ended"

@@ -46,7 +46,7 @@ def _age_option(ctx: click.Context, param: click.Parameter, value: str) -> float
 def prune(config_path: str | None, age_s: float) -> None:
     """Remove finished calls older than --older-than from the journal and the transcript."""
     from streamfence.sink.transcript import prune_transcript
-    from streamfence.supervisor.journal import prune_journal
+    from streamfence.supervisor.journal_file import prune_journal
 
     cfg = load(config_path)
     if not os.path.isdir(cfg.state_dir):

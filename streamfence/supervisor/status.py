@@ -24,14 +24,14 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
     an admin's reply waits for the sink's counters (`sink_stats`: asked for,
     not polled, so an idle daemon sleeps; the last known ones while the sink
     is down). `calls.in_flight_bytes` is the request bytes the
-    calls accepted and not done hold (the byte budgets: front.py); an admin
+    calls accepted and not done hold (the byte budgets: admission.py); an admin
     also sees them per owner and `in_flight_bytes_max`; `storage`, the
     journal's storage fault while one lasts (nil otherwise); and
     `histograms` (protocol/histograms.py): the driver's, and the sink's
     `delta_latency` (taken out of its counters)."""
     if not user.is_admin:
         # Its calls' request bytes (`in_flight_bytes`) next to its budget for them.
-        calls = dict(driver.status(owner=user.name), max_in_flight_bytes=user.max_in_flight_bytes)
+        calls = dict(driver.calls.status(owner=user.name), max_in_flight_bytes=user.max_in_flight_bytes)
         reply({"identity": user.name, "role": user.role.value, "calls": calls})
         return
     body = {"identity": user.name, "role": user.role.value,
@@ -39,7 +39,7 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
             "workers": pool.snapshot(),
             "pool": {"spare": pool.spare, "max": pool.max_workers,
                      "spawned_total": pool.spawned_total, "killed_total": pool.killed_total},
-            "calls": driver.status(),
+            "calls": driver.calls.status(),
             "breakers": breakers.snapshot(),
             "storage": storage(),
             "counters": dict(counters, **auth_counts())}

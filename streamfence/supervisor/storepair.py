@@ -49,7 +49,7 @@ from pathlib import Path
 from streamfence.sink.transcript import META_TABLE as TRANSCRIPT_META
 from streamfence.sink.transcript import calls_sql
 from streamfence.supervisor import walframes
-from streamfence.supervisor.journal import META_TABLE as JOURNAL_META
+from streamfence.supervisor.journal_file import META_TABLE as JOURNAL_META
 
 JOURNAL = "journal.db"
 TRANSCRIPT = "transcript.db"

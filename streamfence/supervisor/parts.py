@@ -1,0 +1,87 @@
+"""The supervisor's owners (`Parts`), each built after what it needs by
+`build_parts`; the daemon starts its children once they all exist.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from streamfence.config.model import DaemonConfig
+from streamfence.protocol.internal.workers import ZygoteCommand
+from streamfence.supervisor.attempts import AttemptDriver
+from streamfence.supervisor.breaker import Breakers
+from streamfence.supervisor.clients import Clients
+from streamfence.supervisor.front import Front
+from streamfence.supervisor.journal import Journal
+from streamfence.supervisor.pool import Pool
+from streamfence.supervisor.sinklink import SinkLink
+from streamfence.supervisor.status import status_of
+from streamfence.workers.liveness import LivenessTable
+
+if TYPE_CHECKING:  # cluster mode only: it brings nats
+    from streamfence.supervisor.clusterlink import ClusterLink
+
+Socket = zmq.Socket[bytes]
+Sockets = tuple[Socket, Socket, Socket, Socket]  # workers', logs', clients', the sink's
+SinkStats = Callable[[SinkLink, Callable[[dict[str, Any]], None]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """The supervisor's owners, built in dependency order by `Daemon._build`:
+    journal (journal.db), pool (workers, the `workers` socket, liveness),
+    clients (the client socket's sends, subscribers, event buffers, waiters),
+    sink (SinkLink: requests in flight on `sink.ctl`), breakers, driver (calls,
+    queue, fall-backs), front (request handling: admission, acceptance).
+    `counters` are tallies each incremented by one owner (the daemon's: sink
+    and zygote restarts), read by `status`."""
+
+    journal: Journal
+    pool: Pool
+    clients: Clients
+    sink: SinkLink
+    breakers: Breakers
+    driver: AttemptDriver
+    front: Front
+    counters: Counter[str]
+    logs: zmq.Socket[bytes]
+    cluster: ClusterLink | None = None  # cluster mode (ARCHITECTURE §4.17)
+
+
+def build_parts(cfg: DaemonConfig, journal: Journal, live: LivenessTable,
+                sockets: Sockets,
+                cluster: ClusterLink | None, to_zygote: Callable[[ZygoteCommand], None],
+                sink_stats: SinkStats, pids: Callable[[], dict[str, int | None]],
+                auth_counts: Callable[[], dict[str, int]], transcript_path: str) -> Parts:
+    """Every owner, in dependency order. `sockets`: the workers', logs' and
+    clients' (bound) and the sink's (connected); `to_zygote`, `sink_stats`,
+    `pids` and `auth_counts`: what the daemon's children and auth answer."""
+    workers_sock, logs_sock, front_sock, sink_sock = sockets
+    clock = time.monotonic
+    counters: Counter[str] = Counter()
+    pool = Pool(to_zygote, workers_sock, live, slots=cfg.workers_max,
+                spare=cfg.workers_spare, max_workers=cfg.workers_max)
+    clients = Clients(front_sock)
+    sink = SinkLink(sink_sock)
+    breakers = Breakers(cfg.breaker_threshold, cfg.breaker_cooldown_s, clock)
+    driver = AttemptDriver(cfg, journal, pool, sink, clients, breakers, counters, clock,
+                           random.Random(), transcript_path, cluster)
+    status = functools.partial(status_of, pool, driver, breakers,
+                               functools.partial(sink_stats, sink), counters, pids,
+                               auth_counts, journal.fault_view)
+    front = Front(cfg, journal, driver, clients, sink, breakers, counters, clock,
+                  transcript_path, status, cluster)
+    if cluster is not None and driver.takeover is not None:
+        cluster.on_taken = driver.takeover.adopt
+        cluster.knows = driver.calls.has
+        cluster.on_cancel = front.cancel_for_peer
+    return Parts(journal, pool, clients, sink, breakers, driver, front, counters, logs_sock,
+                 cluster)
