@@ -291,7 +291,12 @@ def test_only_owned_calls_are_cancelled_once_and_a_refused_send_stays_queued() -
     core.send_cancels(lambda frame: False)  # the socket would block: kept
     assert list(core.to_cancel) == ["c1"] and core.closing() == 0
     sent: list[bytes] = []
-    core.send_cancels(lambda frame: sent.append(frame) is None)
+
+    def send(frame: bytes) -> bool:
+        sent.append(frame)
+        return True
+
+    core.send_cancels(send)
     msg = decode_untrusted(sent[0], 1 << 20)
     assert isinstance(msg, dict) and (msg["op"], msg["call_id"]) == ("cancel", "c1")
     assert not core.to_cancel and core.closing() == 1000  # lingers for the answer

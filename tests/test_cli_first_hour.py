@@ -37,6 +37,7 @@ from streamfence.cli.config_template import (
     PROFILE_DOCS,
     render,
 )
+from streamfence.config import identities
 from streamfence.config.model import (
     ClusterConfig,
     DaemonConfig,
@@ -48,7 +49,6 @@ from streamfence.devtools import demo
 from streamfence.devtools.emulator.control import EmulatorClient, emulator_profile
 from streamfence.protocol.client import Client
 from streamfence.protocol.wires import WIRES
-from streamfence.supervisor import identities
 from tests.harness import wait_until
 
 UNCOMMENT = re.compile(r"^# (?=[a-z_]+ = )", re.MULTILINE)  # `# key = value`, not `#   key`
@@ -232,7 +232,8 @@ def test_a_second_ctrl_c_kills_at_once_and_says_so() -> None:
     ctrl_c = demo.CtrlC(console)
     ctrl_c.kill_now += [lambda: killed.append("daemon"), lambda: killed.append("emulator")]
     with contextlib.closing(console.file), ctrl_c.installed():
-        assert signal.getsignal(signal.SIGINT) is ctrl_c
+        installed: object = signal.getsignal(signal.SIGINT)  # object: no narrowing of ctrl_c
+        assert installed is ctrl_c
         with pytest.raises(KeyboardInterrupt):
             ctrl_c(signal.SIGINT, None)
         assert killed == []

@@ -53,6 +53,7 @@ def test_clean_call_completes_with_exactly_the_emulators_text(
     with daemon.client() as client:
         result = client.result(call_id)
         assert client.cancel(call_id)["response"] == done["response"]
+    assert result is not None
     assert {k: result[k] for k in done} == done and result["diagnostics"]
     journal = sqlite3.connect(f"file:{daemon.state_dir / 'journal.db'}?mode=ro", uri=True)
     try:
@@ -100,7 +101,7 @@ def test_zombie_is_fenced_killed_and_retried(make_daemon: Any, emu: EmulatorClie
 
 def _alive(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)  # psutil: untyped
     except psutil.NoSuchProcess:
         return False
 
@@ -141,7 +142,7 @@ def test_status_shows_workers_with_pid_state_and_attempt(make_daemon: Any,
                          if w["call_id"] == call_id and w["state"] == "busy"), None)
 
         worker = wait_until(busy, 10, "the call's worker in status")
-        assert worker["attempt"] == 1
+        assert worker is not None and worker["attempt"] == 1
         assert psutil.Process(worker["pid"]).is_running()
         status = client.status()
         assert sum(1 for w in status["workers"] if w["state"] == "idle") >= 1

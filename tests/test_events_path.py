@@ -51,6 +51,7 @@ def test_deltas_reach_the_subscriber_while_the_supervisor_is_frozen(
         daemon: DaemonProcess, emu: EmulatorClient) -> None:
     key = f"frozen-{uuid.uuid4().hex[:8]}"
     emu.script(key, [{"fault": "ok", "chunks": CHUNKS, "chunk_delay_s": GAP_S}])
+    assert daemon.proc is not None
     supervisor = daemon.proc.pid
     with daemon.client(timeout_s=30.0) as client:
         call_id = client.submit("emu", _req(key))
@@ -88,7 +89,7 @@ def _dealer(ctx: zmq.Context[Any], daemon: DaemonProcess, routing_id: bytes,
 def test_the_events_socket_hears_only_registered_keys(daemon: DaemonProcess) -> None:
     """A CURVE client with an unregistered key gets no answer to `listen`; the
     admin's key gets `listening`. (Same key store as the client endpoint.)"""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     good = load_credentials(daemon.credentials_path)
     stranger = replace(good, public_key=(pair := zmq.curve_keypair())[0], secret_key=pair[1])
     ok = _dealer(ctx, daemon, b"l-" + uuid.uuid4().hex.encode(), good)

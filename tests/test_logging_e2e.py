@@ -64,7 +64,9 @@ def _all_logged(daemon: DaemonProcess, call_id: str, attempts: int) -> list[dict
                    for r in records)
         return records if last and ended >= attempts else None
 
-    return wait_until(complete, 10, f"the log lines of call {call_id}")
+    records = wait_until(complete, 10, f"the log lines of call {call_id}")
+    assert records is not None
+    return records
 
 
 def test_worker_records_carry_the_call_context(daemon: DaemonProcess,
@@ -175,6 +177,7 @@ def test_process_titles(daemon: DaemonProcess, emu: EmulatorClient) -> None:
                         None)
 
         worker = wait_until(busy_worker, 10, "a worker running the call")
+        assert worker is not None
         wid, pid = worker["worker_id"], worker["pid"]
         running = f"streamfence: worker {wid} (call {call_id[:8]}…, attempt 1)"
         wait_until(lambda: _title(pid) == running, 5, f"the title {running!r}")

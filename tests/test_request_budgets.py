@@ -207,7 +207,7 @@ def test_a_large_submit_over_a_limit_is_refused_before_it_is_read(daemon: Daemon
     from its size and its first bytes alone."""
     prefix = encode({"v": 1, "op": "submit", "ref": "early-1"})[1:]  # the map's pairs
     frame = b"\x84" + prefix + encode("call") + b"\xc1" * 100_000  # 0xc1: never valid
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = daemon.socket(ctx)
     try:
         sock.send(frame)

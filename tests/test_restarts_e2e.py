@@ -6,6 +6,7 @@ the daemon, with the reason."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -77,7 +78,9 @@ class Watch:
             pid = self.pid(child)
             return pid if pid not in (None, old) else None
 
-        return wait_until(changed, 30.0, what)
+        pid = wait_until(changed, 30.0, what)
+        assert pid is not None
+        return pid
 
 
 @pytest.mark.slow
@@ -90,7 +93,7 @@ def test_a_sink_killed_again_and_again_backs_off_and_the_daemon_serves(
         assert pid is not None
         waited = []
         for kill in range(1, SINK_KILLS + 1):
-            wait_until(lambda p=pid: _sink_serves(daemon, p), 30.0,
+            wait_until(functools.partial(_sink_serves, daemon, pid), 30.0,
                        f"sink {pid} to serve before kill {kill}")
             killed_at = time.monotonic()
             os.kill(pid, signal.SIGKILL)

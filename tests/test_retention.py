@@ -23,8 +23,8 @@ from streamfence.protocol.codec import encode
 from streamfence.protocol.messages import delta_event
 from streamfence.sink.state import PRUNE_FIRST_S, SinkState, prune_grace_s
 from streamfence.sink.store import TranscriptReader, TranscriptStore, prune_transcript
-from streamfence.sink.subscribers import Outbox
 from streamfence.supervisor.journal import Journal, prune_journal
+from tests.fakes import Nobody
 from tests.harness import DaemonProcess, wait_until
 
 DAY = 86400.0
@@ -213,37 +213,15 @@ def test_store_prune_is_bounded_and_leaves_buffered_writes_alone(tmp_path: Path)
     store.close()
 
 
-class NoPeer:
-    def publish(self, frame: bytes) -> None:
-        pass
-
-    def stats(self) -> dict[str, int]:
-        return {}
-
-
-class NoListeners:
-    def deliver(self, outbox: Outbox) -> None:
-        pass
-
-    def send_event(self, subs: set[bytes], event: bytes) -> None:
-        pass
-
-    def replay(self, listener: bytes, events: list[bytes]) -> bool:
-        return True
-
-    def stats(self) -> dict[str, int]:
-        return {}
-
-
 def test_sink_state_prunes_its_own_file_a_grace_after_the_journal(tmp_path: Path) -> None:
     path = tmp_path / "transcript.db"
     store = _transcript(path, done=["old-done", "edge-done", "new-done"], open_=["old-open"])
     _age_transcript(path, 2 * DAY, "old-")
     # Past the retention, but not past the retention and the grace: kept for now.
     _age_transcript(path, DAY + prune_grace_s(DAY) / 2, "edge-")
-    assert SinkState(store, NoPeer(), NoListeners()).prune_due is None  # 0: keep forever
+    assert SinkState(store, Nobody(), Nobody()).prune_due is None  # 0: keep forever
     before = time.monotonic()
-    state = SinkState(store, NoPeer(), NoListeners(), retention_days=1.0)
+    state = SinkState(store, Nobody(), Nobody(), retention_days=1.0)
     assert state.prune_due is not None and state.prune_due >= before + PRUNE_FIRST_S
     assert state.prune() == 1
     assert state.prune_due > time.monotonic()
