@@ -15,14 +15,13 @@ children, one daemon for the whole module (at DEBUG, for the SDKs' records):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.emulator.control import EmulatorClient
 from tests.harness import DaemonProcess, wait_until
-from tests.wires import profile_for
+from tests.wires import DaemonFactory
 
 pytestmark = pytest.mark.slow
 
@@ -30,15 +29,8 @@ HELLO = [{"role": "user", "content": "x"}]
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory,
-           emulator: EmulatorProcess) -> Iterator[DaemonProcess]:
-    providers = {"emu": dict(profile_for("openai", emulator), stale_timeout_s=30.0),
-                 "bedrock": dict(profile_for("bedrock", emulator), stale_timeout_s=30.0)}
-    proc = DaemonProcess(tmp_path_factory.mktemp("logs") / "state", providers,
-                         daemon={"log_level": "DEBUG"})
-    with proc:
-        yield proc
-    assert not proc.survivors, f"processes outlived the daemon: {proc.survivors}"
+def daemon(module_daemon: DaemonFactory) -> DaemonProcess:
+    return module_daemon({"emu": "openai", "bedrock": "bedrock"}, daemon={"log_level": "DEBUG"})
 
 
 def _run(daemon: DaemonProcess, provider: str, request: dict[str, Any],

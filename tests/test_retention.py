@@ -26,6 +26,7 @@ from streamfence.sink.store import TranscriptReader, TranscriptStore, prune_tran
 from streamfence.supervisor.journal import Journal, prune_journal
 from tests.fakes import Nobody
 from tests.harness import DaemonProcess, wait_until
+from tests.wires import request_for
 
 DAY = 86400.0
 
@@ -298,10 +299,6 @@ def test_prune_command_on_a_missing_state_dir(tmp_path: Path) -> None:
 
 # ---- the real daemon ------------------------------------------------------------------
 
-def _request(key: str) -> dict[str, Any]:
-    return {"model": f"gpt-emu#{key}", "messages": [{"role": "user", "content": key}]}
-
-
 def _unknown(daemon: DaemonProcess, call_id: str) -> None:
     """`result`, `subscribe` and `cancel` of `call_id` answer unknown_call."""
     with daemon.client(timeout_s=10.0) as client:
@@ -329,9 +326,9 @@ def test_daemon_prunes_finished_calls_after_the_retention(make_daemon: Any,
     daemon = make_daemon(daemon={"retention_days": retention_s / DAY})
     emu.script("stalled", [{"fault": "stall", "after": 2, "stall_s": 120}])
     with daemon.client(timeout_s=10.0) as client:
-        running = client.submit("emu", _request("stalled"), subscribe=False,
+        running = client.submit("emu", request_for("openai", "stalled"), subscribe=False,
                                 options={"stale_timeout_s": 120})
-        done = client.run("emu", _request("quick"))
+        done = client.run("emu", request_for("openai", "quick"))
     assert done["status"] == "completed"
     finished = done["call_id"]
     wait_until(lambda: daemon.transcript_rows(
@@ -366,7 +363,7 @@ def test_daemon_prunes_finished_calls_after_the_retention(make_daemon: Any,
 def test_prune_command_with_a_running_daemon(make_daemon: Any) -> None:
     daemon = make_daemon()  # retention off: only the command prunes
     with daemon.client(timeout_s=10.0) as client:
-        first = client.run("emu", _request("first"))["call_id"]
+        first = client.run("emu", request_for("openai", "first"))["call_id"]
     proc = _cli("prune", "--config", str(daemon.config_path), "--older-than", "0s")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["journal.db: removed 1 finished call",
@@ -374,4 +371,4 @@ def test_prune_command_with_a_running_daemon(make_daemon: Any) -> None:
     assert _in_files(daemon, first) == (False, False)
     _unknown(daemon, first)
     with daemon.client(timeout_s=10.0) as client:  # and the daemon goes on
-        assert client.run("emu", _request("second"))["status"] == "completed"
+        assert client.run("emu", request_for("openai", "second"))["status"] == "completed"
