@@ -1,9 +1,10 @@
 """Shared fixtures: the real emulator (one per test module) and the real
-daemon against it (one per test, in the test's tmp_path)."""
+daemon against it (one per test, in the test's tmp_path; or one per module,
+`module_daemon`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from streamfence.devtools import disks
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.nats_cluster import NatsCluster, nats_cluster
 from tests.harness import DaemonProcess
-from tests.wires import profile_for
+from tests.wires import DaemonFactory, profile_for, profiles_for
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +76,36 @@ def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
     yield make
     for where in mounted:
         disks.unmount(where)
+
+
+@pytest.fixture(scope="module")
+def module_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                  emulator: EmulatorProcess) -> Iterator[DaemonFactory]:
+    """`module_daemon(providers, daemon=..., config_tail=...)` (tests.wires.DaemonFactory):
+    a started daemon for a module's tests to share, in a fresh directory named
+    for the module; a module's `daemon` fixture calls it with its settings. At
+    teardown each daemon is stopped, and none may leave a process behind."""
+    started: list[DaemonProcess] = []
+    module = request.module.__name__.rsplit(".", 1)[-1]
+
+    def start(providers: Mapping[str, str | Mapping[str, Any]] | None = None, *,
+              daemon: dict[str, Any] | None = None, config_tail: str = "") -> DaemonProcess:
+        proc = DaemonProcess(tmp_path_factory.mktemp(module) / "state",
+                             profiles_for(emulator, providers or {"emu": "openai"}),
+                             daemon=daemon)
+        if config_tail:
+            proc.config_path.write_text(proc.config_path.read_text() + config_tail)
+        started.append(proc)
+        return proc.start()
+
+    yield start
+    for proc in started:
+        proc.cleanup()
+        assert not proc.survivors, f"processes outlived the daemon: {proc.survivors}"
+
+
+@pytest.fixture(scope="module")
+def daemon(module_daemon: DaemonFactory) -> DaemonProcess:
+    """The module's shared daemon with the default settings (`emu` on the
+    openai wire); a module whose tests need others defines its own `daemon`."""
+    return module_daemon()

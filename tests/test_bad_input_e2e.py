@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 
 def _cases(rng: random.Random) -> list[tuple[list[bytes], str]]:
     def pack(obj: Any) -> bytes:
-        return msgpack.packb(obj, use_bin_type=True)
+        frame: bytes = msgpack.packb(obj, use_bin_type=True)
+        return frame
 
     good_call = {"provider": "emu", "request": {"model": "m", "messages": []}}
     cases: list[tuple[list[bytes], str]] = []

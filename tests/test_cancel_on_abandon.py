@@ -21,43 +21,21 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 from streamfence.devtools.emulator.control import (
     EmulatorClient,
-    EmulatorProcess,
     Record,
-    emulator_profile,
 )
 from streamfence.protocol.client import AsyncClient, Client
 from streamfence.protocol.client_core import ClientCore
 from streamfence.protocol.codec import decode_untrusted, encode
 from tests.harness import DaemonProcess
+from tests.wires import request_for
 
 LONG = [{"fault": "ok", "chunks": 200, "chunk_delay_s": 0.05}]  # 10 s of text
 SHORT = [{"fault": "ok", "chunks": 30, "chunk_delay_s": 0.05}]  # 1.5 s of text
-
-
-def _request(key: str) -> dict[str, Any]:
-    return {"model": f"gpt-emu#{key}", "messages": [{"role": "user", "content": "hi"}]}
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory,
-           emulator: EmulatorProcess) -> Iterator[DaemonProcess]:
-    proc = DaemonProcess(Path(tmp_path_factory.mktemp("abandon")) / "state",
-                         {"emu": dict(emulator_profile("openai", emulator.base_url),
-                                      stale_timeout_s=30.0)})
-    proc.start()
-    try:
-        yield proc
-    finally:
-        proc.cleanup()
-        assert not proc.survivors, f"processes outlived the daemon: {proc.survivors}"
 
 
 def _closed_within_1s(emu: EmulatorClient, key: str, since: float) -> Record:
@@ -97,7 +75,7 @@ def test_a_closed_stream_text_cancels_its_call(daemon: DaemonProcess,
                                                emu: EmulatorClient) -> None:
     emu.script("closed", LONG)
     with daemon.client() as client:
-        stream = client.stream_text("emu", _request("closed"))
+        stream = client.stream_text("emu", request_for("openai", "closed"))
         assert all(next(stream) for _ in range(3))
         stream.close()
         closed = time.time()
@@ -112,7 +90,7 @@ def test_a_garbage_collected_stream_text_cancels_its_call(daemon: DaemonProcess,
                                                           emu: EmulatorClient) -> None:
     emu.script("collected", LONG)
     with daemon.client() as client:
-        stream = client.stream_text("emu", _request("collected"))
+        stream = client.stream_text("emu", request_for("openai", "collected"))
         assert all(next(stream) for _ in range(3))
         call_id = stream.call_id
         assert call_id is not None
@@ -131,13 +109,13 @@ def test_async_stream_text_left_by_async_with_and_an_abandoned_run_cancel(
 
     async def main() -> tuple[str, float, float]:
         async with AsyncClient(daemon.endpoint, credentials=daemon.credentials_path) as client:
-            async with client.stream_text("emu", _request("async-with")) as stream:
+            async with client.stream_text("emu", request_for("openai", "async-with")) as stream:
                 async for _ in stream:
                     break  # the `async with` closes it
             left = time.time()
             assert stream.call_id is not None
             # run() whose caller gives up (wait_for cancels its task) is abandoned too.
-            run = asyncio.ensure_future(client.run("emu", _request("async-run")))
+            run = asyncio.ensure_future(client.run("emu", request_for("openai", "async-run")))
             await asyncio.to_thread(_first_chunk, emu, "async-run")
             gave_up = time.time()
             run.cancel()
@@ -156,7 +134,7 @@ def test_a_detached_stream_text_runs_to_its_end_and_result_reads_it(
         daemon: DaemonProcess, emu: EmulatorClient) -> None:
     emu.script("detached", SHORT)
     with daemon.client() as client:
-        stream = client.stream_text("emu", _request("detached"), detach=True)
+        stream = client.stream_text("emu", request_for("openai", "detached"), detach=True)
         assert next(stream)
         call_id = stream.call_id
         assert call_id is not None
@@ -264,7 +242,7 @@ def test_the_cancel_command_stops_a_running_call(daemon: DaemonProcess,
                                                  emu: EmulatorClient) -> None:
     emu.script("cancel-cmd", LONG)
     with daemon.client() as client:
-        call_id = client.submit("emu", _request("cancel-cmd"), subscribe=False)
+        call_id = client.submit("emu", request_for("openai", "cancel-cmd"), subscribe=False)
     _first_chunk(emu, "cancel-cmd")
     cancelled = subprocess.run(_cli(daemon, "cancel", call_id), capture_output=True, text=True,
                                timeout=30)
@@ -291,7 +269,12 @@ def test_only_owned_calls_are_cancelled_once_and_a_refused_send_stays_queued() -
     core.send_cancels(lambda frame: False)  # the socket would block: kept
     assert list(core.to_cancel) == ["c1"] and core.closing() == 0
     sent: list[bytes] = []
-    core.send_cancels(lambda frame: sent.append(frame) is None)
+
+    def send(frame: bytes) -> bool:
+        sent.append(frame)
+        return True
+
+    core.send_cancels(send)
     msg = decode_untrusted(sent[0], 1 << 20)
     assert isinstance(msg, dict) and (msg["op"], msg["call_id"]) == ("cancel", "c1")
     assert not core.to_cancel and core.closing() == 1000  # lingers for the answer
@@ -310,8 +293,8 @@ def test_a_left_call_is_read_no_more() -> None:
 
 def test_close_of_a_client_cancels_its_unfinished_streams_but_not_detached_ones() -> None:
     client = Client("ipc:///nonexistent/sf", timeout_s=1.0)  # libzmq queues for it
-    streams = [client.stream_text("emu", _request("x")),
-               client.stream_text("emu", _request("y"), detach=True)]
+    streams = [client.stream_text("emu", request_for("openai", "x")),
+               client.stream_text("emu", request_for("openai", "y"), detach=True)]
     for stream, call_id in zip(streams, ("c8", "c9"), strict=True):
         stream.call_id = call_id  # as if accepted, no done yet
         if not stream.detach:

@@ -320,7 +320,8 @@ def test_a_host_takes_up_at_its_start_the_calls_the_cluster_says_it_owns(
     try:
         with a.client() as client:
             ended = client.submit("emu", _request("ended"))
-            assert client.result(ended, wait_s=15.0)["status"] == "completed"
+            done = client.result(ended, wait_s=15.0)
+            assert done is not None and done["status"] == "completed", done
         assert a.stop() == 0
         stray = "0" * 31 + "5"
 

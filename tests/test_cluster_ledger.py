@@ -153,9 +153,9 @@ async def _accepted(ledger: Ledger, call_id: str) -> bytes:
 
 def test_the_quorum_carries_on_without_one_node_and_it_catches_up(nats: NatsCluster) -> None:
     async def body(a: Ledger, b: Ledger) -> None:
-        held = await a.take("call5", None)
-        assert held is not None
-        held = await a.open_epoch(held)
+        taken = await a.take("call5", None)
+        assert taken is not None
+        held = await a.open_epoch(taken)
         nats.kill(0)  # the node A is connected to: its client moves to another
         held = await _until(lambda: a.append(held, ["while n1 is down"]), 30,
                             "an append with two nodes of three")

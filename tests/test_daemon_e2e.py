@@ -19,10 +19,6 @@ from tests.wires import WIRES, request_for
 pytestmark = pytest.mark.slow
 
 
-def _request(key: str) -> dict[str, Any]:
-    return {"model": f"gpt-emu#{key}", "messages": [{"role": "user", "content": "hi"}]}
-
-
 def _collect(client: Any, call_id: str) -> list[dict[str, Any]]:
     return list(client.events(call_id, timeout_s=30.0))
 
@@ -37,7 +33,7 @@ def test_clean_call_completes_with_exactly_the_emulators_text(
         make_daemon: Any, emu: EmulatorClient) -> None:
     daemon: DaemonProcess = make_daemon()
     with daemon.client() as client:
-        call_id = client.submit("emu", _request("clean"))
+        call_id = client.submit("emu", request_for("openai", "clean"))
         events = _collect(client, call_id)
     done = events[-1]
     assert done["status"] == "completed", done
@@ -53,6 +49,7 @@ def test_clean_call_completes_with_exactly_the_emulators_text(
     with daemon.client() as client:
         result = client.result(call_id)
         assert client.cancel(call_id)["response"] == done["response"]
+    assert result is not None
     assert {k: result[k] for k in done} == done and result["diagnostics"]
     journal = sqlite3.connect(f"file:{daemon.state_dir / 'journal.db'}?mode=ro", uri=True)
     try:
@@ -100,7 +97,7 @@ def test_zombie_is_fenced_killed_and_retried(make_daemon: Any, emu: EmulatorClie
 
 def _alive(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)  # psutil: untyped
     except psutil.NoSuchProcess:
         return False
 
@@ -110,7 +107,7 @@ def test_kill_9_of_the_worker_retries_with_exactly_one_response(
     emu.script("victim", [{"fault": "stall", "after": 0, "stall_s": 20.0}])
     daemon: DaemonProcess = make_daemon()
     with daemon.client() as client:
-        call_id = client.submit("emu", _request("victim"))
+        call_id = client.submit("emu", request_for("openai", "victim"))
         wait_until(lambda: emu.log("victim"), 10, "the first request to reach the emulator")
 
         def busy_pid() -> int:
@@ -134,14 +131,14 @@ def test_status_shows_workers_with_pid_state_and_attempt(make_daemon: Any,
     emu.script("held", [{"fault": "stall", "after": 0, "stall_s": 2.0}])
     daemon: DaemonProcess = make_daemon()
     with daemon.client() as client:
-        call_id = client.submit("emu", _request("held"))
+        call_id = client.submit("emu", request_for("openai", "held"))
 
         def busy() -> dict[str, Any] | None:
             return next((w for w in client.status()["workers"]
                          if w["call_id"] == call_id and w["state"] == "busy"), None)
 
         worker = wait_until(busy, 10, "the call's worker in status")
-        assert worker["attempt"] == 1
+        assert worker is not None and worker["attempt"] == 1
         assert psutil.Process(worker["pid"]).is_running()
         status = client.status()
         assert sum(1 for w in status["workers"] if w["state"] == "idle") >= 1
@@ -153,7 +150,7 @@ def test_sigkill_of_the_supervisor_leaves_no_child_alive(make_daemon: Any,
     emu.script("orphan", [{"fault": "stall", "after": 0, "stall_s": 20.0}])
     daemon: DaemonProcess = make_daemon()
     with daemon.client() as client:
-        call_id = client.submit("emu", _request("orphan"))
+        call_id = client.submit("emu", request_for("openai", "orphan"))
         wait_until(lambda: any(w["call_id"] == call_id and w["state"] == "busy"
                                for w in client.status()["workers"]), 10, "a busy worker")
         roles = client.status()["processes"]
@@ -199,7 +196,7 @@ def test_a_worker_killed_while_idle_is_never_handed_an_attempt(
             wait_until(lambda: all(psutil.Process(p).status() == psutil.STATUS_ZOMBIE
                                    for p in idle), 10, "the killed workers to exit")
             client.status()
-            call_id = client.submit("emu", _request("after-idle-kill"),
+            call_id = client.submit("emu", request_for("openai", "after-idle-kill"),
                                     options={"first_chunk_timeout_s": 3.0})
             # Either the send fails at once ("unreachable") or, if it raced the
             # disconnect, the first-chunk watchdog fences the attempt.

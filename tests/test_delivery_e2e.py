@@ -11,23 +11,17 @@ from typing import Any
 
 import pytest
 
-from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.protocol.client import Client, ClientError
 from tests.harness import DaemonProcess, wait_until
+from tests.wires import DaemonFactory, request_for
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory,
-           emulator: EmulatorProcess) -> Iterator[DaemonProcess]:
-    proc = DaemonProcess(tmp_path_factory.mktemp("delivery") / "state",
-                         {"emu": {"kind": "openai", "base_url": emulator.openai_base_url,
-                                  "stale_timeout_s": 30.0}},
-                         daemon={"workers_spare": 3, "breaker_cooldown_s": 600.0})
-    with proc:
-        yield proc
-    assert not proc.survivors
+def daemon(module_daemon: DaemonFactory) -> DaemonProcess:
+    return module_daemon(daemon={"workers_spare": 3, "breaker_cooldown_s": 600.0})
 
 
 @pytest.fixture
@@ -36,12 +30,8 @@ def client(daemon: DaemonProcess) -> Iterator[Client]:
         yield c
 
 
-def req(key: str) -> dict[str, Any]:
-    return {"model": f"gpt-emu#{key}", "messages": [{"role": "user", "content": key}]}
-
-
 def run(client: Client, key: str, **kw: Any) -> list[dict[str, Any]]:
-    call_id = client.submit("emu", req(key), **kw)
+    call_id = client.submit("emu", request_for("openai", key), **kw)
     events = list(client.events(call_id, timeout_s=30.0))
     assert events and events[-1]["op"] == "done", events
     return events
@@ -162,7 +152,7 @@ def test_breaker_counts_each_stale_attempt_once_and_fails_fast(
     assert pairs[0]["state"] == "open"
     before = len(emu.log())
     with pytest.raises(ClientError) as info:
-        client.submit("emu", req("brk-6"), session_id=session, options=opts)
+        client.submit("emu", request_for("openai", "brk-6"), session_id=session, options=opts)
     assert info.value.code == "breaker_open"
     assert "breaker" in info.value.message and session in info.value.message
     assert len(emu.log()) == before  # no request reached the provider
@@ -175,7 +165,7 @@ def test_cancel_while_streaming_kills_the_attempt(client: Client, daemon: Daemon
                                                   emu: EmulatorClient, after: int) -> None:
     key = f"cancel-run-{after}"
     emu.script(key, [{"fault": "stall", "after": after, "stall_s": 10.0}])
-    call_id = client.submit("emu", req(key))
+    call_id = client.submit("emu", request_for("openai", key))
     wait_until(lambda: any(r["chunks_sent"] >= after for r in emu.log(key)), 10,
                f"the request, {after} chunk(s) into the stream")
     pid = wait_until(lambda: next((w["pid"] for w in client.status()["workers"]
@@ -191,7 +181,7 @@ def test_cancel_while_streaming_kills_the_attempt(client: Client, daemon: Daemon
 
 def test_cancel_during_backoff_is_immediate(client: Client, emu: EmulatorClient) -> None:
     emu.script("cancel-backoff", [{"fault": "status", "status": 429, "retry_after": 30}])
-    call_id = client.submit("emu", req("cancel-backoff"))
+    call_id = client.submit("emu", request_for("openai", "cancel-backoff"))
     wait_until(lambda: any(c["call_id"] == call_id and c["state"] == "backoff"
                            for c in client.status()["calls"]["running"]), 10,
                "the call to be backing off")
@@ -202,12 +192,13 @@ def test_cancel_during_backoff_is_immediate(client: Client, emu: EmulatorClient)
 
 
 def test_repeated_idempotency_key_starts_nothing(client: Client, emu: EmulatorClient) -> None:
-    first = client.submit("emu", req("idem"), idempotency_key="order-42")
-    second = client.submit("emu", req("idem"), idempotency_key="order-42")
+    first = client.submit("emu", request_for("openai", "idem"), idempotency_key="order-42")
+    second = client.submit("emu", request_for("openai", "idem"), idempotency_key="order-42")
     assert second == first
     done = list(client.events(first, timeout_s=30.0))[-1]
     assert done["status"] == "completed"
-    third = client.submit("emu", req("idem"), idempotency_key="order-42", subscribe=False)
+    third = client.submit("emu", request_for("openai", "idem"), idempotency_key="order-42",
+                          subscribe=False)
     assert third == first
     assert len(emu.log("idem")) == 1
 
@@ -224,7 +215,7 @@ def test_reconnect_with_from_seq_reassembles_exactly(daemon: DaemonProcess,
                                                      emu: EmulatorClient) -> None:
     emu.script("resume", [{"fault": "ok", "chunks": 40, "chunk_delay_s": 0.03}])
     first = daemon.client()
-    call_id = first.submit("emu", req("resume"))
+    call_id = first.submit("emu", request_for("openai", "resume"))
     seen: list[dict[str, Any]] = []
     for event in first.events(call_id, timeout_s=10.0):
         seen.append(event)
@@ -248,7 +239,7 @@ def test_reconnect_with_from_seq_reassembles_exactly(daemon: DaemonProcess,
 
 def test_result_exposes_per_attempt_diagnostics(client: Client, emu: EmulatorClient) -> None:
     emu.script("diag", [{"fault": "disconnect", "after": 0}, {"fault": "ok", "chunks": 6}])
-    call_id = client.submit("emu", req("diag"), subscribe=False)
+    call_id = client.submit("emu", request_for("openai", "diag"), subscribe=False)
     done = client.result(call_id, wait_s=20.0)
     assert done is not None and done["status"] == "completed"
     diag = done["diagnostics"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import email.utils
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anthropic
@@ -141,10 +141,23 @@ def closed_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_refused_connection() -> None:
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{closed_port()}/v1", api_key="t", max_retries=0) as c, \
-            pytest.raises(openai.APIConnectionError) as info:
+def _openai_to(port: int) -> None:
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="t", max_retries=0) as c:
         c.chat.completions.create(model="m", messages=MESSAGES)
+
+
+def _anthropic_to(port: int) -> None:
+    with anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="t", max_retries=0) as c:
+        c.messages.create(model="c", max_tokens=5, messages=MESSAGES)
+
+
+@pytest.mark.parametrize(("call", "refused"), [
+    (_openai_to, openai.APIConnectionError), (_anthropic_to, anthropic.APIConnectionError)],
+    ids=["openai", "anthropic"])
+def test_refused_connection(call: Callable[[int], None], refused: type[Exception]) -> None:
+    """Each SDK's own error for a closed port is a transient connect_error."""
+    with pytest.raises(refused) as info:
+        call(closed_port())
     result = classify(info.value)
     assert cc(result) == ("transient", "connect_error") and "ConnectError" in result.message
 
@@ -231,13 +244,6 @@ def test_anthropic_in_stream_error_event(claude: anthropic.Anthropic, server: St
     exc = anthropic_error(claude, server, Reply(parts=parts, ctype="text/event-stream"), stream=True)
     assert isinstance(exc, anthropic.APIStatusError) and exc.status_code == 200  # measured
     assert classify(exc).error_class == "transient"
-
-
-def test_anthropic_refused_connection() -> None:
-    with anthropic.Anthropic(base_url=f"http://127.0.0.1:{closed_port()}", api_key="t", max_retries=0) as c, \
-            pytest.raises(anthropic.APIConnectionError) as info:
-        c.messages.create(model="c", max_tokens=5, messages=MESSAGES)
-    assert cc(classify(info.value)) == ("transient", "connect_error")
 
 
 # ---- botocore ----------------------------------------------------------------

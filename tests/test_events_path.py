@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import uuid
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -18,11 +17,12 @@ import msgpack
 import pytest
 import zmq
 
-from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.protocol.credentials import load_credentials
 from streamfence.protocol.messages import events_endpoint
 from streamfence.sink.transcript import TranscriptReader
 from tests.harness import DaemonProcess, process_state
+from tests.wires import DaemonFactory, request_for
 
 pytestmark = pytest.mark.slow
 
@@ -32,28 +32,18 @@ FROZEN_DELTAS = 10  # deltas that must arrive while the supervisor is stopped
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory,
-           emulator: EmulatorProcess) -> Iterator[DaemonProcess]:
-    proc = DaemonProcess(tmp_path_factory.mktemp("events") / "state",
-                         {"emu": {"kind": "openai", "base_url": emulator.openai_base_url,
-                                  "stale_timeout_s": 30.0}},
-                         daemon={"workers_spare": 2})
-    with proc:
-        yield proc
-    assert not proc.survivors
-
-
-def _req(key: str) -> dict[str, Any]:
-    return {"model": f"gpt-emu#{key}", "messages": [{"role": "user", "content": key}]}
+def daemon(module_daemon: DaemonFactory) -> DaemonProcess:
+    return module_daemon(daemon={"workers_spare": 2})
 
 
 def test_deltas_reach_the_subscriber_while_the_supervisor_is_frozen(
         daemon: DaemonProcess, emu: EmulatorClient) -> None:
     key = f"frozen-{uuid.uuid4().hex[:8]}"
     emu.script(key, [{"fault": "ok", "chunks": CHUNKS, "chunk_delay_s": GAP_S}])
+    assert daemon.proc is not None
     supervisor = daemon.proc.pid
     with daemon.client(timeout_s=30.0) as client:
-        call_id = client.submit("emu", _req(key))
+        call_id = client.submit("emu", request_for("openai", key))
         events = client.events(call_id, timeout_s=20.0)
         first = next(events)
         assert first["op"] == "delta", first
@@ -88,7 +78,7 @@ def _dealer(ctx: zmq.Context[Any], daemon: DaemonProcess, routing_id: bytes,
 def test_the_events_socket_hears_only_registered_keys(daemon: DaemonProcess) -> None:
     """A CURVE client with an unregistered key gets no answer to `listen`; the
     admin's key gets `listening`. (Same key store as the client endpoint.)"""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     good = load_credentials(daemon.credentials_path)
     stranger = replace(good, public_key=(pair := zmq.curve_keypair())[0], secret_key=pair[1])
     ok = _dealer(ctx, daemon, b"l-" + uuid.uuid4().hex.encode(), good)
@@ -113,7 +103,8 @@ def test_a_subscriber_receives_only_the_calls_it_subscribed(
     for k in keys:
         emu.script(k, [{"fault": "ok", "chunks": 20, "chunk_delay_s": 0.01}])
     with daemon.client() as a, daemon.client() as b:
-        calls = [a.submit("emu", _req(keys[0])), b.submit("emu", _req(keys[1]))]
+        calls = [a.submit("emu", request_for("openai", keys[0])),
+                 b.submit("emu", request_for("openai", keys[1]))]
         got = [list(a.events(calls[0], timeout_s=20.0)), list(b.events(calls[1], timeout_s=20.0))]
         for client, other in ((a, calls[1]), (b, calls[0])):
             # Nothing of the other call was received (buffered or handed out).
@@ -136,7 +127,7 @@ def test_a_client_says_listen_once(daemon: DaemonProcess, emu: EmulatorClient) -
         for _ in range(3):
             k = f"once-{uuid.uuid4().hex[:6]}"
             emu.script(k, [{"fault": "ok", "chunks": 3}])
-            call_id = client.submit("emu", _req(k))
+            call_id = client.submit("emu", request_for("openai", k))
             assert list(client.events(call_id, timeout_s=20.0))[-1]["op"] == "done"
         connections = max(1, client._core.router.handshakes)
     assert _sink_stats(daemon)["listens"] - before == connections
@@ -154,7 +145,7 @@ def test_a_40_mb_answer_is_received_whole_and_stored(
     text = piece * (BIG_ANSWER // len(piece))
     emu.script(key, [{"fault": "ok", "chunks": len(text) // len(piece), "text": text}])
     with daemon.client(timeout_s=30.0) as client:
-        done = client.run("emu", _req(key), timeout_s=60.0)
+        done = client.run("emu", request_for("openai", key), timeout_s=60.0)
         call_id = done["call_id"]
         # The raw done event, as the daemon stores and sends it.
         stored = client.result(call_id)
@@ -181,7 +172,7 @@ def test_a_consumer_that_falls_a_window_behind_resumes_once_and_misses_nothing(
     emu.script(key, [{"fault": "ok", "chunks": chunks, "text": "x" * 4095 * chunks}])
     cut_before = _sink_stats(daemon)["events_cut_offs"]
     with daemon.client(timeout_s=30.0) as client, daemon.client() as watcher:
-        call_id = client.submit("emu", _req(key))
+        call_id = client.submit("emu", request_for("openai", key))
         assert watcher.result(call_id, wait_s=60.0) is not None, "the call did not end in 60 s"
         subscribes = client._core.subscribes
         events = list(client.events(call_id, timeout_s=30.0))

@@ -19,6 +19,8 @@ from typing import Any
 import anthropic
 import openai
 import pytest
+from anthropic.types import MessageParam
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from streamfence.devtools.emulator.control import (
     EmulatorClient,
@@ -29,7 +31,8 @@ from streamfence.gateway.keys import http_key
 from streamfence.protocol.credentials import load_credentials
 from tests.harness import DaemonProcess, wait_until
 
-QUESTION = [{"role": "user", "content": "hello"}]
+QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
+CLAUDE_QUESTION: list[MessageParam] = [{"role": "user", "content": "hello"}]
 
 
 def _free_port() -> int:
@@ -91,7 +94,7 @@ def _openai_text(stream: Any) -> tuple[str, str | None, Any]:
 def test_openai_streams_the_providers_text_exactly(gateway: Gateway, emu: EmulatorClient) -> None:
     emu.script("clean", [{"fault": "ok", "chunks": 12}])
     stream = gateway.openai().chat.completions.create(
-        model="oa/gpt-emu#clean", messages=QUESTION, stream=True,  # type: ignore[arg-type]
+        model="oa/gpt-emu#clean", messages=QUESTION, stream=True,
         stream_options={"include_usage": True})
     text, finish, usage = _openai_text(stream)
     sent = emu.log("clean")
@@ -103,7 +106,7 @@ def test_openai_streams_the_providers_text_exactly(gateway: Gateway, emu: Emulat
 def test_openai_not_streaming(gateway: Gateway, emu: EmulatorClient) -> None:
     emu.script("whole", [{"fault": "ok"}])
     reply = gateway.openai().chat.completions.create(
-        model="oa/gpt-emu#whole", messages=QUESTION)  # type: ignore[arg-type]
+        model="oa/gpt-emu#whole", messages=QUESTION)
     assert reply.choices[0].message.content == emu.log("whole")[0]["text"]
     assert reply.choices[0].finish_reason == "stop"
 
@@ -112,7 +115,7 @@ def test_a_zombie_stream_is_killed_and_retried_unseen(gateway: Gateway,
                                                       emu: EmulatorClient) -> None:
     emu.script("zombie", [{"fault": "stall", "after": 0, "stall_s": 4.0}, {"fault": "ok"}])
     text, finish, _ = _openai_text(gateway.openai().chat.completions.create(
-        model="oa/gpt-emu#zombie", messages=QUESTION, stream=True))  # type: ignore[arg-type]
+        model="oa/gpt-emu#zombie", messages=QUESTION, stream=True))
     sent = emu.log("zombie")
     assert len(sent) == 2, sent  # the stalled request, then the retry
     assert sent[0]["fault"] == "stall" and text == sent[1]["text"]
@@ -123,7 +126,7 @@ def test_a_429_is_retried_after_its_retry_after(gateway: Gateway, emu: EmulatorC
     emu.script("limited", [{"fault": "status", "status": 429, "retry_after": "1"},
                            {"fault": "ok"}])
     text, _, _ = _openai_text(gateway.openai().chat.completions.create(
-        model="oa/gpt-emu#limited", messages=QUESTION, stream=True))  # type: ignore[arg-type]
+        model="oa/gpt-emu#limited", messages=QUESTION, stream=True))
     sent = emu.log("limited")
     assert [r["fault"] for r in sent] == ["status", "ok"] and text == sent[1]["text"]
 
@@ -132,28 +135,28 @@ def test_a_4xx_raises_the_sdks_own_exception(gateway: Gateway, emu: EmulatorClie
     emu.script("bad", [{"fault": "status", "status": 400, "message": "no such thing"}])
     with pytest.raises(openai.BadRequestError):
         _openai_text(gateway.openai().chat.completions.create(
-            model="oa/gpt-emu#bad", messages=QUESTION, stream=True))  # type: ignore[arg-type]
+            model="oa/gpt-emu#bad", messages=QUESTION, stream=True))
     assert len(emu.log("bad")) == 1  # a 4xx is final: no retry
 
 
 def test_a_wrong_key_is_refused(gateway: Gateway) -> None:
     with pytest.raises(openai.AuthenticationError):
         gateway.openai(key="sf-local." + "0" * 64).chat.completions.create(
-            model="oa/gpt-emu#x", messages=QUESTION)  # type: ignore[arg-type]
+            model="oa/gpt-emu#x", messages=QUESTION)
 
 
 def test_anthropic_streams_and_answers_whole(gateway: Gateway, emu: EmulatorClient) -> None:
     emu.script("claude", [{"fault": "ok", "chunks": 10}])
     client = gateway.anthropic()
     with client.messages.stream(model="an/claude-emu#claude", max_tokens=200,
-                                messages=QUESTION) as stream:  # type: ignore[arg-type]
+                                messages=CLAUDE_QUESTION) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == emu.log("claude")[0]["text"]
     assert final.stop_reason == "end_turn"
     emu.script("claude-whole", [{"fault": "ok"}])
     whole = client.messages.create(model="an/claude-emu#claude-whole", max_tokens=200,
-                                   messages=QUESTION)  # type: ignore[arg-type]
+                                   messages=CLAUDE_QUESTION)
     assert whole.content[0].text == emu.log("claude-whole")[0]["text"]  # type: ignore[union-attr]
 
 
@@ -249,24 +252,24 @@ def test_a_providers_status_reaches_the_sdk(gateway: Gateway, emu: EmulatorClien
     emu.script("denied", [{"fault": "status", "status": 403, "message": "no access"}])
     with pytest.raises(openai.PermissionDeniedError):
         gateway.openai().chat.completions.create(
-            model="oa/gpt-emu#denied", messages=QUESTION)  # type: ignore[arg-type]
+            model="oa/gpt-emu#denied", messages=QUESTION)
     emu.script("missing", [{"fault": "status", "status": 404, "message": "no model"}])
     with pytest.raises(anthropic.NotFoundError):
         gateway.anthropic().messages.create(model="an/claude-emu#missing", max_tokens=10,
-                                            messages=QUESTION)  # type: ignore[arg-type]
+                                            messages=CLAUDE_QUESTION)
 
 
 def test_a_cut_after_text_ends_with_the_providers_length_ending(gateway: Gateway,
                                                                 emu: EmulatorClient) -> None:
     emu.script("cut", [{"fault": "disconnect", "after": 4, "chunks": 12}])
     text, finish, _ = _openai_text(gateway.openai().chat.completions.create(
-        model="oa/gpt-emu#cut", messages=QUESTION, stream=True))  # type: ignore[arg-type]
+        model="oa/gpt-emu#cut", messages=QUESTION, stream=True))
     sent = emu.log("cut")
     assert len(sent) == 1 and text and text == sent[0]["sent_text"], (text, sent)
     assert finish == "length"  # partial: never a retry that would repeat the text
     emu.script("cut-claude", [{"fault": "disconnect", "after": 4, "chunks": 12}])
     with gateway.anthropic().messages.stream(model="an/claude-emu#cut-claude", max_tokens=100,
-                                             messages=QUESTION) as stream:  # type: ignore[arg-type]
+                                             messages=CLAUDE_QUESTION) as stream:
         claude_text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert claude_text == emu.log("cut-claude")[0]["sent_text"] and claude_text
@@ -276,7 +279,7 @@ def test_a_cut_after_text_ends_with_the_providers_length_ending(gateway: Gateway
 def test_a_malformed_chunk_is_retried_unseen(gateway: Gateway, emu: EmulatorClient) -> None:
     emu.script("garbled", [{"fault": "malformed", "after": 0}, {"fault": "ok"}])
     with gateway.anthropic().messages.stream(model="an/claude-emu#garbled", max_tokens=100,
-                                             messages=QUESTION) as stream:  # type: ignore[arg-type]
+                                             messages=CLAUDE_QUESTION) as stream:
         text = "".join(stream.text_stream)
     sent = emu.log("garbled")
     assert [r["fault"] for r in sent] == ["malformed", "ok"] and text == sent[1]["text"]
@@ -284,14 +287,15 @@ def test_a_malformed_chunk_is_retried_unseen(gateway: Gateway, emu: EmulatorClie
 
 def test_tool_calls_are_assembled_by_each_sdk(gateway: Gateway, emu: EmulatorClient) -> None:
     call = {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    tools: list[ChatCompletionToolParam] = [{"type": "function", "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
     emu.script("tool", [{"fault": "ok", "tool_call": call}])
     slots: dict[int, dict[str, str]] = {}
     finish = None
     for chunk in gateway.openai().chat.completions.create(
-            model="oa/gpt-emu#tool", messages=QUESTION, stream=True,  # type: ignore[arg-type]
-            tools=tools):  # type: ignore[arg-type]
+            model="oa/gpt-emu#tool", messages=QUESTION, stream=True,
+            tools=tools):
         for choice in chunk.choices:
             finish = choice.finish_reason or finish
             for tc in choice.delta.tool_calls or []:
@@ -301,7 +305,7 @@ def test_tool_calls_are_assembled_by_each_sdk(gateway: Gateway, emu: EmulatorCli
     assert slots == {0: call} and finish == "tool_calls"
     emu.script("tool-claude", [{"fault": "ok", "tool_call": call}])
     with gateway.anthropic().messages.stream(
-            model="an/claude-emu#tool-claude", max_tokens=100, messages=QUESTION,  # type: ignore[arg-type]
+            model="an/claude-emu#tool-claude", max_tokens=100, messages=CLAUDE_QUESTION,
             tools=[{"name": "get_weather", "input_schema": {"type": "object"}}]) as stream:
         final = stream.get_final_message()
     uses = [block for block in final.content if block.type == "tool_use"]

@@ -23,13 +23,15 @@ def test_the_http_table() -> None:
     assert parse_config({}).http == HttpConfig()
     http = _config({"listen": "127.0.0.1:7757", "routes": {"gpt-4o": "oa"}})
     assert http.host_port == ("127.0.0.1", 7757) and http.routes == {"gpt-4o": "oa"}
-    for bad, why in [({"listen": "0.0.0.0:7756"}, "reachable from other hosts"),
-                     ({"listen": "7756"}, "must be HOST:PORT"),
-                     ({"listen": 7756}, "expected str"),
-                     ({"routes": {"m": "nope"}}, "no provider profile 'nope'"),
-                     ({"port": 1}, "http.port: unknown key"),
-                     ({"listen": "127.0.0.1:7756"}, "port 7756 is the daemon's events endpoint"),
-                     ({"listen": "127.0.0.1:7755"}, "port 7755 is the daemon's client")]:
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"listen": "0.0.0.0:7756"}, "reachable from other hosts"),
+        ({"listen": "7756"}, "must be HOST:PORT"),
+        ({"listen": 7756}, "expected str"),
+        ({"routes": {"m": "nope"}}, "no provider profile 'nope'"),
+        ({"port": 1}, "http.port: unknown key"),
+        ({"listen": "127.0.0.1:7756"}, "port 7756 is the daemon's events endpoint"),
+        ({"listen": "127.0.0.1:7755"}, "port 7755 is the daemon's client")]
+    for bad, why in cases:
         with pytest.raises(ConfigError, match=why):
             _config(bad)
 

@@ -26,6 +26,12 @@ def _add(journal: Journal, call_id: str, body: str = "x") -> bool:
     return journal.add_call(call_id, "local", None, None, "emu", {"messages": body}, {})
 
 
+def _commits(journal: Journal) -> bool:
+    """Commit what is buffered; whether the journal is free of faults after."""
+    journal.commit()
+    return journal.fault is None
+
+
 def _wait_synced(journal: Journal, ran: list[str], what: str) -> None:
     """Drive the journal as the loop does (commit retries, sync wake-ups)."""
     def done() -> bool:
@@ -101,7 +107,7 @@ def test_a_new_call_refused_in_a_failed_unit_is_never_written(tmp_path: Path) ->
             _add(journal, "a")
             assert journal.take_refused() == ["a"]
             journal.commit()
-        wait_until(lambda: journal.commit() or journal.fault is None, 10.0,
+        wait_until(lambda: _commits(journal), 10.0,
                    "the journal to commit again")
     finally:
         journal.close()
@@ -150,7 +156,7 @@ def test_no_rollback_error_masks_a_full_disk(small_disk: Callable[[int], Path],
         assert journal.fault is not None and journal.fault.code is ErrorCode.STORAGE_FULL
         journal.take_refused()
         filler.unlink()
-        wait_until(lambda: journal.commit() or journal.fault is None, 10.0,
+        wait_until(lambda: _commits(journal), 10.0,
                    "the journal to commit again once space is back")
     finally:
         journal.close()

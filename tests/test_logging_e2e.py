@@ -15,14 +15,13 @@ children, one daemon for the whole module (at DEBUG, for the SDKs' records):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.emulator.control import EmulatorClient
 from tests.harness import DaemonProcess, wait_until
-from tests.wires import profile_for
+from tests.wires import DaemonFactory
 
 pytestmark = pytest.mark.slow
 
@@ -30,15 +29,8 @@ HELLO = [{"role": "user", "content": "x"}]
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory,
-           emulator: EmulatorProcess) -> Iterator[DaemonProcess]:
-    providers = {"emu": dict(profile_for("openai", emulator), stale_timeout_s=30.0),
-                 "bedrock": dict(profile_for("bedrock", emulator), stale_timeout_s=30.0)}
-    proc = DaemonProcess(tmp_path_factory.mktemp("logs") / "state", providers,
-                         daemon={"log_level": "DEBUG"})
-    with proc:
-        yield proc
-    assert not proc.survivors, f"processes outlived the daemon: {proc.survivors}"
+def daemon(module_daemon: DaemonFactory) -> DaemonProcess:
+    return module_daemon({"emu": "openai", "bedrock": "bedrock"}, daemon={"log_level": "DEBUG"})
 
 
 def _run(daemon: DaemonProcess, provider: str, request: dict[str, Any],
@@ -64,7 +56,9 @@ def _all_logged(daemon: DaemonProcess, call_id: str, attempts: int) -> list[dict
                    for r in records)
         return records if last and ended >= attempts else None
 
-    return wait_until(complete, 10, f"the log lines of call {call_id}")
+    records = wait_until(complete, 10, f"the log lines of call {call_id}")
+    assert records is not None
+    return records
 
 
 def test_worker_records_carry_the_call_context(daemon: DaemonProcess,
@@ -175,6 +169,7 @@ def test_process_titles(daemon: DaemonProcess, emu: EmulatorClient) -> None:
                         None)
 
         worker = wait_until(busy_worker, 10, "a worker running the call")
+        assert worker is not None
         wid, pid = worker["worker_id"], worker["pid"]
         running = f"streamfence: worker {wid} (call {call_id[:8]}…, attempt 1)"
         wait_until(lambda: _title(pid) == running, 5, f"the title {running!r}")

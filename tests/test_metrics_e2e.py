@@ -106,6 +106,7 @@ def test_metrics_after_a_zombie(gateway: tuple[DaemonProcess, str],
                 else None
 
         after = wait_until(counted, 10.0, "/metrics to count the zombie's call")
+        assert after is not None
         sink = client.status()["sink"]
     assert after[("streamfence_stale_kills_total", ())] == 1.0
     assert after[("streamfence_attempts_total", (("outcome", "stale"),))] == 1.0

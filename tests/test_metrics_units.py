@@ -28,7 +28,7 @@ from streamfence.sink.commits import COMMIT_AFTER_S
 from streamfence.sink.state import SinkState
 from streamfence.sink.store import TranscriptStore
 from streamfence.supervisor.histograms import Histograms, attempt_outcome
-from tests.test_sink_robustness import NoListeners, NoPeer
+from tests.fakes import Nobody
 
 
 def test_a_histogram_counts_each_value_in_its_inclusive_bucket() -> None:
@@ -61,7 +61,7 @@ def test_the_supervisors_histograms_and_attempt_outcomes() -> None:
 
 
 def test_the_sink_observes_delta_latency_once_per_commit_of_deltas(tmp_path: Path) -> None:
-    state = SinkState(TranscriptStore(str(tmp_path / "t.db")), NoPeer(), NoListeners())
+    state = SinkState(TranscriptStore(str(tmp_path / "t.db")), Nobody(), Nobody())
     try:
         state.commits.commit()  # nothing pending: nothing observed
         state.commits.pending_events = 3  # read 0.2 s ago (the loop set commit_due then)

@@ -30,6 +30,17 @@ from streamfence.workers import worker
 from streamfence.workers.errors import TRACEBACK_LIMIT, classify, traceback_text
 
 
+class _Recorder(logging.Handler):
+    """A handler that keeps the records it is handed, in `seen`."""
+
+    def __init__(self, seen: list[logging.LogRecord]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append(record)
+
+
 def _record(**context: Any) -> logging.LogRecord:
     fields = {"name": "streamfence.x", "levelno": logging.INFO, "levelname": "INFO",
               "msg": "hello", "processName": "MainProcess", "process": 1}
@@ -64,8 +75,7 @@ def levels() -> Iterator[list[logging.LogRecord]]:
     root = logging.getLogger()
     saved = root.level, {n: logging.getLogger(n).level for n in DEMOTED_LOGGERS}
     seen: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = seen.append  # type: ignore[method-assign]
+    handler = _Recorder(seen)
     logging.getLogger("httpx2").addHandler(handler)
     try:
         yield seen
@@ -129,8 +139,9 @@ def test_the_outcome_carries_a_traceback_and_checks_it() -> None:
 
 
 def _raise_chained(key: str, request: dict[str, Any]) -> None:
+    nothing: dict[str, Any] = {}
     try:
-        {}[key]
+        nothing[key]
     except KeyError as exc:
         raise ValueError(f"the request: {request}") from exc
 
@@ -169,8 +180,7 @@ def _failed(exc: BaseException, visible: bool = False) -> tuple[AttemptOutcome,
     error = classify(exc)
     out = SimpleNamespace(visible=visible, exc=exc)
     seen: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = seen.append  # type: ignore[method-assign]
+    handler = _Recorder(seen)
     log = logging.getLogger("streamfence.worker")
     log.addHandler(handler)
     try:

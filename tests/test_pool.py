@@ -25,17 +25,10 @@ from streamfence.protocol.internal.workers import (
 from streamfence.protocol.states import WorkerState
 from streamfence.supervisor.pool import Pool, Worker
 from streamfence.workers.liveness import LivenessTable
+from tests.fakes import Clock
 
 HALF_LIFE_S = 30.0
 RETIRE_AFTER_S = 10.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeSocket:

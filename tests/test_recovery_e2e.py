@@ -13,12 +13,9 @@ from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.devtools.emulator.state import messages_digest
 from streamfence.supervisor.journal import FILE_BYTES
 from tests.harness import DaemonProcess, wait_until
+from tests.wires import request_for
 
 pytestmark = pytest.mark.slow
-
-
-def _req(key: str) -> dict[str, Any]:
-    return {"model": f"gpt-emu#{key}", "messages": [{"role": "user", "content": key}]}
 
 
 def test_sigterm_lets_the_running_attempt_finish_and_exits_0(make_daemon: Any,
@@ -26,7 +23,7 @@ def test_sigterm_lets_the_running_attempt_finish_and_exits_0(make_daemon: Any,
     emu.script("graceful", [{"fault": "ok", "chunks": 30, "chunk_delay_s": 0.05}])
     daemon: DaemonProcess = make_daemon()
     with daemon.client() as client:
-        call_id = client.submit("emu", _req("graceful"))
+        call_id = client.submit("emu", request_for("openai", "graceful"))
         wait_until(lambda: any(r["chunks_sent"] >= 3 for r in emu.log("graceful")), 10,
                    "the stream to be under way")
         assert daemon.proc is not None
@@ -42,7 +39,8 @@ def test_kill_9_of_the_daemon_then_restart_resumes_the_call(make_daemon: Any,
     emu.script("survivor", [{"fault": "stall", "after": 2, "stall_s": 30.0}])
     daemon: DaemonProcess = make_daemon()
     with daemon.client() as client:
-        call_id = client.submit("emu", _req("survivor"), options={"on_partial": "restart"})
+        call_id = client.submit("emu", request_for("openai", "survivor"),
+                                options={"on_partial": "restart"})
         seen = []
         for event in client.events(call_id, timeout_s=10.0):
             seen.append(event)

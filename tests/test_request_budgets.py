@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -29,7 +28,7 @@ from streamfence.config.model import (
     apply_env,
     parse_config,
 )
-from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.devtools.launcher import DaemonProcess
 from streamfence.protocol.client import Client, ClientError
 from streamfence.protocol.codec import encode
@@ -38,7 +37,7 @@ from streamfence.protocol.keys import KeyStore
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.recovery import recover_calls
-from tests.wires import profile_for, request_for
+from tests.wires import DaemonFactory, request_for
 
 PAD = 10_000  # a request's text: ~10 KB on the wire
 BUDGET = 25_000  # in_flight_bytes_max: two such requests fit, a third does not
@@ -57,14 +56,8 @@ submit_bytes_per_s = {TRICKLE_RATE}
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory,
-           emulator: EmulatorProcess) -> Iterator[DaemonProcess]:
-    proc = DaemonProcess(tmp_path_factory.mktemp("budgets") / "state",
-                         {"emu": dict(profile_for("openai", emulator), stale_timeout_s=30.0)},
-                         daemon={"in_flight_bytes_max": BUDGET})
-    proc.config_path.write_text(proc.config_path.read_text() + IDENTITIES)
-    with proc:
-        yield proc
+def daemon(module_daemon: DaemonFactory) -> DaemonProcess:
+    return module_daemon(daemon={"in_flight_bytes_max": BUDGET}, config_tail=IDENTITIES)
 
 
 def _request(key: str, size: int = PAD) -> dict[str, Any]:
@@ -207,7 +200,7 @@ def test_a_large_submit_over_a_limit_is_refused_before_it_is_read(daemon: Daemon
     from its size and its first bytes alone."""
     prefix = encode({"v": 1, "op": "submit", "ref": "early-1"})[1:]  # the map's pairs
     frame = b"\x84" + prefix + encode("call") + b"\xc1" * 100_000  # 0xc1: never valid
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = daemon.socket(ctx)
     try:
         sock.send(frame)

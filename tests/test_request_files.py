@@ -15,10 +15,11 @@ import msgpack
 
 from streamfence.protocol.codec import encode
 from streamfence.supervisor.journal import FILE_BYTES, Journal
+from tests.wires import request_for
 
 
 def _request(size: int) -> dict[str, Any]:
-    return {"model": "gpt-emu#big", "messages": [{"role": "user", "content": "x" * size}]}
+    return request_for("openai", "big", "x" * size)
 
 
 def _stored(journal: Journal, timeout_s: float = 10.0) -> list[tuple[str, OSError | None]]:

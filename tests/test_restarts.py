@@ -20,16 +20,9 @@ from streamfence.supervisor.restarts import (
     Restart,
     RestartPolicy,
 )
+from tests.fakes import Clock
 
 KILLED = -signal.SIGKILL
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _served(policy: RestartPolicy, clock: Clock, up_s: float) -> None:

@@ -6,6 +6,7 @@ the daemon, with the reason."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -21,14 +22,11 @@ import pytest
 from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.protocol.client import Client
 from tests.harness import DaemonProcess, wait_until
+from tests.wires import request_for
 
 SINK_KILLS = 6  # more than the 5 deaths a minute that used to stop the daemon
 STATUS_WITHIN_S = 2.0  # a status answered while a child is down: no waiting on it
 RESTART_LINE = re.compile(r"^the (sink|zygote) exited with .*; restarting it in ([0-9.]+)s")
-
-
-def _req(key: str) -> dict[str, Any]:
-    return {"model": f"gpt-emu#{key}", "messages": [{"role": "user", "content": key}]}
 
 
 def _restart_delays(daemon: DaemonProcess, child: str) -> list[float]:
@@ -77,7 +75,9 @@ class Watch:
             pid = self.pid(child)
             return pid if pid not in (None, old) else None
 
-        return wait_until(changed, 30.0, what)
+        pid = wait_until(changed, 30.0, what)
+        assert pid is not None
+        return pid
 
 
 @pytest.mark.slow
@@ -90,7 +90,7 @@ def test_a_sink_killed_again_and_again_backs_off_and_the_daemon_serves(
         assert pid is not None
         waited = []
         for kill in range(1, SINK_KILLS + 1):
-            wait_until(lambda p=pid: _sink_serves(daemon, p), 30.0,
+            wait_until(functools.partial(_sink_serves, daemon, pid), 30.0,
                        f"sink {pid} to serve before kill {kill}")
             killed_at = time.monotonic()
             os.kill(pid, signal.SIGKILL)
@@ -106,7 +106,7 @@ def test_a_sink_killed_again_and_again_backs_off_and_the_daemon_serves(
         for kill, (took, delay) in enumerate(zip(waited, delays, strict=True), 1):
             assert took >= delay, f"kill {kill}: restarted after {took:.2f}s, before {delay}s"
         assert not any(r["level"] == "CRITICAL" for r in daemon.log_records())
-        after = client.run("emu", _req("after-storm"), timeout_s=30.0)
+        after = client.run("emu", request_for("openai", "after-storm"), timeout_s=30.0)
     assert after["status"] == "completed", after
 
 
@@ -122,7 +122,7 @@ def test_a_call_submitted_while_the_zygote_is_down_runs_on_the_next_one(
         first = watch.pid("zygote")
         assert first is not None
         os.kill(first, signal.SIGKILL)
-        call_id = client.submit("emu", _req("during-zygote-restart"))
+        call_id = client.submit("emu", request_for("openai", "during-zygote-restart"))
         watch.new_pid("zygote", first, "the zygote's restart")
         done = client.result(call_id, wait_s=30.0)
         assert done is not None and done["status"] == "completed", done

@@ -24,11 +24,12 @@ from streamfence.protocol.messages import delta_event
 from streamfence.sink.retention import PRUNE_FIRST_S, prune_grace_s
 from streamfence.sink.state import SinkState
 from streamfence.sink.store import TranscriptStore
-from streamfence.sink.subscribers import Outbox
 from streamfence.sink.transcript import TranscriptReader, prune_transcript
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.journal_file import prune_journal
+from tests.fakes import Nobody
 from tests.harness import DaemonProcess, wait_until
+from tests.wires import request_for
 
 DAY = 86400.0
 
@@ -216,37 +217,15 @@ def test_store_prune_is_bounded_and_leaves_buffered_writes_alone(tmp_path: Path)
     store.close()
 
 
-class NoPeer:
-    def publish(self, frame: bytes) -> None:
-        pass
-
-    def stats(self) -> dict[str, int]:
-        return {}
-
-
-class NoListeners:
-    def deliver(self, outbox: Outbox) -> None:
-        pass
-
-    def send_event(self, subs: set[bytes], event: bytes) -> None:
-        pass
-
-    def replay(self, listener: bytes, events: list[bytes]) -> bool:
-        return True
-
-    def stats(self) -> dict[str, int]:
-        return {}
-
-
 def test_sink_state_prunes_its_own_file_a_grace_after_the_journal(tmp_path: Path) -> None:
     path = tmp_path / "transcript.db"
     store = _transcript(path, done=["old-done", "edge-done", "new-done"], open_=["old-open"])
     _age_transcript(path, 2 * DAY, "old-")
     # Past the retention, but not past the retention and the grace: kept for now.
     _age_transcript(path, DAY + prune_grace_s(DAY) / 2, "edge-")
-    assert SinkState(store, NoPeer(), NoListeners()).retention.due is None  # 0: keep forever
+    assert SinkState(store, Nobody(), Nobody()).retention.due is None  # 0: keep forever
     before = time.monotonic()
-    state = SinkState(store, NoPeer(), NoListeners(), retention_days=1.0)
+    state = SinkState(store, Nobody(), Nobody(), retention_days=1.0)
     assert state.retention.due is not None and state.retention.due >= before + PRUNE_FIRST_S
     assert state.retention.prune() == 1
     assert state.retention.due > time.monotonic()
@@ -323,10 +302,6 @@ def test_prune_command_on_a_missing_state_dir(tmp_path: Path) -> None:
 
 # ---- the real daemon ------------------------------------------------------------------
 
-def _request(key: str) -> dict[str, Any]:
-    return {"model": f"gpt-emu#{key}", "messages": [{"role": "user", "content": key}]}
-
-
 def _unknown(daemon: DaemonProcess, call_id: str) -> None:
     """`result`, `subscribe` and `cancel` of `call_id` answer unknown_call."""
     with daemon.client(timeout_s=10.0) as client:
@@ -354,9 +329,9 @@ def test_daemon_prunes_finished_calls_after_the_retention(make_daemon: Any,
     daemon = make_daemon(daemon={"retention_days": retention_s / DAY})
     emu.script("stalled", [{"fault": "stall", "after": 2, "stall_s": 120}])
     with daemon.client(timeout_s=10.0) as client:
-        running = client.submit("emu", _request("stalled"), subscribe=False,
+        running = client.submit("emu", request_for("openai", "stalled"), subscribe=False,
                                 options={"stale_timeout_s": 120})
-        done = client.run("emu", _request("quick"))
+        done = client.run("emu", request_for("openai", "quick"))
     assert done["status"] == "completed"
     finished = done["call_id"]
     wait_until(lambda: daemon.transcript_rows(
@@ -391,7 +366,7 @@ def test_daemon_prunes_finished_calls_after_the_retention(make_daemon: Any,
 def test_prune_command_with_a_running_daemon(make_daemon: Any) -> None:
     daemon = make_daemon()  # retention off: only the command prunes
     with daemon.client(timeout_s=10.0) as client:
-        first = client.run("emu", _request("first"))["call_id"]
+        first = client.run("emu", request_for("openai", "first"))["call_id"]
     proc = _cli("prune", "--config", str(daemon.config_path), "--older-than", "0s")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["journal.db: removed 1 finished call",
@@ -399,4 +374,4 @@ def test_prune_command_with_a_running_daemon(make_daemon: Any) -> None:
     assert _in_files(daemon, first) == (False, False)
     _unknown(daemon, first)
     with daemon.client(timeout_s=10.0) as client:  # and the daemon goes on
-        assert client.run("emu", _request("second"))["status"] == "completed"
+        assert client.run("emu", request_for("openai", "second"))["status"] == "completed"

@@ -24,7 +24,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.devtools.emulator.state import messages_digest
 from streamfence.devtools.launcher import DaemonProcess, wait_until
 from streamfence.protocol.client import Client, ClientError
@@ -32,7 +32,7 @@ from streamfence.protocol.credentials import Credentials, load_credentials
 from streamfence.protocol.keys import KeyStore
 from streamfence.protocol.messages import events_endpoint
 from streamfence.supervisor.journal import FILE_BYTES
-from tests.wires import WIRES, profile_for, request_for
+from tests.wires import WIRES, DaemonFactory, request_for
 
 pytestmark = pytest.mark.slow
 
@@ -57,13 +57,8 @@ max_tokens = 100
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory,
-           emulator: EmulatorProcess) -> Iterator[DaemonProcess]:
-    profiles = {wire: dict(profile_for(wire, emulator), stale_timeout_s=30.0) for wire in WIRES}
-    proc = DaemonProcess(tmp_path_factory.mktemp("security") / "state", profiles)
-    proc.config_path.write_text(proc.config_path.read_text() + IDENTITIES)
-    with proc:
-        yield proc
+def daemon(module_daemon: DaemonFactory) -> DaemonProcess:
+    return module_daemon({wire: wire for wire in WIRES}, config_tail=IDENTITIES)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import multiprocess
@@ -65,6 +65,13 @@ def delta(call: str, attempt: int, seq: int, data: Any = "x", kind: str = "text"
 def final(call: str, attempt: int, last_seq: int, ok: bool = True) -> bytes:
     outcome = AttemptOutcome(ok=ok, finish_reason="stop", model="m")
     return encode([T_FINAL, call, attempt, last_seq, outcome_to_wire(outcome)])
+
+
+class Subscriber(Protocol):
+    """What `Supervisor.subscribe` needs of a listener: its id (its routing id
+    on the events socket)."""
+
+    id: str
 
 
 LISTEN = encode({"v": 1, "op": "listen"})
@@ -188,7 +195,7 @@ class Supervisor:
             self.follow(args[0], self.listener)
         return self._send(lambda req: encode([tag, req, *args]), f"{tag} {args}", timeout)
 
-    def subscribe(self, call: str, listener: Listener, from_seq: int = 0,
+    def subscribe(self, call: str, listener: Subscriber, from_seq: int = 0,
                   live: bool = True) -> list[Any]:
         """C_SUBSCRIBE (built by the supervisor's own encoder); the reply."""
         return self._send(lambda req: encode_control(

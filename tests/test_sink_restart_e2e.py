@@ -14,12 +14,9 @@ import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient
 from tests.harness import DaemonProcess, assert_one_exact_answer, process_state, wait_until
+from tests.wires import request_for
 
 pytestmark = pytest.mark.slow
-
-
-def _req(key: str) -> dict[str, Any]:
-    return {"model": f"gpt-emu#{key}", "messages": [{"role": "user", "content": key}]}
 
 
 @pytest.mark.parametrize("policy", ["restart", "continue"])
@@ -31,7 +28,8 @@ def test_sink_kill_9_mid_stream(make_daemon: Any, emu: EmulatorClient, policy: s
     # the client subscribes again from its last seq once its events connection is
     # made again), within the 10 s allowed below.
     with daemon.client(timeout_s=20.0) as client:
-        call_id = client.submit("emu", _req("sinkdeath"), options={"on_partial": policy})
+        call_id = client.submit("emu", request_for("openai", "sinkdeath"),
+                                options={"on_partial": policy})
         events: list[dict[str, Any]] = []
         for event in client.events(call_id, timeout_s=20.0):
             events.append(event)
@@ -43,7 +41,7 @@ def test_sink_kill_9_mid_stream(make_daemon: Any, emu: EmulatorClient, policy: s
         status = client.status()
         assert status["counters"]["sink_restarts"] == 1
         assert status["processes"]["sink"] != sink_pid
-        after = client.run("emu", _req("after-sink"), timeout_s=30.0)
+        after = client.run("emu", request_for("openai", "after-sink"), timeout_s=30.0)
     # Under either policy: the stream went on, one provider request, one answer.
     assert_one_exact_answer(events, emu.log("sinkdeath"))
     assert events[-1]["attempts"] == 1
@@ -64,7 +62,8 @@ def test_a_frozen_sink_is_not_the_providers_stall(make_daemon: Any, emu: Emulato
     emu.script("frozen-sink", [{"fault": "ok", "chunks": 20, "chunk_delay_s": 0.05}])
     daemon: DaemonProcess = make_daemon()
     with daemon.client(timeout_s=20.0) as client:
-        call_id = client.submit("emu", _req("frozen-sink"), options={"stale_timeout_s": 1.0})
+        call_id = client.submit("emu", request_for("openai", "frozen-sink"),
+                                options={"stale_timeout_s": 1.0})
         events = client.events(call_id, timeout_s=30.0)
         first = [next(events) for _ in range(3)]
         sink_pid = client.status()["processes"]["sink"]

@@ -30,8 +30,8 @@ from streamfence.sink.fence import Verdict
 from streamfence.sink.process import run_sink
 from streamfence.sink.state import SinkState
 from streamfence.sink.store import TranscriptStore
-from streamfence.sink.subscribers import Outbox
 from streamfence.sink.transcript import TranscriptReader
+from tests.fakes import Nobody
 from tests.test_sink_process import (
     MP,
     START_S,
@@ -202,36 +202,10 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-class NoPeer:
-    """A Publisher that drops everything (the test reads the state directly)."""
-
-    def publish(self, frame: bytes) -> None:
-        pass
-
-    def stats(self) -> dict[str, int]:
-        return {}
-
-
-class NoListeners:
-    """Listeners that drop every event (the test reads the state directly)."""
-
-    def deliver(self, outbox: Outbox) -> None:
-        pass
-
-    def send_event(self, subs: set[bytes], event: bytes) -> None:
-        pass
-
-    def replay(self, listener: bytes, events: list[bytes]) -> bool:
-        return True
-
-    def stats(self) -> dict[str, int]:
-        return {}
-
-
 def test_drop_log_line_is_greppable_and_sparse(tmp_path: Path,
                                                caplog: pytest.LogCaptureFixture) -> None:
     """First drop of a (call, attempt) at WARNING with the counts, the rest at DEBUG."""
-    state = SinkState(TranscriptStore(str(tmp_path / "t.db")), NoPeer(), NoListeners())
+    state = SinkState(TranscriptStore(str(tmp_path / "t.db")), Nobody(), Nobody())
     try:
         assert state.calls.fence.authorize("c", 1) is None
         state.calls.live("c").start_attempt(1, "gpt-test")

@@ -32,7 +32,7 @@ from streamfence.protocol.sqlite_faults import is_storage_fault
 from streamfence.sink.process import run_sink
 from streamfence.sink.state import SinkState
 from streamfence.sink.store import StoreStopped, TranscriptStore
-from streamfence.sink.subscribers import Cuts, Outbox
+from tests.fakes import Nobody
 from tests.harness import DaemonProcess, assert_one_exact_answer, wait_until
 from tests.test_sink_process import MP, START_S, SinkUnderTest, Supervisor, delta
 
@@ -189,28 +189,6 @@ def test_the_store_opens_on_a_full_disk_once_space_is_freed(
     finally:
         store.close()
     assert BAD_ROLLBACK not in caplog.text
-
-
-class Nobody:
-    """The sink's supervisor and listeners, absent (only the store is under test)."""
-
-    def publish(self, frame: bytes) -> None:
-        pass
-
-    def deliver(self, outbox: Outbox) -> Cuts:
-        return []
-
-    def replay(self, listener: bytes, events: list[bytes]) -> int:
-        return 0
-
-    def room(self, listener: bytes) -> int:
-        return 0
-
-    def cut_off(self, listener: bytes, call_id: str, seq: int) -> None:
-        pass
-
-    def stats(self) -> dict[str, int]:
-        return {}
 
 
 def test_a_prune_on_a_full_disk_is_logged_and_tried_later(

@@ -16,7 +16,7 @@ import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
-from tests.wires import profile_for, request_for
+from tests.wires import STALE_S, DaemonFactory, profile_for, request_for
 
 pytestmark = pytest.mark.slow
 
@@ -24,20 +24,16 @@ UNSET_KEY_ENV = "STREAMFENCE_TEST_KEY_THAT_IS_NOT_SET"
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory,
-           emulator: EmulatorProcess) -> Iterator[DaemonProcess]:
+def daemon(module_daemon: DaemonFactory, emulator: EmulatorProcess) -> Iterator[DaemonProcess]:
     """One real daemon for the tests that need one running: `log_level = "info"`
     (lower case), a profile whose api_key_env is unset; SIGTERM must stop it
     cleanly (exit 0) at the end."""
     assert UNSET_KEY_ENV not in os.environ
-    emu = dict(profile_for("openai", emulator), stale_timeout_s=30.0)
-    proc = DaemonProcess(tmp_path_factory.mktemp("startup") / "state",
-                         {"emu": emu, "nokey": dict(emu, api_key_env=UNSET_KEY_ENV)},
-                         daemon={"log_level": "info"})
-    with proc:
-        yield proc
-        assert proc.stop() == 0, proc.log_text()[-3000:]  # SIGTERM: a clean stop
-    assert not proc.survivors, proc.survivors
+    nokey = dict(profile_for("openai", emulator), stale_timeout_s=STALE_S,
+                 api_key_env=UNSET_KEY_ENV)
+    proc = module_daemon({"emu": "openai", "nokey": nokey}, daemon={"log_level": "info"})
+    yield proc
+    assert proc.stop() == 0, proc.log_text()[-3000:]  # SIGTERM: a clean stop
 
 
 def _env() -> dict[str, str]:

@@ -143,7 +143,8 @@ def _digests(state_dir: Path) -> dict[str, str]:
 
 def _descendants(pid: int) -> list[psutil.Process]:
     try:
-        return psutil.Process(pid).children(recursive=True)
+        children: list[psutil.Process] = psutil.Process(pid).children(recursive=True)
+        return children
     except psutil.NoSuchProcess:
         return []
 

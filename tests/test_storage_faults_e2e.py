@@ -31,6 +31,12 @@ def _submit_refused(client: Client, key: str) -> ClientError:
     return refused.value
 
 
+def _ended_as(client: Client, call_id: str, wait_s: float = 0.0) -> str | None:
+    """The call's status once it ended (waiting up to wait_s); None while it runs."""
+    done = client.result(call_id, wait_s=wait_s)
+    return None if done is None else str(done["status"])
+
+
 def _storage(client: Client) -> dict[str, Any] | None:
     storage: dict[str, Any] | None = client.status()["storage"]
     return storage
@@ -65,7 +71,7 @@ def test_a_lock_on_the_journal_refuses_submits_and_the_running_call_finishes(
         wait_until(lambda: _storage(client) is None, 10.0, "the journal to write again")
         emu.script("after", [{"fault": "ok", "chunks": 3}])
         after = client.submit("emu", dict(REQUEST, model="gpt-emu#after"))
-        assert client.result(after, wait_s=20.0)["status"] == "completed"
+        assert _ended_as(client, after, 20.0) == "completed"
         counters = client.status()["counters"]
     assert_one_exact_answer([*first, *rest], emu.log("running"))
     assert emu.log("during") == [] and emu.log("during2") == []
@@ -92,19 +98,20 @@ def test_a_full_disk_refuses_submits_with_storage_full_and_resumes(
     emu.script("before", [{"fault": "ok", "chunks": 3}])
     with daemon.client(timeout_s=10.0) as client:
         before = client.submit("emu", dict(REQUEST, model="gpt-emu#before"))
-        assert client.result(before, wait_s=20.0)["status"] == "completed"
+        assert _ended_as(client, before, 20.0) == "completed"
         filler = disks.fill(state)
         refused = _submit_refused(client, "full")
         assert refused.code == "storage_full", refused
         assert "is full" in refused.message
-        assert _storage(client)["code"] == "storage_full"
+        storage = _storage(client)
+        assert storage is not None and storage["code"] == "storage_full", storage
         assert _submit_refused(client, "full2").code == "storage_full"
         filler.unlink()
         wait_until(lambda: _storage(client) is None, 10.0,
                    "the journal to write again once space is back")
         emu.script("after", [{"fault": "ok", "chunks": 3}])
         after = client.submit("emu", dict(REQUEST, model="gpt-emu#after"))
-        assert client.result(after, wait_s=20.0)["status"] == "completed"
+        assert _ended_as(client, after, 20.0) == "completed"
         counters = client.status()["counters"]
     assert emu.log("full") == [] and emu.log("full2") == []
     assert counters["refused.storage_full"] == 2, counters
@@ -124,7 +131,7 @@ def test_a_start_on_a_full_disk_is_refused_with_the_reason_and_forgets_nothing(
     emu.script("kept", [{"fault": "ok", "chunks": 3}])
     with daemon.client(timeout_s=10.0) as client:
         kept = client.submit("emu", dict(REQUEST, model="gpt-emu#kept"))
-        assert client.result(kept, wait_s=20.0)["status"] == "completed"
+        assert _ended_as(client, kept, 20.0) == "completed"
     assert daemon.stop() == 0
     filler = disks.fill(state)
     with pytest.raises(DaemonExited) as refused:
@@ -135,5 +142,5 @@ def test_a_start_on_a_full_disk_is_refused_with_the_reason_and_forgets_nothing(
     filler.unlink()
     daemon.start()
     with daemon.client(timeout_s=10.0) as client:
-        assert client.result(kept)["status"] == "completed"
+        assert _ended_as(client, kept) == "completed"
     daemon.stop()

@@ -31,6 +31,8 @@ from streamfence.protocol.internal.control import (
     FinalRefused,
     Finish,
     FinishMeta,
+    FollowedDone,
+    Lost,
     Rebind,
     encode_ended,
     encode_final_refused,
@@ -70,7 +72,7 @@ from streamfence.supervisor.fallbacks import Fallbacks
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.pool import InvalidTransition as WorkerTransition
 from streamfence.supervisor.pool import Pool, Worker, WorkerEvent
-from streamfence.supervisor.sinklink import SINK_LOST, Refused, SinkLink
+from streamfence.supervisor.sinklink import SINK_LOST, AttemptEvents, Refused, SinkLink
 from streamfence.supervisor.timeouts import AttemptTimeouts
 from streamfence.workers.liveness import LivenessTable
 
@@ -197,15 +199,23 @@ def test_fallbacks_switch_to_non_streaming_and_probe_once_per_window() -> None:
 
 # ---- the sink link -----------------------------------------------------------------------
 
-class Attempts:
+class Attempts(AttemptEvents):
+    """The attempt endings the SinkLink hands on, in order."""
+
     def __init__(self) -> None:
-        self.seen: list[Ended | FinalRefused] = []
+        self.seen: list[Ended | FinalRefused | Lost | FollowedDone] = []
 
     def on_ended(self, ended: Ended) -> None:
         self.seen.append(ended)
 
     def on_final_refused(self, refused: FinalRefused) -> None:
         self.seen.append(refused)
+
+    def on_lost(self, lost: Lost) -> None:
+        self.seen.append(lost)
+
+    def on_followed_done(self, done: FollowedDone) -> None:
+        self.seen.append(done)
 
 
 def test_sinklink_typed_replies_attempt_endings_and_lost_requests() -> None:
@@ -435,10 +445,10 @@ def test_a_sink_restart_counts_what_the_transcript_holds_of_the_attempt(
     call = _running_call(parts)
     store = TranscriptStore(parts["transcript"], background_checkpoints=False)
     seqs: Counter[str] = Counter()
-    for call_id, op, text in stored:
+    for call_id, kind, text in stored:
         seqs[call_id] += 1
         seq = seqs[call_id]
-        if op == "reset":
+        if kind == "reset":
             store.add(call_id, seq, seq, 1, "reset", encode(reset_event(call_id, 1, seq)))
         else:
             store.add_run(call_id, seq, 1, [encode(delta_event(call_id, 1, seq, "text", text))])

@@ -1,11 +1,12 @@
 """Strict tooling as a test, so CI holds the line: ruff over the tree, mypy
-(strict, see pyproject.toml) over the packages."""
+(strict, see pyproject.toml's [tool.mypy]) over the code and its tests."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,10 @@ def test_ruff_is_clean() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mypy_strict_is_clean() -> None:
+    """What `mypy` runs (pyproject's packages) is what CI holds: the code and
+    the tests, so a fake that drifts from the Protocol it stands for fails."""
+    mypy = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    assert mypy["strict"] is True and mypy["packages"] == ["streamfence", "tests"]
     proc = subprocess.run([_tool("mypy")], cwd=ROOT, capture_output=True, text=True,
                           timeout=280)
     assert proc.returncode == 0, proc.stdout[-4000:]

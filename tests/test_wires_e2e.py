@@ -4,14 +4,13 @@ daemon, the real SDK of each provider parsing the emulator's bytes."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.devtools.launcher import DaemonProcess
-from tests.wires import WIRES, profile_for, request_for
+from tests.wires import WIRES, DaemonFactory, request_for
 
 pytestmark = pytest.mark.slow
 
@@ -21,13 +20,8 @@ FRAMING = {"openai": 0, "anthropic": 2, "bedrock": 1}
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory,
-           emulator: EmulatorProcess) -> Iterator[DaemonProcess]:
-    profiles = {wire: dict(profile_for(wire, emulator), stale_timeout_s=30.0) for wire in WIRES}
-    proc = DaemonProcess(tmp_path_factory.mktemp("wires") / "state", profiles,
-                         daemon={"workers_spare": 3})
-    with proc:
-        yield proc
+def daemon(module_daemon: DaemonFactory) -> DaemonProcess:
+    return module_daemon({wire: wire for wire in WIRES}, daemon={"workers_spare": 3})
 
 
 def _run(daemon: DaemonProcess, wire: str, key: str) -> list[dict[str, Any]]:

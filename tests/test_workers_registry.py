@@ -29,7 +29,7 @@ from streamfence.protocol.internal.workers import (
 from streamfence.protocol.lifecycle import ExitCode
 from streamfence.protocol.wires import WIRES
 from streamfence.workers import registry
-from streamfence.workers.adapter import CredentialsMissing
+from streamfence.workers.errors import CredentialsMissing
 from streamfence.workers.output import RecordingOutput
 from streamfence.workers.worker import SinkOutput
 
