@@ -48,6 +48,18 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str,
         time.sleep(interval)
 
 
+def _running(proc: psutil.Process) -> bool:
+    """Whether the process still runs. A zombie has exited and counts as gone:
+    a daemon's child that outlives the daemon for a moment is reparented to
+    PID 1 and is a zombie until PID 1 reaps it, which a container's init may
+    do only every second or two (psutil.wait_procs waits for that reaping).
+    A pid reused by another process counts as gone too (is_running)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 class DaemonProcess:
     """`streamfence serve --config F --log-json` in a subprocess."""
 
@@ -165,9 +177,10 @@ class DaemonProcess:
         for pid in self.descendants:
             with contextlib.suppress(psutil.NoSuchProcess):
                 procs.append(psutil.Process(pid))
-        _, alive = psutil.wait_procs(procs, timeout=2.0)
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: not any(map(_running, procs)), 2.0, "the daemon's children to go")
         survivors = []
-        for p in alive:
+        for p in filter(_running, procs):
             try:
                 survivors.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
                 p.kill()
