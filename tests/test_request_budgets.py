@@ -23,7 +23,6 @@ import pytest
 import zmq
 
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
-from streamfence.devtools.launcher import DaemonProcess
 from streamfence.protocol.client import Client, ClientError
 from streamfence.protocol.codec import encode
 from streamfence.protocol.credentials import Credentials
@@ -38,6 +37,7 @@ from streamfence.supervisor.config import (
 )
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.recovery import recover_calls
+from tests.harness import DaemonProcess
 from tests.wires import profile_for, request_for
 
 PAD = 10_000  # a request's text: ~10 KB on the wire

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
-from streamfence.devtools.launcher import DaemonProcess
+from tests.harness import DaemonProcess
 from tests.wires import WIRES, profile_for, request_for
 
 pytestmark = pytest.mark.slow
