@@ -1,5 +1,6 @@
-"""Shared fixtures: the real emulator (one per test module) and the real
-daemon against it (one per test, in the test's tmp_path)."""
+"""Shared fixtures: the real emulator (one process per test process, reset for
+each test module and, through `emu`, for each test) and the real daemon
+against it (one per test, in the test's tmp_path)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,18 @@ from tests.harness import DaemonProcess
 from tests.wires import profile_for
 
 
-@pytest.fixture(scope="module")
-def emulator() -> Iterator[EmulatorProcess]:
+@pytest.fixture(scope="session")
+def emulator_process() -> Iterator[EmulatorProcess]:
     with EmulatorProcess() as emu:
         yield emu
+
+
+@pytest.fixture(scope="module")
+def emulator(emulator_process: EmulatorProcess) -> EmulatorProcess:
+    """The emulator, as a module found it when it had one of its own: no
+    script, an empty log (its request numbers go on)."""
+    emulator_process.client().reset()
+    return emulator_process
 
 
 @pytest.fixture
