@@ -55,7 +55,9 @@ def _running(proc: psutil.Process) -> bool:
     do only every second or two (psutil.wait_procs waits for that reaping).
     A pid reused by another process counts as gone too (is_running)."""
     try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        if not proc.is_running():
+            return False
+        return bool(proc.status() != psutil.STATUS_ZOMBIE)  # psutil is untyped
     except psutil.NoSuchProcess:
         return False
 
