@@ -1,5 +1,6 @@
-"""Shared fixtures: the real emulator (one per test module) and the real
-daemon against it (one per test, in the test's tmp_path; or one per module,
+"""Shared fixtures: the real emulator (one process per test process, reset for
+each test module and, through `emu`, for each test) and the real daemon
+against it (one per test, in the test's tmp_path; or one per module,
 `module_daemon`)."""
 
 from __future__ import annotations
@@ -16,11 +17,44 @@ from streamfence.devtools.nats_cluster import NatsCluster, nats_cluster
 from tests.harness import DaemonProcess
 from tests.wires import DaemonFactory, profile_for, profiles_for
 
+# Modules whose tests share a module-scoped daemon (3-20 s to start, 50 s for
+# test_storage_damage's two): under xdist each runs whole on one worker, so
+# that daemon starts once, not once per worker (see pytest_xdist_make_scheduler).
+ONE_WORKER_MODULES = frozenset(f"tests/test_{name}.py" for name in (
+    "cancel_on_abandon", "delivery_e2e", "events_path", "gateway_e2e", "logging_e2e",
+    "metrics_e2e", "request_budgets", "security_e2e", "startup_errors", "storage_damage",
+    "wires_e2e"))
 
-@pytest.fixture(scope="module")
-def emulator() -> Iterator[EmulatorProcess]:
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`-n N` (--dist load) as usual, except that each module of
+    ONE_WORKER_MODULES is one unit of work. (xdist's own --dist loadgroup
+    does not group under pytest 9.2: pytest-xdist issue 1386.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerModules(LoadScopeScheduling):  # type: ignore[misc]  # xdist is untyped
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return OneWorkerModules(config, log)
+
+
+@pytest.fixture(scope="session")
+def emulator_process() -> Iterator[EmulatorProcess]:
     with EmulatorProcess() as emu:
         yield emu
+
+
+@pytest.fixture(scope="module")
+def emulator(emulator_process: EmulatorProcess) -> EmulatorProcess:
+    """The emulator, as a module found it when it had one of its own: no
+    script, an empty log (its request numbers go on)."""
+    emulator_process.client().reset()
+    return emulator_process
 
 
 @pytest.fixture

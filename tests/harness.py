@@ -1,11 +1,28 @@
-"""Process-level test harness (re-exported from streamfence.devtools.launcher, which
-the demo and the chaos scripts share), and checks the end-to-end tests share."""
+"""Process-level test harness: the daemon as the tests run it (streamfence.devtools.launcher's,
+which the demo and the chaos scripts share, with a short drain), and checks the
+end-to-end tests share."""
 
+from pathlib import Path
 from typing import Any
 
-from streamfence.devtools.launcher import DaemonProcess, wait_until
+from streamfence.devtools import launcher
+from streamfence.devtools.launcher import wait_until
 
 __all__ = ["DaemonProcess", "assert_one_exact_answer", "process_state", "wait_until"]
+
+STOP_GRACE_S = 1.0  # the tests' drain at a stop (stop_grace_s; the daemon's default is 30 s)
+
+
+class DaemonProcess(launcher.DaemonProcess):
+    """The launcher's daemon, whose drain at a stop (stop_grace_s) lasts
+    STOP_GRACE_S unless the test's `daemon` settings give their own: a test
+    that leaves a call stalled would otherwise sit out the launcher's 20 s
+    wait for the SIGTERM at its teardown. A test of the drain sets its own."""
+
+    def __init__(self, state_dir: Path, providers: dict[str, dict[str, Any]],
+                 daemon: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(state_dir, providers, {"stop_grace_s": STOP_GRACE_S, **(daemon or {})},
+                         **kwargs)
 
 
 def process_state(pid: int) -> str:

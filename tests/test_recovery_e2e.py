@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def test_sigterm_lets_the_running_attempt_finish_and_exits_0(make_daemon: Any,
                                                              emu: EmulatorClient) -> None:
     emu.script("graceful", [{"fault": "ok", "chunks": 30, "chunk_delay_s": 0.05}])
-    daemon: DaemonProcess = make_daemon()
+    daemon: DaemonProcess = make_daemon(daemon={"stop_grace_s": 30.0})  # the default drain
     with daemon.client() as client:
         call_id = client.submit("emu", request_for("openai", "graceful"))
         wait_until(lambda: any(r["chunks_sent"] >= 3 for r in emu.log("graceful")), 10,

@@ -29,7 +29,6 @@ from streamfence.config.model import (
     parse_config,
 )
 from streamfence.devtools.emulator.control import EmulatorClient
-from streamfence.devtools.launcher import DaemonProcess
 from streamfence.protocol.client import Client, ClientError
 from streamfence.protocol.codec import encode
 from streamfence.protocol.credentials import Credentials
@@ -37,6 +36,7 @@ from streamfence.protocol.keys import KeyStore
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.recovery import recover_calls
+from tests.harness import DaemonProcess
 from tests.wires import DaemonFactory, request_for
 
 PAD = 10_000  # a request's text: ~10 KB on the wire

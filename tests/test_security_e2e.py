@@ -26,12 +26,12 @@ import zmq.auth
 
 from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.devtools.emulator.state import messages_digest
-from streamfence.devtools.launcher import DaemonProcess, wait_until
 from streamfence.protocol.client import Client, ClientError
 from streamfence.protocol.credentials import Credentials, load_credentials
 from streamfence.protocol.keys import KeyStore
 from streamfence.protocol.messages import events_endpoint
 from streamfence.supervisor.journal import FILE_BYTES
+from tests.harness import DaemonProcess, wait_until
 from tests.wires import WIRES, DaemonFactory, request_for
 
 pytestmark = pytest.mark.slow

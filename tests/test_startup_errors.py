@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
-from streamfence.devtools.launcher import DaemonProcess
+from tests.harness import DaemonProcess
 from tests.wires import STALE_S, DaemonFactory, profile_for, request_for
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient
-from streamfence.devtools.launcher import DaemonProcess
+from tests.harness import DaemonProcess
 from tests.wires import WIRES, DaemonFactory, request_for
 
 pytestmark = pytest.mark.slow

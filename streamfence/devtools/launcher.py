@@ -16,7 +16,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import psutil
 import zmq
@@ -46,6 +46,20 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str,
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout:.3g} s waiting for {what}")
         time.sleep(interval)
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Whether the process still runs. A zombie has exited and counts as gone:
+    a daemon's child that outlives the daemon for a moment is reparented to
+    PID 1 and is a zombie until PID 1 reaps it, which a container's init may
+    do only every second or two (psutil.wait_procs waits for that reaping).
+    A pid reused by another process counts as gone too (is_running)."""
+    try:
+        if not proc.is_running():
+            return False
+        return bool(proc.status() != psutil.STATUS_ZOMBIE)  # psutil is untyped
+    except psutil.NoSuchProcess:
+        return False
 
 
 class DaemonProcess:
@@ -93,7 +107,7 @@ class DaemonProcess:
         self.survivors: list[str] = []
 
     # ---- lifecycle -------------------------------------------------------------
-    def start(self, ready_timeout: float = 60.0) -> DaemonProcess:
+    def start(self, ready_timeout: float = 60.0) -> Self:
         """Start the daemon and wait until it reports an idle worker.
 
         Raises TimeoutError if it is not ready within `ready_timeout` seconds
@@ -165,9 +179,10 @@ class DaemonProcess:
         for pid in self.descendants:
             with contextlib.suppress(psutil.NoSuchProcess):
                 procs.append(psutil.Process(pid))
-        _, alive = psutil.wait_procs(procs, timeout=2.0)
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: not any(map(_running, procs)), 2.0, "the daemon's children to go")
         survivors = []
-        for p in alive:
+        for p in filter(_running, procs):
             try:
                 survivors.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
                 p.kill()
@@ -193,7 +208,7 @@ class DaemonProcess:
         self.stop()
         shutil.rmtree(self._short, ignore_errors=True)
 
-    def __enter__(self) -> DaemonProcess:
+    def __enter__(self) -> Self:
         try:
             return self.start()
         except BaseException:
