@@ -13,6 +13,8 @@
   deferred into a function to dodge a cycle is the same dependency.
 - No comment, docstring or string in streamfence/, scripts/ or tests/ cites
   a document that is not in the repository.
+- No module of streamfence/ has more than `MAX_MODULE_LINES` lines: a module
+  that grows past it is split by job.
 """
 
 from __future__ import annotations
@@ -272,6 +274,21 @@ def test_no_text_cites_a_document_outside_the_repository() -> None:
                     hits.append(f"  {path.relative_to(ROOT)}:{number}: {line.strip()[:100]}")
     assert not hits, ("text citing a document that is not in the repository (say what it "
                       "says, or cite docs/ instead):\n" + "\n".join(hits))
+
+
+# ---- small modules ------------------------------------------------------------------------
+
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_of_streamfence_is_longer_than_the_limit() -> None:
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        count = len(path.read_text().splitlines())
+        if count > MAX_MODULE_LINES:
+            long.append(f"  {path.relative_to(ROOT)}: {count} lines")
+    assert not long, (f"modules longer than {MAX_MODULE_LINES} lines (split each by job, "
+                      "not by size):\n" + "\n".join(long))
 
 
 # ---- an application with its own protocol.py and supervisor.py -------------------------

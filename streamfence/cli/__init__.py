@@ -51,7 +51,8 @@ def main() -> None:
 def serve(config_path: str | None, log_json: bool) -> None:
     """Run the daemon in the foreground until SIGTERM/SIGINT."""
     from streamfence.protocol.lifecycle import set_process_title
-    from streamfence.supervisor.daemon import Daemon, GatewayEntry
+    from streamfence.supervisor.daemon import Daemon
+    from streamfence.supervisor.gatewaychild import GatewayEntry
     from streamfence.supervisor.logs import setup_logging
     from streamfence.supervisor.startup import StartupError
 

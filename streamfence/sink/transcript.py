@@ -35,7 +35,8 @@ boundaries (`Unpacker.skip` + `tell`, no decoding).
 
 The answer so far (`answer_so_far`): the deltas after the call's last reset
 event, of the attempts that wrote that answer. The sink reloads it after a
-restart or for a rebind; the supervisor counts it when the sink cannot say.
+restart or for a rebind; the supervisor counts it when the sink cannot say
+(`visible_stats`).
 
 Readers: the queries below take a connection (the sink's writer, or a
 `TranscriptReader`'s read-only one). Other processes use `TranscriptReader`
@@ -47,6 +48,7 @@ statements.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sqlite3
 from collections.abc import Iterable
@@ -55,6 +57,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from streamfence.protocol import retention
+from streamfence.protocol.internal.control import AttemptStats
 from streamfence.sink.content import Content
 
 SCHEMA_VERSION = 2
@@ -245,6 +248,18 @@ def read_events_after(db_path: str, call_id: str, from_seq: int = 0) -> list[byt
         return reader.events_after(call_id, from_seq)
     finally:
         reader.close()
+
+
+def visible_stats(db_path: str, call_id: str, first: int, epoch: int) -> AttemptStats:
+    """Attempt `epoch`'s stats as the file holds them, for a supervisor whose
+    sink could not say: events are sent only after their commit, so this is
+    what subscribers could see. `first`: the attempt whose authorize began the
+    answer (a rebound attempt's began earlier; `answer_so_far`)."""
+    stored = read_events_after(db_path, call_id) \
+        if os.path.exists(db_path) else []  # no sink ever started
+    answer = answer_so_far(stored, first, epoch)
+    return AttemptStats(epoch, accepted=answer.deltas(), visible_chars=answer.visible_chars(),
+                        tool_fragments=answer.tool_fragments())
 
 
 def stored_done(db_path: str, call_id: str) -> dict[str, Any] | None:

@@ -9,14 +9,15 @@ Its helpers, each with one job and no say over a call's state:
 - watchdog.Watchdog: each live call's next check, and the stale watchdog;
 - callends.CallEnds: the ways out (done, moved, never accepted);
 - rebind.Rebinds: the running attempts rebound after a sink restart;
-- takeover.Takeover: cluster mode, a call taken over from another host.
+- takeover.Takeover: cluster mode, a call taken over from another host;
+- verdicts.Verdicts: what an ended attempt means (finish, or retry after a
+  backoff), and what the breakers and fall-backs learn from it.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import random
 import time
 from collections import Counter, deque
@@ -36,17 +37,10 @@ from streamfence.protocol.internal.control import (
 from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome
 from streamfence.protocol.messages import CallStatus
 from streamfence.protocol.states import CallState, FenceReason
-from streamfence.sink.transcript import answer_so_far, read_events_after
+from streamfence.sink.transcript import visible_stats
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.callends import CallEnds
-from streamfence.supervisor.calls import (
-    Call,
-    CallEvent,
-    Finish,
-    call_error,
-    decide,
-    fence_error,
-)
+from streamfence.supervisor.calls import Call, CallEvent, Finish, call_error, fence_error
 from streamfence.supervisor.clients import Clients
 from streamfence.supervisor.dispatch import run_attempt
 from streamfence.supervisor.fallbacks import Fallbacks
@@ -65,7 +59,7 @@ from streamfence.supervisor.sinklink import (
     why,
 )
 from streamfence.supervisor.takeover import Takeover
-from streamfence.supervisor.timeouts import backoff_delay
+from streamfence.supervisor.verdicts import Verdicts
 from streamfence.supervisor.watchdog import Watchdog
 
 if TYPE_CHECKING:  # cluster mode only: it brings nats
@@ -78,10 +72,6 @@ def _deadline_passed() -> Finish:
     return Finish(CallStatus.FAILED, call_error(
         ErrorCode.DEADLINE_EXCEEDED, "the call's deadline passed before an attempt could start"),
         FinishMeta())
-
-
-def _breaker_key(call: Call) -> tuple[str, str]:
-    return (call.spec.session_id or "-", call.profile.name)
 
 
 class AttemptDriver:
@@ -97,17 +87,15 @@ class AttemptDriver:
                  clients: Clients, breakers: Breakers, counters: Counter[str],
                  clock: Callable[[], float], rng: random.Random, transcript_path: str,
                  cluster: ClusterLink | None = None) -> None:
-        self._config = config
         self._cluster = cluster  # cluster mode: each attempt's ownership first (§4.17)
         self._transcript_path = transcript_path
         self._journal = journal
         self._pool = pool
         self._sink = sink
         self._clients = clients
-        self._breakers = breakers
         self._clock = clock
-        self._rng = rng
         self._fallbacks = Fallbacks(clock)
+        self._verdicts = Verdicts(config, self._fallbacks, breakers, clock, rng)
         self.calls = LiveCalls(config.in_flight_bytes_max)
         self._queue: deque[str] = deque()
         # Each live call's next check (stale, first chunk, backoff over, deadline).
@@ -327,11 +315,13 @@ class AttemptDriver:
             self._decide(call, ended_stats, outcome, outcome.error)
             return
         # Without the sink's answer: what subscribers could see of the attempt.
-        stats = reply if isinstance(reply, AttemptStats) else self._stats_from_transcript(call)
+        # (A rebound attempt's answer began at call.content_from.)
+        stats = reply if isinstance(reply, AttemptStats) else visible_stats(
+            self._transcript_path, call.call_id, call.content_from, call.epoch)
         reason = call.fence_reason
         assert reason is not None, "fenced without a reason"
         if reason is FenceReason.STALE:
-            self._breakers.on_stale(_breaker_key(call))  # once per attempt: fenced once
+            self._verdicts.stale(call)
         worker = self._pool.get(call.worker_id)
         if worker is not None and worker.token == call.token:
             self._pool.kill(worker)  # fenced first, so the kill cannot lose an accepted delta
@@ -404,41 +394,13 @@ class AttemptDriver:
                 error: AttemptError | None) -> None:
         self._counters["attempts." + attempt_outcome(outcome, call.fence_reason)] += 1
         self.histograms.attempt_ended(outcome)
-        if stats.visible_chars > 0:
-            call.delivered = True
-        # An unexpected exception's traceback, for the call's last line if this
-        # attempt is its last (logged once, in `_log_end`).
-        call.traceback = error.traceback if error is not None else None
-        if error is not None:
-            adjusted = self._fallbacks.adjust(call.profile.name, error, stats.accepted,
-                                              call_context(call))
-            error = adjusted.error
-            if adjusted.probe_next:
-                call.probe_next = True
-        decision = decide(call, stats, outcome, error, self._clock())
-        if error is None and outcome is not None:
-            self._breakers.on_success(_breaker_key(call))
-        elif call.fence_reason is not FenceReason.STALE:
-            self._breakers.on_probe_ended(_breaker_key(call))
-        if isinstance(decision, Finish):
-            self.finish(call, decision)
+        verdict = self._verdicts.judge(call, stats, outcome, error)
+        if isinstance(verdict, Finish):
+            self.finish(call, verdict)
             return
-        cfg = self._config
-        delay = backoff_delay(call.attempts, cfg.backoff_base_s, cfg.backoff_max_s,
-                              decision.retry_after_s, self._rng)
-        now = self._clock()
-        if call.deadline is not None and now + delay >= call.deadline:
-            self.finish(call, Finish(CallStatus.FAILED, call_error(
-                ErrorCode.DEADLINE_EXCEEDED,
-                "the deadline leaves no time for the next attempt's backoff"), FinishMeta()))
-            return
-        message = error.message if error is not None else None
-        if stats.tool_fragments > 0:
-            call.notice = (f"The connection dropped in the middle of a tool call "
-                           f"({message}); the request is retried "
-                           f"and the tool call starts over.")
-        log.info("retrying after %.2fs: %s", delay, message, extra=call_context(call))
-        call.retry_at = now + delay
+        log.info("retrying after %.2fs: %s", verdict.delay, verdict.why,
+                 extra=call_context(call))
+        call.retry_at = verdict.retry_at
         call.to(CallEvent.RETRY)
         self._due.arm(call.call_id, call.retry_at)
         self._counters["retries"] += 1
@@ -473,15 +435,3 @@ class AttemptDriver:
     def on_sink_restart(self) -> None:
         """The sink died: its running attempts are rebound (streamfence.supervisor.rebind)."""
         self._rebinds.on_sink_restart()
-
-    # ---- what subscribers could see --------------------------------------------
-    def _stats_from_transcript(self, call: Call) -> AttemptStats:
-        """The current attempt's stats as the transcript holds them (events are
-        sent only after their commit: what subscribers could see)."""
-        stored = read_events_after(self._transcript_path, call.call_id) \
-            if os.path.exists(self._transcript_path) else []  # no sink ever started
-        # A rebound attempt's answer began at call.content_from.
-        answer = answer_so_far(stored, call.content_from, call.epoch)
-        return AttemptStats(call.epoch, accepted=answer.deltas(),
-                            visible_chars=answer.visible_chars(),
-                            tool_fragments=answer.tool_fragments())

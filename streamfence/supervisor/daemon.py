@@ -15,7 +15,8 @@ Duties:
 Each piece of state has one owner (see `Parts`); the loop here only moves
 messages to their owner: each descriptor it polls has one handler, in one
 table (`_watch`, streamfence.supervisor.watched). Signal handlers only set a
-flag; the loop turns it into the same stop a client could ask for.
+flag (streamfence.supervisor.stopsignals); the loop turns it into the same
+stop a client could ask for.
 """
 
 from __future__ import annotations
@@ -27,10 +28,7 @@ import math
 import os
 import secrets
 import signal
-import socket
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 import msgpack
 import multiprocess
@@ -41,11 +39,11 @@ from streamfence.protocol.internal import L_RECORD, Endpoints
 from streamfence.protocol.internal.control import FROM_NOW
 from streamfence.protocol.internal.workers import StopZygote
 from streamfence.protocol.keys import KeyStore
-from streamfence.protocol.lifecycle import ExitCode
 from streamfence.protocol.messages import events_endpoint
 from streamfence.protocol.states import WorkerState
 from streamfence.supervisor import statedir, storepair
 from streamfence.supervisor.auth import ClientAuth
+from streamfence.supervisor.gatewaychild import GatewayChild, GatewayEntry
 from streamfence.supervisor.logs import emit_child_record
 from streamfence.supervisor.notify import Notifier
 from streamfence.supervisor.parts import Parts, Sockets, build_parts
@@ -58,12 +56,10 @@ from streamfence.supervisor.startup import (
     raise_fd_limit,
     warn_missing_credentials,
 )
+from streamfence.supervisor.stopsignals import StopSignals
 from streamfence.supervisor.watched import Watched
 from streamfence.supervisor.zygotechild import ZygoteChild
 from streamfence.workers.liveness import LivenessTable
-
-if TYPE_CHECKING:  # cluster mode only: it brings nats
-    pass
 
 log = logging.getLogger("streamfence.supervisor")
 # libzmq's I/O threads decrypt the clients' CURVE traffic, each connection on
@@ -78,12 +74,9 @@ FRONT_TURN_S = 0.005  # the most one turn spends reading client requests
 IDLE_WAKE_S = 60.0  # the longest sleep: nothing is due (the loop is event driven)
 
 
-GatewayEntry = Callable[[DaemonConfig, str], None]  # (config, runtime dir)
-
-
 class Daemon:
-    """Owns the sink and gateway processes and their restarts (the zygote's
-    through its ZygoteChild), the sockets' lifetimes, and the loop."""
+    """Owns the child processes (each through its SinkChild, ZygoteChild,
+    GatewayChild) and their restarts, the sockets' lifetimes, and the loop."""
 
     def __init__(self, config: DaemonConfig, gateway: GatewayEntry | None = None) -> None:
         """`gateway`: the HTTP gateway's process entry (gateway/process.py
@@ -92,7 +85,6 @@ class Daemon:
         self.config = config
         if config.http.listen is not None and gateway is None:
             raise StartupError("[http] listen is set but this daemon was built without a gateway")
-        self._gateway_entry = gateway
         try:
             state_dir = statedir.prepare(config.state_dir)
             self._lock = statedir.StateLock(state_dir)
@@ -113,14 +105,12 @@ class Daemon:
         self.endpoints = Endpoints(self.runtime_dir)
         self.transcript_path = os.path.abspath(os.path.join(config.state_dir, "transcript.db"))
         self._mp = multiprocess.get_context("spawn")
-        self._stop = False
+        self._signals = StopSignals()
         self._gave_up = False  # a child cannot start again: the daemon stops (exit 1)
         self._drain_until: float | None = None  # stopping: the running attempts' grace
         self._ready_logged = False
         self._zygote = ZygoteChild(self._mp, config, self.runtime_dir)
-        self._gateway: Any = None  # the HTTP gateway, when [http] listen is set
-        self._gateway_restarts = RestartPolicy("gateway", time.monotonic, {
-            ExitCode.CANNOT_BIND: f"the gateway cannot listen on {config.http.listen}"})
+        self._gateway = GatewayChild(self._mp, config, self.runtime_dir, gateway)
         self._notify = Notifier()  # before any child starts: they must not inherit it
         self.ctx = zmq.Context(io_threads=IO_THREADS)
         self.auth = ClientAuth(self.ctx, self.keys, config.auth, config.identities,
@@ -134,24 +124,14 @@ class Daemon:
         self._watched = Watched()
 
     # ---- child processes -----------------------------------------------------
-    def _start_gateway(self) -> int:
-        """Start the HTTP gateway (an ordinary client of ours); its sentinel, or -1."""
-        if self._gateway_entry is None:
-            return -1
-        self._gateway = self._mp.Process(target=self._gateway_entry, name="gateway",
-                                         args=(self.config, self.runtime_dir))
-        self._gateway.start()
-        self._gateway_restarts.started()
-        return int(self._gateway.sentinel)
-
     def _pids(self) -> dict[str, int | None]:
         """Each process's pid; None for a child that is down, awaiting its restart."""
         zygote = self._zygote
         pids = {"supervisor": os.getpid(),
                 "sink": self._sink.pid(),
                 "zygote": None if zygote.restarts.down else zygote.process.pid}
-        if self._gateway is not None:
-            pids["gateway"] = None if self._gateway_restarts.down else self._gateway.pid
+        if self._gateway.process is not None:
+            pids["gateway"] = self._gateway.pid()
         return pids
 
     # ---- set-up --------------------------------------------------------------
@@ -206,9 +186,6 @@ class Daemon:
         return parts
 
     # ---- the loop -------------------------------------------------------------
-    def request_stop(self, signum: int = 0, frame: Any = None) -> None:
-        self._stop = True
-
     def run(self) -> int:
         raise_fd_limit(self.config.workers_max)
         warn_missing_credentials(self.config)
@@ -217,30 +194,22 @@ class Daemon:
         except BaseException:
             self._stop_children()  # none left for multiprocess's exit handler to wait on
             raise
-        signal.signal(signal.SIGTERM, self.request_stop)
-        signal.signal(signal.SIGINT, self.request_stop)
-        # A signal must end the poll at once: the loop may sleep for seconds.
-        wake_r, wake_w = socket.socketpair()
-        for end in (wake_r, wake_w):
-            end.setblocking(False)
-        signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
-        self._watch(p, wake_r)
+        self._signals.install()
+        self._watch(p)
         log.info("supervisor up: endpoint=%s state_dir=%s runtime_dir=%s",
                  self.config.endpoint, self.config.state_dir, self.runtime_dir)
         try:
             while self._turn(p):
                 pass
         finally:
-            signal.set_wakeup_fd(-1)
-            wake_r.close()
-            wake_w.close()
+            self._signals.uninstall()
             self._shutdown(p)
         return 1 if self._gave_up else 0
 
-    def _watch(self, p: Parts, wake: socket.socket) -> None:
+    def _watch(self, p: Parts) -> None:
         """The descriptor -> handler table, in the order a turn serves them."""
         w = self._watched
-        w.slot("wake", functools.partial(_drain_wake, wake), wake)
+        w.slot("wake", self._signals.clear, self._signals)
         w.slot("front", functools.partial(self._drain_front, p), p.clients.socket)
         w.slot("request_files", p.front.acceptance.on_stored, p.journal.files.fileno())
         w.slot("journal_synced", p.journal.on_synced, p.journal.sync_fileno())
@@ -253,13 +222,13 @@ class Daemon:
         w.slot("sink_died", functools.partial(self._sink_died, p), self._sink.process.sentinel)
         w.slot("zygote", functools.partial(self._on_zygote, p), self._zygote.fileno())
         w.slot("gateway_died", self._gateway_died)
-        gateway = self._start_gateway()  # now: the sockets it connects to are bound
+        gateway = self._gateway.start()  # now: the sockets it connects to are bound
         if gateway >= 0:
             w.watch("gateway_died", gateway)
 
     def _turn(self, p: Parts) -> bool:
         """One turn of the loop: what is ready, then what is due. False: stop."""
-        if self._stop and self._drain_until is None:
+        if self._signals.requested and self._drain_until is None:
             self._drain_until = time.monotonic() + self.config.stop_grace_s
             p.front.admission.accepting = False
             self._notify.stopping("stopping: letting the running attempts finish")
@@ -292,8 +261,8 @@ class Daemon:
 
     def _restart_due(self, p: Parts, now: float) -> None:
         """The children whose back-off is over start again, watched at once."""
-        if self._gateway_restarts.take_due(now):
-            self._watched.watch("gateway_died", self._start_gateway())
+        if self._gateway.restarts.take_due(now):
+            self._watched.watch("gateway_died", self._gateway.start())
             p.counters["gateway_restarts"] += 1
         if self._sink.restarts.take_due(now):
             self._restart_sink(p)
@@ -308,7 +277,7 @@ class Daemon:
         now = time.monotonic()
         due = [now + IDLE_WAKE_S, p.driver.next_due(), p.clients.next_due(),
                p.pool.next_due(), self._drain_until, self._sink.restarts.due(),
-               self._zygote.restarts.due(), self._gateway_restarts.due(),
+               self._zygote.restarts.due(), self._gateway.restarts.due(),
                p.journal.retry_due, p.cluster.next_due() if p.cluster is not None else None]
         if self.config.retention_days > 0:
             due.append(p.journal.prune_due)
@@ -394,8 +363,7 @@ class Daemon:
 
     def _gateway_died(self) -> None:
         self._watched.unwatch("gateway_died")
-        self._gateway.join(timeout=1.0)
-        self._restart_later(self._gateway_restarts, self._gateway.exitcode)
+        self._restart_later(self._gateway.restarts, self._gateway.reap())
 
     def _restart_later(self, policy: RestartPolicy, returncode: int | None) -> bool:
         """Whether the dead child is started again (its policy logged when);
@@ -430,7 +398,7 @@ class Daemon:
         """Stop the zygote and the sink (SIGTERM, SIGKILL after 5 s) and reap them."""
         with contextlib.suppress(Exception):
             self._zygote.send(StopZygote())
-        children = (self._gateway, self._zygote.process, self._sink.process)
+        children = (self._gateway.process, self._zygote.process, self._sink.process)
         for proc in children:
             if proc is not None and proc.is_alive():
                 proc.terminate()
@@ -440,13 +408,6 @@ class Daemon:
                 if proc.is_alive():
                     proc.kill()
                     proc.join(timeout=1.0)
-
-
-def _drain_wake(wake: socket.socket) -> None:
-    """A signal's byte (its handler set the flag the turn reads)."""
-    with contextlib.suppress(BlockingIOError):
-        while wake.recv(512):
-            pass
 
 
 def _drain_logs(logs: zmq.Socket[bytes]) -> None:
