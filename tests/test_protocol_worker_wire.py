@@ -162,7 +162,7 @@ def test_bad_deltas_are_refused(msg: Any) -> None:
 @pytest.mark.parametrize("parts", [p for p in GARBAGE_IN if len(p) == 1],
                          ids=lambda parts: parts[0][:12].hex())
 def test_what_the_sink_refuses_every_worker_wire_parser_refuses(parts: list[bytes]) -> None:
-    """The sink checks T_DELTA inline (sink/process.py `_take`); these are the
+    """The sink checks T_DELTA inline (sink/intake.py `_take`); these are the
     frames tests/test_sink_robustness.py sees it count as bad."""
     try:
         msg = decode_untrusted(parts[0])

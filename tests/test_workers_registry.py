@@ -1,5 +1,5 @@
 """workers/registry.py (kind -> adapter, the catch-all of run_attempt), the zygote
-pipe's messages (protocol/internal.py), the worker's SinkOutput and the child
+pipe's messages (protocol/internal/workers.py), the worker's SinkOutput and the child
 processes' lifecycle (protocol/lifecycle.py)."""
 
 from __future__ import annotations

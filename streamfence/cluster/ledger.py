@@ -10,18 +10,20 @@ here by the engine, not by a host's view:
   the stream's duplicate window (2 minutes) is the same record
   (`Nats-Msg-Id` is the call id; no expectation on the subject is sent).
 - **Ownership by compare-and-set.** The bucket `sf_owners` maps a call to
-  its owner and epoch. `take` creates the key (epoch 1) or updates it from
-  the revision the taker saw, raising the epoch by one: of two hosts that
-  saw the same revision, the engine lets exactly one through
-  (`KeyWrongLastSequenceError` for the other).
+  its owner and epoch. `take` creates the key (at epoch 0 when a call is
+  accepted) or updates it from the revision the taker saw, to a higher
+  epoch: of two hosts that saw the same revision, the engine lets exactly
+  one through (`KeyWrongLastSequenceError` for the other).
 - **The fence.** A call's events are appended to `SF_EVENTS` (subject
   `sf.events.<call>`), each append carrying `Nats-Expected-Last-Subject-Sequence`:
   the subject's last sequence as the appending owner knows it. An owner
   first appends an epoch record (`open_epoch`), which moves the subject on;
   from then on every append of an earlier owner carries a stale sequence and
-  the engine refuses it (error 10071), however long that owner was frozen
-  and whatever it still believes: `append` raises `Fenced`, and the host
-  fences the attempt locally and kills its worker.
+  the engine refuses it (error 10071), whatever that owner still believes:
+  `append` raises `Fenced`, and the host fences the attempt locally and
+  kills its worker. Known hole (issue 30): a host paused between
+  `open_epoch`'s read of the last sequence and its append can append an
+  older epoch after a newer one (ARCHITECTURE §4.17).
 
 Records are msgpack arrays `[kind, epoch, host, body]` (`EPOCH`, `EVENTS`).
 Asyncio, on the official `nats-py` client; one `Ledger` per host process.

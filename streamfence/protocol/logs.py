@@ -1,6 +1,6 @@
 """Log records on the wire: the process log context, the levels every
 process applies, and the handler that ships a child process's records
-(workers, sink) to the daemon's one log.
+(workers, sink, gateway) to the daemon's one log.
 
 Every record of every process carries `session_id`, `call_id` and `attempt`
 (origin document 000: the one line that explains a failed stream must name

@@ -1,8 +1,9 @@
 """The sink: one process, the only writer of the transcript.
 
 It accepts a delta only from the attempt currently authorized for its call
-(the fence), persists accepted events to SQLite and forwards them to the
-supervisor. Modules:
+(the fence), persists accepted events to SQLite and sends each, after the
+commit that stores it, to the call's subscribers (the supervisor hears only
+how attempts ended). Modules:
 
 - `streamfence.sink.process`: `run_sink(runtime_dir, db_path, ...)`, the process
   entry point: sockets, signals and the loop.

@@ -1,8 +1,10 @@
 """The sink's side of cluster mode (docs/ARCHITECTURE.md §4.17, rules 3 and
 6): the calls' logs on JetStream, written before the transcript.
 
-`open` appends the attempt's epoch record to the call's log before the
-sink acknowledges an authorization; `replicate` appends, at each group
+`open` appends an attempt's epoch record to the call's log where the sink
+opens the epoch itself (an adopt, a rebind, the done of a call it does not
+hold, an authorize without a position); at an attempt's start the
+supervisor opened it and `hold` records where. `replicate` appends, at each group
 commit, one record per call with the rows the commit is about to store
 (every call's append in flight together, each conditional on the last
 sequence this sink wrote or read for the call) and returns the calls the

@@ -1,38 +1,38 @@
 """The sink process: the only writer of the transcript.
 
-Duties (`run_sink` is the entry point the supervisor starts with
-`multiprocess.get_context("spawn").Process(target=run_sink, ...)`):
+`run_sink` is the entry point the supervisor starts
+(supervisor/sinkchild.py: `Process(target=run_sink, ...)`, spawned). `Sink`
+owns the sockets, the signals and the loop. The sink:
 
-- listen on the worker wire `sink.stream` (workers' T_DELTA, T_FINAL over
-  AF_UNIX stream connections, sink/streams.py), bind ROUTER `sink.in` (the
-  same messages as ZeroMQ frames, for tests and tools), ROUTER `sink.ctl`
-  (the supervisor: C_AUTHORIZE, C_FENCE, C_FINISH, C_STATS, C_SUBSCRIBE), see
-  streamfence.protocol.internal, and the public events socket (the calls'
-  subscribers, sink/subscribers.py);
-- per delta: the fence check (`FenceTable.check`); on ACCEPT assign the call's
-  next public seq, build the public delta event, queue it for the store,
-  accumulate content, and, if the call has listeners, queue the event for
-  them;
-- group commit: when 1000 events are pending, when the input runs dry (at
-  most once per 0.2 ms: tiny commits churn the WAL), or 5 ms after the first
-  pending event; queued events are sent right after the commit that stored
-  them (durable before visible), and authorize / final acks / done events
-  are sent after a commit too;
-- count and sparsely log refused deltas and bad frames; never crash on input;
-- retention: one batch of finished calls deleted from the transcript when
-  `Retention.due` has come (sink/retention.py);
-- storage faults (a full disk, an I/O error, a lock held past the busy
-  timeout: docs/ARCHITECTURE.md §4.15) are waited out inside the store's
-  commit, through `_pause`: it answers C_STATS meanwhile (status shows the
+- reads the worker wire: the `sink.stream` AF_UNIX connections
+  (sink/streams.py) and ROUTER `sink.in` (the same messages as ZeroMQ
+  frames, for tests and tools), through `intake.WorkerIntake`, which holds
+  the per-delta hot path (protocol/internal/worker_wire.py: T_DELTA,
+  T_FINAL, T_HELLO);
+- reads ROUTER `sink.ctl`, the supervisor's control ops (every op of
+  protocol/internal/control.py: C_AUTHORIZE, C_FENCE, C_REBIND, C_FINISH,
+  C_STATS, C_SUBSCRIBE, C_ADOPT, C_FOLLOW), refusing any other peer
+  (sink/peer.py), and hands each to `SinkState.handle_control`;
+- serves the public events socket (sink/subscribers.py) and the replays
+  (sink/replays.py); in cluster mode, the followed calls' records
+  (sink/replica.py);
+- commits (sink/commits.py) when `COMMIT_EVERY` events are pending,
+  `COMMIT_AFTER_S` after the first, or when the input runs dry (at most once
+  per `IDLE_COMMIT_GAP_S`); what a commit stores is sent after it (durable
+  before visible);
+- prunes one retention batch when `Retention.due` has come
+  (sink/retention.py);
+- waits out storage faults (a full disk, an I/O error, a lock held past the
+  busy timeout: docs/ARCHITECTURE.md §4.15) inside the store's commit,
+  through `_pause`: it answers C_STATS meanwhile (status shows the
   fault), holds every other control op for the loop, in order, and tells
   the store when a stop was asked;
-- die with the parent (PR_SET_PDEATHSIG) and exit cleanly on SIGTERM after a
+- dies with its parent (PR_SET_PDEATHSIG) and exits cleanly on SIGTERM after a
   last commit (given up, in one ERROR line, if the store is in a storage
   fault). SIGINT is ignored: the supervisor owns the shutdown order.
 
-The worker wire's doors and the per-delta path are `intake.WorkerIntake`'s
-(sink/intake.py); the state the loop drives is `SinkState`'s owners
-(sink/state.py).
+Bad input never crashes it: refused deltas and bad frames are counted and
+logged sparsely (sink/counters.py).
 """
 
 from __future__ import annotations

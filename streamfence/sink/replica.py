@@ -8,8 +8,9 @@ runs them). Its steps, each called where the sink's operations need them:
   the commit's rows first; the runs of calls another host took are dropped
   here (never stored, never sent), their attempts fenced, and the
   supervisor told (E_LOST);
-- `authorize` / `rebind` / `finish_open`: an attempt's epoch is opened in
-  the call's log before the sink acks it; `catch_up` stores first the runs
+- `authorize` / `rebind` / `finish_open`: an attempt's epoch is open in
+  the call's log before the sink acks it (at an authorize the supervisor
+  opened it, and `log_seq` says where; else the sink opens it); `catch_up` stores first the runs
   the log holds that the transcript does not (a predecessor that died
   between its appends and its commit), so no seq is handed out twice;
 - `adopt` (C_ADOPT): a call taken over from a host that lost its lease;

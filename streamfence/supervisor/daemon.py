@@ -10,7 +10,8 @@ Duties:
    cannot start stops us.
 3. Drive each call's attempts (streamfence.supervisor.attempts): authorize at the sink,
    dispatch to a warm worker, watch liveness, fence then kill, retry.
-4. Fan accepted events out to subscribers; re-emit every child's log records.
+4. Tell the sink who subscribes to which call (the sink sends the events);
+   re-emit every child's log records.
 
 Each piece of state has one owner (see `Parts`); the loop here only moves
 messages to their owner: each descriptor it polls has one handler, in one

@@ -1,7 +1,7 @@
 """Turn any exception an attempt can die of into an `AttemptError`.
 
 Contract: `classify(exc)` never raises and returns an `AttemptError`
-(protocol/internal.py). The supervisor decides retries from its `error_class`
+(protocol/internal/outcome.py). The supervisor decides retries from its `error_class`
 alone and reads `code` for the special cases it handles
 (`stream_options_rejected`, `streaming_unsupported`, `empty_sse_frames`, ...).
 `message` is scrubbed of anything that looks like a credential and truncated,

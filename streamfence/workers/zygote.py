@@ -16,7 +16,8 @@ burst's new workers). A write in a child still copies only its 4 KiB page
 memory is unchanged (USS 9.4 MiB after a stream, either way).
 
 The zygote owns no ZeroMQ context: a context must not cross a fork. It talks
-to the supervisor over a pipe (the zygote-pipe messages of protocol/internal.py):
+to the supervisor over a pipe (the zygote pipe's messages of
+protocol/internal/workers.py):
 it forks on SpawnWorker (every command already waiting, back to back),
 answers WorkerSpawned, and reaps its children, reporting WorkerExited
 (negative return code: killed by that signal). Its own log records travel the

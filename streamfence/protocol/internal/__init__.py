@@ -10,22 +10,26 @@ but the worker wire, an AF_UNIX stream socket with msgpack as its framing):
     supervisor DEALER ◄─► sink ROUTER   "sink.ctl"  authorize, fence, rebind, finish, stats,
                                                     subscribe, adopt, follow; replies, events
     worker DEALER ◄─► supervisor ROUTER "workers"   run; hello, idle
-    child PUSH ──► supervisor PULL      "logs"      log records of the sink and the workers
+    child PUSH ──► supervisor PULL      "logs"      log records of the sink, gateway, workers
     supervisor ◄─► zygote               a pipe      fork requests, exits, the zygote's logs
 
 This package holds the tags and the endpoints; each message has one builder
 and one parser in the module of its conversation, whose docstring gives the
-frame layouts:
+frame layouts (one exception: the sink's per-delta loop, sink/intake.py,
+checks T_DELTA inline; tests/test_architecture.py holds the tags to these
+modules):
 
 - `worker_wire`: worker <-> sink ("sink.stream", "sink.in");
 - `control`: supervisor <-> sink ("sink.ctl");
 - `workers`: supervisor <-> worker ("workers") and the zygote pipe;
 - `outcome`: the attempt outcome (`AttemptOutcome`) that T_FINAL and E_ENDED carry;
-- `streamfence.protocol.logs`: the log records ("logs").
+- `streamfence.protocol.logs`: the log records ("logs"; the supervisor reads
+  them in supervisor/daemon.py `_drain_logs`).
 
-Parsers of what another process sent raise only `control.BadFrame` (a
+Parsers of what another process sent raise only `checks.BadFrame` (a
 ValueError), but the zygote pipe's decoders (ValueError) and the
-supervisor's parser of its own sink's messages (`control.parse_from_sink`).
+supervisor's parser of its own sink's messages (`control.parse_from_sink`,
+which may raise `outcome.BadOutcome`).
 
 Logs (child PUSH -> supervisor PULL; built by `logs.ZmqLogHandler`):
     [L_RECORD, {"name", "levelno", "levelname", "msg", "exc_text", "created",

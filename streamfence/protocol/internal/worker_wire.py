@@ -31,7 +31,7 @@ Sink -> worker (`parse_sink_reply` parses both):
         new_attempt 0: the attempt is over, write nothing more.
 
 The per-delta path: `delta_frame` is the worker's one call per delta. The
-sink does not call `parse_delta`: its per-delta loop (sink/process.py
+sink does not call `parse_delta`: its per-delta loop (sink/intake.py
 `_take`) applies the same checks inline, since a call per delta costs about
 a quarter of the parse (it uses `check_tool_fragment` and `TOOL_CALL` from
 here); tests/test_protocol_worker_wire.py checks `parse_delta` refuses the
