@@ -38,7 +38,7 @@ SinkStats = Callable[[SinkLink, Callable[[dict[str, Any]], None]], None]
 class Parts:
     """The supervisor's owners, built in dependency order by `Daemon._build`:
     journal (journal.db), pool (workers, the `workers` socket, liveness),
-    clients (the client socket's sends, subscribers, event buffers, waiters),
+    clients (the client socket's sends, each live call's listeners, result waiters),
     sink (SinkLink: requests in flight on `sink.ctl`), breakers, driver (calls,
     queue, fall-backs), front (request handling: admission, acceptance).
     `counters` are tallies each incremented by one owner (the daemon's: sink
