@@ -50,6 +50,7 @@ def main() -> None:
 @click.option("--log-json", is_flag=True, default=False, help="Log JSON lines.")
 def serve(config_path: str | None, log_json: bool) -> None:
     """Run the daemon in the foreground until SIGTERM/SIGINT."""
+    from streamfence.protocol import failpoints
     from streamfence.protocol.lifecycle import set_process_title
     from streamfence.supervisor.daemon import Daemon
     from streamfence.supervisor.gatewaychild import GatewayEntry
@@ -57,6 +58,10 @@ def serve(config_path: str | None, log_json: bool) -> None:
     from streamfence.supervisor.startup import StartupError
 
     set_process_title("supervisor")
+    try:
+        failpoints.check()  # a test's STREAMFENCE_FAILPOINTS with a typo must not pass unarmed
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     cfg = load(config_path)
     setup_logging(cfg.log_level, log_json or cfg.log_json)
     path = config_path_of(config_path)
