@@ -46,6 +46,7 @@ from streamfence.gateway.routes import models as route_models
 from streamfence.protocol.client_async import AsyncClient
 from streamfence.protocol.client_router import ClientError
 from streamfence.protocol.credentials import LOCAL_NAME, Credentials
+from streamfence.protocol.failpoints import ARMED, failpoint
 
 log = logging.getLogger("streamfence.gateway")
 
@@ -226,6 +227,8 @@ class Gateway:
                 frame = renderer.feed(event)
                 if frame and event["seq"] > resume:
                     if response is None:
+                        if ARMED and resume:
+                            failpoint("gateway.replay_to_live")
                         response = web.StreamResponse(headers={
                             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                             CALL_HEADER: call_id})
