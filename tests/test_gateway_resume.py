@@ -10,6 +10,7 @@ meanwhile."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 from collections.abc import Iterator
@@ -146,6 +147,30 @@ def test_a_live_resume_after_last_event_id_gets_exactly_the_rest(
         (_ids(first), _ids(rest))
     assert wire.text([f for f in first if f[0] <= RESUME_AT]) + wire.text(rest) \
         == wire.text(whole) == sent[0]["text"] == TEXT
+
+
+def test_the_same_key_again_while_its_first_request_reads_takes_the_call_over(
+        armed: Armed, emu: EmulatorClient) -> None:
+    """The first connection is still open (not dropped) when the same key comes
+    again: the two requests would share the call's events on the gateway's
+    client, each missing what the other took. The newer one takes the call
+    over and gets exactly the rest; the earlier one is closed before its end."""
+    wire, script = WIRES["openai"], "live-takeover"
+    emu.script(script, [{"fault": "ok", "text": TEXT, "chunks": 20, "chunk_delay_s": 0.1}])
+    headers = {"Idempotency-Key": script}
+    conn1, reply1 = armed.open(wire, script, headers)
+    first = _read_to(reply1, READ_UP_TO)
+    conn2, reply2 = armed.open(wire, script, dict(headers, **{"Last-Event-ID": str(RESUME_AT)}))
+    rest = _frames(reply2)
+    conn2.close()
+    with contextlib.suppress(http.client.IncompleteRead):  # closed mid-chunk: taken over
+        first += _frames(reply1)
+    conn1.close()
+    assert [data for _, data in first if data == "[DONE]"] == []  # it did not get the end
+    assert _ids(rest) == list(range(RESUME_AT + 1, _ids(rest)[-1] + 1)), _ids(rest)
+    assert rest[-1][1] == "[DONE]"
+    assert wire.text([f for f in first if f[0] <= RESUME_AT]) + wire.text(rest) == TEXT
+    assert len(emu.log(script)) == 1
 
 
 def test_a_duplicate_submit_reads_a_live_call_again_from_seq_1() -> None:
