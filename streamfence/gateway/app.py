@@ -255,7 +255,7 @@ class Gateway:
                 frame = renderer.feed(event)
                 if frame and event["seq"] > resume:
                     if response is None:
-                        if ARMED and resume:
+                        if resume and ARMED:
                             failpoint("gateway.replay_to_live")
                         response = web.StreamResponse(headers={
                             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
