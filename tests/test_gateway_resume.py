@@ -200,7 +200,8 @@ def test_a_duplicate_submit_reads_a_live_call_again_from_seq_1() -> None:
             got.append(event["seq"])
         return got
 
-    key = {"idempotency_key": "k"}
-    assert read(drive(c.submit("openai", {"model": "m"}, **key), daemon), 3) == [1, 2, 3]
+    assert read(drive(c.submit("openai", {"model": "m"}, idempotency_key="k"), daemon),
+                3) == [1, 2, 3]
     stored = 5  # the call went on meanwhile
-    assert read(drive(c.submit("openai", {"model": "m"}, **key), daemon), None) == [1, 2, 3, 4, 5]
+    assert read(drive(c.submit("openai", {"model": "m"}, idempotency_key="k"), daemon),
+                None) == [1, 2, 3, 4, 5]

@@ -32,7 +32,7 @@ class DaemonExited(RuntimeError):
     while starting); the message holds its exit status and its log's tail."""
 
 
-def wait_until(predicate: Callable[[], T], timeout: float, what: str,
+def wait_until(predicate: Callable[[], T | None], timeout: float, what: str,
                interval: float = 0.02) -> T:
     """Poll `predicate` until it returns something truthy and return that.
 
