@@ -519,7 +519,11 @@ def test_a_call_is_cancelled_from_any_host(tmp_path: Path, emulator: EmulatorPro
     """A cancel sent to host B for a call host A runs is forwarded to A, which
     cancels it (its provider connection closes); B answers `cancelling`, and
     both hosts then give the same done, status cancelled. While A cannot
-    answer (frozen), B says so: `cluster_unavailable`, ask again."""
+    answer (frozen), B says it does not know whether the cancel took:
+    `cancel_unknown` (A has it in its socket and acts on it when it wakes).
+    Asked again once A is awake, B gives A's answer: `cancelling`, or the
+    done if the first cancel already ended the call; either way the call ends
+    cancelled, whichever came first."""
     emu.script("farcancel", [{"fault": "ok", "chunks": 600, "chunk_delay_s": 0.05}])  # 30 s
     a = _host(tmp_path, emulator, nats, "host-a", 30.0).start()
     b = _host(tmp_path, emulator, nats, "host-b", 30.0).start()
@@ -533,15 +537,18 @@ def test_a_call_is_cancelled_from_any_host(tmp_path: Path, emulator: EmulatorPro
                 os.kill(pid, signal.SIGSTOP)
             with pytest.raises(ClientError) as unanswered:
                 on_b.cancel(call_id)
-            assert unanswered.value.code == "cluster_unavailable", unanswered.value
+            assert unanswered.value.code == "cancel_unknown", unanswered.value
             for pid in frozen:
                 os.kill(pid, signal.SIGCONT)
             frozen = []
-            assert on_b.cancel(call_id)["op"] == "cancelling"
+            again = on_b.cancel(call_id)
+            assert again["op"] in ("cancelling", "done"), again
             done_b = on_b.result(call_id, wait_s=15.0)
             done_a = on_a.result(call_id, wait_s=15.0)
         assert done_b is not None and done_b["status"] == "cancelled", done_b
         assert done_a is not None and done_a["seq"] == done_b["seq"], (done_a, done_b)
+        if again["op"] == "done":  # the first cancel had ended it: the same done
+            assert again["seq"] == done_b["seq"] and again["status"] == "cancelled", again
         record = emu.wait_for(lambda log: log[0] if log and log[0]["ended"] else None,
                               timeout=15.0, what="A's provider connection to close",
                               key="farcancel")
@@ -552,3 +559,44 @@ def test_a_call_is_cancelled_from_any_host(tmp_path: Path, emulator: EmulatorPro
                 os.kill(pid, signal.SIGCONT)
         for proc in (a, b):
             proc.cleanup()
+
+
+def test_a_forwarded_cancel_is_cluster_unavailable_only_if_it_reached_no_host(
+        daemon: DaemonProcess, nats: NatsCluster) -> None:
+    """The two answers of a cancel the owner did not confirm (§4.17, rule 5),
+    for a call `sf_owners` says host Z owns (a ledger here). Nobody serves
+    host Z's cancels: the cancel reached no host and never takes effect,
+    `cluster_unavailable`. Host Z serves them and never answers (frozen, or
+    its answer lost): the cancel reached it and may take effect,
+    `cancel_unknown`."""
+    ghost = "c" * 32
+
+    async def own(ledger: Ledger) -> None:
+        await ledger.accept(ghost, call_record(ghost, "local", "emu", _request("ghost"), {},
+                                               None, None))
+        assert await ledger.take(ghost, None, 1) is not None
+    _ledger(nats, "host-z", own)
+
+    def cancel() -> str:
+        with daemon.client(timeout_s=30.0) as client:
+            try:
+                return str(client.cancel(ghost)["op"])
+            except ClientError as exc:
+                return exc.code
+    assert cancel() == "cluster_unavailable"
+
+    async def deaf(ledger: Ledger) -> tuple[list[str], list[str]]:
+        asked: list[str] = []
+        await ledger.serve_cancels(lambda call_id, reply_to: asked.append(call_id))
+        answers = [await asyncio.to_thread(cancel)]
+        # Until host Z's subscription is known at the daemon's NATS node, the
+        # cancel still reaches no host: cluster_unavailable, and Z gets nothing.
+        until = time.monotonic() + 20.0
+        while answers[-1] == "cluster_unavailable" and time.monotonic() < until:
+            await asyncio.sleep(0.1)
+            answers.append(await asyncio.to_thread(cancel))
+        return answers, asked
+    answers, asked = _ledger(nats, "host-z", deaf)
+    assert answers[-1] == "cancel_unknown", answers
+    assert set(answers[:-1]) <= {"cluster_unavailable"}, answers
+    assert asked == [ghost], asked  # it did reach host Z: Z could have acted on it

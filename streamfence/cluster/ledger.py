@@ -426,8 +426,10 @@ class Ledger:
         await self._nc.publish(reply_to, msgpack.packb(answer))
 
     async def forward_cancel(self, host: str, call_id: str) -> dict[str, Any]:
-        """`host`'s answer to a cancel of `call_id`. Raises NoRespondersError or
-        TimeoutError if it is not there to answer."""
+        """`host`'s answer to a cancel of `call_id`. Raises NoRespondersError if
+        no host serves `host`'s cancels (the cancel went nowhere), TimeoutError
+        if none answered within timeout_s: core NATS may still deliver it (the
+        host was frozen), or the host acted and its answer was lost."""
         reply = await self._nc.request(CANCELS_SUBJECT + host, msgpack.packb(call_id),
                                        timeout=self.settings.timeout_s)
         answer: dict[str, Any] = msgpack.unpackb(reply.data or b"\x80", raw=False)

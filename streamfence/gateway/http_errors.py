@@ -93,6 +93,9 @@ ERRORS: dict[str, Row] = {
     "answer_restarted": _UPSTREAM,
     # 504  InternalServerError   GatewayTimeoutError
     "deadline_exceeded": Row(504, 504, "server_error", "timeout_error"),
+    # Never answered over HTTP: the gateway cancels only a call whose client went
+    # away, and reads no answer. Here because a host did not answer in time.
+    "cancel_unknown": Row(504, 504, "server_error", "timeout_error"),
     # 500  InternalServerError   InternalServerError (also any code not listed here)
     "internal": Row(500, 500, "server_error", "api_error"),
     # provider_error: the provider's own status (`http_status`), else 400; the types

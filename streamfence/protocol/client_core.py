@@ -232,7 +232,9 @@ class ClientCore:
     def cancel(self, call_id: str) -> Flow[dict[str, Any]]:
         """Cancel the call. Returns the `cancelling` reply (the call's done, status
         cancelled, follows to subscribers), or the call's `done` event (with the
-        ref) if it had already ended."""
+        ref) if it had already ended. Cluster mode, ClientError `cancel_unknown`:
+        the host running it did not answer, and may still cancel it (cancel
+        again to learn which); `cluster_unavailable`: nothing was cancelled."""
         what = f"cancel of call {call_id}"
         reply = yield from self._exchange(call_msg(Op.CANCEL, new_ref(), call_id), what,
                                           self.timeout_s)

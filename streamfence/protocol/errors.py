@@ -33,6 +33,9 @@ class ErrorCode(StrEnum):
     STORAGE_BUSY = "storage_busy"
     # Cluster mode: the NATS cluster did not store the call at its replication in time.
     CLUSTER_UNAVAILABLE = "cluster_unavailable"
+    # Cluster mode: the host running the call was asked to cancel it and did not
+    # answer in time; it may still act on the cancel (docs/PROTOCOL.md §7).
+    CANCEL_UNKNOWN = "cancel_unknown"
     # Outcomes of a call, carried in the `error` of a `done` event.
     PROVIDER_ERROR = "provider_error"  # the provider answered with a non-retryable error
     CREDENTIALS_MISSING = "credentials_missing"  # the profile's api_key_env is not set

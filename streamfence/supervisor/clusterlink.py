@@ -27,6 +27,7 @@ from streamfence.cluster.bridge import LedgerBridge
 from streamfence.cluster.ledger import Fenced, Owner, Ownership
 from streamfence.cluster.retry import RetryPolicy, TryAgain, retry_async
 from streamfence.cluster.settings import ClusterSettings
+from streamfence.protocol.errors import ErrorCode
 
 log = logging.getLogger("streamfence.supervisor")
 Won = tuple[Owner, dict[str, Any]]  # a call taken over, with its record
@@ -216,33 +217,55 @@ class ClusterLink:
     # ---- cancels across hosts ------------------------------------------------------
 
     def cancel(self, call_id: str,
-               then: Callable[[dict[str, Any] | str | None], None]) -> None:
+               then: Callable[[dict[str, Any] | tuple[ErrorCode, str]], None]) -> None:
         """Have the host that runs the call cancel it: `then(its answer)` (op
-        `cancelling`, or the call's done); None: no host owns it now (it has
-        just ended, or is being taken over); why, if its host did not answer."""
+        `cancelling`, or the call's done), or `then((code, message))` if no host
+        confirmed it (PROTOCOL §7): `cancel_unknown`, the owner was asked and
+        did not answer in time (it may have the cancel, and act on it);
+        `cluster_unavailable`, no host got it (the cluster failed, no host
+        serves the owner's cancels, or none owns the call now: it has just
+        ended, or is being taken over), so it never takes effect."""
         ledger = self.bridge.ledger
 
-        async def ask_the_owner() -> dict[str, Any] | None:
+        def unasked(why: str) -> tuple[ErrorCode, str]:
+            return ErrorCode.CLUSTER_UNAVAILABLE, (
+                f"call {call_id!r} runs on another host of the cluster, which could not be "
+                f"asked to cancel it ({why}); nothing was cancelled: ask again")
+
+        def unconfirmed(host: str, why: str) -> tuple[ErrorCode, str]:
+            return ErrorCode.CANCEL_UNKNOWN, (
+                f"call {call_id!r} runs on host {host!r}, which may have the cancel or get "
+                f"it late ({why}); it may still take effect: ask `result`, or cancel again")
+
+        async def ask_the_owner() -> dict[str, Any] | tuple[ErrorCode, str]:
             owner = await ledger.owner(call_id)
             if owner is None:
-                return None
-            answer = await ledger.forward_cancel(owner.host, call_id)
+                return unasked("no host owns it now: it has just ended, or is being "
+                               "taken over")
+            try:  # NoRespondersError passes: sent to no host, it never takes effect
+                answer = await ledger.forward_cancel(owner.host, call_id)
+            except TimeoutError as exc:  # sent: the owner may act on it, now or late
+                log.warning("cluster: host %r did not answer the cancel of call %s; it may "
+                            "yet cancel it", owner.host, call_id)
+                return unconfirmed(owner.host, f"no answer in time: {_why(exc)}")
             if answer.get("op") == "unknown":  # the call moved while it was asked
                 raise TryAgain
+            if answer.get("op") not in ("cancelling", "done"):
+                return unconfirmed(owner.host, f"an answer not understood: {answer!r}")
             return answer
 
-        async def cancel() -> dict[str, Any] | None:
+        async def cancel() -> dict[str, Any] | tuple[ErrorCode, str]:
             try:
                 return await retry_async(CANCEL_MOVED, ask_the_owner)
-            except TryAgain:
-                return None
+            except TryAgain:  # each owner asked said it does not run it: none cancelled
+                return unasked(f"asked {CANCEL_MOVED.tries} times, the host named its owner "
+                               f"did not run it: it is moving between hosts")
 
         def done(result: Any) -> None:
             if isinstance(result, BaseException):
                 log.warning("cluster: could not forward the cancel of call %s: %s", call_id,
                             result)
-                then(f"{type(result).__name__}: {result}" if str(result)
-                     else type(result).__name__)
+                then(unasked(_why(result)))
             else:
                 then(result)
         self.bridge.submit(cancel(), done)
@@ -362,6 +385,10 @@ class ClusterLink:
 
     def close(self) -> None:
         self.bridge.close()
+
+
+def _why(failure: BaseException) -> str:
+    return f"{type(failure).__name__}: {failure}" if str(failure) else type(failure).__name__
 
 
 def _ignore(result: Any) -> None:

@@ -220,20 +220,17 @@ class Front:
                                                             request))
 
     def _cancelled_there(self, identity: bytes, request: Subscribe | Result | Cancel,
-                         answer: dict[str, Any] | str | None) -> None:
-        """Cluster mode: the answer of the host that runs the call to its cancel."""
-        call_id = request.call_id
-        if isinstance(answer, dict) and answer.get("op") == "cancelling":
-            self._clients.send(identity, {"v": 1, "op": "cancelling", "ref": request.ref,
-                                          "call_id": call_id})
-        elif isinstance(answer, dict) and answer.get("op") == "done":
+                         answer: dict[str, Any] | tuple[ErrorCode, str]) -> None:
+        """Cluster mode: the answer of the host that runs the call to its cancel,
+        or why none came (ClusterLink.cancel: `cancel_unknown` or
+        `cluster_unavailable`)."""
+        if isinstance(answer, tuple):
+            self._error(identity, request.ref, *answer)
+        elif answer.get("op") == "done":
             self._clients.send(identity, dict(answer, ref=request.ref))
         else:
-            why = answer if isinstance(answer, str) else \
-                "no host owns it now: it has just ended, or is being taken over"
-            self._error(identity, request.ref, ErrorCode.CLUSTER_UNAVAILABLE,
-                        f"call {call_id!r} runs on another host of the cluster, which could "
-                        f"not be asked to cancel it ({why}); ask again")
+            self._clients.send(identity, {"v": 1, "op": "cancelling", "ref": request.ref,
+                                          "call_id": request.call_id})
 
     def cancel_for_peer(self, call_id: str) -> dict[str, Any]:
         """Cluster mode: a cancel another host forwarded (it checked that its
