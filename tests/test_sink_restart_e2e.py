@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from streamfence.devtools.emulator.control import EmulatorClient
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.protocol import failpoints
 from tests.harness import DaemonProcess, assert_one_exact_answer, process_state, wait_until
-from tests.wires import request_for
+from tests.wires import profile_for, request_for
 
 pytestmark = pytest.mark.slow
 
@@ -81,3 +83,57 @@ def test_a_frozen_sink_is_not_the_providers_stall(make_daemon: Any, emu: Emulato
         result = client.result(call_id, wait_s=10.0)
     assert_one_exact_answer([*first, *rest], emu.log("frozen-sink"))
     assert result is not None and [d["how"] for d in result["diagnostics"]] == ["ended"]
+
+
+CALLS = 10
+
+
+@pytest.mark.parametrize("second_fault", [
+    # The restarted sink dies right after it stored its first rebind's new
+    # epoch, before its worker or the supervisor heard of it.
+    "sink.after_rebind=crash",
+    # A worker stands still right after its T_REBIND (its number moved on,
+    # its held deltas not yet sent): the sink is killed meanwhile.
+    "worker.after_rebind=pause(1500ms)",
+])
+def test_a_second_sink_death_during_the_rebinds_costs_no_request(
+        tmp_path: Path, emulator: EmulatorProcess, emu: EmulatorClient,
+        second_fault: str) -> None:
+    """Issue 28, defect 1: the sink is killed with 10 calls streaming, and
+    dies again while the attempts are being rebound at its successor. Every
+    call still completes with exactly the provider's text from its one
+    request: a sink restart costs no answer and no provider request
+    (ARCHITECTURE §2 invariant 8), however many come one on another."""
+    keys = [f"twodeaths{i}" for i in range(CALLS)]
+    for key in keys:
+        emu.script(key, [{"fault": "ok", "chunks": 60, "chunk_delay_s": 0.05}])
+    points = tmp_path / "failpoints"
+    points.mkdir()
+    daemon = DaemonProcess(
+        tmp_path / "state", {"emu": dict(profile_for("openai", emulator), stale_timeout_s=30.0)},
+        env={failpoints.ENV: second_fault, failpoints.DIR_ENV: str(points)})
+    point = second_fault.split("=")[0]
+    with daemon, daemon.client(timeout_s=20.0) as client:
+        call_ids = [client.submit("emu", request_for("openai", key)) for key in keys]
+        wait_until(lambda: all(emu.log(key) for key in keys), 20.0, "every call streaming")
+        first = client.status()["processes"]["sink"]
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: point in failpoints.hits(str(points)), 20.0, f"{point} reached")
+        if point.startswith("worker."):  # the worker stands still: kill the sink now
+            second = client.status()["processes"]["sink"]
+            assert second not in (None, first)
+            os.kill(second, signal.SIGKILL)
+        results = [client.result(call_id, wait_s=30.0) for call_id in call_ids]
+        status = client.status()
+    assert status["counters"]["sink_restarts"] == 2
+    requests = {key: len(emu.log(key)) for key in keys}
+    how = {key: [d["how"] for d in r["diagnostics"]] if r else None
+           for key, r in zip(keys, results, strict=True)}
+    assert requests == dict.fromkeys(keys, 1), how
+    for key, result in zip(keys, results, strict=True):
+        assert result is not None and result["status"] == "completed", result
+        assert result["response"]["content"] == emu.log(key)[0]["text"], key
+        assert result["attempts"] == 1, result
+    # The last sink was sent nothing under a superseded number: each worker's
+    # first message to it was its hello (T_HELLO first on a new connection).
+    assert status["sink"]["dropped"] == 0, status["sink"]["dropped_by_verdict"]

@@ -468,3 +468,26 @@ def test_a_sink_restart_counts_what_the_transcript_holds_of_the_attempt(
     else:
         assert len(sink_sock.sent) == sent_before  # nothing to finish: a retry
         assert state_of(call) is CallState.BACKOFF and parts["counters"]["retries"] == 1
+
+
+def test_a_second_sink_death_before_the_first_rebind_is_durable_rebinds_once(
+        parts: dict[str, Any]) -> None:
+    """Issue 28, defect 1: the sink dies again while the first rebind's new
+    epoch is not yet durable (its C_REBIND not sent). Only the newest epoch is
+    rebound, from the one before it: a rebind from the first epoch to the
+    newest too would be refused by the sink as stale (same epoch twice), and
+    that refusal fences the attempt: a second provider request."""
+    call = _running_call(parts)
+    sent_before = len(parts["sink_sock"].sent)
+    parts["driver"].on_sink_restart()  # epoch 2 journaled, its commit in flight
+    parts["driver"].on_sink_restart()  # and the sink dies again: epoch 3
+    journal = parts["journal"]
+    readable, _, _ = select.select([journal.sync_fileno()], [], [], 10.0)
+    while readable:  # every commit durable, its callbacks run
+        journal.on_synced()
+        readable, _, _ = select.select([journal.sync_fileno()], [], [], 0.5)
+    rebinds = [op for op in (parse_control(msgpack.unpackb(frame))
+                             for frame in parts["sink_sock"].sent[sent_before:])
+               if isinstance(op, Rebind)]
+    assert [(op.attempt, op.from_attempt, op.content_from) for op in rebinds] == [(3, 2, 1)]
+    assert call.epoch == 3 and state_of(call) is CallState.RUNNING

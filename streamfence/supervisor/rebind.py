@@ -69,7 +69,9 @@ class Rebinds:
 
     def _rebind(self, rebound: list[tuple[Call, int]]) -> None:
         for call, old in rebound:
-            if call.state is not CallState.RUNNING:
+            if call.epoch != old + 1 or call.state is not CallState.RUNNING:
+                # Decided meanwhile, or the sink died again before this epoch
+                # was durable: the later restart's rebind (from it) is the one.
                 continue
             if self._cluster is not None:  # the new epoch is owned first, as any (§4.17)
                 self._cluster.take(call.call_id, call.epoch, functools.partial(

@@ -169,6 +169,8 @@ class SinkOutput:
             if ARMED:
                 failpoint("worker.after_rebind")
             for seq in range(after + 1, self.seq + 1):
+                if chan.lost:
+                    break  # the sink died again: its successor hears the hello first
                 kind, data = self._kept[seq - 1]
                 self._send(delta_frame(self._call_id, new_attempt, seq, kind, data))
 
