@@ -2,13 +2,16 @@
 which the demo and the chaos scripts share, with a short drain), and checks the
 end-to-end tests share."""
 
+import socket
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 from streamfence.devtools import launcher
 from streamfence.devtools.launcher import wait_until
 
-__all__ = ["DaemonProcess", "assert_one_exact_answer", "process_state", "wait_until"]
+__all__ = ["DaemonProcess", "assert_one_exact_answer", "free_port", "healthy", "process_state",
+           "wait_until"]
 
 STOP_GRACE_S = 1.0  # the tests' drain at a stop (stop_grace_s; the daemon's default is 30 s)
 
@@ -42,3 +45,19 @@ def assert_one_exact_answer(events: list[dict[str, Any]], sent: list[dict[str, A
     assert not any(e["op"] == "reset" for e in events)
     text = "".join(e["data"] for e in events if e["op"] == "delta" and e["kind"] == "text")
     assert done["response"]["content"] == text == sent[0]["text"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for [http] listen)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def healthy(url: str) -> bool:
+    """The gateway at `url` (http://host:port) answers /healthz with 200."""
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=1.0) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False

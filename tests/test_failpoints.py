@@ -12,11 +12,9 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ from streamfence.gateway.keys import http_key
 from streamfence.protocol import failpoints
 from streamfence.protocol.credentials import load_credentials
 from streamfence.protocol.failpoints import POINTS, Action, parse
-from tests.harness import DaemonProcess, assert_one_exact_answer, wait_until
+from tests.harness import DaemonProcess, assert_one_exact_answer, free_port, healthy, wait_until
 from tests.wires import profile_for, request_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,12 +168,6 @@ def armed(tmp_path: Path, emulator: EmulatorProcess) -> Iterator[Armed]:
         assert not proc.survivors, f"processes outlived the daemon: {proc.survivors}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _sse_ids(url: str, key: str, headers: dict[str, str], limit: int | None = None) -> list[int]:
     """The event ids of a streaming chat completion through the gateway, up
     to `limit` of them (then the connection is dropped) or the stream's end."""
@@ -204,7 +196,7 @@ def test_every_point_is_reached_by_a_daemons_ordinary_faults(armed: Armed,
     one (fenced, its worker killed, retried), one whose sink is killed
     mid-stream (rebound), and an HTTP stream resumed with Last-Event-ID:
     together they pass every point of POINTS."""
-    port = _free_port()
+    port = free_port()
     daemon, where = armed("*=count", tables={"http": {"listen": f"127.0.0.1:{port}"}})
     emu.script("plain", [{"fault": "ok", "chunks": 5}])
     emu.script("stalled", [{"fault": "stall", "after": 0, "stall_s": 4.0}, {"fault": "ok"}])
@@ -223,7 +215,7 @@ def test_every_point_is_reached_by_a_daemons_ordinary_faults(armed: Armed,
         assert events[-1]["status"] == "completed"
         assert client.status()["counters"]["attempts_rebound"] == 1
     url = f"127.0.0.1:{port}"
-    wait_until(lambda: _healthy(url), 30.0, "the gateway to answer")
+    wait_until(lambda: healthy("http://" + url), 30.0, "the gateway to answer")
     headers = {"Authorization": f"Bearer {http_key(load_credentials(daemon.credentials_path))}",
                "Content-Type": "application/json", "Idempotency-Key": "resumed-1"}
     first = _sse_ids(url, "resumed", headers, limit=3)
@@ -233,14 +225,6 @@ def test_every_point_is_reached_by_a_daemons_ordinary_faults(armed: Armed,
     never = sorted(set(POINTS) - reached)
     assert not never, f"points no test passes through: {never}"
     assert reached == set(POINTS)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{url}/healthz", timeout=1.0) as reply:
-            return bool(reply.status == 200)
-    except OSError:
-        return False
 
 
 @pytest.mark.slow

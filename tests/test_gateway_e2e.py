@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import subprocess
 import time
 import urllib.request
@@ -29,24 +28,10 @@ from streamfence.devtools.emulator.control import (
 )
 from streamfence.gateway.keys import http_key
 from streamfence.protocol.credentials import load_credentials
-from tests.harness import DaemonProcess, wait_until
+from tests.harness import DaemonProcess, free_port, healthy, wait_until
 
 QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 CLAUDE_QUESTION: list[MessageParam] = [{"role": "user", "content": "hello"}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/healthz", timeout=1.0) as reply:
-            return bool(reply.status == 200)
-    except OSError:
-        return False
 
 
 class Gateway:
@@ -63,7 +48,7 @@ class Gateway:
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory,
             emulator: EmulatorProcess) -> Iterator[Gateway]:
-    port = _free_port()
+    port = free_port()
     profile = {"stale_timeout_s": 1.0, "max_attempts": 3}
     daemon = DaemonProcess(
         Path(tmp_path_factory.mktemp("gateway")) / "state",
@@ -74,7 +59,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory,
     daemon.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _healthy(url), 30.0, f"the gateway to answer {url}/healthz")
+        wait_until(lambda: healthy(url), 30.0, f"the gateway to answer {url}/healthz")
         yield Gateway(daemon, url, http_key(load_credentials(daemon.credentials_path)))
     finally:
         daemon.cleanup()

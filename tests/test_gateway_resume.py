@@ -32,9 +32,9 @@ from streamfence.protocol.messages import (
     empty_response,
     listening_msg,
 )
-from tests.harness import DaemonProcess, wait_until
+from tests.harness import DaemonProcess, free_port, healthy, wait_until
 from tests.test_client_core import core, drive
-from tests.test_gateway_e2e import _frames, _free_port, _healthy
+from tests.test_gateway_e2e import _frames
 
 POINT = "gateway.replay_to_live"
 # Twenty visible pieces, one per provider chunk: every seq of the call has a frame.
@@ -85,7 +85,7 @@ class Armed:
 @pytest.fixture
 def armed(tmp_path: Path, emulator: EmulatorProcess) -> Iterator[Armed]:
     """A daemon with [http] whose gateway pauses 300 ms at `gateway.replay_to_live`."""
-    port = _free_port()
+    port = free_port()
     where = tmp_path / "failpoints"
     where.mkdir()
     daemon = DaemonProcess(
@@ -97,7 +97,7 @@ def armed(tmp_path: Path, emulator: EmulatorProcess) -> Iterator[Armed]:
     daemon.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _healthy(url), 30.0, f"the gateway to answer {url}/healthz")
+        wait_until(lambda: healthy(url), 30.0, f"the gateway to answer {url}/healthz")
         yield Armed(daemon, url, http_key(load_credentials(daemon.credentials_path)), where)
     finally:
         daemon.cleanup()

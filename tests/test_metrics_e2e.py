@@ -7,7 +7,6 @@ daemon for the module."""
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -21,18 +20,12 @@ from streamfence.devtools.emulator.control import (
     EmulatorProcess,
     emulator_profile,
 )
-from tests.harness import DaemonProcess, wait_until
+from tests.harness import DaemonProcess, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "hello"}]
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -48,7 +41,7 @@ def _get(url: str) -> tuple[int, bytes]:
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory,
             emulator: EmulatorProcess) -> Iterator[tuple[DaemonProcess, str]]:
-    port = _free_port()
+    port = free_port()
     daemon = DaemonProcess(
         Path(tmp_path_factory.mktemp("metrics")) / "state",
         {"oa": dict(emulator_profile("openai", emulator.base_url), stale_timeout_s=1.0,

@@ -8,8 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import psutil
 import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
-from tests.harness import DaemonProcess, wait_until
+from tests.harness import DaemonProcess, free_port, healthy, wait_until
 from tests.wires import profile_for, request_for
 
 pytestmark = pytest.mark.slow
@@ -25,29 +23,15 @@ pytestmark = pytest.mark.slow
 WARNING = "SIGHUP: reload is not supported yet"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/healthz", timeout=1.0) as reply:
-            return bool(reply.status == 200)
-    except OSError:
-        return False
-
-
 @pytest.fixture
 def daemon(tmp_path: Path, emulator: EmulatorProcess) -> Iterator[tuple[DaemonProcess, str]]:
-    port = _free_port()
+    port = free_port()
     proc = DaemonProcess(tmp_path / "state", {"emu": profile_for("openai", emulator)},
                          tables={"http": {"listen": f"127.0.0.1:{port}"}})
     url = f"http://127.0.0.1:{port}"
     try:
         proc.start()
-        wait_until(lambda: _healthy(url), 30.0, f"the gateway to answer {url}/healthz")
+        wait_until(lambda: healthy(url), 30.0, f"the gateway to answer {url}/healthz")
         yield proc, url
     finally:
         proc.cleanup()
@@ -83,7 +67,7 @@ def test_sighup_is_logged_and_nothing_stops(daemon: tuple[DaemonProcess, str],
         after = client.status()
     assert done["status"] == "completed"
     assert done["response"]["content"] == emu.log("after-hup")[0]["text"]
-    assert _healthy(url)
+    assert healthy(url)
     assert proc.proc.poll() is None, "the supervisor stopped"
     gone = [pid for pid in children if not psutil.pid_exists(pid)
             or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE]
@@ -110,7 +94,7 @@ def test_a_restarted_child_ignores_sighup_too(daemon: tuple[DaemonProcess, str],
             return now if fresh else None
 
         after = wait_until(restarted, 30.0, "the sink, gateway and zygote to be restarted")
-        wait_until(lambda: _healthy(url), 30.0, "the restarted gateway to answer")
+        wait_until(lambda: healthy(url), 30.0, "the restarted gateway to answer")
         wait_until(lambda: any(w["state"] == "idle" for w in client.status()["workers"]),
                    30.0, "an idle worker of the restarted zygote")
         children = proc.remember_descendants() & {p.pid for p in psutil.Process(
@@ -125,4 +109,4 @@ def test_a_restarted_child_ignores_sighup_too(daemon: tuple[DaemonProcess, str],
     gone = [pid for pid in children if not psutil.pid_exists(pid)
             or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE]
     assert not gone, f"restarted processes died of SIGHUP: {gone}"
-    assert _healthy(url)
+    assert healthy(url)

@@ -5,7 +5,6 @@ and the reason; and what must be accepted starts."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
-from tests.harness import DaemonProcess
+from tests.harness import DaemonProcess, free_port
 from tests.wires import STALE_S, DaemonFactory, profile_for, request_for
 
 pytestmark = pytest.mark.slow
@@ -199,15 +198,8 @@ def test_unset_api_key_env_warns_at_start_and_fails_calls(daemon: DaemonProcess,
     assert emu.log("no-key") == []  # nothing went to the provider without its key
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def test_submit_without_a_daemon_says_so_in_one_line(tmp_path: Path) -> None:
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     config = tmp_path / "streamfence.toml"
     config.write_text(_daemon_table(tmp_path, endpoint=endpoint))
     proc, took = _run(tmp_path, "submit", "--config", str(config), "--provider", "x", "hi",
