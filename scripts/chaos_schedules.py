@@ -355,6 +355,7 @@ def follow_zmq(run: Run, f: Followed, deadline: float) -> None:
     zmq-resume call leaves after 5 events and comes back `back` seqs earlier,
     a zmq-cancel call cancels after 3."""
     p = f.plan
+    f.heard = time.monotonic()
     request = sample_request(p.wire, f"emu-model#{f.key}", f"schedule call {f.key}")
     seen: dict[int, dict[str, Any]] = {}
     resumed, cancelled = p.kind != "zmq-resume", p.kind != "zmq-cancel"
@@ -399,13 +400,14 @@ def follow_http(run: Run, f: Followed, deadline: float) -> None:
     may have come in part). An http-resume call leaves after 5 ids on
     purpose and names one `back` ids earlier: it must get exactly the rest."""
     path, body = _http_body(f)
+    f.heard = time.monotonic()
     texts: dict[int, str] = {}  # id -> the text of its frames (one event, maybe many frames)
     resumed = f.plan.kind != "http-resume"
     while time.monotonic() < deadline:
         named, left = max(texts, default=0), False
         try:
             key = http_key(load_credentials(run.current().credentials_path))
-            conn = http.client.HTTPConnection("127.0.0.1", run.port, timeout=15.0)
+            conn = http.client.HTTPConnection("127.0.0.1", run.port, timeout=10.0)
             headers = {"Authorization": f"Bearer {key}", "x-api-key": key,
                        "Content-Type": "application/json", "Idempotency-Key": f.key,
                        **({"Last-Event-ID": str(named)} if named else {})}
