@@ -86,8 +86,12 @@ from streamfence.protocol.wires import WIRES, sample_request
 
 CLASSES = ("crash+crash", "crash+pause", "pause+crash", "crash", "pause")
 STALE_S = 6.0  # the profiles' stale timeout: every pause is shorter
-CALL_DEADLINE_S = 45.0
-STALL_S = 8.0  # a subscriber waiting longer than this for an event is reported (not judged)  # a call not done this long after the schedule's start is lost
+CALL_DEADLINE_S = 45.0  # a call not done this long after the schedule's start is lost
+# A subscriber waiting longer than this for its next event is reported, not judged
+# (a daemon restart takes ~10 s here); an HTTP client gives up on a stream after
+# HTTP_READ_S of silence and re-POSTs it with Last-Event-ID.
+STALL_S = 12.0
+HTTP_READ_S = 20.0
 SINK_KILL = "SIGKILL of the sink"  # P1 from outside (not a failpoint)
 
 # Points passed only while recovering from a sink's death (P2 after a sink P1).
@@ -323,6 +327,7 @@ class Followed:
     key: str
     record: CallRecord
     http_text: str = ""
+    http_error: str = ""  # the error frame an HTTP stream ended with
     ids: list[tuple[int, int]] = field(default_factory=list)  # HTTP: (Last-Event-ID, first id)
     heard: float = field(default_factory=time.monotonic)  # the last event's time
     silence: float = 0.0  # the longest wait for the next event
@@ -404,10 +409,10 @@ def follow_http(run: Run, f: Followed, deadline: float) -> None:
     texts: dict[int, str] = {}  # id -> the text of its frames (one event, maybe many frames)
     resumed = f.plan.kind != "http-resume"
     while time.monotonic() < deadline:
-        named, left = max(texts, default=0), False
+        named, left, got = max(texts, default=0), False, False
         try:
             key = http_key(load_credentials(run.current().credentials_path))
-            conn = http.client.HTTPConnection("127.0.0.1", run.port, timeout=10.0)
+            conn = http.client.HTTPConnection("127.0.0.1", run.port, timeout=HTTP_READ_S)
             headers = {"Authorization": f"Bearer {key}", "x-api-key": key,
                        "Content-Type": "application/json", "Idempotency-Key": f.key,
                        **({"Last-Event-ID": str(named)} if named else {})}
@@ -424,6 +429,7 @@ def follow_http(run: Run, f: Followed, deadline: float) -> None:
             first = True
             for frame in sse_frames(reply):
                 seq = frame.id or 0
+                got = True
                 f.hear()
                 if first:
                     f.ids.append((named, seq))
@@ -435,6 +441,8 @@ def follow_http(run: Run, f: Followed, deadline: float) -> None:
                 if sse_ends(frame):
                     conn.close()
                     f.http_text = "".join(texts[s] for s in sorted(texts))
+                    if frame.event == "error" or frame.data.startswith('{"error"'):
+                        f.http_error = frame.data[:200]
                     return
                 if not resumed and len(texts) >= 5:
                     resumed = left = True
@@ -445,8 +453,8 @@ def follow_http(run: Run, f: Followed, deadline: float) -> None:
         except (OSError, http.client.HTTPException, ValueError) as exc:
             f.record.errors.append(f"{type(exc).__name__}: {exc}"[:300])
             time.sleep(0.3)
-        if texts and not left:
-            del texts[max(texts)]  # a drop: its frames may have come in part
+        if got and not left:
+            del texts[max(texts)]  # a drop: the last event's frames may have come in part
 
 
 def _transcript(run: Run, f: Followed, deadline: float) -> None:
@@ -479,7 +487,9 @@ def _judge_call(f: Followed, sent: list[dict[str, Any]], free: bool) -> list[str
     labels = list(f.labels)
     outcome = judge(f.record, sent)
     labels += outcome if outcome == ["lost"] else outcome[1:]  # [status, labels...]
-    if f.plan.kind.startswith("http") and f.record.done is not None:
+    if f.http_error and free:
+        labels.append(f"http_error ({f.http_error})")  # a free fault cost an HTTP answer
+    if f.plan.kind.startswith("http") and f.record.done is not None and not f.http_error:
         answer = (f.record.done.get("response") or {}).get("content") or ""
         if f.record.done.get("status") in ("completed", "partial") and f.http_text != answer:
             at = next((i for i, (a, b) in enumerate(zip(f.http_text, answer, strict=False))
