@@ -22,7 +22,10 @@ frame's `id:` is the event's seq.
 A streaming client that goes away cancels its call (its provider stream is
 closed), unless it sent an `Idempotency-Key`: the same key again is the same
 call (the daemon's idempotency, per identity), so a dropped stream is
-re-POSTed with the key and `Last-Event-ID` and resumes exactly after it.
+re-POSTed with the key and `Last-Event-ID` and resumes exactly after it,
+the call live or ended: the call is read again from seq 1 (its renderer's
+state), and the request takes the call over from an earlier request of the
+key that still reads it (`_take_over`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from streamfence.gateway.routes import models as route_models
 from streamfence.protocol.client_async import AsyncClient
 from streamfence.protocol.client_router import ClientError
 from streamfence.protocol.credentials import LOCAL_NAME, Credentials
+from streamfence.protocol.failpoints import ARMED, failpoint
 
 log = logging.getLogger("streamfence.gateway")
 
@@ -88,6 +92,7 @@ class Gateway:
         self._keys = HttpKeys(keys_dir) if keys_dir is not None else None
         self._endpoint = _connectable(config.endpoint)
         self._clients: dict[str, AsyncClient] = {}
+        self._readers: dict[str, asyncio.Task[Any]] = {}  # call_id -> the request reading it
         self._health = Health(self._endpoint, keys_dir, config.providers)
 
     def app(self) -> web.Application:
@@ -185,11 +190,35 @@ class Gateway:
             return _error(wire, "overloaded", "the daemon did not answer the submit")
         log.info("http call %s: %s via %s", call_id, model, picked.profile,
                  extra={"call_id": call_id})
-        if not stream:
-            return await self._whole(client, call_id, model, wire)
-        return await self._stream(request, client, call_id, model, wire,
-                                  wire.stream(call_id, model, include_usage), int(resume),
-                                  detached=IDEMPOTENCY_HEADER in request.headers)
+        me = asyncio.current_task()
+        try:
+            await self._take_over(call_id, me)
+            if not stream:
+                return await self._whole(client, call_id, model, wire)
+            return await self._stream(request, client, call_id, model, wire,
+                                      wire.stream(call_id, model, include_usage), int(resume),
+                                      detached=IDEMPOTENCY_HEADER in request.headers)
+        finally:
+            if self._readers.get(call_id) is me:
+                del self._readers[call_id]
+
+    async def _take_over(self, call_id: str, me: asyncio.Task[Any] | None) -> None:
+        """Make this request the call's only reader. A call's events reach one
+        client as one stream, each event handed out once, so two requests
+        reading it (an Idempotency-Key sent again while its earlier request
+        still reads: a dropped stream whose handler has not noticed yet, or
+        the same key twice at once) would each miss what the other took. The
+        earlier one ends here, before this one reads (its call runs on: it
+        came with the key); the submit just made has the client read the
+        call again from seq 1 (client_core.submit)."""
+        earlier = self._readers.pop(call_id, None)
+        if me is not None:
+            self._readers[call_id] = me
+        if earlier is not None and earlier is not me and not earlier.done():
+            log.info("http call %s: a request with its Idempotency-Key again takes it over",
+                     call_id, extra={"call_id": call_id})
+            earlier.cancel()
+            await asyncio.wait([earlier])
 
     async def _whole(self, client: AsyncClient, call_id: str, model: str,
                      wire: Wire) -> web.Response:
@@ -226,6 +255,8 @@ class Gateway:
                 frame = renderer.feed(event)
                 if frame and event["seq"] > resume:
                     if response is None:
+                        if resume and ARMED:
+                            failpoint("gateway.replay_to_live")
                         response = web.StreamResponse(headers={
                             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                             CALL_HEADER: call_id})

@@ -199,9 +199,10 @@ class ClientCore:
             yield from self._listen()
         call_id = accepted_call_id((yield from self._exchange(msg, "submit", self.timeout_s)))
         if subscribe:
-            if self.router.is_finished(call_id):
-                # A duplicate of a call read to its done already: its replay may have
-                # come (on the other socket) before `accepted`, and was dropped.
+            if self.router.last_seq(call_id) > 0:
+                # A duplicate of a call this client has read events of (live or to its
+                # done): its replay from seq 1 may have come (on the other socket) before
+                # `accepted`, and was dropped as a repeat; it is read afresh.
                 yield from self.subscribe(call_id, 0)
             else:
                 self.router.reading(call_id, 0)

@@ -147,6 +147,11 @@ class CallStream:
         while self.heap and self.heap[0][0] <= seq:
             self.buffered.discard(heapq.heappop(self.heap)[0])
 
+    def rewind(self, seq: int) -> None:
+        """The caller reads again after `seq` (a replay comes): the events handed
+        out after it are taken again; the buffered ones stay."""
+        self.last, self.refill_for = seq, -1
+
     def gap(self) -> int | None:
         """`from_seq` to ask again if a later event came but the next one did not.
 
@@ -259,11 +264,16 @@ class Router:
 
     def reading(self, call_id: str, from_seq: int) -> None:
         """The caller asked for the call's events after `from_seq` (subscribe, or
-        submit with subscribe). For a call whose `done` was handed out already,
-        a from_seq before that done asks for a replay: the call is read afresh."""
-        if self.is_finished(call_id) and from_seq < self.last_seq(call_id):
-            self._streams.pop(call_id, None)
-            self._finished.pop(call_id, None)
+        submit with subscribe). A from_seq before the last seq handed out asks
+        for a replay, the call live or ended: the call is read afresh from
+        there (the daemon sends those events again; what is buffered after
+        them stays)."""
+        if from_seq < self.last_seq(call_id):
+            if self.is_finished(call_id):
+                self._streams.pop(call_id, None)
+                self._finished.pop(call_id, None)
+            else:
+                self.stream(call_id).rewind(from_seq)
         self.stream(call_id).skip_to(from_seq)
 
     def stop_reading(self, call_id: str) -> None:
