@@ -6,17 +6,30 @@ code places."""
 from __future__ import annotations
 
 import ast
+import http.client
+import itertools
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.gateway.keys import http_key
 from streamfence.protocol import failpoints
+from streamfence.protocol.credentials import load_credentials
 from streamfence.protocol.failpoints import POINTS, Action, parse
+from tests.harness import DaemonProcess, assert_one_exact_answer, wait_until
+from tests.wires import profile_for, request_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SOME_POINT = "sink.after_commit"
@@ -114,9 +127,12 @@ def _placed() -> dict[str, list[str]]:
 def test_architecture_lists_exactly_the_points() -> None:
     text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     section = text.split("## 7.", 1)[1].split("\n## ", 1)[0]
-    listed = set(re.findall(r"^\| `([a-z]+\.[a-z_]+)` \|", section, re.M))
+    rows = dict(re.findall(r"^\| `([a-z]+\.[a-z_]+)` \| (.*) \|$", section, re.M))
+    listed = set(rows)
     assert listed == set(POINTS), (f"only in ARCHITECTURE §7: {sorted(listed - set(POINTS))}; "
                                    f"only in POINTS: {sorted(set(POINTS) - listed)}")
+    differ = {name: (rows[name], step) for name, step in POINTS.items() if rows[name] != step}
+    assert not differ, f"ARCHITECTURE §7 and POINTS say different steps: {differ}"
 
 
 def test_every_point_is_placed_once_and_every_placed_point_is_known() -> None:
@@ -126,3 +142,159 @@ def test_every_point_is_placed_once_and_every_placed_point_is_known() -> None:
     assert not missing, f"points no code passes through: {missing}"
     twice = {n: files for n, files in placed.items() if len(files) > 1}
     assert not twice, f"points placed more than once: {twice}"
+
+
+# ---- armed in a real daemon ---------------------------------------------------------------
+
+Armed = Callable[..., tuple[DaemonProcess, Path]]
+
+
+@pytest.fixture
+def armed(tmp_path: Path, emulator: EmulatorProcess) -> Iterator[Armed]:
+    """`armed(spec, **DaemonProcess kwargs)`: a started daemon against the
+    emulator whose processes all start with STREAMFENCE_FAILPOINTS=spec and a
+    directory for the record of passes (returned with it)."""
+    started: list[DaemonProcess] = []
+
+    def start(spec: str, **kwargs: Any) -> tuple[DaemonProcess, Path]:
+        where = tmp_path / "failpoints"
+        where.mkdir()
+        proc = DaemonProcess(tmp_path / "state", {"emu": profile_for("openai", emulator)},
+                             env={failpoints.ENV: spec, failpoints.DIR_ENV: str(where)}, **kwargs)
+        started.append(proc)
+        return proc.start(), where
+
+    yield start
+    for proc in started:
+        proc.cleanup()
+        assert not proc.survivors, f"processes outlived the daemon: {proc.survivors}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _sse_ids(url: str, key: str, headers: dict[str, str], limit: int | None = None) -> list[int]:
+    """The event ids of a streaming chat completion through the gateway, up
+    to `limit` of them (then the connection is dropped) or the stream's end."""
+    conn = http.client.HTTPConnection(url, timeout=30.0)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps({
+            "model": f"emu/gpt-emu#{key}", "stream": True,
+            "messages": [{"role": "user", "content": "hello"}]}), headers)
+        reply = conn.getresponse()
+        assert reply.status == 200, reply.read()
+        ids: list[int] = []
+        for line in iter(reply.readline, b""):
+            if line.startswith(b"id: "):
+                ids.append(int(line[4:]))
+                if len(ids) == limit:
+                    break
+        return ids
+    finally:
+        conn.close()
+
+
+@pytest.mark.slow
+def test_every_point_is_reached_by_a_daemons_ordinary_faults(armed: Armed,
+                                                             emu: EmulatorClient) -> None:
+    """Armed `*=count`, a daemon with its gateway runs a plain call, a stalled
+    one (fenced, its worker killed, retried), one whose sink is killed
+    mid-stream (rebound), and an HTTP stream resumed with Last-Event-ID:
+    together they pass every point of POINTS."""
+    port = _free_port()
+    daemon, where = armed("*=count", tables={"http": {"listen": f"127.0.0.1:{port}"}})
+    emu.script("plain", [{"fault": "ok", "chunks": 5}])
+    emu.script("stalled", [{"fault": "stall", "after": 0, "stall_s": 4.0}, {"fault": "ok"}])
+    emu.script("rebound", [{"fault": "ok", "chunks": 40, "chunk_delay_s": 0.05}])
+    emu.script("resumed", [{"fault": "ok", "chunks": 20, "chunk_delay_s": 0.05}])
+    with daemon.client(timeout_s=20.0) as client:
+        assert client.run("emu", request_for("openai", "plain"), timeout_s=30.0)["status"] \
+            == "completed"
+        stalled = client.run("emu", request_for("openai", "stalled"), timeout_s=30.0,
+                             options={"stale_timeout_s": 1.0})
+        assert stalled["status"] == "completed" and stalled["attempts"] == 2, stalled
+        call_id = client.submit("emu", request_for("openai", "rebound"))
+        events = list(itertools.islice(client.events(call_id, timeout_s=20.0), 5))
+        os.kill(client.status()["processes"]["sink"], signal.SIGKILL)
+        events += list(client.events(call_id, timeout_s=20.0))
+        assert events[-1]["status"] == "completed"
+        assert client.status()["counters"]["attempts_rebound"] == 1
+    url = f"127.0.0.1:{port}"
+    wait_until(lambda: _healthy(url), 30.0, "the gateway to answer")
+    headers = {"Authorization": f"Bearer {http_key(load_credentials(daemon.credentials_path))}",
+               "Content-Type": "application/json", "Idempotency-Key": "resumed-1"}
+    first = _sse_ids(url, "resumed", headers, limit=3)
+    rest = _sse_ids(url, "resumed", dict(headers, **{"Last-Event-ID": str(first[-1])}))
+    assert rest and min(rest) > first[-1], (first, rest[:3])
+    reached = set(failpoints.hits(str(where)))
+    never = sorted(set(POINTS) - reached)
+    assert not never, f"points no test passes through: {never}"
+    assert reached == set(POINTS)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{url}/healthz", timeout=1.0) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_sink_crash_after_a_commit_costs_no_answer(armed: Armed, emu: EmulatorClient) -> None:
+    """`crash` in a real daemon: the sink kills itself once after a commit,
+    before the events it stored go out (its 3rd with events for a listener:
+    mid-stream), is restarted, the attempt is rebound, and the call
+    completes exactly from its one provider request."""
+    daemon, where = armed("sink.after_commit=crash@3")
+    emu.script("crashed", [{"fault": "ok", "chunks": 30, "chunk_delay_s": 0.03}])
+    with daemon.client(timeout_s=20.0) as client:
+        call_id = client.submit("emu", request_for("openai", "crashed"))
+        events = list(client.events(call_id, timeout_s=20.0))
+        status = client.status()
+    assert_one_exact_answer(events, emu.log("crashed"))
+    assert status["counters"]["sink_restarts"] == 1
+    assert status["counters"]["attempts_rebound"] == 1  # it crashed mid-stream
+    assert (where / "fired.sink.after_commit").exists()
+    assert failpoints.hits(str(where)).count("sink.after_commit") > 3
+
+
+@pytest.mark.slow
+def test_a_dropped_final_ack_costs_no_answer(armed: Armed, emu: EmulatorClient) -> None:
+    """`drop` in a real daemon: the sink accepts the final but its ack to the
+    worker is lost. The supervisor heard E_ENDED all the same: the call
+    completes from its one request, and the daemon serves the next call."""
+    daemon, where = armed("sink.before_final_ack=drop")
+    emu.script("unacked", [{"fault": "ok", "chunks": 5}])
+    emu.script("next", [{"fault": "ok", "chunks": 5}])
+    with daemon.client(timeout_s=20.0) as client:
+        call_id = client.submit("emu", request_for("openai", "unacked"))
+        events = list(client.events(call_id, timeout_s=20.0))
+        after = client.run("emu", request_for("openai", "next"), timeout_s=30.0)
+    assert_one_exact_answer(events, emu.log("unacked"))
+    assert after["status"] == "completed"
+    # Its worker still waits for the ack (it logs the attempt's end once acked).
+    assert not any(r.get("call_id") == call_id and "attempt ended" in r.get("message", "")
+                   for r in daemon.log_records())
+    assert failpoints.hits(str(where)).count("sink.before_final_ack") == 2
+    assert (where / "fired.sink.before_final_ack").exists()
+
+
+@pytest.mark.slow
+def test_a_paused_worker_before_its_final_costs_no_answer(armed: Armed,
+                                                         emu: EmulatorClient) -> None:
+    """`pause` in a real daemon: the worker stands still 800 ms between the
+    provider's end and its final; the call waits for it and completes."""
+    daemon, where = armed("worker.before_final=pause(800ms)")
+    emu.script("paused", [{"fault": "ok", "chunks": 5}])
+    with daemon.client(timeout_s=20.0) as client:
+        started = time.monotonic()
+        call_id = client.submit("emu", request_for("openai", "paused"))
+        events = list(client.events(call_id, timeout_s=20.0))
+        took = time.monotonic() - started
+    assert_one_exact_answer(events, emu.log("paused"))
+    assert took >= 0.8
+    assert failpoints.hits(str(where)) == ["worker.before_final"]

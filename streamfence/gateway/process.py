@@ -35,6 +35,7 @@ log = logging.getLogger("streamfence.gateway")
 def run_gateway(config: DaemonConfig, runtime_dir: str) -> None:
     """Process entry point: serve `config.http.listen` until SIGTERM."""
     set_process_title("gateway")
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closing terminal's: the supervisor answers it
     ctx: Any = zmq.Context.instance()
     log_sock: zmq.Socket[bytes] = ctx.socket(zmq.PUSH)
     log_sock.linger = 1000

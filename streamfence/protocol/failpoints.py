@@ -53,15 +53,16 @@ POINTS: dict[str, str] = {
     "supervisor.before_rebind": "a running attempt's new epoch journaled after a sink "
                                 "restart; C_REBIND not yet sent",
     "sink.after_authorize": "an epoch stored; the supervisor's ack not yet sent",
-    "sink.after_commit": "a group commit stored; its events not yet sent to subscribers",
-    "sink.before_final_ack": "a worker's final accepted; T_FINAL_ACK not yet sent (drop: "
-                             "the ack is lost)",
+    "sink.after_commit": "a group commit stored; the events it holds for subscribers not yet "
+                         "sent",
+    "sink.before_final_ack": "a worker's final judged, the supervisor told; T_FINAL_ACK not "
+                             "yet sent (drop: the ack is lost)",
     "sink.after_rebind": "a rebind's new epoch stored; T_REBIND not yet sent to the worker",
     "worker.before_final": "the provider's stream ended; T_FINAL not yet sent (drop: the "
                            "final is lost)",
     "worker.after_rebind": "T_REBIND received; the held deltas not yet sent again",
-    "gateway.replay_to_live": "a resumed HTTP stream's replay sent; the live feed not yet "
-                              "joined",
+    "gateway.replay_to_live": "a resumed HTTP stream read again up to Last-Event-ID; the "
+                              "first event after it not yet sent",
 }
 
 KINDS = ("crash", "pause", "raise", "drop", "count")

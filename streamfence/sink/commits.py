@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import msgpack
 
+from streamfence.protocol.failpoints import ARMED, failpoint
 from streamfence.protocol.histograms import DELTA_LATENCY_BUCKETS, Histogram
 from streamfence.sink.calls import Calls, LiveCall
 from streamfence.sink.store import TranscriptStore
@@ -84,6 +85,8 @@ class Commits:
         self.commit_due = None
         self.last_commit = time.monotonic()
         if self.outbox:
+            if ARMED:
+                failpoint("sink.after_commit")
             cuts = self._listeners.deliver(self.outbox)
             self.outbox.clear()  # in place: the hot path holds a bound append
             if cuts:

@@ -23,6 +23,7 @@ import logging
 import msgpack
 
 from streamfence.protocol.codec import encode
+from streamfence.protocol.failpoints import ARMED, failpoint
 from streamfence.protocol.internal.control import (
     Authorize,
     Fence,
@@ -103,6 +104,8 @@ class Fencing:
         if reset is not None:
             self._commits.send_event(live.subs, reset)
         log.debug("sink: authorized call=%s attempt=%d reset=%s", op.call_id, op.attempt, op.reset)
+        if ARMED:
+            failpoint("sink.after_authorize")
         return encode_ok(op.req, stats_to_wire(prev))
 
     def fence(self, op: Fence) -> bytes:

@@ -27,6 +27,7 @@ import zmq
 
 from streamfence.protocol.codec import decode_untrusted
 from streamfence.protocol.errors import ProtocolError
+from streamfence.protocol.failpoints import ARMED, failpoint
 from streamfence.protocol.internal import T_DELTA, T_HELLO
 from streamfence.protocol.internal.checks import BadFrame
 from streamfence.protocol.internal.worker_wire import (
@@ -75,7 +76,10 @@ class WorkerIntake:
         except BadFrame as exc:
             self._counters.bad_frame("in", exc.reason)
             return
-        if not reply(state.fencing.final(final)):
+        ack = state.fencing.final(final)
+        if ARMED and failpoint("sink.before_final_ack"):
+            return  # the ack is lost
+        if not reply(ack):
             # The worker exited without waiting for its ack (it will count the
             # attempt as unfinished); the supervisor has E_ENDED anyway.
             self._counters.acks_unroutable += 1

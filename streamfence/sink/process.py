@@ -29,7 +29,7 @@ owns the sockets, the signals and the loop. The sink:
   the store when a stop was asked;
 - dies with its parent (PR_SET_PDEATHSIG) and exits cleanly on SIGTERM after a
   last commit (given up, in one ERROR line, if the store is in a storage
-  fault). SIGINT is ignored: the supervisor owns the shutdown order.
+  fault). SIGINT and SIGHUP are ignored: the supervisor owns the shutdown order.
 
 Bad input never crashes it: refused deltas and bad frames are counted and
 logged sparsely (sink/counters.py).
@@ -337,6 +337,7 @@ def run_sink(runtime_dir: str, db_path: str, events_endpoint: str, keys_dir: str
     `cluster`: cluster mode's settings (the calls' logs on JetStream: §4.17).
     Exits with ExitCode.CANNOT_BIND if the events endpoint cannot be bound."""
     set_process_title("sink")
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closing terminal's: the supervisor answers it
     log_sock = _route_logs(runtime_dir, log_level) if log_to_supervisor else None
     if log_sock is None:
         _setup_logging(log_level)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from streamfence.protocol.failpoints import ARMED, failpoint
 from streamfence.protocol.internal.control import Rebind, encode_ok, encode_refused, stats_to_wire
 from streamfence.protocol.internal.worker_wire import Hello, rebind_frame
 from streamfence.sink.calls import Calls
@@ -69,6 +70,8 @@ class Rebinds:
         self._store.set_epoch(op.call_id, op.attempt)
         self._commits.commit()  # durable before the ack, as for authorize
         self.pending[op.call_id] = (op, resume_after)
+        if ARMED:
+            failpoint("sink.after_rebind")
         self._hello_over(op.call_id)  # its worker may have asked already
         self.count += 1
         log.info("sink: call=%s attempt %d writes on as attempt %d after seq %d",

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from streamfence.cluster.records import call_record
 from streamfence.config.identities import Identity
 from streamfence.protocol.errors import ErrorCode
+from streamfence.protocol.failpoints import ARMED, failpoint
 from streamfence.protocol.messages import Submit, Subscribe, accepted_msg
 from streamfence.supervisor.admission import Admitted
 from streamfence.supervisor.attempts import AttemptDriver
@@ -190,6 +191,8 @@ class Acceptance:
         self.refuse_unstored()
 
     def _send_accepts(self, call_ids: list[str]) -> None:
+        if ARMED:
+            failpoint("supervisor.after_journal_commit")
         for call_id in call_ids:
             replies = self._unanswered.pop(call_id, [])
             record = self._records.pop(call_id, None)

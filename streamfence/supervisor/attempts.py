@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from streamfence.config.model import DaemonConfig
 from streamfence.protocol.errors import ErrorCode
+from streamfence.protocol.failpoints import ARMED, failpoint
 from streamfence.protocol.internal.control import (
     AttemptStats,
     Ended,
@@ -206,6 +207,8 @@ class AttemptDriver:
     def _authorize_at_sink(self, call: Call, log_seq: int = 0) -> None:
         reset = call.delivered  # only under on_partial=restart can this hold here
         model = str(call.spec.request.get("model") or call.spec.request.get("modelId") or "-")
+        if ARMED:
+            failpoint("supervisor.before_authorize")
         self._sink.authorize(call.call_id, call.epoch, reset, model,
                              functools.partial(self._authorized, call), log_seq)
 
@@ -264,6 +267,8 @@ class AttemptDriver:
         run = run_attempt(call, self._fallbacks)
         call.probe_next = False  # sent once
         call.notice = None
+        if ARMED:
+            failpoint("supervisor.before_dispatch")
         if not self._pool.dispatch(worker, run):
             self.fence(call, FenceReason.WORKER_DIED)
             return
@@ -324,6 +329,8 @@ class AttemptDriver:
             self._verdicts.stale(call)
         worker = self._pool.get(call.worker_id)
         if worker is not None and worker.token == call.token:
+            if ARMED:
+                failpoint("supervisor.after_fence")
             self._pool.kill(worker)  # fenced first, so the kill cannot lose an accepted delta
             self._pool.maintain()
         self._journal.end_attempt(call.call_id, call.epoch, reason.value, None)

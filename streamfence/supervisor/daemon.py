@@ -190,6 +190,7 @@ class Daemon:
     def run(self) -> int:
         raise_fd_limit(self.config.workers_max)
         warn_missing_credentials(self.config)
+        self._signals.hold_hangups()  # until the loop runs; children spawned meanwhile inherit it
         try:
             p = self._build()
         except BaseException:

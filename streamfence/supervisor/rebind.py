@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from streamfence.protocol.failpoints import ARMED, failpoint
 from streamfence.protocol.internal.control import AttemptStats
 from streamfence.protocol.states import CallState, FenceReason
 from streamfence.supervisor.calls import Call
@@ -77,6 +78,8 @@ class Rebinds:
                 self._rebind_at_sink(call, old)
 
     def _rebind_at_sink(self, call: Call, old: int) -> None:
+        if ARMED:
+            failpoint("supervisor.before_rebind")
         self._sink.rebind(call.call_id, call.epoch, old, call.content_from, call.token,
                           functools.partial(self._rebound, call, call.epoch))
 

@@ -31,6 +31,7 @@ from typing import Any, NoReturn
 
 import zmq
 
+from streamfence.protocol.failpoints import ARMED, failpoint
 from streamfence.protocol.internal import Endpoints
 from streamfence.protocol.internal.checks import BadFrame
 from streamfence.protocol.internal.outcome import (
@@ -165,6 +166,8 @@ class SinkOutput:
             log.info("the sink restarted: attempt %d goes on as attempt %d after seq %d",
                      self.attempt, new_attempt, after)
             self.attempt = new_attempt
+            if ARMED:
+                failpoint("worker.after_rebind")
             for seq in range(after + 1, self.seq + 1):
                 kind, data = self._kept[seq - 1]
                 self._send(delta_frame(self._call_id, new_attempt, seq, kind, data))
@@ -180,7 +183,8 @@ class SinkOutput:
             if self.over:
                 return False
             if not self._rebinding:
-                self._send(final_frame(self._call_id, self.attempt, self.seq, outcome))
+                if not (ARMED and failpoint("worker.before_final")):  # drop: the final is lost
+                    self._send(final_frame(self._call_id, self.attempt, self.seq, outcome))
                 accepted = self._wait_ack(deadline)
                 if accepted is not LOST:
                     return bool(accepted)

@@ -90,6 +90,7 @@ def zygote_main(conn: Any, runtime_dir: str, slots: int, log_level: int,
     if not die_with_parent(parent_pid):
         os._exit(ExitCode.PARENT_GONE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closing terminal's too (the workers inherit it)
     set_process_title("zygote")
     logging.getLogger().handlers[:] = [_PipeLogHandler(conn.send_bytes)]
     set_level(log_level)
