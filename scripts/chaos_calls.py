@@ -109,7 +109,9 @@ def follow_zmq(run: Daemons, f: Followed, deadline: float) -> None:
                     client.subscribe(f.record.call_id, from_seq=max(0, len(seen) - (
                         0 if resumed else p.back)))
                     resumed = True
-                for event in client.events(f.record.call_id, timeout_s=15.0):
+                # No silence limit: the library probes the daemon each timeout_s
+                # of silence and raises when a dead one does not answer.
+                for event in client.events(f.record.call_id, timeout_s=None):
                     if _keep(f, event, seen):
                         return
                     if not cancelled and len(seen) >= 3:

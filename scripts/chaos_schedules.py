@@ -32,7 +32,9 @@ a subscriber misses no event (`skipped`: a gap in the seqs, or an HTTP
 stream whose text is not the call's answer), every provider request is
 closed at the end (`open_request`), no process outlives the daemon
 (`survivor`), and, where every fault of the schedule is free by design,
-no call costs a second provider request (`extra_request`):
+no call costs a second provider request (`extra_request`), no HTTP stream
+ends in an error (`http_error`) and no subscriber waits over STALL_S for
+its next event (`stalled`):
 
     fault                               free  why
     crash of the sink (sink.*, SIGKILL)  yes   the sink restarts; running attempts are
@@ -91,8 +93,9 @@ from streamfence.protocol.wires import WIRES
 CLASSES = ("crash+crash", "crash+pause", "pause+crash", "crash", "pause")
 STALE_S = 6.0  # the profiles' stale timeout: every pause is shorter
 CALL_DEADLINE_S = 45.0  # a call not done this long after the schedule's start is lost
-# A subscriber waiting longer than this for its next event is reported, not judged
-# (a daemon restart takes ~10 s here; HTTP_READ_S: an HTTP client's patience).
+# A subscriber waiting longer than this for its next event is reported, and is a
+# violation in a free schedule (a daemon restart takes ~10 s here; HTTP_READ_S: how
+# long an HTTP client of this script waits before it re-POSTs).
 STALL_S = 12.0
 assert STALL_S < HTTP_READ_S
 SINK_KILL = "SIGKILL of the sink"  # P1 from outside (not a failpoint)
@@ -107,8 +110,7 @@ AFTER_SUPERVISOR = ("supervisor.before_authorize", "sink.after_authorize",
 AFTER_WORKER = ("supervisor.before_authorize", "sink.after_authorize",
                 "supervisor.before_dispatch")
 # (check, act): a decision made, and the step that acts on it.
-CHECK_ACT = (("supervisor.after_journal_commit", "supervisor.before_authorize"),
-             ("supervisor.before_authorize", "sink.after_authorize"),
+CHECK_ACT = (("supervisor.before_authorize", "sink.after_authorize"),
              ("sink.after_authorize", "supervisor.before_dispatch"),
              ("supervisor.before_dispatch", "sink.after_commit"),
              ("sink.after_commit", "worker.before_final"),
@@ -353,6 +355,9 @@ def judge_run(run: Run, followed: list[Followed], emu: EmulatorClient, started: 
     in_order = [name for name in fired if name in planned] == planned
     statuses = Counter(str((f.record.done or {}).get("status", "lost")) for f in followed)
     stalls = [f"{f.plan.name} {f.silence:.1f} s" for f in followed if f.silence > STALL_S]
+    if s.free():  # a fault that costs nothing by design must not stop a stream either
+        violations += [f"{f.plan.name} {f.plan.show()}: stalled ({f.silence:.1f} s without "
+                       f"an event)" for f in followed if f.silence > STALL_S]
     return Outcome(s, violations, fired, in_order, time.monotonic() - started,
                    Counter(failpoints.hits(str(run.fp_dir))), statuses, stalls)
 
