@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import random
 import tempfile
 import threading
@@ -213,3 +214,48 @@ def verdict(state: ChaosState, title: str) -> bool:
     print("  " + "-" * (width + 10))
     print(f"  verdict: {'PASS' if ok else 'FAIL'}")
     return ok
+
+
+# ---- HTTP clients of the gateway (raw SSE: the ids a reconnect names) ------------
+
+@dataclass
+class SseFrame:
+    id: int | None
+    event: str | None
+    data: str
+
+
+def sse_frames(reply: Any) -> Iterator[SseFrame]:
+    """The frames of an SSE response (an http.client response), as they come;
+    ends at the end of the body (an error of the connection propagates)."""
+    seq: int | None = None
+    event: str | None = None
+    data: str | None = None
+    for raw in iter(reply.readline, b""):
+        line = raw.decode().rstrip("\n")
+        if line.startswith("id: "):
+            seq = int(line[4:])
+        elif line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: "):
+            data = line[6:]
+        elif line == "" and data is not None:
+            yield SseFrame(seq, event, data)
+            seq, event, data = None, None, None
+
+
+def sse_text(frame: SseFrame) -> str:
+    """The answer's text a frame of OpenAI's or Anthropic's stream carries."""
+    if frame.data == "[DONE]":
+        return ""
+    body = json.loads(frame.data)
+    if body.get("type") == "content_block_delta":  # Anthropic
+        return str((body.get("delta") or {}).get("text") or "")
+    return "".join(choice.get("delta", {}).get("content") or ""
+                   for choice in body.get("choices") or ())
+
+
+def sse_ends(frame: SseFrame) -> bool:
+    """The frame ends its stream: [DONE], message_stop, or an error."""
+    return frame.data == "[DONE]" or frame.event in ("message_stop", "error") \
+        or frame.data.startswith('{"error"')
