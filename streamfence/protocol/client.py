@@ -122,6 +122,10 @@ class Client(ClientBase):
         self._events.setsockopt(zmq.ROUTING_ID, self._core.listener.encode())
         self._poller = zmq.Poller()
         self._busy = False  # in an operation or a send: the cancels of abandoned calls wait
+        # Each handshake of the events connection (a reconnect: resubscribe),
+        # watched before it connects: the first one must be counted.
+        self._monitor = self._events.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._poller.register(self._monitor, zmq.POLLIN)
         try:
             for sock, where in ((self._sock, endpoint), (self._events, self._core.events_endpoint)):
                 sock.setsockopt(zmq.LINGER, 0)
@@ -131,12 +135,8 @@ class Client(ClientBase):
                 sock.connect(where)
                 self._poller.register(sock, zmq.POLLIN)
         except BaseException:
-            self._sock.close(linger=0)
-            self._events.close(linger=0)
+            close_sockets(self._sock, self._events, self._monitor)
             raise
-        # Each handshake of the events connection (a reconnect: resubscribe).
-        self._monitor = self._events.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        self._poller.register(self._monitor, zmq.POLLIN)
 
     def close(self) -> None:
         """Cancel the calls of the client's unfinished stream_text / run (not detached),

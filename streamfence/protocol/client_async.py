@@ -80,20 +80,20 @@ class AsyncClient(ClientBase):
         self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
         self._events: zmq.Socket[bytes] = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
         self._events.setsockopt(zmq.ROUTING_ID, self._core.listener.encode())
+        self._monitor: zmq.Socket[bytes] = ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
         try:
+            # Each handshake of the events connection (a reconnect: resubscribe),
+            # watched before it connects: the first one must be counted.
+            where = f"inproc://streamfence-monitor-{self._core.listener}"
+            self._events.monitor(where, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            self._monitor.connect(where)
             for sock, where in ((self._sock, endpoint), (self._events, self._core.events_endpoint)):
                 sock.setsockopt(zmq.LINGER, 0)
                 if creds is not None:
                     creds.apply(sock)
                 sock.connect(where)
-            # Each handshake of the events connection (a reconnect: resubscribe).
-            self._monitor: zmq.Socket[bytes] = ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
-            where = f"inproc://streamfence-monitor-{self._core.listener}"
-            self._events.monitor(where, zmq.EVENT_HANDSHAKE_SUCCEEDED)
-            self._monitor.connect(where)
         except BaseException:
-            self._sock.close(linger=0)
-            self._events.close(linger=0)
+            close_sockets(self._sock, self._events, self._monitor)
             raise
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching the sockets
         self._waiting: dict[str, list[asyncio.Future[None]]] = {}  # Wait.on (or ANY) -> flows
@@ -248,6 +248,9 @@ class AsyncClient(ClientBase):
         if loop is not self._loop:
             self._unwatch()
             loop.add_reader(self._monitor.FD, self._handshakes)
+            # Not only what came before: until the monitor's state is read once, a
+            # handshake reported to it raises no edge on its descriptor at all.
+            loop.call_soon(self._handshakes)
             for sock in (self._events, self._sock):
                 loop.add_reader(sock.FD, self._readable, sock)
                 loop.call_soon(self._readable, sock)  # what came before anyone watched

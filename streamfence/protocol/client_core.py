@@ -122,18 +122,23 @@ class ClientCore:
                             f"within {timeout_s:g} s")
 
     def _listen(self) -> Flow[None]:
-        """Make sure the events connection is up (until the first `listening`;
-        tasks of an AsyncClient that ask at once may each say `listen`)."""
-        if self.router.listening:
-            return
-        self.router.listen_sent()
-        yield Send([encode(listen_msg())], "listen", to_events=True)
+        """Make sure the events connection is up: until `listening`, say `listen`
+        once per connection (Router.listen_due: tasks of an AsyncClient that
+        ask at once wait for one answer), and again when the connection is
+        made again meanwhile (to a restarted sink: the one that heard it died
+        before it answered), each time with timeout_s for the answer."""
+        router = self.router
         deadline = monotonic() + self.timeout_s
-        while not self.router.listening:
-            if monotonic() >= deadline:
+        while not router.listening:
+            if router.listen_due():
+                router.listen_sent()
+                yield Send([encode(listen_msg())], "listen", to_events=True)
+                deadline = monotonic() + self.timeout_s
+            elif monotonic() >= deadline:
                 raise TimeoutError(f"no answer to listen from the events endpoint "
                                    f"{self.events_endpoint} within {self.timeout_s:g} s")
-            yield Wait(deadline, LISTENING)
+            else:
+                yield Wait(deadline, LISTENING)
 
     def _exchange(self, msg: dict[str, Any], what: str, timeout_s: float) -> Flow[dict[str, Any]]:
         """Send `msg` and return the reply that echoes its ref."""

@@ -17,7 +17,9 @@ it, without a socket, so it is shared by both flavours and testable alone:
   each handshake of that connection (`handshake`); one after the first is a
   reconnect (the daemon or its sink restarted, or the network blinked), and
   readers subscribe again from their last seq at once instead of at their
-  next probe.
+  next probe. `listen` is said once per connection (`listen_due`): again
+  after a reconnect, even to a flow still waiting for the answer to the one
+  before (a sink that died before it answered never will).
 - `cut_off`: the events socket stopped sending a call to this client after
   the seq it names (the client fell a window behind, PROTOCOL §5); the
   call's reader subscribes again from its last seq, once, when it has
@@ -179,6 +181,7 @@ class Router:
         self.listening = False  # the events socket answered `listen`
         self.handshakes = 0  # of the events connection (reported by the shell)
         self.reconnects = 0  # handshakes after the first
+        self._listened_at = -1  # `reconnects` when `listen` was last sent (-1: never)
         self.read = 0  # bytes read on the events socket since `listen` was sent
         self._acked = 0  # the `read` figure last sent in an `ack`
         self._acked_at = 0.0
@@ -229,9 +232,15 @@ class Router:
             self.reconnects += 1
             self.listening = False  # a new connection: say `listen` on it again
 
+    def listen_due(self) -> bool:
+        """No `listen` was sent since the events connection was last made: one
+        sent before is lost with the sink that heard it (or that died before)."""
+        return self._listened_at != self.reconnects
+
     def listen_sent(self) -> None:
         """`listen` went out: the daemon counts this connection's bytes afresh."""
         self.read = self._acked = 0
+        self._listened_at = self.reconnects
 
     def read_events(self, frames: list[bytes]) -> bool:
         """Route a message read on the events socket, counting its bytes."""
