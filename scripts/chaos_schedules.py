@@ -84,7 +84,7 @@ from streamfence.devtools.emulator.control import (
     EmulatorProcess,
     emulator_profile,
 )
-from streamfence.devtools.launcher import DaemonProcess
+from streamfence.devtools.launcher import DaemonExited, DaemonProcess
 from streamfence.devtools.verdict import CallRecord
 from streamfence.protocol import failpoints
 from streamfence.protocol.client import ClientError
@@ -244,6 +244,9 @@ def generate(seed: int, count: int, only: str | None) -> list[Schedule]:
     return out
 
 
+MAX_RESTARTS = 4  # starts after the first, per schedule
+
+
 # ---- one run: a daemon (restarted after a supervisor's crash), the calls --------------
 
 def _free_port() -> int:
@@ -297,6 +300,15 @@ class Run:
             self.restarts += 1
             try:
                 self.start()
+            except DaemonExited as exc:
+                # A planned crash in the start itself (the restart's recovery
+                # passes P2): start again, as systemd would; a fired point
+                # does not fire twice. Bounded: a daemon that never starts
+                # is the verdict's.
+                if self.restarts < MAX_RESTARTS:
+                    continue
+                self.start_error = f"{type(exc).__name__}: {str(exc)[:300]}"
+                return
             except Exception as exc:  # the verdict says it; the calls end lost
                 self.start_error = f"{type(exc).__name__}: {str(exc)[:300]}"
                 return
