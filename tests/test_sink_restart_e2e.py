@@ -137,3 +137,35 @@ def test_a_second_sink_death_during_the_rebinds_costs_no_request(
     # The last sink was sent nothing under a superseded number: each worker's
     # first message to it was its hello (T_HELLO first on a new connection).
     assert status["sink"]["dropped"] == 0, status["sink"]["dropped_by_verdict"]
+
+
+def test_a_sink_death_before_the_worker_connects_costs_no_request(
+        tmp_path: Path, emulator: EmulatorProcess, emu: EmulatorClient) -> None:
+    """The 200-schedule run's window (GUARANTEES, "Faults between steps"):
+    the sink authorized an attempt and dies while the supervisor stands
+    still before W_RUN. The worker's first connection then reaches the
+    restarted sink, which was told to rebind the attempt under the next
+    number: the worker must learn that number before it writes (a hello
+    first on every attempt, §2.8), or its deltas and final are refused as
+    stale and the call costs a second provider request."""
+    emu.script("early-death", [{"fault": "ok", "chunks": 20, "chunk_delay_s": 0.05}])
+    points = tmp_path / "failpoints"
+    points.mkdir()
+    daemon = DaemonProcess(
+        tmp_path / "state", {"emu": dict(profile_for("openai", emulator), stale_timeout_s=30.0)},
+        env={failpoints.ENV: "supervisor.before_dispatch=pause(1500ms)",
+             failpoints.DIR_ENV: str(points)})
+    with daemon, daemon.client(timeout_s=20.0) as client:
+        sink_pid = client.status()["processes"]["sink"]
+        call_id = client.submit("emu", request_for("openai", "early-death"))
+        wait_until(lambda: "supervisor.before_dispatch" in failpoints.hits(str(points)), 20.0,
+                   "the supervisor to stand still before W_RUN")
+        os.kill(sink_pid, signal.SIGKILL)
+        result = client.result(call_id, wait_s=30.0)
+        status = client.status()
+    assert status["counters"]["sink_restarts"] == 1
+    assert result is not None and result["status"] == "completed", result
+    assert len(emu.log("early-death")) == 1, [d["how"] for d in result["diagnostics"]]
+    assert result["response"]["content"] == emu.log("early-death")[0]["text"]
+    assert result["attempts"] == 1, result["diagnostics"]
+    assert status["sink"]["dropped"] == 0, status["sink"]["dropped_by_verdict"]

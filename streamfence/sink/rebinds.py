@@ -3,10 +3,11 @@
 After the sink (or the daemon) restarted, the supervisor rebinds each call
 it still runs (C_REBIND): the attempt `from_attempt` writes on as a new
 epoch, its answer so far reloaded from the store (what was durable; the rest
-the worker sends again), the new epoch's first seq after it. The worker,
-whose connection broke, asks how to go on (T_HELLO, named by its run's
-token) and is answered T_REBIND: as the attempt the supervisor rebound it
-to, as itself if this sink still has it open, or not at all (0).
+the worker sends again), the new epoch's first seq after it. A worker asks
+how to go on (T_HELLO, named by its run's token) when its attempt begins
+and when its connection broke, and is answered T_REBIND: as the attempt the
+supervisor rebound it to, as itself if this sink has it open, or not at
+all (0).
 
 The two may come in either order. `Rebinds` owns, per call, the rebind the
 supervisor made that its worker has not asked for yet, and the hello that
@@ -79,8 +80,8 @@ class Rebinds:
         return encode_ok(op.req, stats_to_wire(live.stats(closed=False)))
 
     def hello(self, hello: Hello, reply: Reply) -> None:
-        """T_HELLO: a worker whose connection broke asks how to go on (module
-        docstring). Until the supervisor says, it waits (the next control op
+        """T_HELLO: a worker whose attempt begins, or whose connection broke,
+        asks how to go on (module docstring). Until the supervisor says, it waits (the next control op
         for the call answers it)."""
         if self._answer_rebound(hello, reply):
             return

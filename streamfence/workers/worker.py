@@ -69,21 +69,26 @@ NOTICE = DeltaKind.NOTICE.value
 
 
 KEEP_FOR_REBIND_BYTES = 32 << 20  # an answer's frames kept to send again after a sink restart
+FIRST_ANSWER_WAIT_S = 0.25  # the first delta waits this long for the start hello's answer
 
 
 class SinkOutput:
     """The AttemptOutput of one attempt: owns its seq counter and pushes each delta
     to the sink (the per-delta hot path); touches the liveness row per chunk.
 
-    It keeps the attempt's deltas (up to KEEP_FOR_REBIND_BYTES encoded) so that,
-    when the sink dies mid-stream, it can go on at the restarted one
-    (ARCHITECTURE §2.8): it sends T_HELLO first on the new connection and holds
-    its deltas until the T_REBIND answer says under which attempt number and
-    after which seq to send them again. Answered 0, or with the deltas not
-    kept, it is `over`: it writes nothing more and the supervisor ends it."""
+    It says T_HELLO first, before the provider is asked, and holds its deltas
+    until the T_REBIND answer says under which attempt number to write: its
+    own, unless the sink it reaches restarted after authorizing it and was
+    told to rebind it (ARCHITECTURE §2.8). It keeps the attempt's deltas (up
+    to KEEP_FOR_REBIND_BYTES encoded) so that, when the sink dies mid-stream,
+    it can go on at the restarted one the same way: T_HELLO first on the new
+    connection, then the deltas after the seq the answer names. Answered 0,
+    or with the deltas not kept, it is `over`: it writes nothing more and
+    the supervisor ends it."""
 
-    __slots__ = ("_call_id", "_chan", "_kept", "_kept_bytes", "_live", "_rebinding", "_send",
-                 "_slot", "_token", "attempt", "exc", "first_chunk_ns", "over", "seq", "visible")
+    __slots__ = ("_call_id", "_chan", "_first_wait_s", "_kept", "_kept_bytes", "_live",
+                 "_rebinding", "_send", "_slot", "_token", "attempt", "exc", "first_chunk_ns",
+                 "over", "seq", "visible")
 
     def __init__(self, sink: SinkChannel, call_id: str, attempt: int, token: int,
                  live: LivenessTable, slot: int) -> None:
@@ -96,13 +101,17 @@ class SinkOutput:
         self._slot = slot
         self._kept: list[tuple[str, Any]] | None = []
         self._kept_bytes = 0
-        self._rebinding = False  # a T_HELLO is out, its answer not in yet
         self.over = False
         self.seq = 0
         self.visible = False  # any visible text yet (the failure line says so)
         self.first_chunk_ns = 0
         self.exc: BaseException | None = None
         sink.lost = False  # what broke before this attempt concerns no one
+        # The start hello: its answer is in long before the provider's first
+        # chunk, so the first delta rarely waits (and never past _first_wait_s).
+        self._first_wait_s = FIRST_ANSWER_WAIT_S
+        self._rebinding = True  # a T_HELLO is out, its answer not in yet
+        self._send(hello_frame(call_id, attempt, token))
 
     def chunk(self, nbytes: int) -> None:
         if not self.first_chunk_ns:
@@ -121,7 +130,8 @@ class SinkOutput:
             if self._kept_bytes > KEEP_FOR_REBIND_BYTES:
                 self._kept = None
         if self._rebinding or self._chan.lost or self.over:
-            self._go_on()  # held: sent again once the restarted sink answers
+            wait_s, self._first_wait_s = self._first_wait_s, 0.0
+            self._go_on(wait_s)  # held: sent once the sink answers the hello
             return
         self._send(frame)
 
@@ -129,8 +139,9 @@ class SinkOutput:
         self.exc = exc
 
     def _go_on(self, wait_s: float = 0.0) -> None:
-        """After a lost connection: say hello to the sink, and once it answers
-        send the held deltas under the attempt it names (or stop)."""
+        """While a hello is out (or after a lost connection: say hello again),
+        once the sink answers send the held deltas under the attempt it names
+        (or stop)."""
         chan = self._chan
         while not self.over:
             if chan.lost:
@@ -163,11 +174,12 @@ class SinkOutput:
                 log.warning("the restarted sink ended this attempt: it writes nothing more")
                 self.over = True
                 return
-            log.info("the sink restarted: attempt %d goes on as attempt %d after seq %d",
-                     self.attempt, new_attempt, after)
-            self.attempt = new_attempt
-            if ARMED:
-                failpoint("worker.after_rebind")
+            if new_attempt != self.attempt:
+                log.info("the sink restarted: attempt %d goes on as attempt %d after seq %d",
+                         self.attempt, new_attempt, after)
+                self.attempt = new_attempt
+                if ARMED:
+                    failpoint("worker.after_rebind")
             for seq in range(after + 1, self.seq + 1):
                 if chan.lost:
                     break  # the sink died again: its successor hears the hello first

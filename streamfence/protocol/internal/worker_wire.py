@@ -19,9 +19,9 @@ Worker -> sink:
         outcome: `outcome.outcome_to_wire(AttemptOutcome)`. Sent exactly once
         per attempt, also when the attempt failed; the worker waits for the ack.
     [T_HELLO, call_id, attempt, token]   `hello_frame` / `parse_hello`
-        Sent first on a connection opened again mid-attempt (the sink it wrote
-        to died): the worker holds its deltas until the answer. token: the
-        reservation of the worker's run (W_RUN's).
+        Sent first in every attempt, and first on a connection opened again
+        mid-attempt (the sink it wrote to died): the worker holds its deltas
+        until the answer. token: the reservation of the worker's run (W_RUN's).
 Sink -> worker (`parse_sink_reply` parses both):
     [T_FINAL_ACK, call_id, attempt, accepted: bool, reason: str]   `final_ack_frame`
         reason: "" when accepted, "repeated" for a final accepted before.
