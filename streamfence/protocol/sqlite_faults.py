@@ -7,8 +7,9 @@ content or of our SQL: the same write can succeed later (space freed, the
 lock released, the disk back, the file system remounted read-write,
 descriptors freed), so it is tried again. Each name covers its extended
 codes (SQLITE_IOERR_WRITE, SQLITE_BUSY_SNAPSHOT, SQLITE_READONLY_DBMOVED,
-...). Damage (SQLITE_CORRUPT, SQLITE_NOTADB) is none: the file is not what
-we wrote, and trying again cannot help.
+...). Damage (SQLITE_CORRUPT, SQLITE_NOTADB: `is_damage`) is none: the file
+is not what we wrote, and trying again cannot help; each store says what it
+does with it (a lasting fault, in the journal and the sink's commits).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sqlite3
 
 STORAGE_FAULTS = ("SQLITE_FULL", "SQLITE_IOERR", "SQLITE_BUSY", "SQLITE_LOCKED",
                   "SQLITE_READONLY", "SQLITE_CANTOPEN")
+DAMAGE = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
 
 
 def is_storage_fault(exc: BaseException) -> bool:
@@ -26,3 +28,9 @@ def is_storage_fault(exc: BaseException) -> bool:
         return False
     name = exc.sqlite_errorname or ""
     return any(name == f or name.startswith(f + "_") for f in STORAGE_FAULTS)
+
+
+def is_damage(exc: BaseException) -> bool:
+    """Is `exc` SQLite finding the file is not what it wrote (a damaged page)?"""
+    return isinstance(exc, sqlite3.DatabaseError) and \
+        (exc.sqlite_errorname or "").startswith(DAMAGE)

@@ -153,6 +153,8 @@ class Front:
                 self._result(identity, request)
             elif isinstance(request, Cancel):
                 self._cancel(identity, request)
+        except ProtocolError as exc:  # the journal could not be read (journal.py: `_row`)
+            self._error(identity, request.ref, exc.code, exc.message)
         except Exception:  # a bug must cost one reply, never the daemon
             log.exception("internal error while handling %s", type(request).__name__)
             self._error(identity, request.ref, ErrorCode.INTERNAL, "internal error; see the log")

@@ -107,8 +107,9 @@ class Journal:
     # ---- the unit of writes (streamfence.supervisor.journal_unit) -------------------
     @property
     def fault(self) -> StorageFault | None:
-        """The storage fault the unit waits out (None: none); submits are refused meanwhile."""
-        return self._unit.fault
+        """The storage fault the unit waits out, or the damage it met (None:
+        none); submits are refused meanwhile."""
+        return self._unit.fault or self._unit.damage
 
     @property
     def retry_due(self) -> float | None:
@@ -202,17 +203,25 @@ class Journal:
                 self._unit.write(call_id, "DELETE FROM calls WHERE call_id = ?", (call_id,))
         return written
 
+    def _row(self, sql: str, params: tuple[Any, ...]) -> Any:
+        """One row of a read, or None. A storage fault or damage met here is
+        raised as a ProtocolError with its code (the request is refused with
+        it; journal_unit: `read_failed`)."""
+        try:
+            return self._db.execute(sql, params).fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise self._unit.read_failed(exc) from None
+
     def call_by_idempotency_key(self, owner: str, key: str) -> str | None:
         """Idempotency keys are scoped to their owner: another identity's key is
         another key."""
-        row = self._db.execute("SELECT call_id FROM calls WHERE owner = ? AND "
-                               "idempotency_key = ?", (owner, key)).fetchone()
+        row = self._row("SELECT call_id FROM calls WHERE owner = ? AND idempotency_key = ?",
+                        (owner, key))
         return None if row is None else str(row[0])
 
     def owner_of(self, call_id: str) -> str | None:
         """The identity that submitted `call_id`, or None if there is no such call."""
-        row = self._db.execute("SELECT owner FROM calls WHERE call_id = ?",
-                               (call_id,)).fetchone()
+        row = self._row("SELECT owner FROM calls WHERE call_id = ?", (call_id,))
         return None if row is None else str(row[0])
 
     def start_attempt(self, call_id: str, attempt: int) -> None:
@@ -261,8 +270,7 @@ class Journal:
 
     def is_moved(self, call_id: str) -> bool:
         """Cluster mode: another host owns the call now (calls.MOVED)."""
-        row = self._db.execute("SELECT status FROM calls WHERE call_id = ?",
-                               (call_id,)).fetchone()
+        row = self._row("SELECT status FROM calls WHERE call_id = ?", (call_id,))
         return row is not None and row[0] == "moved"
 
     def take_back(self, call_id: str) -> None:
@@ -276,7 +284,7 @@ class Journal:
     def is_finished(self, call_id: str) -> bool:
         if call_id in self._unit.finishing:  # finished in the unit not yet committed
             return True
-        row = self._db.execute("SELECT state FROM calls WHERE call_id = ?", (call_id,)).fetchone()
+        row = self._row("SELECT state FROM calls WHERE call_id = ?", (call_id,))
         return row is not None and row[0] == "done"
 
     def unfinished(self) -> list[JournaledCall]:
@@ -303,10 +311,17 @@ class Journal:
         return calls
 
     def attempts_of(self, call_id: str) -> list[dict[str, Any]]:
-        cur = self._db.execute("SELECT * FROM attempts WHERE call_id = ? ORDER BY attempt",
-                               (call_id,))
-        names = [d[0] for d in cur.description]
-        return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+        """The call's attempts (a result's diagnostics); none if they cannot be
+        read (a storage fault or damage: noted, and the result goes out without)."""
+        try:
+            cur = self._db.execute("SELECT * FROM attempts WHERE call_id = ? ORDER BY attempt",
+                                   (call_id,))
+            names = [d[0] for d in cur.description]
+            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+        except sqlite3.DatabaseError as exc:
+            if self._unit.read_failed(exc) is exc:
+                raise  # neither a storage fault nor damage: a bug
+            return []
 
     # ---- retention ---------------------------------------------------------------
 
@@ -343,8 +358,12 @@ class Journal:
         try:
             removed = self.prune(time.time() - retention_days * 86400.0,
                                  budget_s=PRUNE_BUDGET_S)
-        except sqlite3.OperationalError as exc:
-            log.warning("journal: pruning finished calls failed (will retry): %s", exc)
+        except sqlite3.DatabaseError as exc:
+            if self._unit.read_failed(exc) is exc and \
+                    not isinstance(exc, sqlite3.OperationalError):
+                raise  # neither a storage fault nor damage: a bug
+            if self._unit.damage is None:  # damage is logged once, and stops the prunes
+                log.warning("journal: pruning finished calls failed (will retry): %s", exc)
             return 0
         if self.prune_more:
             self._prune_due = now + PRUNE_BACKLOG_S

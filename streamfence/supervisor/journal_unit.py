@@ -20,9 +20,17 @@ after `retry_due` writes the kept unit again in one transaction (back-off
 from `RETRY_FIRST_S` to `RETRY_MAX_S`) until it commits. The calls the
 failed unit added were never accepted: their writes are dropped, and
 `take_refused` names them for the front to refuse (with the fault's code),
-as it refuses every submit while the fault lasts. Damage (SQLITE_CORRUPT,
-"not a database") is no such fault: it raises, and the daemon exits with
-the error.
+as it refuses every submit while the fault lasts.
+
+Damage (SQLITE_CORRUPT, "not a database": a page that is not what SQLite
+wrote, met by a write or a read the start did not make) is a storage fault
+too, with `storage_error`, and a lasting one: the unit's writes are kept and
+retried as above (a write that does not touch the damaged page commits),
+but `damage` stays set until the daemon stops, so every submit is refused
+meanwhile (a new call's row would meet the page again, or the next one's);
+running calls go on (their done events are in the transcript). It is logged
+once, at ERROR, with the file and what to do; a read that meets it
+(`read_failed`) is refused with it, never raised as SQLite's error.
 """
 
 from __future__ import annotations
@@ -37,8 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamfence.protocol import retention
-from streamfence.protocol.errors import ErrorCode
-from streamfence.protocol.sqlite_faults import is_storage_fault
+from streamfence.protocol.errors import ErrorCode, ProtocolError
+from streamfence.protocol.sqlite_faults import is_damage, is_storage_fault
 from streamfence.supervisor.journal_file import PROBE
 from streamfence.supervisor.journal_sync import WalSyncer
 
@@ -57,11 +65,18 @@ class StorageFault:
     code: ErrorCode
     message: str
     since: float  # monotonic
+    damage: bool = False  # the file is damaged (module docstring), not the disk or a lock
 
 
 def storage_fault(path: str, exc: sqlite3.Error) -> StorageFault | None:
-    """The fault `exc` is (protocol/sqlite_faults.py: `is_storage_fault`), or None if it
-    is no storage fault (damage, a bug)."""
+    """The fault `exc` is (protocol/sqlite_faults.py: `is_storage_fault`, or
+    damage), or None if it is none (a bug)."""
+    if is_damage(exc):
+        return StorageFault(ErrorCode.STORAGE_ERROR, f"{path} is damaged ({exc}): no new "
+                            f"calls are accepted, running calls go on; stop the daemon, run "
+                            f"`streamfence check`, then restore the file from a backup, or "
+                            f"move the state dir away to start clean", time.monotonic(),
+                            damage=True)
     if not is_storage_fault(exc):
         return None
     name = exc.sqlite_errorname or ""
@@ -95,6 +110,7 @@ class WriteUnit:
         self._unit: list[tuple[str | None, str, tuple[Any, ...]]] = []  # (call, sql, params)
         self._unit_calls: dict[str, bool] = {}  # calls the unit adds: in a file?
         self.fault: StorageFault | None = None
+        self.damage: StorageFault | None = None  # met once: set until the daemon stops
         self._retry_due = 0.0
         self._retry_wait = RETRY_FIRST_S
         self._reminded = 0.0
@@ -104,7 +120,7 @@ class WriteUnit:
     def adds(self, call_id: str, in_file: bool) -> bool:
         """A new call's writes come next; False if it is refused at once (the
         unit is faulted: the front refuses submits meanwhile; so does this)."""
-        if self.fault is not None:
+        if self.fault is not None or self.damage is not None:
             self._refused.append(call_id)
             return False
         self._unit_calls[call_id] = in_file
@@ -133,14 +149,35 @@ class WriteUnit:
                 self._db.execute("BEGIN")
                 self._in_tx = True
             self._db.execute(sql, params)
-        except sqlite3.OperationalError as exc:
+        except sqlite3.DatabaseError as exc:
             self._failed(exc)
 
-    def _failed(self, exc: sqlite3.OperationalError) -> None:
+    def _damaged(self, fault: StorageFault) -> bool:
+        """Note damage (module docstring): logged the first time only. False:
+        `fault` is no damage."""
+        if not fault.damage:
+            return False
+        if self.damage is None:
+            self.damage = fault
+            log.error("journal: %s", fault.message)
+        return True
+
+    def read_failed(self, exc: sqlite3.DatabaseError) -> Exception:
+        """What a read of the journal that raised `exc` raises instead: a
+        ProtocolError with the fault's code for a storage fault or damage (the
+        request that read is refused with it), else `exc` itself (a bug)."""
+        fault = storage_fault(self._path, exc)
+        if fault is None:
+            return exc
+        self._damaged(fault)
+        return ProtocolError(fault.code, fault.message)
+
+    def _failed(self, exc: sqlite3.DatabaseError) -> None:
         """The unit could not be written: roll it back, keep it, refuse its new calls."""
         fault = storage_fault(self._path, exc)
         if fault is None:
             raise exc
+        damaged = self._damaged(fault)
         retention.rollback_if_open(self._db)  # after SQLITE_FULL SQLite may have done it
         self._in_tx = False
         if self._unit_calls:
@@ -153,8 +190,9 @@ class WriteUnit:
         if self.fault is None:
             self.fault = fault
             self._reminded = fault.since
-            log.error("journal: %s; %d write(s) kept and retried, %d new call(s) refused",
-                      fault.message, len(self._unit), len(self._refused))
+            if not damaged:  # damage was logged once, by `_damaged`
+                log.error("journal: %s; %d write(s) kept and retried, %d new call(s) refused",
+                          fault.message, len(self._unit), len(self._refused))
         self._retry_due = time.monotonic() + self._retry_wait
         self._retry_wait = min(self._retry_wait * 2, RETRY_MAX_S)
 
@@ -166,11 +204,12 @@ class WriteUnit:
 
     def fault_view(self) -> dict[str, Any] | None:
         """The fault for `status` (nil: none): its code, message, how long so far
-        and how many writes wait for it."""
-        if self.fault is None:
+        and how many writes wait for it. Damage shows while it lasts."""
+        fault = self.fault or self.damage
+        if fault is None:
             return None
-        return {"code": self.fault.code.value, "message": self.fault.message,
-                "for_s": round(time.monotonic() - self.fault.since, 1),
+        return {"code": fault.code.value, "message": fault.message,
+                "for_s": round(time.monotonic() - fault.since, 1),
                 "writes_kept": len(self._unit)}
 
     @property
@@ -188,7 +227,7 @@ class WriteUnit:
             for _, sql, params in self._unit or [(None, PROBE, (time.time(),))]:
                 self._db.execute(sql, params)
             self._db.execute("COMMIT")
-        except sqlite3.OperationalError as exc:
+        except sqlite3.DatabaseError as exc:
             self._failed(exc)
             now = time.monotonic()
             if self.fault is not None and now - self._reminded >= REMIND_EVERY_S:
@@ -197,8 +236,10 @@ class WriteUnit:
                           now - self.fault.since, exc, len(self._unit))
             return False
         assert self.fault is not None
-        log.warning("journal: %s writable again after %.1fs; %d kept write(s) committed",
-                    self._path, time.monotonic() - self.fault.since, len(self._unit))
+        # Damage stays (`damage`): what is written again is not news to log.
+        (log.debug if self.damage is not None else log.warning)(
+            "journal: %s writable again after %.1fs; %d kept write(s) committed",
+            self._path, time.monotonic() - self.fault.since, len(self._unit))
         self.fault = None
         self._retry_wait = RETRY_FIRST_S
         return True
@@ -216,7 +257,7 @@ class WriteUnit:
             try:
                 self._db.execute("COMMIT")
                 committed = True
-            except sqlite3.OperationalError as exc:
+            except sqlite3.DatabaseError as exc:
                 self._failed(exc)
             self._in_tx = False
         if committed:
