@@ -6,9 +6,10 @@ it, without a socket, so it is shared by both flavours and testable alone:
 
 - a message with a string `ref` is a reply. It is kept for the request that
   is waiting for that ref; a reply whose request gave up (timed out) is
-  discarded. An `error` answering a `subscribe` is kept on that call's stream,
-  so `events()` raises it.
-- an `error` with `ref: nil` is an answer the daemon could not attribute (it
+  discarded. An `error` answering a `subscribe`, or one with `ref: nil` and a
+  `call_id` (a replay that failed), is kept on that call's stream, so
+  `events()` raises it.
+- any other `error` with `ref: nil` is an answer the daemon could not attribute (it
   could not read the request: `bad_frame`, `too_large`, a missing or invalid
   ref). It goes to a raw request waiting for exactly that, or else to the only
   request outstanding, or is logged and discarded.
@@ -376,8 +377,10 @@ class Router:
         if isinstance(ref, str):
             return self._route_reply(ref, msg)
         if ref is None and op == Op.ERROR:
-            return self._route_unattributed(msg)
-        if ref is None and op in _EVENT_OPS:
+            if not isinstance(msg.get("call_id"), str):
+                return self._route_unattributed(msg)
+            self._call_error(msg["call_id"], msg, "replay of")  # PROTOCOL §5
+        elif ref is None and op in _EVENT_OPS:
             self._route_event(msg)
         elif ref is None and op == Op.LISTENING:
             self.listening = True
@@ -408,12 +411,15 @@ class Router:
         call_id = self._subscribe_refs.pop(ref, None)
         if call_id is not None:
             if msg.get("op") == Op.ERROR:
-                self.stream(call_id).error = ClientError(
-                    str(msg.get("code")), f"subscribe to call {call_id}: {msg.get('message')}", msg)
-                self.woken.add(call_id)
+                self._call_error(call_id, msg, "subscribe to")
             return False
         log.debug("reply op=%r ref=%s to a request that gave up, discarded", msg.get("op"), ref)
         return False
+
+    def _call_error(self, call_id: str, msg: dict[str, Any], what: str) -> None:
+        self.stream(call_id).error = ClientError(
+            str(msg.get("code")), f"{what} call {call_id}: {msg.get('message')}", msg)
+        self.woken.add(call_id)
 
     def _route_unattributed(self, msg: dict[str, Any]) -> bool:
         if self._raw_waiters:

@@ -13,13 +13,26 @@ robin, so no replay holds the loop. A replay that finds nothing more stored
 after its seq has caught up: once everything accepted for the call is
 stored (a commit first, if events wait), the listener joins the live feed,
 so it gets no gap and no repeat; for an ended call the replay just ends.
+
+A replay whose read fails (a damaged page of transcript.db, or a stored body
+that is not the events the sink wrote) ends there: its listener is sent an
+`error` event naming the call, the last seq it was sent and `storage_error`
+(PROTOCOL §5), the failure is counted (`damaged`) and logged once per sink
+with the file and what to do, and the sink goes on serving everything else.
 """
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 import time
 
+import msgpack
+
+from streamfence.protocol.codec import encode
+from streamfence.protocol.errors import ErrorCode
 from streamfence.protocol.internal.control import FROM_NOW, AddSubscriber, encode_ok, encode_refused
+from streamfence.protocol.messages import error_msg
 from streamfence.sink.calls import Calls
 from streamfence.sink.commits import Commits
 from streamfence.sink.store import TranscriptStore
@@ -27,6 +40,11 @@ from streamfence.sink.subscribers import Listeners
 
 REPLAY_BUDGET_S = 0.002  # time spent per loop turn, at most ...
 REPLAY_ROWS = 8  # ... in slices of this many stored rows (each up to COMMIT_EVERY events)
+# What a read of damaged storage raises: SQLite's error, or msgpack's on a
+# body that is not what was written (an overwritten overflow page).
+READ_ERRORS = (sqlite3.DatabaseError, msgpack.UnpackException, ValueError)
+
+log = logging.getLogger("streamfence.sink")
 
 
 class Replay:
@@ -50,6 +68,7 @@ class Replays:
         self._commits = commits
         self._listeners = listeners
         self.active: dict[tuple[bytes, str], Replay] = {}
+        self.damaged = 0  # replays ended by a read that failed (module docstring)
 
     def subscribe(self, op: AddSubscriber) -> bytes:
         """C_SUBSCRIBE (module docstring)."""
@@ -67,7 +86,11 @@ class Replays:
             return encode_ok(op.req, None)
         if op.from_seq == FROM_NOW:
             return encode_ok(op.req, None)  # ended: nothing comes from now on
-        if op.from_seq == 0 and not self._store.events_after(op.call_id, 0, max_rows=1):
+        try:
+            gone = op.from_seq == 0 and not self._store.events_after(op.call_id, 0, max_rows=1)
+        except READ_ERRORS:
+            gone = False  # the replay meets it again and says so (`_failed`)
+        if gone:
             # Pruned by retention before the journal's row: the call no longer exists.
             return encode_refused(op.req, f"unknown_call: no event of call {op.call_id} is stored")
         self.active[key] = Replay(op.from_seq, follow=False)
@@ -87,7 +110,11 @@ class Replays:
             if listeners.room(listener) <= 0:
                 active[key] = replay
                 continue
-            events = self._store.events_after(call_id, replay.seq, max_rows=REPLAY_ROWS)
+            try:
+                events = self._store.events_after(call_id, replay.seq, max_rows=REPLAY_ROWS)
+            except READ_ERRORS as exc:
+                self._failed(listener, call_id, replay.seq, exc)
+                continue
             if events:
                 sent = listeners.replay(listener, events)
                 if sent >= 0:  # else not connected: the replay ends, nothing follows
@@ -99,6 +126,21 @@ class Replays:
                 active[key] = replay
                 more = True
         return more
+
+    def _failed(self, listener: bytes, call_id: str, seq: int, exc: Exception) -> None:
+        """The replay's read failed: it ends with an `error` event to its listener."""
+        self.damaged += 1
+        what = f"{type(exc).__name__}: {exc}"
+        if self.damaged == 1:
+            log.error("sink: %s is damaged: replaying call %s after seq %d failed (%s); "
+                      "the listener is sent storage_error, other calls are served; stop the "
+                      "daemon, run `streamfence check`, then restore the file from a backup",
+                      self._store.path, call_id, seq, what)
+        self._listeners.replay(listener, [encode(dict(
+            error_msg(None, ErrorCode.STORAGE_ERROR,
+                      f"the stored events of call {call_id} after seq {seq} cannot be read: "
+                      f"the daemon's transcript is damaged ({what})"),
+            call_id=call_id, seq=seq))])
 
     def _caught_up(self, key: tuple[bytes, str], replay: Replay) -> bool:
         """Nothing more is stored after the replay's seq: the listener joins the

@@ -21,6 +21,7 @@ import logging
 import sqlite3
 import time
 
+from streamfence.protocol.sqlite_faults import is_damage
 from streamfence.sink.commits import Commits
 from streamfence.sink.store import TranscriptStore
 
@@ -61,7 +62,9 @@ class Retention:
         older_than = time.time() - self.retention_s - prune_grace_s(self.retention_s)
         try:
             removed = store.prune(older_than, budget_s=PRUNE_BUDGET_S)
-        except sqlite3.OperationalError as exc:  # a storage fault, say: not waited out here
+        except sqlite3.DatabaseError as exc:  # a storage fault or damage: not waited out here
+            if not (isinstance(exc, sqlite3.OperationalError) or is_damage(exc)):
+                raise
             if not self.failing:  # once per run of failures: a full disk fails each try
                 log.warning("sink: pruning finished calls from %s failed (tried again every "
                             "%g s): %s (%s)", store.path, PRUNE_EVERY_S,

@@ -117,6 +117,7 @@ class SinkState:
             "attempts_rebound": self.rebinds.count,
             "subscribed_calls": sum(1 for lv in self.calls.lives.values() if lv.subs),
             "replays": len(self.replays.active),
+            "replays_damaged": self.replays.damaged,  # ended by a read that failed
             # The storage fault the store is waiting out (sink/store.py), if
             # any: SQLite's error and since when (wall clock); and how many
             # writes were tried again after one, since the start.

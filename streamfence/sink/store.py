@@ -36,8 +36,18 @@ sink's (sink/process.py): it answers C_STATS meanwhile, so `status` shows
 the fault (`fault`, `fault_since`, `retries`), and returns True when a stop
 was asked: the write is then given up with `StoreStopped`. C_STATS's own
 commit is `commit(wait=False)`: one try. Opening the file (schema created or
-upgraded) retries the same way. Damage (SQLITE_CORRUPT, SQLITE_NOTADB) is no
-storage fault: logged in one line and raised.
+upgraded) retries the same way.
+
+Damage (SQLITE_CORRUPT, SQLITE_NOTADB: a page that is not what SQLite wrote)
+met by a commit is waited out the same way, as a storage fault that only
+the operator ends: a sink that exited on it would be restarted onto the same
+page, again and again, where this one keeps every event it was sent, shows
+the fault in `status` and says once which file and what to do (the next
+start's check, supervisor/storepair.py, refuses the file by name). Damage
+met at open is raised, in one line: the start's check did not read it (a
+file over its size cap), and a sink that cannot open its file has nothing
+to keep. A replay's read that meets damage ends that replay only
+(sink/replays.py).
 """
 
 from __future__ import annotations
@@ -48,7 +58,7 @@ import time
 from collections.abc import Callable
 
 from streamfence.protocol import retention
-from streamfence.protocol.sqlite_faults import is_storage_fault
+from streamfence.protocol.sqlite_faults import is_damage, is_storage_fault
 from streamfence.sink import transcript
 from streamfence.sink.checkpoints import Checkpointer
 from streamfence.sink.transcript import SCHEMA_VERSION, CallRow, Row
@@ -64,7 +74,6 @@ BUSY_TIMEOUT_S = 2.0
 RETRY_FIRST_S = 0.05  # a write that met a storage fault is tried again after this ...
 RETRY_MAX_S = 1.0  # ... doubling up to this
 REMIND_EVERY_S = 30.0  # a lasting fault is logged again this often
-_DAMAGE = ("SQLITE_CORRUPT", "SQLITE_NOTADB")  # never retried: the file is not what we wrote
 
 log = logging.getLogger("streamfence.sink.store")
 
@@ -192,8 +201,12 @@ class TranscriptStore:
         while True:
             try:
                 write()
-            except sqlite3.OperationalError as exc:
-                if not is_storage_fault(exc):
+            except sqlite3.DatabaseError as exc:
+                damaged = is_damage(exc)
+                if not (is_storage_fault(exc) or (damaged and events is not None)):
+                    if damaged:
+                        log.error("sink: %s is damaged: %s; the sink stops (`streamfence "
+                                  "check` names what is wrong)", self.path, _error(exc))
                     raise
                 self._faulted(exc, held)
                 if not wait:
@@ -205,11 +218,6 @@ class TranscriptStore:
                 self.retries += 1
                 pause = min(pause * 2, RETRY_MAX_S)
                 continue
-            except sqlite3.DatabaseError as exc:
-                if (exc.sqlite_errorname or "").startswith(_DAMAGE):
-                    log.error("sink: %s is damaged: %s; the sink stops (`streamfence check` "
-                              "names what is wrong)", self.path, _error(exc))
-                raise
             if self.fault is not None:
                 log.warning("sink: %s writable again after %.1f s (%d tries); %s", self.path,
                             time.monotonic() - self._fault_start, self._fault_tries + 1,
@@ -217,7 +225,7 @@ class TranscriptStore:
                 self.fault = self.fault_since = None
             return True
 
-    def _faulted(self, exc: sqlite3.OperationalError, held: Callable[[], str]) -> None:
+    def _faulted(self, exc: sqlite3.DatabaseError, held: Callable[[], str]) -> None:
         """A try met a storage fault: the first is logged at ERROR, a lasting one
         again every REMIND_EVERY_S."""
         now = time.monotonic()
@@ -225,7 +233,11 @@ class TranscriptStore:
             self._fault_start = self._reminded = now
             self._fault_tries = 0
             self.fault_since = time.time()
-            log.error("sink: cannot write %s: %s; %s; retrying", self.path, _error(exc), held())
+            damaged = "" if is_storage_fault(exc) else (
+                " (the file is damaged: stop the daemon, run `streamfence check`, then restore "
+                "it from a backup, or move the state dir away to start clean)")
+            log.error("sink: cannot write %s: %s%s; %s; retrying", self.path, _error(exc),
+                      damaged, held())
         elif now - self._reminded >= REMIND_EVERY_S:
             self._reminded = now
             log.warning("sink: %s still not writable after %.0f s: %s; %s; retrying",
