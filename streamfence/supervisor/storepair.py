@@ -10,7 +10,12 @@ generation into both. A pair the daemon must not start on raises
 `StoreError`, one line naming the file and the fix:
 
 - a -wal file with a damaged frame (streamfence.supervisor.walframes);
-- a file SQLite finds damaged ("malformed", "not a database");
+- a file SQLite finds damaged ("malformed", "not a database"), in what the
+  check reads or in SQLite's `PRAGMA quick_check` of every page (`pages`),
+  made at each start on a file of up to `QUICK_CHECK_MAX_BYTES` (measured:
+  about 1.2 ms per MiB from the page cache, 55 ms for a 42 MiB journal of
+  10,000 calls, 150 ms for its 120 MiB transcript; a larger file is left
+  to `streamfence check`, and the start logs so);
 - different store ids (files of two state dirs);
 - one file with a store id while the other is missing, empty or without one
   (deleted, truncated or replaced), except what a first start that died
@@ -36,6 +41,7 @@ which would destroy what a refusal must leave for the operator.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import shutil
@@ -62,6 +68,10 @@ PRUNED_THROUGH = "pruned_through"
 PRUNE_SLACK_S = 60.0
 FIX = "restore it from a backup, or move the state dir away to start clean"
 LOW_SPACE_BYTES = 1 << 20  # an error opening a file on a disk with less free is "full"
+QUICK_CHECK_MAX_BYTES = 256 << 20  # a start checks every page of a file up to this size
+_SHOWN = 3  # quick_check's problems named in a refusal, at most
+
+log = logging.getLogger("streamfence.supervisor")
 
 
 def _free_bytes(path: str) -> int | None:
@@ -175,6 +185,30 @@ def read_facts(path: str) -> FileFacts:
     except (TypeError, ValueError):
         raise StoreError(f"{path} is damaged (its meta rows are not what this daemon wrote: "
                          f"{meta!r}): {FIX}") from None
+
+
+def pages(facts: FileFacts) -> None:
+    """StoreError if SQLite's quick_check finds a damaged page in the file
+    (module docstring); a file over QUICK_CHECK_MAX_BYTES is not checked."""
+    if facts.blank:
+        return
+    size = os.path.getsize(facts.path) + (os.path.getsize(facts.path + "-wal")
+                                          if os.path.exists(facts.path + "-wal") else 0)
+    if size > QUICK_CHECK_MAX_BYTES:
+        log.info("stores: %s is %d MiB: its pages are not checked at start (over %d MiB); "
+                 "`streamfence check` checks them with the daemon stopped", facts.path,
+                 size >> 20, QUICK_CHECK_MAX_BYTES >> 20)
+        return
+    with reading(facts.path):
+        db = open_read_only(facts.path)
+        try:
+            problems = [" ".join(str(r[0]).split()) for r in db.execute("PRAGMA quick_check")]
+        finally:
+            db.close()
+    if problems != ["ok"]:
+        more = f" (+{len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
+        raise StoreError(f"{facts.path} is damaged (quick_check: "
+                         f"{'; '.join(problems[:_SHOWN])}{more}): {FIX}")
 
 
 _BEHIND = """
@@ -295,6 +329,8 @@ def check(state_dir: Path, cluster: bool = False) -> Pairing:
     # journal read second is never behind it (were a daemon writing both).
     transcript = read_facts(transcript_path)
     journal = read_facts(journal_path)
+    pages(transcript)
+    pages(journal)
     return judge(journal, transcript, None if cluster else behind(journal, transcript))
 
 
