@@ -13,6 +13,7 @@ the -wal frame check (`supervisor/walframes.py`) on real SQLite files.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import sqlite3
@@ -28,7 +29,8 @@ import psutil
 import pytest
 
 from streamfence.devtools.emulator.control import EmulatorProcess
-from streamfence.sink.store import TranscriptStore
+from streamfence.protocol.errors import ErrorCode, ProtocolError
+from streamfence.sink.store import StoreStopped, TranscriptStore
 from streamfence.supervisor import storepair, walframes
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.storepair import FileFacts, StoreError
@@ -622,3 +624,132 @@ def test_wal_with_a_damaged_header_is_found(tmp_path: Path) -> None:
         f.write(b"\x01\x02\x03\x04")  # salt-1
     found = walframes.damaged_frame(str(wal))
     assert found is not None and "header" in found, found
+
+
+# ---- damage met at run time (issue 29, item 7): a storage fault, never a crash --------
+# What the start does not read (an index a new row goes into, the attempts a
+# result reads) is met by the running daemon; `tests/test_damage_at_run_time_e2e.py`
+# shows the same with a real daemon.
+
+
+def _damaged_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+
+
+def test_a_write_that_meets_a_damaged_journal_page_is_a_lasting_storage_error(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "journal.db"
+    journal = Journal(str(path))
+    _add(journal, "old", 1)
+    journal.close()
+    # (owner, idempotency_key): every new call's row goes into it, nothing else reads it.
+    _scribble_page(path, _root_page(path, "sqlite_autoindex_calls_2"))
+    caplog.set_level(logging.INFO, logger="streamfence.journal")
+    journal = Journal(str(path))  # opening does not read it
+    try:
+        for n in range(3):
+            assert journal.add_call(f"new{n}", "local", None, None, "emu", {"model": "m"},
+                                    {}) is False
+            journal.commit()
+            fault = journal.fault
+            assert fault is not None and fault.code is ErrorCode.STORAGE_ERROR, fault
+            assert journal.take_refused() == [f"new{n}"]
+        assert fault.message.startswith(f"{path} is damaged (database disk image is "
+                                         "malformed): no new calls are accepted"), fault.message
+        assert "run `streamfence check`" in fault.message and "backup" in fault.message
+        # The running call's writes do not touch that page: they commit; the damage stays.
+        journal.end_attempt("old", 1, "ended", None)
+        journal.finish_call("old", "completed")
+        journal.commit(retry_now=True)
+        assert journal.is_finished("old")
+        assert journal.fault is fault
+        view = journal.fault_view()
+        assert view is not None and view["code"] == "storage_error", view
+        assert journal.prune_tick(1.0) == 0  # no prune on a damaged file
+    finally:
+        journal.close()
+    assert _meta_rows(path, "SELECT state FROM calls WHERE call_id = 'old'") == [("done",)]
+    assert len(_damaged_lines(caplog)) == 1, caplog.text  # once, not per refused submit
+
+
+def _meta_rows(path: Path, sql: str) -> list[tuple[Any, ...]]:
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return db.execute(sql).fetchall()
+    finally:
+        db.close()
+
+
+def test_a_read_that_meets_a_damaged_journal_page_is_refused_not_raised(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "journal.db"
+    journal = Journal(str(path))
+    _add(journal, "old", 1)
+    journal.close()
+    _scribble_page(path, _root_page(path, "attempts"))  # a result's diagnostics
+    _scribble_page(path, _root_page(path, "sqlite_autoindex_calls_1"))  # a call by its id
+    caplog.set_level(logging.INFO, logger="streamfence.journal")
+    journal = Journal(str(path))
+    try:
+        assert journal.attempts_of("old") == []  # the result goes out without them
+        for _ in range(2):
+            with pytest.raises(ProtocolError) as refused:
+                journal.owner_of("old")
+            assert refused.value.code is ErrorCode.STORAGE_ERROR
+            assert "journal.db is damaged" in refused.value.message
+        assert journal.fault is not None and journal.fault.code is ErrorCode.STORAGE_ERROR
+    finally:
+        journal.close()
+    assert len(_damaged_lines(caplog)) == 1, caplog.text
+
+
+def test_a_transcript_commit_that_meets_damage_waits_it_out(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """As a storage fault: the events are kept, `status` shows it, and the
+    sink is not restarted onto the same page again and again."""
+    path = tmp_path / "transcript.db"
+    store = TranscriptStore(str(path), background_checkpoints=False)
+    store.add("c-old", 1, 1, 1, "done", b"\x80")
+    store.commit()
+    store.close()
+    _scribble_page(path, _root_page(path, "events_by_call"))  # every new event goes in it
+    caplog.set_level(logging.INFO, logger="streamfence.sink.store")
+    tries: list[float] = []
+
+    def pause(seconds: float) -> bool:
+        tries.append(seconds)
+        return len(tries) == 3  # then a stop is asked
+
+    store = TranscriptStore(str(path), background_checkpoints=False, pause=pause)
+    try:
+        store.add("c-new", 1, 1, 1, "done", b"\x80")
+        with pytest.raises(StoreStopped, match="SQLITE_CORRUPT"):
+            store.commit()
+        assert store.fault is not None and store.fault.startswith("SQLITE_CORRUPT"), store.fault
+    finally:
+        store.close()
+    assert tries == [0.05, 0.1, 0.2]
+    lines = _damaged_lines(caplog)
+    assert len(lines) == 1 and str(path) in lines[0] and "streamfence check" in lines[0], lines
+
+
+def test_the_start_refuses_damage_only_quick_check_reads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    journal, transcript = _pair(tmp_path)
+    _add(journal, "c1", 1)
+    transcript.set_epoch("c1", 1)
+    transcript.commit()
+    journal.close()
+    transcript.close()
+    path = tmp_path / "journal.db"
+    _scribble_page(path, _root_page(path, "sqlite_autoindex_calls_2"))
+    with pytest.raises(StoreError) as refused:
+        storepair.check(tmp_path)
+    assert f"{path} is damaged" in str(refused.value), refused.value
+    assert storepair.FIX in str(refused.value)
+    # A file over the cap is left to `streamfence check`, and the start says so.
+    caplog.set_level(logging.INFO, logger="streamfence.supervisor")
+    monkeypatch.setattr(storepair, "QUICK_CHECK_MAX_BYTES", 0)
+    assert storepair.check(tmp_path).generation == 2
+    assert "its pages are not checked at start" in caplog.text, caplog.text
