@@ -48,6 +48,7 @@ statements.
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import sqlite3
@@ -57,7 +58,9 @@ from typing import Any, NamedTuple
 import msgpack
 
 from streamfence.protocol import retention
+from streamfence.protocol.errors import ErrorCode, ProtocolError
 from streamfence.protocol.internal.control import AttemptStats
+from streamfence.protocol.sqlite_faults import is_damage, is_storage_fault
 from streamfence.sink.content import Content
 
 SCHEMA_VERSION = 2
@@ -97,6 +100,9 @@ PRUNE_DELETES = ("DELETE FROM events WHERE call_id = ?", "DELETE FROM calls WHER
 PRUNE_BATCH = retention.BATCH  # finished calls deleted per transaction, at most
 
 Row = tuple[str, int, int, int, str, int, bytes]  # an events row: EVENT_COLUMNS
+
+log = logging.getLogger("streamfence.transcript")
+_DAMAGE_LOGGED: set[str] = set()  # files whose damage `stored_done` logged (once each)
 
 
 class CallRow(NamedTuple):
@@ -263,12 +269,29 @@ def visible_stats(db_path: str, call_id: str, first: int, epoch: int) -> Attempt
 
 
 def stored_done(db_path: str, call_id: str) -> dict[str, Any] | None:
-    """One-shot read of a finished call's done event, decoded (None: none stored)."""
-    reader = TranscriptReader(db_path)
+    """One-shot read of a finished call's done event, decoded (None: none
+    stored). A file that cannot be read (damage, a storage fault) raises a
+    ProtocolError with `storage_error` naming it: the request that asked is
+    refused with it; damage is logged once per file."""
     try:
-        frame = reader.done_event(call_id)
-    finally:
-        reader.close()
+        reader = TranscriptReader(db_path)
+        try:
+            frame = reader.done_event(call_id)
+        finally:
+            reader.close()
+    except sqlite3.DatabaseError as exc:
+        if not (is_damage(exc) or is_storage_fault(exc)):
+            raise
+        if not is_damage(exc):
+            raise ProtocolError(ErrorCode.STORAGE_ERROR, f"{db_path} cannot be read "
+                                f"({exc}); retry later") from None
+        message = (f"{db_path} is damaged ({exc}): the done event of call {call_id} cannot "
+                   f"be read; stop the daemon, run `streamfence check`, then restore the "
+                   f"file from a backup")
+        if db_path not in _DAMAGE_LOGGED:
+            _DAMAGE_LOGGED.add(db_path)
+            log.error("%s", message)
+        raise ProtocolError(ErrorCode.STORAGE_ERROR, message) from None
     if frame is None:
         return None
     done: dict[str, Any] = msgpack.unpackb(frame, raw=False)
