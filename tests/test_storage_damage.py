@@ -25,15 +25,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import psutil
 import pytest
 
 from streamfence.devtools.emulator.control import EmulatorProcess
 from streamfence.protocol.errors import ErrorCode, ProtocolError
+from streamfence.protocol.internal.control import R_OK, AddSubscriber
+from streamfence.sink.state import SinkState
 from streamfence.sink.store import StoreStopped, TranscriptStore
 from streamfence.supervisor import storepair, walframes
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.storepair import FileFacts, StoreError
+from tests.fakes import Nobody
 from tests.harness import DaemonProcess, wait_until
 from tests.wires import profile_for, request_for
 
@@ -753,3 +757,72 @@ def test_the_start_refuses_damage_only_quick_check_reads(
     monkeypatch.setattr(storepair, "QUICK_CHECK_MAX_BYTES", 0)
     assert storepair.check(tmp_path).generation == 2
     assert "its pages are not checked at start" in caplog.text, caplog.text
+
+
+class _Listener(Nobody):
+    """One listener with room for everything: the frames it was sent."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def replay(self, listener: bytes, events: list[bytes]) -> int:
+        self.frames.extend(events)
+        return len(events)
+
+    def room(self, listener: bytes) -> int:
+        return 1 << 30
+
+
+def _events_leaf(path: Path, holding: str, not_: str) -> int:
+    """The first leaf page of `events` that holds rows of call `holding` and
+    none of call `not_`."""
+    db = sqlite3.connect(path)
+    try:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        leaves = [int(r[0]) for r in db.execute(
+            "SELECT pageno FROM dbstat WHERE name = 'events' AND pagetype = 'leaf' "
+            "ORDER BY path")]
+    finally:
+        db.close()
+    data = path.read_bytes()
+    for page in leaves:
+        content = data[(page - 1) * 4096:page * 4096]
+        if holding.encode() in content and not_.encode() not in content:
+            return page
+    raise AssertionError(f"no leaf page holds only call {holding}'s rows")
+
+
+def test_a_replay_that_meets_a_damaged_page_ends_with_an_error_event(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "transcript.db"
+    store = TranscriptStore(str(path), background_checkpoints=False)
+    for call_id, n in (("damaged-call", 100), ("sound-call", 3)):
+        for seq in range(1, n + 1):
+            store.add(call_id, seq, seq, 1, "delta", msgpack.packb(
+                {"v": 1, "op": "delta", "call_id": call_id, "seq": seq, "data": "x" * 200}))
+        store.set_done(call_id, 1, "completed", n)
+        store.commit()
+    store.close()
+    _scribble_page(path, _events_leaf(path, "damaged-call", "sound-call"))
+    caplog.set_level(logging.INFO, logger="streamfence.sink")
+    store = TranscriptStore(str(path), background_checkpoints=False)
+    listener = _Listener()
+    state = SinkState(store, Nobody(), listener)
+    try:
+        for n, call_id in enumerate(("damaged-call", "damaged-call", "sound-call")):
+            reply = msgpack.unpackb(state.replays.subscribe(
+                AddSubscriber(n, call_id, "L", 0, live=False)))
+            assert reply[0] == R_OK, reply
+            wait_until(lambda: not state.replays.serve() and not state.replays.active, 5.0,
+                       "the replay to end")
+    finally:
+        store.close()
+    events = [msgpack.unpackb(frame) for frame in listener.frames]
+    errors = [e for e in events if e["op"] == "error"]
+    assert [(e["call_id"], e["code"], e["ref"]) for e in errors] == \
+        [("damaged-call", "storage_error", None)] * 2, errors
+    assert "the daemon's transcript is damaged" in errors[0]["message"], errors[0]
+    assert [e["seq"] for e in events if e.get("call_id") == "sound-call"] == [1, 2, 3]
+    assert state.replays.damaged == 2
+    lines = _damaged_lines(caplog)
+    assert len(lines) == 1 and str(path) in lines[0] and "streamfence check" in lines[0], lines
