@@ -280,11 +280,11 @@ def stored_done(db_path: str, call_id: str) -> dict[str, Any] | None:
         finally:
             reader.close()
     except sqlite3.DatabaseError as exc:
-        if not (is_damage(exc) or is_storage_fault(exc)):
-            raise
-        if not is_damage(exc):
+        if is_storage_fault(exc):
             raise ProtocolError(ErrorCode.STORAGE_ERROR, f"{db_path} cannot be read "
                                 f"({exc}); retry later") from None
+        if not is_damage(exc):
+            raise  # a bug
         message = (f"{db_path} is damaged ({exc}): the done event of call {call_id} cannot "
                    f"be read; stop the daemon, run `streamfence check`, then restore the "
                    f"file from a backup")

@@ -153,7 +153,7 @@ class Front:
                 self._result(identity, request)
             elif isinstance(request, Cancel):
                 self._cancel(identity, request)
-        except ProtocolError as exc:  # the journal could not be read (journal.py: `_row`)
+        except ProtocolError as exc:  # a store could not be read (Journal._row, stored_done)
             self._error(identity, request.ref, exc.code, exc.message)
         except Exception:  # a bug must cost one reply, never the daemon
             log.exception("internal error while handling %s", type(request).__name__)
