@@ -12,10 +12,11 @@ generation into both. A pair the daemon must not start on raises
 - a -wal file with a damaged frame (streamfence.supervisor.walframes);
 - a file SQLite finds damaged ("malformed", "not a database"), in what the
   check reads or in SQLite's `PRAGMA quick_check` of every page (`pages`),
-  made at each start on a file of up to `QUICK_CHECK_MAX_BYTES` (measured:
-  about 1.2 ms per MiB from the page cache, 55 ms for a 42 MiB journal of
-  10,000 calls, 150 ms for its 120 MiB transcript; a larger file is left
-  to `streamfence check`, and the start logs so);
+  made at each start, after the other checks, on a file of up to
+  `QUICK_CHECK_MAX_BYTES` (measured on a 10 MiB journal and its 30 MiB
+  transcript, 2,500 calls: the whole check 3-4 ms before, 36-46 ms with
+  both files in the page cache, 0.9-1.1 s read from this VM's disk; a
+  larger file is left to `streamfence check`, and the start logs so);
 - different store ids (files of two state dirs);
 - one file with a store id while the other is missing, empty or without one
   (deleted, truncated or replaced), except what a first start that died
@@ -68,7 +69,7 @@ PRUNED_THROUGH = "pruned_through"
 PRUNE_SLACK_S = 60.0
 FIX = "restore it from a backup, or move the state dir away to start clean"
 LOW_SPACE_BYTES = 1 << 20  # an error opening a file on a disk with less free is "full"
-QUICK_CHECK_MAX_BYTES = 256 << 20  # a start checks every page of a file up to this size
+QUICK_CHECK_MAX_BYTES = 32 << 20  # a start checks every page of a file up to this size
 _SHOWN = 3  # quick_check's problems named in a refusal, at most
 
 log = logging.getLogger("streamfence.supervisor")
@@ -329,9 +330,10 @@ def check(state_dir: Path, cluster: bool = False) -> Pairing:
     # journal read second is never behind it (were a daemon writing both).
     transcript = read_facts(transcript_path)
     journal = read_facts(journal_path)
-    pages(transcript)
+    pairing = judge(journal, transcript, None if cluster else behind(journal, transcript))
+    pages(transcript)  # the slowest check last: the others refuse in milliseconds
     pages(journal)
-    return judge(journal, transcript, None if cluster else behind(journal, transcript))
+    return pairing
 
 
 def _write_meta(path: str, ddl: str, rows: Mapping[str, str | int | float]) -> None:
