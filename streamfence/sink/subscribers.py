@@ -361,6 +361,7 @@ class Subscribers:
         if not peer.revoked and key not in self._keys.allow_list():
             self._cut(peer)
             self._cut_since_tick.append(listener)
+            self.due = 0.0  # its subscriptions are dropped in this loop turn
             return True
         return False
 
