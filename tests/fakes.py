@@ -4,7 +4,9 @@ another signature) at the fake, not at a far-away call."""
 
 from __future__ import annotations
 
+from streamfence.protocol.internal.control import ListenerOwner
 from streamfence.sink.peer import Publisher
+from streamfence.sink.shares import Active
 from streamfence.sink.subscribers import Cuts, Listeners, Outbox
 
 
@@ -26,6 +28,13 @@ class Nobody(Publisher, Listeners):
 
     def cut_off(self, listener: bytes, call_id: str, seq: int) -> None:
         pass
+
+    def subscribe(self, listener: bytes, call_id: str, owner: ListenerOwner,
+                  active: Active) -> str | None:
+        return None
+
+    def unsubscribe_all(self, listener: bytes) -> set[str]:
+        return set()
 
     def stats(self) -> dict[str, int]:
         return {}

@@ -53,7 +53,7 @@ def _checkpointed(db_path: Path) -> sqlite3.Connection:
 
     def emptied() -> bool:
         busy, frames, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-        return busy == 0 and frames == 0
+        return bool(busy == 0 and frames == 0)
 
     wait_until(emptied, 10.0, f"{db_path.name}'s WAL to be checkpointed into it")
     return db

@@ -18,6 +18,7 @@ from streamfence.protocol.internal.control import (
     Fence,
     Finish,
     FinishMeta,
+    ListenerOwner,
     Stats,
     encode_control,
     meta_from_wire,
@@ -31,6 +32,8 @@ from streamfence.sink.event_pieces import KIND_TAIL, delta_prefix
 
 OK = outcome_to_wire(AttemptOutcome(ok=True, finish_reason="stop"))
 LISTENER = "l-" + "0123456789abcdef" * 2  # a listener id: 16-64 of [A-Za-z0-9_-]
+OWNER = ListenerOwner("a")  # whose share a subscription uses
+W_OWNER = ["a", 0, 0]  # ... on the wire
 
 
 def feed(content: Content, deltas: list[tuple[str, Any]]) -> None:
@@ -164,18 +167,19 @@ def test_parse_control_records() -> None:
     assert parse_control([C_AUTHORIZE, 1, "c", 2, False, "gpt"]) == Authorize(1, "c", 2, False, "gpt")
     op = parse_control([C_FINISH, 1, "c", "partial", None, 2, {"partial": True}])
     assert isinstance(op, Finish) and op.status is CallStatus.PARTIAL and op.meta.partial
-    assert parse_control([C_SUBSCRIBE, 5, "c", LISTENER, -1, True]) == \
-        AddSubscriber(5, "c", LISTENER, FROM_NOW, True)
-    assert parse_control([C_SUBSCRIBE, "r", "c", LISTENER, 7, False]) == \
-        AddSubscriber("r", "c", LISTENER, 7, False)
+    assert parse_control([C_SUBSCRIBE, 5, "c", LISTENER, -1, True, ["a", 0, 0]]) == \
+        AddSubscriber(5, "c", LISTENER, FROM_NOW, True, OWNER)
+    assert parse_control([C_SUBSCRIBE, "r", "c", LISTENER, 7, False, ["a", 2, 3]]) == \
+        AddSubscriber("r", "c", LISTENER, 7, False, ListenerOwner("a", 2, 3))
 
 
 @pytest.mark.parametrize("op", [
     Stats(3), Fence(1, "c", 2), Authorize("r", "c", 2, True, "gpt"), Authorize(1, "c", 1, False),
     Finish(4, "c", CallStatus.PARTIAL, {"code": "x", "message": "y"}, 2,
            FinishMeta("length", {"total_tokens": 1}, "m", "r1", True, ("f",), (1,))),
-    AddSubscriber(6, "c", LISTENER, 0, True), AddSubscriber("r", "c", LISTENER, FROM_NOW, True),
-    AddSubscriber(7, "c", LISTENER, 12, False),
+    AddSubscriber(6, "c", LISTENER, 0, True, OWNER),
+    AddSubscriber("r", "c", LISTENER, FROM_NOW, True, ListenerOwner("b", 64, 1024)),
+    AddSubscriber(7, "c", LISTENER, 12, False, OWNER),
 ])
 def test_control_builder_and_parser_agree(op: Any) -> None:
     assert parse_control(msgpack.unpackb(encode_control(op))) == op
@@ -188,11 +192,17 @@ def test_control_builder_and_parser_agree(op: Any) -> None:
     ([C_FENCE, 1, "c"], True), ([C_FINISH, 1, "c", "done", None, 1, None], True),
     ([C_FINISH, 1, "c", "failed", "boom", 1, None], True),
     ([C_FINISH, 1, "c", "failed", None, 1, {"partial": 1}], True),
-    ([C_SUBSCRIBE, 1, "c", LISTENER, 0], True), ([C_SUBSCRIBE, 1, "c", "short", 0, True], True),
-    ([C_SUBSCRIBE, 1, "c", LISTENER[:-1] + "!", 0, True], True),
-    ([C_SUBSCRIBE, 1, "c", LISTENER.encode(), 0, True], True),
-    ([C_SUBSCRIBE, 1, "c", LISTENER, -2, True], True), ([C_SUBSCRIBE, 1, "c", LISTENER, 0, 1], True),
-    ([C_SUBSCRIBE, 1, "c", LISTENER, True, True], True),
+    ([C_SUBSCRIBE, 1, "c", LISTENER, 0, True], True),
+    ([C_SUBSCRIBE, 1, "c", "short", 0, True, W_OWNER], True),
+    ([C_SUBSCRIBE, 1, "c", LISTENER[:-1] + "!", 0, True, W_OWNER], True),
+    ([C_SUBSCRIBE, 1, "c", LISTENER.encode(), 0, True, W_OWNER], True),
+    ([C_SUBSCRIBE, 1, "c", LISTENER, -2, True, W_OWNER], True),
+    ([C_SUBSCRIBE, 1, "c", LISTENER, 0, 1, W_OWNER], True),
+    ([C_SUBSCRIBE, 1, "c", LISTENER, True, True, W_OWNER], True),
+    ([C_SUBSCRIBE, 1, "c", LISTENER, 0, True, "a"], True),
+    ([C_SUBSCRIBE, 1, "c", LISTENER, 0, True, ["", 0, 0]], True),
+    ([C_SUBSCRIBE, 1, "c", LISTENER, 0, True, ["a", -1, 0]], True),
+    ([C_SUBSCRIBE, 1, "c", LISTENER, 0, True, ["a", 0, True]], True),
 ])
 def test_parse_control_refuses_bad_shapes(msg: Any, has_req: bool) -> None:
     with pytest.raises(BadFrame) as info:

@@ -45,6 +45,7 @@ from streamfence.protocol.internal.control import (
     FROM_NOW,
     AddSubscriber,
     AttemptStats,
+    ListenerOwner,
     encode_control,
     stats_from_wire,
 )
@@ -199,7 +200,7 @@ class Supervisor:
                   live: bool = True) -> list[Any]:
         """C_SUBSCRIBE (built by the supervisor's own encoder); the reply."""
         return self._send(lambda req: encode_control(
-            AddSubscriber(req, call, listener.id, from_seq, live)),
+            AddSubscriber(req, call, listener.id, from_seq, live, ListenerOwner("test"))),
             f"C_SUBSCRIBE {call} {listener.id} from {from_seq} live={live}")
 
     def follow(self, call: str, listener: Listener, from_seq: int = 0) -> None:

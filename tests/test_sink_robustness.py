@@ -25,7 +25,12 @@ from streamfence.protocol.internal import (
     T_DELTA,
     T_FINAL,
 )
-from streamfence.protocol.internal.control import AddSubscriber, encode_control, stats_from_wire
+from streamfence.protocol.internal.control import (
+    AddSubscriber,
+    ListenerOwner,
+    encode_control,
+    stats_from_wire,
+)
 from streamfence.sink.fence import Verdict
 from streamfence.sink.process import run_sink
 from streamfence.sink.state import SinkState
@@ -254,7 +259,8 @@ def test_only_the_supervisor_may_drive_the_sink(sink: SinkUnderTest) -> None:
     sink.sockets.append(stranger)
     thief = sink.new_listener()  # connected and `listening` on the events socket
     stranger.send(encode([C_AUTHORIZE, 1, "hijack", 1, False]))
-    stranger.send(encode_control(AddSubscriber(2, "hijack", thief.id, 0, True)))
+    stranger.send(encode_control(AddSubscriber(2, "hijack", thief.id, 0, True,
+                                                    ListenerOwner("thief"))))
     sink.sup.wait_stats(lambda s: s["bad_frames"]["ctl"] >= 2, "the stranger to be counted")
     assert not stranger.poll(200), "the sink answered a stranger"
     sink.sup.ok(C_AUTHORIZE, "hijack", 1, False)  # the supervisor still drives it

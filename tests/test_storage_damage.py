@@ -31,7 +31,8 @@ import pytest
 
 from streamfence.devtools.emulator.control import EmulatorProcess
 from streamfence.protocol.errors import ErrorCode, ProtocolError
-from streamfence.protocol.internal.control import R_OK, AddSubscriber
+from streamfence.protocol.internal import R_OK
+from streamfence.protocol.internal.control import AddSubscriber, ListenerOwner
 from streamfence.sink.state import SinkState
 from streamfence.sink.store import StoreStopped, TranscriptStore
 from streamfence.supervisor import storepair, walframes
@@ -658,6 +659,7 @@ def test_a_write_that_meets_a_damaged_journal_page_is_a_lasting_storage_error(
             fault = journal.fault
             assert fault is not None and fault.code is ErrorCode.STORAGE_ERROR, fault
             assert journal.take_refused() == [f"new{n}"]
+        assert fault is not None
         assert fault.message.startswith(f"{path} is damaged (database disk image is "
                                          "malformed): no new calls are accepted"), fault.message
         assert "run `streamfence check`" in fault.message and "backup" in fault.message
@@ -811,7 +813,7 @@ def test_a_replay_that_meets_a_damaged_page_ends_with_an_error_event(
     try:
         for n, call_id in enumerate(("damaged-call", "damaged-call", "sound-call")):
             reply = msgpack.unpackb(state.replays.subscribe(
-                AddSubscriber(n, call_id, "L", 0, live=False)))
+                AddSubscriber(n, call_id, "L", 0, False, ListenerOwner("test"))))
             assert reply[0] == R_OK, reply
             wait_until(lambda: not state.replays.serve() and not state.replays.active, 5.0,
                        "the replay to end")

@@ -32,6 +32,7 @@ from streamfence.protocol.internal.control import (
     Finish,
     FinishMeta,
     FollowedDone,
+    ListenerOwner,
     Lost,
     Rebind,
     encode_ended,
@@ -248,14 +249,17 @@ def test_sinklink_subscribe_sends_add_subscriber_and_delivers_its_reply() -> Non
     sock = FakeSocket()
     link = SinkLink(sock)  # type: ignore[arg-type]
     answers: dict[str, list[Any]] = {"ok": [], "refused": [], "lost": []}
-    link.subscribe("c1", LISTENER, 0, True, answers["ok"].append)
-    link.subscribe("c2", LISTENER, 3, False, answers["refused"].append)
-    link.subscribe("c3", LISTENER, FROM_NOW, True, answers["lost"].append)
+    bob = ListenerOwner("bob", 64, 1024)
+    link.subscribe("c1", LISTENER, 0, True, bob, answers["ok"].append)
+    link.subscribe("c2", LISTENER, 3, False, bob, answers["refused"].append)
+    link.subscribe("c3", LISTENER, FROM_NOW, True, bob, answers["lost"].append)
     raw = [msgpack.unpackb(f) for f in sock.sent]
-    assert raw[0] == [C_SUBSCRIBE, 1, "c1", LISTENER, 0, True]  # the wire layout itself
+    # the wire layout itself
+    assert raw[0] == [C_SUBSCRIBE, 1, "c1", LISTENER, 0, True, ["bob", 64, 1024]]
     assert [parse_control(m) for m in raw] == [
-        AddSubscriber(1, "c1", LISTENER, 0, True), AddSubscriber(2, "c2", LISTENER, 3, False),
-        AddSubscriber(3, "c3", LISTENER, -1, True)]
+        AddSubscriber(1, "c1", LISTENER, 0, True, bob),
+        AddSubscriber(2, "c2", LISTENER, 3, False, bob),
+        AddSubscriber(3, "c3", LISTENER, -1, True, bob)]
     sock.inbox += [encode_refused(2, "no events of c2"), encode_ok(1, None)]
     assert link.drain(Attempts()) == 2
     assert answers["ok"] == [None] and answers["refused"] == [Refused("no events of c2")]
@@ -271,13 +275,16 @@ def test_sinklink_subscribe_sends_add_subscriber_and_delivers_its_reply() -> Non
 def test_clients_follow_listeners_and_answer_waiters() -> None:
     sock = FakeSocket()
     clients = Clients(sock)  # type: ignore[arg-type]
-    clients.follow("c", "listener-a-0000000")
-    clients.follow("c", "listener-b-0000000")
-    clients.follow("c", "listener-a-0000000")  # once per listener
-    clients.follow("d", "listener-a-0000000")
-    assert sorted(clients.following()) == [("c", "listener-a-0000000"),
-                                           ("c", "listener-b-0000000"),
-                                           ("d", "listener-a-0000000")]
+    a, b = ListenerOwner("a"), ListenerOwner("b")
+    clients.follow("c", "listener-a-0000000", a)
+    clients.follow("c", "listener-b-0000000", b)
+    clients.follow("c", "listener-a-0000000", a)  # once per listener
+    clients.follow("d", "listener-a-0000000", a)
+    clients.follow("e", "listener-b-0000000", b)
+    clients.unfollow("e", "listener-b-0000000")  # the sink refused it
+    assert sorted(clients.following(), key=str) == [("c", "listener-a-0000000", a),
+                                                    ("c", "listener-b-0000000", b),
+                                                    ("d", "listener-a-0000000", a)]
     assert sock.sent == []  # the events go from the sink, never through here
     clients.wait_result("c", b"w1", "r1", until=10.0)
     clients.wait_result("c", b"w2", "r2", until=20.0)
@@ -296,7 +303,7 @@ def test_clients_follow_listeners_and_answer_waiters() -> None:
     assert identity == b"w2" and msgpack.unpackb(frame) == {
         "op": "done", "status": "completed", "ref": "r2", "diagnostics": [{"attempt": 1}]}
     assert asked == ["c"]
-    assert clients.following() == [("d", "listener-a-0000000")]  # c ended: nobody follows it
+    assert clients.following() == [("d", "listener-a-0000000", a)]  # c ended: nobody follows it
 
 
 # ---- one call through the AttemptDriver ------------------------------------------------------

@@ -421,7 +421,7 @@ class SinkUnderTest:
     def authorize(self, calls: list[str], attempt: int = 1) -> None:
         """Authorize each call, with the listener following it (as a submit that subscribes)."""
         for call in calls:
-            for msg in ([C_SUBSCRIBE, call, self.listener, 0, True],
+            for msg in ([C_SUBSCRIBE, call, self.listener, 0, True, ["bench", 0, 0]],
                         [C_AUTHORIZE, call, attempt, False]):
                 reply = self.request(msg)
                 if reply[0] != R_OK:

@@ -23,6 +23,8 @@ from typing import Any
 
 from streamfence.config.identities import (
     DEFAULT_MAX_IN_FLIGHT_BYTES,
+    DEFAULT_MAX_LISTENERS,
+    DEFAULT_MAX_SUBSCRIPTIONS,
     DEFAULT_SUBMIT_BYTES_PER_S,
 )
 from streamfence.config.model import DaemonConfig, ProviderProfile
@@ -129,6 +131,10 @@ IDENTITY_DOCS: dict[str, tuple[Any, str]] = {
                            "`rate_limited` beyond. 0: no limit."),
     "max_tokens": (0, "Cap on a request's output-token limit (`limit_exceeded`). 0: none."),
     "n": (0, "Cap on OpenAI's `n`. 0: none."),
+    "max_listeners": (DEFAULT_MAX_LISTENERS, "Events connections with a subscription; "
+                      "`too_many_subscriptions` beyond. 0: no limit."),
+    "max_subscriptions": (DEFAULT_MAX_SUBSCRIPTIONS, "Subscriptions (listener, call) at "
+                          "once; `too_many_subscriptions` beyond. 0: no limit."),
 }
 
 WIDTH = 79

@@ -15,10 +15,15 @@ limit what each identity may do:
                                # a second's worth or one request; 0: no limit)
     max_tokens = 4096          # cap on the wire's output-token limit (0: none)
     n = 1                      # cap on OpenAI's `n` (0: none)
+    max_listeners = 64         # events connections with a subscription at once (0: no limit)
+    max_subscriptions = 1024   # subscriptions (listener, call) at once (0: no limit)
 
 A registered key without a table gets the defaults (role "client", no
-limits but `max_in_flight_bytes`, 64 MiB, and `submit_bytes_per_s`, 4 MiB/s). The daemon's own user's
-identity, `local`, is an admin unless a table says otherwise.
+limits but `max_in_flight_bytes`, 64 MiB, `submit_bytes_per_s`, 4 MiB/s,
+`max_listeners`, 64, and `max_subscriptions`, 1024). The daemon's own user's
+identity, `local`, is an admin unless a table says otherwise. The two
+listener caps are the sink's to enforce: the supervisor hands them over with
+each subscribe (`ListenerOwner`, protocol/internal/control.py).
 """
 
 from __future__ import annotations
@@ -35,8 +40,14 @@ DEFAULT_MAX_IN_FLIGHT_BYTES = 64 * 1024 * 1024
 # checks and journals (with an fsync) every byte in its one loop, so one
 # client's giant requests must not take it from the others.
 DEFAULT_SUBMIT_BYTES_PER_S = 4 * 1024 * 1024
+# Every listener and subscription costs the sink a share of each commit's
+# sends and of its replays: one identity's are capped (too_many_subscriptions).
+DEFAULT_MAX_LISTENERS = 64
+DEFAULT_MAX_SUBSCRIPTIONS = 1024
 _DEFAULTS = {"max_in_flight_bytes": DEFAULT_MAX_IN_FLIGHT_BYTES,
-             "submit_bytes_per_s": DEFAULT_SUBMIT_BYTES_PER_S}
+             "submit_bytes_per_s": DEFAULT_SUBMIT_BYTES_PER_S,
+             "max_listeners": DEFAULT_MAX_LISTENERS,
+             "max_subscriptions": DEFAULT_MAX_SUBSCRIPTIONS}
 
 
 class Role(StrEnum):
@@ -53,6 +64,8 @@ class Identity:
     max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES
     submits_per_s: float = 0.0
     submit_bytes_per_s: float = DEFAULT_SUBMIT_BYTES_PER_S
+    max_listeners: int = DEFAULT_MAX_LISTENERS
+    max_subscriptions: int = DEFAULT_MAX_SUBSCRIPTIONS
     caps: Mapping[str, int] = field(default_factory=dict)  # request field caps
 
     @property
@@ -63,8 +76,9 @@ class Identity:
         return self.providers is None or provider in self.providers
 
 
-_KEYS = {"role", "providers", "max_in_flight", "max_in_flight_bytes", "submits_per_s",
-         "submit_bytes_per_s", "max_tokens", "n"}
+_NUMBERS = ("max_in_flight", "max_in_flight_bytes", "submits_per_s", "submit_bytes_per_s",
+            "max_tokens", "n", "max_listeners", "max_subscriptions")
+_KEYS = {"role", "providers", *_NUMBERS}
 
 
 def parse_identities(tables: Any, where: str,
@@ -88,8 +102,7 @@ def parse_identities(tables: Any, where: str,
                 isinstance(p, str) for p in providers)):
             raise error(f"{at}.providers: must be a list of profile names")
         numbers: dict[str, float] = {}
-        for key in ("max_in_flight", "max_in_flight_bytes", "submits_per_s",
-                    "submit_bytes_per_s", "max_tokens", "n"):
+        for key in _NUMBERS:
             value = table.get(key, _DEFAULTS.get(key, 0))
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise error(f"{at}.{key}: must be a number >= 0, got {value!r}")
@@ -103,6 +116,8 @@ def parse_identities(tables: Any, where: str,
             max_in_flight_bytes=int(numbers["max_in_flight_bytes"]),
             submits_per_s=float(numbers["submits_per_s"]),
             submit_bytes_per_s=float(numbers["submit_bytes_per_s"]),
+            max_listeners=int(numbers["max_listeners"]),
+            max_subscriptions=int(numbers["max_subscriptions"]),
             caps={k: int(numbers[k]) for k in ("max_tokens", "n") if numbers[k]})
     return out
 

@@ -23,6 +23,11 @@ class ErrorCode(StrEnum):
     LIMIT_EXCEEDED = "limit_exceeded"  # a field over the submitter's cap (e.g. max_tokens)
     TOO_MANY_CALLS = "too_many_calls"  # the submitter's max_in_flight calls are not done yet
     RATE_LIMITED = "rate_limited"  # over the submitter's submits_per_s
+    # A subscribe past the subscriber's max_listeners or max_subscriptions.
+    TOO_MANY_SUBSCRIPTIONS = "too_many_subscriptions"
+    # On the events socket: the key this connection was made with was revoked
+    # or rotated; nothing more is sent on it.
+    KEY_REVOKED = "key_revoked"
     CANCELLED = "cancelled"
     SHUTTING_DOWN = "shutting_down"
     # The daemon could not store the request: not accepted. Full: its disk is

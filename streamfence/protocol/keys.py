@@ -27,6 +27,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import zmq
@@ -128,16 +129,24 @@ class KeyStore:
     def identity_of(self, public_key_z85: bytes) -> str | None:
         """The registered identity with this public key, or None (re-reads the
         allow-list when `clients/` changed since the last look)."""
+        return self.allow_list().get(public_key_z85)
+
+    def allow_list(self) -> Mapping[bytes, str]:
+        """The registered public keys (Z85) and their names, re-read when
+        `clients/` changed since the last look: the same mapping object until
+        then, so a caller can tell a change by identity (the sink's events
+        socket cuts the connections of revoked keys: sink/subscribers.py)."""
         with self._lock:
             try:
                 mtime = self.clients_dir.stat().st_mtime_ns
             except FileNotFoundError:
-                return None
+                self._by_key, self._seen_mtime_ns = {}, -1
+                return self._by_key
             if mtime != self._seen_mtime_ns:
                 racy = 0 <= time.time_ns() - mtime < _RACY_NS
                 self._by_key = self._read_allow_list()
                 self._seen_mtime_ns = -1 if racy else mtime
-            return self._by_key.get(public_key_z85)
+            return self._by_key
 
     def _read_allow_list(self) -> dict[bytes, str]:
         by_key: dict[bytes, str] = {}

@@ -38,6 +38,7 @@ logged sparsely (sink/counters.py).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -180,16 +181,16 @@ class Sink:
             if retention.due is not None and time.monotonic() >= retention.due:
                 retention.prune()
             replaying = bool(replays.active) and replays.serve()
-            if subscribers.outstanding and time.monotonic() >= subscribers.ping_due:
-                subscribers.ping()
+            if time.monotonic() >= subscribers.due:  # pings, revoked keys' listeners
+                replays.drop(subscribers.tick())
 
     def _timeout(self, idle: bool, replaying: bool) -> int:
         """How long the next poll may wait (ms): until the next thing due."""
         commits, subscribers = self.state.commits, self.subscribers
         if replaying or self._held:
             timeout = 0
-        elif subscribers.outstanding:
-            timeout = max(0, int((subscribers.ping_due - time.monotonic()) * 1000) + 1)
+        elif subscribers.due < math.inf:
+            timeout = max(0, int((subscribers.due - time.monotonic()) * 1000) + 1)
         else:
             timeout = IDLE_POLL_MS
         if commits.commit_due is not None:

@@ -4,12 +4,17 @@ C_SUBSCRIBE (`subscribe`; the supervisor checked that the subscriber may
 see the call): the listener gets the stored events after `from_seq`, then,
 for a call that has not ended, follows it (`LiveCall.subs`, where the hot
 path looks). It replaces the listener's earlier subscription to the call.
+It is charged to the identity the supervisor names (`op.owner`), within that
+identity's caps on listeners and subscriptions (sink/shares.py; refused
+`too_many_subscriptions`), and refused for a listener cut for a revoked key.
 
 A replay is served in slices (`serve`, once per loop turn): at most
 `REPLAY_ROWS` stored rows per replay per slice, only while its listener has
 room (sink/subscribers.py's flow control: a replay waits for acks, never
 cuts off), and at most `REPLAY_BUDGET_S` of the loop's time in all, round
-robin, so no replay holds the loop. A replay that finds nothing more stored
+robin: one slice per identity in each round, so an identity with
+hundreds of replays gets as many turns as one with one, and a listener's
+first frame never waits behind another identity's backlog. A replay that finds nothing more stored
 after its seq has caught up: once everything accepted for the call is
 stored (a commit first, if events wait), the listener joins the live feed,
 so it gets no gap and no repeat; for an ended call the replay just ends.
@@ -49,13 +54,15 @@ log = logging.getLogger("streamfence.sink")
 
 class Replay:
     """A listener's replay of one call: `seq` is the last seq sent; `follow`:
-    join the live feed once caught up, if the call has not ended."""
+    join the live feed once caught up, if the call has not ended; `owner`:
+    the identity it is charged to (its turn in `Replays.serve`)."""
 
-    __slots__ = ("follow", "seq")
+    __slots__ = ("follow", "owner", "seq")
 
-    def __init__(self, seq: int, follow: bool) -> None:
+    def __init__(self, seq: int, follow: bool, owner: str) -> None:
         self.seq = seq
         self.follow = follow
+        self.owner = owner
 
 
 class Replays:
@@ -74,6 +81,9 @@ class Replays:
         """C_SUBSCRIBE (module docstring)."""
         listener = op.listener.encode()
         key = (listener, op.call_id)
+        refused = self._listeners.subscribe(listener, op.call_id, op.owner, self.following)
+        if refused is not None:
+            return encode_refused(op.req, refused)
         self.active.pop(key, None)
         view = self._calls.fence.view(op.call_id)
         if op.live and (view is None or not view.finished):
@@ -82,7 +92,7 @@ class Replays:
             if op.from_seq == FROM_NOW or op.from_seq >= live.seq:
                 live.subs.add(listener)
             else:
-                self.active[key] = Replay(op.from_seq, follow=True)
+                self.active[key] = Replay(op.from_seq, True, op.owner.name)
             return encode_ok(op.req, None)
         if op.from_seq == FROM_NOW:
             return encode_ok(op.req, None)  # ended: nothing comes from now on
@@ -93,23 +103,58 @@ class Replays:
         if gone:
             # Pruned by retention before the journal's row: the call no longer exists.
             return encode_refused(op.req, f"unknown_call: no event of call {op.call_id} is stored")
-        self.active[key] = Replay(op.from_seq, follow=False)
+        self.active[key] = Replay(op.from_seq, False, op.owner.name)
         return encode_ok(op.req, None)
 
+    def following(self, listener: bytes, call_id: str) -> bool:
+        """Does `listener` still follow `call_id` (a replay, or the live feed)?"""
+        if (listener, call_id) in self.active:
+            return True
+        live = self._calls.lives.get(call_id)
+        return live is not None and listener in live.subs
+
+    def drop(self, listeners: list[bytes]) -> None:
+        """Every subscription of these listeners ends now (their key was
+        revoked: sink/subscribers.py `tick`)."""
+        for listener in listeners:
+            for call_id in self._listeners.unsubscribe_all(listener):
+                self.active.pop((listener, call_id), None)
+                live = self._calls.lives.get(call_id)
+                if live is not None:
+                    live.subs.discard(listener)
+
     def serve(self) -> bool:
-        """One slice of each replay that has room, for at most REPLAY_BUDGET_S in
-        all; True if one could take more now (module docstring)."""
-        listeners, started = self._listeners, time.monotonic()
-        active = self.active
+        """Slices of the replays that have room, one per identity per round, for
+        at most REPLAY_BUDGET_S in all; True if one could take more now
+        (module docstring)."""
+        started = time.monotonic()
         more = False
+        while True:
+            served = self._round(started)
+            if served is None:
+                return True  # out of time
+            more = more or served
+            if not served:
+                return more
+
+    def _round(self, started: float) -> bool | None:
+        """One slice for each identity whose replays have room (its first one
+        in order that has; served replays go to the end): True if one was
+        served, None if the budget ran out."""
+        listeners, active = self._listeners, self.active
+        turned: set[str] = set()  # the identities served this round
+        served = False
         for key in list(active):
-            if time.monotonic() - started >= REPLAY_BUDGET_S:
-                return True
-            listener, call_id = key
-            replay = active.pop(key)  # put back at the end: round robin
-            if listeners.room(listener) <= 0:
-                active[key] = replay
+            replay = active.get(key)
+            if replay is None or replay.owner in turned:
                 continue
+            if time.monotonic() - started >= REPLAY_BUDGET_S:
+                return None
+            listener, call_id = key
+            if listeners.room(listener) <= 0:
+                continue
+            turned.add(replay.owner)
+            del active[key]  # put back at the end: round robin
             try:
                 events = self._store.events_after(call_id, replay.seq, max_rows=REPLAY_ROWS)
             except READ_ERRORS as exc:
@@ -120,12 +165,12 @@ class Replays:
                 if sent >= 0:  # else not connected: the replay ends, nothing follows
                     replay.seq += sent
                     active[key] = replay
-                    more = True
+                    served = served or sent > 0
                 continue
             if self._caught_up(key, replay):
                 active[key] = replay
-                more = True
-        return more
+                served = True
+        return served
 
     def _failed(self, listener: bytes, call_id: str, seq: int, exc: Exception) -> None:
         """The replay's read failed: it ends with an `error` event to its listener."""

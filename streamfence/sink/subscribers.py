@@ -18,8 +18,11 @@ events, about `BATCH_BYTES`): the stored bytes joined behind an array
 header, one send per listener per commit instead of one per event.
 
 Flow control (PROTOCOL §5): the sink holds at most `WINDOW_BYTES` of frames
-a listener has not acknowledged, and `BUFFER_BYTES` for all listeners
-together. A listener says `ack` with the bytes it has read since its
+a listener has not acknowledged, `IDENTITY_BYTES` for all the listeners of
+one identity (its `Share`, sink/shares.py: the identity the supervisor
+charged the listener's subscriptions to), and `BUFFER_BYTES` for all
+listeners together; one identity's backlog leaves the others' room. A
+listener says `ack` with the bytes it has read since its
 `listen`. A live event that does not fit is not queued: the listener is cut
 off from that call with a `cut_off` event naming the last seq it was sent,
 and it subscribes again from there (as Redis drops a client whose output
@@ -30,13 +33,31 @@ dropped and counted, and the subscription stays until the call's done: the
 client sees a gap in seq and subscribes again from its last seq. A listener
 that holds unacknowledged bytes and has been silent `PING_AFTER_S` is sent
 an empty array; if it is gone, its bytes are released.
+
+Revoked keys (docs/SECURITY.md, "Rotating and revoking"): ZAP authenticates
+a connection once, at its handshake, so a connection made before a key is
+revoked or rotated stays open. Each listener's key is the User-Id of what
+it says here (`listen`, or its first `ack`), and every `REVOKE_CHECK_S`
+(`tick`) the sink looks at the key store's allow-list, which it already
+reads for ZAP; when it changed, every listener whose key is no longer in it
+is cut: it gets an `error` (ref nil, code `key_revoked`), its bytes are
+released, and `tick` returns it so that its subscriptions are dropped
+(sink/replays.py); a later `listen` from it gets the same error, and a
+subscribe of it is refused. Why here and not a control op from the
+supervisor: the supervisor learns of a key change no sooner (the CLI just
+edits `keys/clients/`, with or without a daemon), and only the sink knows
+which key each events connection holds, which need not be the key of the
+request socket that subscribed it. A listener that never says anything here
+has no known key: what it gets is bounded by one window, since it never
+acks, and nobody with the revoked key can subscribe it again.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import msgpack
@@ -45,6 +66,7 @@ import zmq.backend
 
 from streamfence.protocol.codec import decode_untrusted, encode
 from streamfence.protocol.errors import ErrorCode, ProtocolError
+from streamfence.protocol.internal.control import ListenerOwner
 from streamfence.protocol.keys import KeyStore, make_curve_server, start_authenticator
 from streamfence.protocol.messages import (
     cut_off_event,
@@ -52,11 +74,13 @@ from streamfence.protocol.messages import (
     listening_msg,
     parse_listener_msg,
 )
+from streamfence.sink.shares import Active, Share, Shares
 
 log = logging.getLogger("streamfence.sink")
 
 WINDOW_BYTES = 4 << 20  # unacknowledged bytes one listener may have
 BUFFER_BYTES = 256 << 20  # ... and all listeners together
+IDENTITY_BYTES = BUFFER_BYTES // 8  # ... and the listeners of one identity (32 MiB)
 # Frames queued per listener: far more than an acking client lets pile up (it
 # acks every 64 KiB or 50 ms), and with BATCH_BYTES the bound for one that lies.
 SEND_HWM = 1024
@@ -65,10 +89,14 @@ BATCH_BYTES = 256 << 10  # ... and about this many bytes
 MAX_LISTEN_FRAME = 4096  # what a client may send here: `listen`, `ack`
 LISTEN_BURST = 100  # inbound messages handled per loop turn
 PING_AFTER_S = 10.0  # a silent listener holding bytes is checked after this long
+REVOKE_CHECK_S = 0.1  # how often the allow-list is looked at for revoked keys
 _PING = msgpack.packb([])  # an empty batch: no event, one byte
 _raw_send = zmq.backend.Socket.send  # the compiled send, under pyzmq's Python-level one
 _NOBLOCK, _MORE = zmq.NOBLOCK, zmq.SNDMORE | zmq.NOBLOCK
 _LISTENING = encode(listening_msg())
+_REVOKED = encode(error_msg(None, ErrorCode.KEY_REVOKED,
+                            "the key of this connection was revoked or rotated: nothing more "
+                            "is sent on it; connect again with valid credentials"))
 
 Outbox = list[tuple[set[bytes], bytes]]  # (the call's listeners, one event) after its commit
 Cuts = list[tuple[bytes, list[bytes]]]  # (listener, the events it was not sent, in order)
@@ -85,14 +113,37 @@ class Listeners(Protocol):
 
     def cut_off(self, listener: bytes, call_id: str, seq: int) -> None: ...
 
+    def subscribe(self, listener: bytes, call_id: str, owner: ListenerOwner,
+                  active: Active) -> str | None: ...
+
+    def unsubscribe_all(self, listener: bytes) -> set[str]: ...
+
     def stats(self) -> dict[str, int]: ...
+
+
+class Peer:
+    """One listener (a connection to the events socket): the bytes sent it and
+    not acknowledged, its last `ack` figure, when it last said anything, the
+    Share they count in, the key it connected with (None: not heard yet or
+    no auth), and whether it was cut for that key."""
+
+    __slots__ = ("heard", "key", "out", "read", "revoked", "share")
+
+    def __init__(self, share: Share) -> None:
+        self.out = 0
+        self.read = 0
+        self.heard = 0.0
+        self.share = share
+        self.key: bytes | None = None
+        self.revoked = False
 
 
 class Subscribers:
     """Owns the events socket (and its ZAP authenticator, if auth is on), each
-    listener's unacknowledged bytes and the delivery counters. Who follows
-    which call is kept on each call's `LiveCall.subs` (sink/calls.py), where
-    the hot path looks; a cut-off is carried out there too."""
+    listener's `Peer`, the identities' `Shares` and the delivery counters.
+    Who follows which call is kept on each call's `LiveCall.subs`
+    (sink/calls.py), where the hot path looks; a cut-off is carried out there
+    too."""
 
     def __init__(self, ctx: zmq.Context[Any], endpoint: str, keys: KeyStore | None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -107,27 +158,60 @@ class Subscribers:
             make_curve_server(sock, keys)
         sock.bind(endpoint)
         self.socket = sock
+        self._keys = keys
+        self._allowed: Mapping[bytes, str] | None = None  # the allow-list last checked
+        self._cut_since_tick: list[bytes] = []  # cut at their `listen`, for `tick` to return
         self._clock = clock
         self._send = _raw_send.__get__(sock)
         self._array_header = msgpack.Packer().pack_array_header
-        self._out: dict[bytes, int] = {}  # listener -> bytes sent, not yet acknowledged
-        self._read: dict[bytes, int] = {}  # listener -> its last `ack` figure
-        self._heard: dict[bytes, float] = {}  # listener -> when it last said anything
-        self.outstanding = 0  # the sum of _out
+        self.shares = Shares()
+        self._peers: dict[bytes, Peer] = {}
+        self.outstanding = 0  # the sum of the peers' `out`
         self.ping_due = clock() + PING_AFTER_S
+        self.check_due = clock() + REVOKE_CHECK_S
+        self.due = math.inf  # when `tick` is due (an attribute: the loop reads it every turn)
         self.sent = 0  # events handed to ZeroMQ
         self.dropped_full = 0  # events dropped: the listener's queue was full
         self.unroutable = 0  # events dropped: the listener was not connected
         self.cut_offs = 0  # subscriptions cut off: their listener fell a window behind
+        self.revoked = 0  # listeners cut: their key was revoked or rotated
         self.listens = 0
         self.acks = 0
         self.bad_input = 0
 
+    def _peer(self, listener: bytes) -> Peer:
+        peer = self._peers[listener] = Peer(self.shares.of.get(listener, self.shares.nobody))
+        if self.due == math.inf:
+            self.due = self._next_due()
+        return peer
+
     def room(self, listener: bytes) -> int:
         """Bytes `listener` may be sent now (at least one frame if it holds none)."""
-        out = self._out.get(listener, 0)
-        room = min(WINDOW_BYTES - out, BUFFER_BYTES - self.outstanding)
+        peer = self._peers.get(listener) or self._peer(listener)
+        out = peer.out
+        room = min(WINDOW_BYTES - out, IDENTITY_BYTES - peer.share.out,
+                   BUFFER_BYTES - self.outstanding)
         return room if out else max(room, 1)
+
+    def subscribe(self, listener: bytes, call_id: str, owner: ListenerOwner,
+                  active: Active) -> str | None:
+        """`listener` follows `call_id` for `owner` (C_SUBSCRIBE): None, or the
+        reason it may not (a revoked key, a cap of the owner's)."""
+        peer = self._peers.get(listener)
+        if peer is not None and peer.revoked:
+            return "key_revoked: this listener's connection was made with a revoked key"
+        refused = self.shares.admit(listener, call_id, owner, active)
+        if refused is None and peer is not None:
+            share = self.shares.of[listener]
+            if peer.share is not share:  # its bytes count in its owner's share from now on
+                peer.share.out -= peer.out
+                share.out += peer.out
+                peer.share = share
+        return refused
+
+    def unsubscribe_all(self, listener: bytes) -> set[str]:
+        """The calls `listener` was recorded as following, forgotten."""
+        return self.shares.drop(listener)
 
     def deliver(self, outbox: Outbox) -> Cuts:
         """The events of one commit, to their calls' listeners: one frame per
@@ -164,8 +248,8 @@ class Subscribers:
         self.cut_offs += 1
         self._frame(listener, encode(cut_off_event(
             call_id, seq, f"more than {WINDOW_BYTES} bytes of events were not acknowledged "
-            "(or the daemon's event buffer is full); subscribe again from seq "
-            f"{seq}")), 0, live=False)
+            "(or its identity's share, or the daemon's event buffer, is full); subscribe "
+            f"again from seq {seq}")), 0, live=False)
 
     def _events(self, listener: bytes, events: list[bytes], live: bool) -> int:
         """Send `events` in frames while there is room: how many went, -1 if the
@@ -203,8 +287,9 @@ class Subscribers:
         not connected (its unacknowledged bytes are released: ZeroMQ dropped
         the connection's queue)."""
         size = len(frame)
-        out = self._out.get(listener, 0)
-        if live and out and (out + size > WINDOW_BYTES
+        peer = self._peers.get(listener) or self._peer(listener)
+        out = peer.out
+        if live and out and (out + size > WINDOW_BYTES or peer.share.out + size > IDENTITY_BYTES
                              or self.outstanding + size > BUFFER_BYTES):
             return False
         try:
@@ -215,75 +300,148 @@ class Subscribers:
             return False
         except zmq.ZMQError:
             self.unroutable += events
-            self._forget(listener)
+            self._release(peer)
             return None
         self.sent += events
-        self._out[listener] = out + size
+        peer.out = out + size
+        peer.share.out += size
         self.outstanding += size
         return True
 
-    def _forget(self, listener: bytes) -> None:
-        self.outstanding -= self._out.pop(listener, 0)
-        self._read.pop(listener, None)
-        self._heard.pop(listener, None)
+    def _release(self, peer: Peer) -> None:
+        """The peer's unacknowledged bytes are gone (its queue, or a new `listen`)."""
+        peer.share.out -= peer.out
+        self.outstanding -= peer.out
+        peer.out = peer.read = 0
 
     def drain(self) -> None:
         """What clients sent on the events socket: `listen` (answered `listening`;
         the listener's count starts again) and `ack`; anything else gets an
-        error (ref nil) and is counted."""
+        error (ref nil) and is counted. A listener whose key is no longer
+        registered is answered `key_revoked` instead, and cut."""
         sock = self.socket
         now = self._clock()
         for _ in range(LISTEN_BURST):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            ident, body = frames[0], frames[1:]
+            ident, body = frames[0].bytes, frames[1:]
             try:
                 if len(body) != 1:
                     raise ProtocolError(ErrorCode.BAD_FRAME,
                                         f"a message must be exactly one frame, got {len(body)}")
-                read = parse_listener_msg(decode_untrusted(body[0], MAX_LISTEN_FRAME))
+                read = parse_listener_msg(decode_untrusted(body[0].bytes, MAX_LISTEN_FRAME))
             except ProtocolError as exc:
                 self.bad_input += 1
                 self._frame(ident, encode(error_msg(None, exc.code, exc.message)), 0, False)
                 continue
-            self._heard[ident] = now
-            if read is None:
+            peer = self._peers.get(ident) or self._peer(ident)
+            peer.heard = now
+            just_cut = self._keys is not None and (read is None or peer.key is None) \
+                and self._learn_key(ident, peer, body[0])
+            if peer.revoked:
+                if read is None or just_cut:  # (a later ack gets no answer)
+                    self._try_send(ident, _REVOKED)
+            elif read is None:
                 self.listens += 1
-                self._forget(ident)
-                self._heard[ident] = now
+                self._release(peer)
                 self._frame(ident, _LISTENING, 0, live=False)
             else:
                 self.acks += 1
-                self._ack(ident, read)
+                self._ack(peer, read)
 
-    def _ack(self, listener: bytes, read: int) -> None:
-        newly = read - self._read.get(listener, 0)
+    def _learn_key(self, listener: bytes, peer: Peer, frame: zmq.Frame) -> bool:
+        """The key `peer` connected with (ZAP's User-Id); if it is not (or no
+        longer) registered, the peer is cut now (module docstring): True."""
+        key = str(frame.get("User-Id")).encode()
+        if key != peer.key:  # a new connection under this routing id
+            peer.key, peer.revoked = key, False
+        assert self._keys is not None
+        if not peer.revoked and key not in self._keys.allow_list():
+            self._cut(peer)
+            self._cut_since_tick.append(listener)
+            self.due = 0.0  # its subscriptions are dropped in this loop turn
+            return True
+        return False
+
+    def _ack(self, peer: Peer, read: int) -> None:
+        newly = read - peer.read
         if newly <= 0:
             return  # an old figure (acks are cumulative): nothing new
-        self._read[listener] = read
-        out = self._out.get(listener, 0)
-        newly = min(newly, out)  # frames sent before its `listen` may be counted there
-        self._out[listener] = out - newly
+        peer.read = read
+        newly = min(newly, peer.out)  # frames sent before its `listen` may be counted there
+        peer.out -= newly
+        peer.share.out -= newly
         self.outstanding -= newly
+
+    def _next_due(self) -> float:
+        """When `tick` has something to do (the loop's timer): nothing without peers."""
+        if not self._peers:
+            return math.inf
+        return min(self.ping_due, self.check_due) if self._keys is not None else self.ping_due
+
+    def tick(self) -> list[bytes]:
+        """The timer's work: pings when due, and the listeners cut for a revoked
+        key since the last tick (module docstring), whose subscriptions the
+        caller drops."""
+        now = self._clock()
+        if now >= self.ping_due:
+            self.ping()
+        cut, self._cut_since_tick = self._cut_since_tick, []
+        if self._keys is not None and now >= self.check_due:
+            self.check_due = now + REVOKE_CHECK_S
+            allowed = self._keys.allow_list()
+            if allowed is not self._allowed:
+                self._allowed = allowed
+                for listener, peer in self._peers.items():
+                    if peer.key is not None and not peer.revoked and peer.key not in allowed:
+                        self._cut(peer)
+                        self._try_send(listener, _REVOKED)
+                        cut.append(listener)
+                if cut:
+                    log.warning("sink: cut %d events connection(s) whose key was revoked or "
+                                "rotated", len(cut))
+        self.due = self._next_due()
+        return cut
+
+    def _cut(self, peer: Peer) -> None:
+        """`listener` gets nothing more (its subscriptions are dropped by the
+        caller of `tick`); it is told by whoever found it (`_REVOKED`)."""
+        peer.revoked = True
+        self.revoked += 1
+        self._release(peer)
+
+    def _try_send(self, listener: bytes, frame: bytes) -> None:
+        """A frame that is not counted in the listener's window (it is cut)."""
+        try:
+            self._send(listener, _MORE)
+            self._send(frame, _NOBLOCK)
+        except zmq.ZMQError:
+            pass
 
     def ping(self) -> None:
         """Check the silent listeners that hold unacknowledged bytes: an empty
-        array to each; one that is gone has its bytes released (`_frame`)."""
+        array to each; one that is gone has its bytes released (`_frame`).
+        Listeners that hold nothing and no subscription are forgotten."""
         now = self._clock()
         self.ping_due = now + PING_AFTER_S
-        for listener, out in list(self._out.items()):
-            if out and now - self._heard.get(listener, 0.0) >= PING_AFTER_S:
-                self._heard[listener] = now
+        charged = self.shares.of
+        for listener, peer in list(self._peers.items()):
+            if peer.out and now - peer.heard >= PING_AFTER_S:
+                peer.heard = now
                 self._frame(listener, _PING, 0, live=False)
+            elif not peer.out and not peer.revoked and listener not in charged:
+                del self._peers[listener]
 
     def stats(self) -> dict[str, int]:
         return {"events_sent": self.sent, "events_dropped_full": self.dropped_full,
                 "events_unroutable": self.unroutable, "events_cut_offs": self.cut_offs,
                 "events_unacked_bytes": self.outstanding, "listens": self.listens,
                 "events_acks": self.acks, "events_bad_input": self.bad_input,
-                "events_auth_refused": self._zap.refused if self._zap is not None else 0}
+                "events_key_revoked": self.revoked, "events_listeners": len(self._peers),
+                "events_auth_refused": self._zap.refused if self._zap is not None else 0,
+                **self.shares.stats()}
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -43,7 +43,8 @@ if TYPE_CHECKING:  # cluster mode only: it brings nats
 
 log = logging.getLogger("streamfence.front")
 
-Accept = tuple[bytes, dict[str, Any], Subscribe | None]  # routing id, reply, then subscribe
+# routing id, reply, then subscribe (for whom: the submitter)
+Accept = tuple[bytes, dict[str, Any], tuple[Identity, Subscribe] | None]
 Refuse = Callable[[bytes, str | None, ErrorCode, str], None]  # identity, ref, code, message
 
 
@@ -56,7 +57,7 @@ class Acceptance:
 
     def __init__(self, journal: Journal, driver: AttemptDriver, clients: Clients,
                  counters: Counter[str], clock: Callable[[], float], refuse: Refuse,
-                 subscribe: Callable[[bytes, Subscribe], None],
+                 subscribe: Callable[[bytes, Identity, Subscribe], None],
                  cluster: ClusterLink | None = None) -> None:
         self._journal = journal
         self._driver = driver
@@ -82,11 +83,12 @@ class Acceptance:
         scoped = (owner, idempotency_key)
         return self._idem_in_turn.get(scoped) or self._journal.call_by_idempotency_key(*scoped)
 
-    def accept_duplicate(self, identity: bytes, req: Submit, call_id: str) -> None:
+    def accept_duplicate(self, identity: bytes, user: Identity, req: Submit,
+                         call_id: str) -> None:
         """The same call again: its id, once the call itself is accepted.
         Subscribed after `accepted` goes out, so the replay follows the reply."""
         reply = (identity, accepted_msg(req.ref, call_id, duplicate=True),
-                 _subscription(req, call_id))
+                 _subscription(user, req, call_id))
         if call_id in self._staged:
             self._staged[call_id].append(reply)
         else:
@@ -122,7 +124,7 @@ class Acceptance:
                                                  spec.options.to_map(), spec.session_id,
                                                  spec.idempotency_key)
         self._driver.enqueue(call, staged=staged or self._cluster is not None)
-        reply = (identity, accepted_msg(req.ref, call_id), _subscription(req, call_id))
+        reply = (identity, accepted_msg(req.ref, call_id), _subscription(user, req, call_id))
         if staged:
             self._staged[call_id] = [reply]
         else:
@@ -212,7 +214,7 @@ class Acceptance:
                 self._counters["calls_accepted"] += 1
             self._clients.send(identity, msg)
             if then_subscribe is not None:
-                self._subscribe(identity, then_subscribe)
+                self._subscribe(identity, *then_subscribe)
 
     def _replicated(self, call_id: str, error: str | None) -> None:
         """Cluster mode: the cluster stored the call (it runs, and is answered
@@ -232,7 +234,7 @@ class Acceptance:
                          f"the cluster did not store the call ({error}); it was not accepted")
 
 
-def _subscription(req: Submit, call_id: str) -> Subscribe | None:
+def _subscription(user: Identity, req: Submit, call_id: str) -> tuple[Identity, Subscribe] | None:
     """A submit's listener follows the call from seq 1 (after `accepted`)."""
     return None if req.listener is None else \
-        Subscribe(ref=req.ref, call_id=call_id, listener=req.listener)
+        (user, Subscribe(ref=req.ref, call_id=call_id, listener=req.listener))

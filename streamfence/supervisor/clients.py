@@ -14,6 +14,7 @@ from typing import Any
 import zmq
 
 from streamfence.protocol.codec import encode
+from streamfence.protocol.internal.control import ListenerOwner
 from streamfence.protocol.messages import pending_msg
 from streamfence.supervisor.timers import Deadlines
 
@@ -29,7 +30,7 @@ class Clients:
     def __init__(self, socket: zmq.Socket[bytes]) -> None:
         self.socket = socket
         self._send_multipart = socket.send_multipart
-        self._listeners: dict[str, set[str]] = {}
+        self._listeners: dict[str, dict[str, ListenerOwner]] = {}  # call -> listener -> owner
         self._waiters: dict[str, list[tuple[bytes, str, float]]] = {}
         self._waits_due: Deadlines[str] = Deadlines()  # call -> its first waiter's end
         self._held: list[tuple[float, int, bytes, bytes]] = []  # (when, order, identity, frame)
@@ -46,13 +47,18 @@ class Clients:
         heapq.heappush(self._held, (when, next(self._order), identity, encode(msg)))
 
     # ---- listeners of live calls -----------------------------------------------------
-    def follow(self, call_id: str, listener: str) -> None:
-        """`listener` subscribed to the live call `call_id` (at the sink)."""
-        self._listeners.setdefault(call_id, set()).add(listener)
+    def follow(self, call_id: str, listener: str, owner: ListenerOwner) -> None:
+        """`listener` subscribed to the live call `call_id` (at the sink), for `owner`."""
+        self._listeners.setdefault(call_id, {})[listener] = owner
 
-    def following(self) -> list[tuple[str, str]]:
-        """(call, listener) of every live call's subscription."""
-        return [(c, lst) for c, listeners in self._listeners.items() for lst in listeners]
+    def unfollow(self, call_id: str, listener: str) -> None:
+        """The sink refused that subscription."""
+        self._listeners.get(call_id, {}).pop(listener, None)
+
+    def following(self) -> list[tuple[str, str, ListenerOwner]]:
+        """(call, listener, owner) of every live call's subscription."""
+        return [(c, lst, owner) for c, listeners in self._listeners.items()
+                for lst, owner in listeners.items()]
 
     def on_call_done(self, call_id: str, done: dict[str, Any],
                      diagnostics: Callable[[], list[dict[str, Any]]]) -> None:

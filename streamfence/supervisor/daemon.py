@@ -336,8 +336,8 @@ class Daemon:
         p.driver.on_sink_restart()
         # The new sink knows no subscriber: tell it again who follows the live
         # calls (from now on; a client repairs a gap from its last seq).
-        for call_id, listener in p.clients.following():
-            p.sink.subscribe(call_id, listener, FROM_NOW, True, lambda _: None)
+        for call_id, listener, owner in p.clients.following():
+            p.sink.subscribe(call_id, listener, FROM_NOW, True, owner, lambda _: None)
 
     def _restart_sink(self, p: Parts) -> None:
         """Its back-off is over: a new sink on the same store (it rebuilds its

@@ -24,6 +24,7 @@ from streamfence.config.identities import Identity
 from streamfence.config.model import DaemonConfig
 from streamfence.protocol.codec import decode_untrusted
 from streamfence.protocol.errors import ErrorCode, ProtocolError
+from streamfence.protocol.internal.control import ListenerOwner
 from streamfence.protocol.messages import (
     Cancel,
     Result,
@@ -53,6 +54,9 @@ from streamfence.supervisor.sinklink import Refused, SinkLink, SinkLost
 if TYPE_CHECKING:  # cluster mode only: it brings nats
     from streamfence.supervisor.clusterlink import ClusterLink
 
+# The sink's refusals of a subscribe that are told as they are (any other:
+# `unknown_call`); its reason is "code: message".
+_SINK_REFUSALS = frozenset({ErrorCode.TOO_MANY_SUBSCRIPTIONS.value, ErrorCode.KEY_REVOKED.value})
 HOLD_MAX_S = 1.0  # a rate refusal is answered after its wait, at most this much later
 FOLLOWED_KEEP = 100_000  # followed calls whose owner is remembered (cluster mode)
 
@@ -148,7 +152,7 @@ class Front:
                 self._error(identity, request.ref, ErrorCode.UNKNOWN_CALL,
                             f"no call {request.call_id!r}")
             elif isinstance(request, Subscribe):
-                self._subscribe(identity, request)
+                self._subscribe(identity, user, request)
             elif isinstance(request, Result):
                 self._result(identity, request)
             elif isinstance(request, Cancel):
@@ -184,16 +188,16 @@ class Front:
                 self._error(identity, request.ref, ErrorCode.UNKNOWN_CALL, f"no call {call_id!r}")
                 return
             # The sink's follow is idempotent: it answers whether the call is done.
-            self._sink.follow(call_id, functools.partial(self._following, identity, request,
-                                                         owner))
+            self._sink.follow(call_id, functools.partial(self._following, identity, user,
+                                                         request, owner))
         known = self._followed.get(call_id)
         if known is not None:
             looked_up({"owner": known})
         else:
             self._cluster.lookup(call_id, looked_up)
 
-    def _following(self, identity: bytes, request: Subscribe | Result | Cancel, owner: str,
-                   reply: dict[str, Any] | Refused | SinkLost) -> None:
+    def _following(self, identity: bytes, user: Identity, request: Subscribe | Result | Cancel,
+                   owner: str, reply: dict[str, Any] | Refused | SinkLost) -> None:
         call_id = request.call_id
         if not isinstance(reply, dict):
             self._error(identity, request.ref, ErrorCode.INTERNAL,
@@ -205,7 +209,7 @@ class Front:
             self._followed.popitem(last=False)
         done = stored_done(self._transcript_path, call_id) if reply.get("done") else None
         if isinstance(request, Subscribe):
-            self._subscribe(identity, request, live=done is None)
+            self._subscribe(identity, user, request, live=done is None)
         elif isinstance(request, Result):
             if done is not None:
                 self._clients.send(identity, dict(done, ref=request.ref, diagnostics=[]))
@@ -257,29 +261,39 @@ class Front:
         if isinstance(verdict, Admitted):
             self.acceptance.accept(identity, user, req, verdict, frame)
         elif isinstance(verdict, Duplicate):
-            self.acceptance.accept_duplicate(identity, req, verdict.call_id)
+            self.acceptance.accept_duplicate(identity, user, req, verdict.call_id)
         else:
             self._refused(identity, req.ref, verdict)
 
-    def _subscribe(self, identity: bytes, req: Subscribe, live: bool | None = None) -> None:
+    def _subscribe(self, identity: bytes, user: Identity, req: Subscribe,
+                   live: bool | None = None) -> None:
         """The sink replays the call's stored events to the listener, then (a
-        live call) follows it. Success has no reply (the events are the
-        answer); a call whose events are gone gets an error with the ref.
-        `live`: a followed call's (cluster mode); else: it is this host's."""
+        live call) follows it, charged to `user` (its share and its caps on
+        listeners and subscriptions: sink/shares.py). Success has no reply
+        (the events are the answer); a call whose events are gone, or a
+        subscribe past a cap, gets an error with the ref. `live`: a followed
+        call's (cluster mode); else: it is this host's."""
+        owner = ListenerOwner(user.name, user.max_listeners, user.max_subscriptions)
         if live is None:
             live = self._driver.calls.has(req.call_id)
             if live:
-                self._clients.follow(req.call_id, req.listener)
+                self._clients.follow(req.call_id, req.listener, owner)
 
         def answered(reply: Refused | SinkLost | None) -> None:
             if isinstance(reply, Refused):
-                self._error(identity, req.ref, ErrorCode.UNKNOWN_CALL, f"no call {req.call_id!r}")
+                code, _, message = reply.reason.partition(": ")
+                if code in _SINK_REFUSALS:
+                    self._clients.unfollow(req.call_id, req.listener)
+                    self._error(identity, req.ref, ErrorCode(code), message)
+                else:
+                    self._error(identity, req.ref, ErrorCode.UNKNOWN_CALL,
+                                f"no call {req.call_id!r}")
             elif isinstance(reply, SinkLost) and not live:
                 self._error(identity, req.ref, ErrorCode.INTERNAL,
                             "the sink restarted before it answered; subscribe again")
             # A live call's listeners are subscribed again at the restarted sink.
 
-        self._sink.subscribe(req.call_id, req.listener, req.from_seq, live, answered)
+        self._sink.subscribe(req.call_id, req.listener, req.from_seq, live, owner, answered)
 
     def _done_of(self, call_id: str) -> dict[str, Any] | None:
         """A finished call's done event: stored once, in the transcript."""

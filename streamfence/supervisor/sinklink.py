@@ -31,6 +31,7 @@ from streamfence.protocol.internal.control import (
     FinishMeta,
     Follow,
     FollowedDone,
+    ListenerOwner,
     Lost,
     Rebind,
     Reply,
@@ -136,10 +137,12 @@ class SinkLink:
                       _as_map, reply)
 
     def subscribe(self, call_id: str, listener: str, from_seq: int, live: bool,
-                  reply: Callable[[Refused | SinkLost | None], None]) -> None:
+                  owner: ListenerOwner, reply: Callable[[Refused | SinkLost | None], None]
+                  ) -> None:
         """`listener` gets the call's events after `from_seq` (FROM_NOW: only new
-        ones) from the sink; `live`: the call has not ended."""
-        self._request(lambda req: AddSubscriber(req, call_id, listener, from_seq, live),
+        ones) from the sink; `live`: the call has not ended; `owner`: the
+        identity it is charged to (its caps)."""
+        self._request(lambda req: AddSubscriber(req, call_id, listener, from_seq, live, owner),
                       lambda _: None, reply)
 
     def follow(self, call_id: str, reply: Callable[[dict[str, Any] | Refused | SinkLost], None]

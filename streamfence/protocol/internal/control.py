@@ -14,7 +14,7 @@ decoded array as untrusted and raises only BadFrame):
         every delta since attempt `content_from` (docs/ARCHITECTURE.md §2.8)
     [C_FINISH, req, call_id, status, error: map|nil, attempts, meta]   meta: FinishMeta map
     [C_STATS, req]
-    [C_SUBSCRIBE, req, call_id, listener, from_seq, live: bool]   from_seq -1: from now
+    [C_SUBSCRIBE, req, call_id, listener, from_seq, live: bool, owner]   from_seq -1: from now
     [C_ADOPT, req, call_id, epoch]   cluster mode: the call was taken over from a
         dead host at `epoch`: open it in the call's log and store what the log
         holds (answered with the stats of that content; refused if it holds a done)
@@ -232,18 +232,36 @@ FROM_NOW = -1  # AddSubscriber.from_seq: no replay, the events committed from no
 
 
 @dataclass(frozen=True, slots=True)
+class ListenerOwner:
+    """The identity whose share (sink/shares.py) a subscription uses, and its caps (0: none)."""
+
+    name: str
+    max_listeners: int = 0
+    max_subscriptions: int = 0
+
+
+def _owner_from_wire(raw: Any, req: int | str) -> ListenerOwner:
+    if type(raw) is not list or len(raw) != 3 or type(raw[0]) is not str \
+            or not 0 < len(raw[0]) <= 64:  # an identity name (protocol/keys.py NAME_RE)
+        raise BadFrame("owner must be [name, max_listeners, max_subscriptions]", req)
+    return ListenerOwner(raw[0], check_int(raw[1], "max_listeners", 0, req),
+                         check_int(raw[2], "max_subscriptions", 0, req))
+
+
+@dataclass(frozen=True, slots=True)
 class AddSubscriber:
     """C_SUBSCRIBE: send the call's events after `from_seq` to `listener` (a
     connection to the events socket), then its new ones as they commit.
     `live`: the call has not ended (the sink may not know it yet: queued);
     otherwise its events are replayed from the transcript and the reply is
-    refused if it holds none."""
+    refused if it holds none. `owner`: whose share it uses (wire: its fields)."""
 
     req: int | str
     call_id: str
     listener: str
     from_seq: int
     live: bool
+    owner: ListenerOwner
 
 
 ControlOp = Authorize | Fence | Rebind | Finish | Stats | AddSubscriber | Adopt | Follow
@@ -262,7 +280,8 @@ def encode_control(op: ControlOp) -> bytes:
         msg = [C_FINISH, op.req, op.call_id, op.status.value, op.error, op.attempts,
                meta_to_wire(op.meta)]
     elif isinstance(op, AddSubscriber):
-        msg = [C_SUBSCRIBE, op.req, op.call_id, op.listener, op.from_seq, op.live]
+        msg = [C_SUBSCRIBE, op.req, op.call_id, op.listener, op.from_seq, op.live,
+               [op.owner.name, op.owner.max_listeners, op.owner.max_subscriptions]]
     elif isinstance(op, Adopt):
         msg = [C_ADOPT, op.req, op.call_id, op.epoch]
     elif isinstance(op, Follow):
@@ -275,7 +294,7 @@ def encode_control(op: ControlOp) -> bytes:
 
 MAX_REQ_STR = 256
 _CONTROL_ARITY = {C_AUTHORIZE: (5, 6, 7), C_FENCE: (4,), C_FINISH: (7,), C_STATS: (2,),
-                  C_SUBSCRIBE: (6,), C_REBIND: (7,), C_ADOPT: (4,),
+                  C_SUBSCRIBE: (7,), C_REBIND: (7,), C_ADOPT: (4,),
                   C_FOLLOW: (3,)}
 
 
@@ -310,8 +329,8 @@ def parse_control(obj: Any) -> ControlOp:
             raise BadFrame("listener must be a listener id", req)
         if type(live) is not bool:
             raise BadFrame("live must be a boolean", req)
-        return AddSubscriber(req, call_id, listener, check_int(obj[4], "from_seq", FROM_NOW, req),
-                             live)
+        from_seq = check_int(obj[4], "from_seq", FROM_NOW, req)
+        return AddSubscriber(req, call_id, listener, from_seq, live, _owner_from_wire(obj[6], req))
     if tag == C_AUTHORIZE:
         reset = obj[4]
         if type(reset) is not bool:
