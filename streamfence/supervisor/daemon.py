@@ -263,6 +263,7 @@ class Daemon:
             p.driver.schedule()
         p.front.acceptance.flush_accepts()
         p.clients.expire_waiters(now)
+        p.sink.expire(now)
         p.journal.commit()
         p.front.acceptance.refuse_unstored()
         p.counters["journal_pruned"] += p.journal.prune_tick(self.config.retention_days)
@@ -287,7 +288,8 @@ class Daemon:
         due = [now + IDLE_WAKE_S, p.driver.next_due(), p.clients.next_due(),
                p.pool.next_due(), self._drain_until, self._sink.restarts.due(),
                self._zygote.restarts.due(), self._gateway.restarts.due(),
-               p.journal.retry_due, p.cluster.next_due() if p.cluster is not None else None]
+               p.journal.retry_due, p.sink.next_due(),
+               p.cluster.next_due() if p.cluster is not None else None]
         if self.config.retention_days > 0:
             due.append(p.journal.prune_due)
         nearest = min(d for d in due if d is not None)
