@@ -88,29 +88,31 @@ class Daemon:
         if config.http.listen is not None and gateway is None:
             raise StartupError("[http] listen is set but this daemon was built without a gateway")
         try:
-            state_dir = statedir.prepare(config.state_dir)
-            self._lock = statedir.StateLock(state_dir)
-            statedir.make_private(state_dir)
-        except statedir.StateDirError as exc:
-            raise StartupError(str(exc)) from None
-        try:
-            self._pairing = storepair.check(state_dir, cluster=self.config.cluster.enabled)
-        except storepair.StoreError as exc:
-            self._lock.release()
-            raise StartupError(str(exc)) from None
-        self._state_dir = state_dir
-        self.keys = KeyStore(state_dir / "keys")
-        try:
             self.events_endpoint = events_endpoint(config.endpoint)
         except ValueError as exc:
             raise StartupError(f"daemon.endpoint: {exc}") from None
         try:
+            state_dir = statedir.prepare(config.state_dir)
+            self._lock = statedir.StateLock(state_dir)
+        except statedir.StateDirError as exc:
+            raise StartupError(str(exc)) from None
+        try:
+            statedir.make_private(state_dir)
+            # Before anything is written: a live daemon's sockets refuse the start.
             self._runtime = RuntimeDir(config.runtime_dir(), config.state_dir)
             claim_sockets(_bound_paths(self._runtime.path, config.endpoint,
                                        self.events_endpoint), str(state_dir))
         except statedir.StateDirError as exc:
             self._lock.release()
             raise StartupError(str(exc)) from None
+        try:
+            self._pairing = storepair.check(state_dir, cluster=self.config.cluster.enabled)
+        except storepair.StoreError as exc:
+            self._runtime.remove()
+            self._lock.release()
+            raise StartupError(str(exc)) from None
+        self._state_dir = state_dir
+        self.keys = KeyStore(state_dir / "keys")
         self.runtime_dir = self._runtime.path
         self.endpoints = Endpoints(self.runtime_dir)
         self.transcript_path = os.path.abspath(os.path.join(config.state_dir, "transcript.db"))
