@@ -172,14 +172,14 @@ def daemon(module_daemon: DaemonFactory) -> DaemonProcess:
 def test_the_daemon_refuses_a_header_field_and_no_provider_sees_it(
         daemon: DaemonProcess, emu: EmulatorClient) -> None:
     with daemon.client() as client:
-        before = client.status()["counters"].get("refused.bad_message", 0)
+        before = client.status()["counters"].get("bad_input.bad_message", 0)
         for name in sorted(HEADER_FIELDS["anthropic"]):
             request = request_for("anthropic", f"hdr-{name}") | {name: "wrkspc_forged"}
             with pytest.raises(ClientError) as info:
                 client.submit("claude", request, subscribe=False)
             assert info.value.code == "bad_message", info.value
             assert f"call.request.{name}" in info.value.message, info.value.message
-        after = client.status()["counters"].get("refused.bad_message", 0)
+        after = client.status()["counters"].get("bad_input.bad_message", 0)
         done = client.run("claude", request_for("anthropic", "hdr-plain"), timeout_s=30.0)
     assert after - before == len(HEADER_FIELDS["anthropic"])
     assert done["status"] == "completed", done

@@ -22,7 +22,9 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +149,14 @@ def test_a_second_daemon_on_the_same_ipc_endpoint_is_refused(
     _still_serves(daemon, "endpoint-shared")
 
 
+@pytest.fixture
+def temp() -> Iterator[Path]:
+    """A short $TMPDIR for the daemon (its runtime dir's sockets go under it)."""
+    path = Path(tempfile.mkdtemp(prefix="sfr", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _long_state_dir(tmp_path: Path) -> Path:
     """A state dir whose `run/` would be too long a path for a unix socket."""
     state = tmp_path / ("s" * 60) / ("t" * 60)
@@ -156,9 +166,7 @@ def _long_state_dir(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_a_state_dir_put_back_under_a_running_daemon_takes_none_of_its_sockets(
-        tmp_path: Path, emulator: EmulatorProcess) -> None:
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+        tmp_path: Path, temp: Path, emulator: EmulatorProcess) -> None:
     state = _long_state_dir(tmp_path)
     first = DaemonProcess(state, profiles_for(emulator, {"emu": "openai"}),
                           env={"TMPDIR": str(temp)})
@@ -187,9 +195,7 @@ def test_a_state_dir_put_back_under_a_running_daemon_takes_none_of_its_sockets(
 
 @pytest.mark.slow
 def test_a_long_state_dir_leaves_no_runtime_dir_and_loose_files_are_private(
-        tmp_path: Path, emulator: EmulatorProcess) -> None:
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+        tmp_path: Path, temp: Path, emulator: EmulatorProcess) -> None:
     daemon = DaemonProcess(_long_state_dir(tmp_path), profiles_for(emulator, {"emu": "openai"}),
                            env={"TMPDIR": str(temp)})
     try:

@@ -128,7 +128,11 @@ class DaemonConfig:
         if len(candidate) + len("/sink.ctl") < 100:
             return candidate
         digest = hashlib.sha256(state_dir.encode(errors="surrogateescape")).hexdigest()[:16]
-        return os.path.join(tempfile.gettempdir(), f"streamfence-{os.geteuid()}-{digest}")
+        name = f"streamfence-{os.geteuid()}-{digest}"
+        base = tempfile.gettempdir()
+        if len(os.path.join(base, name, "sink.stream")) >= 100:
+            base = "/tmp"  # a $TMPDIR too long for a unix socket under it
+        return os.path.join(base, name)
 
 
 _DAEMON_TYPES: dict[str, tuple[type, ...]] = {
