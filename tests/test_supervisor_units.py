@@ -221,7 +221,7 @@ class Attempts(AttemptEvents):
 
 def test_sinklink_typed_replies_attempt_endings_and_lost_requests() -> None:
     sock = FakeSocket()
-    link = SinkLink(sock)  # type: ignore[arg-type]
+    link = SinkLink(sock, time.monotonic)  # type: ignore[arg-type]
     replies: list[Any] = []
     link.authorize("c", 2, False, "m", replies.append)
     link.fence("c", 2, replies.append)
@@ -247,7 +247,7 @@ LISTENER = "0123456789abcdef0123456789abcdef"
 
 def test_sinklink_subscribe_sends_add_subscriber_and_delivers_its_reply() -> None:
     sock = FakeSocket()
-    link = SinkLink(sock)  # type: ignore[arg-type]
+    link = SinkLink(sock, time.monotonic)  # type: ignore[arg-type]
     answers: dict[str, list[Any]] = {"ok": [], "refused": [], "lost": []}
     bob = ListenerOwner("bob", 64, 1024)
     link.subscribe("c1", LISTENER, 0, True, bob, answers["ok"].append)
@@ -317,7 +317,7 @@ def parts(tmp_path: Path) -> Iterator[dict[str, Any]]:
     pool = Pool(zygote.append, workers, live, slots=4, spare=1,  # type: ignore[arg-type]
                 max_workers=4)
     clients = Clients(client_sock)  # type: ignore[arg-type]
-    sink = SinkLink(sink_sock)  # type: ignore[arg-type]
+    sink = SinkLink(sink_sock, time.monotonic)  # type: ignore[arg-type]
     counters: Counter[str] = Counter()
     transcript = str(tmp_path / "transcript.db")
     TranscriptStore(transcript, background_checkpoints=False).close()  # the sink makes it

@@ -9,6 +9,7 @@ environment variable that holds its key (`api_key_env`).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import tempfile
@@ -117,14 +118,21 @@ class DaemonConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def runtime_dir(self) -> str:
-        """Where the ipc sockets live: under state_dir when the path is short
-        enough for a unix socket (~107 bytes), else a private temp dir."""
-        candidate = os.path.abspath(os.path.join(self.state_dir, "run"))
+        """Where the ipc sockets live: `run/` under state_dir when the path is
+        short enough for a unix socket (~107 bytes), else one directory per
+        state dir under the temp dir, named for the state dir's path (so a
+        restart, or a tool, finds the same one). A path only: the supervisor
+        makes and checks it (streamfence.supervisor.runtimedir)."""
+        state_dir = os.path.abspath(self.state_dir)
+        candidate = os.path.join(state_dir, "run")
         if len(candidate) + len("/sink.ctl") < 100:
-            os.makedirs(candidate, mode=0o700, exist_ok=True)
-            os.chmod(candidate, 0o700)  # only our user may reach the internal sockets
             return candidate
-        return tempfile.mkdtemp(prefix="sf-")  # mkdtemp is 0o700 already
+        digest = hashlib.sha256(state_dir.encode(errors="surrogateescape")).hexdigest()[:16]
+        name = f"streamfence-{os.geteuid()}-{digest}"
+        base = tempfile.gettempdir()
+        if len(os.path.join(base, name, "sink.stream")) >= 100:
+            base = "/tmp"  # a $TMPDIR too long for a unix socket under it
+        return os.path.join(base, name)
 
 
 _DAEMON_TYPES: dict[str, tuple[type, ...]] = {

@@ -49,6 +49,7 @@ from streamfence.supervisor.logs import emit_child_record
 from streamfence.supervisor.notify import Notifier
 from streamfence.supervisor.parts import Parts, Sockets, build_parts
 from streamfence.supervisor.restarts import GiveUp, RestartPolicy
+from streamfence.supervisor.runtimedir import INTERNAL_SOCKETS, RuntimeDir, claim_sockets
 from streamfence.supervisor.sinkchild import SinkChild
 from streamfence.supervisor.startup import (
     StartupError,
@@ -87,22 +88,32 @@ class Daemon:
         if config.http.listen is not None and gateway is None:
             raise StartupError("[http] listen is set but this daemon was built without a gateway")
         try:
+            self.events_endpoint = events_endpoint(config.endpoint)
+        except ValueError as exc:
+            raise StartupError(f"daemon.endpoint: {exc}") from None
+        try:
             state_dir = statedir.prepare(config.state_dir)
             self._lock = statedir.StateLock(state_dir)
         except statedir.StateDirError as exc:
             raise StartupError(str(exc)) from None
         try:
+            statedir.make_private(state_dir)
+            # Before anything is written: a live daemon's sockets refuse the start.
+            self._runtime = RuntimeDir(config.runtime_dir(), config.state_dir)
+            claim_sockets(_bound_paths(self._runtime.path, config.endpoint,
+                                       self.events_endpoint), str(state_dir))
+        except statedir.StateDirError as exc:
+            self._lock.release()
+            raise StartupError(str(exc)) from None
+        try:
             self._pairing = storepair.check(state_dir, cluster=self.config.cluster.enabled)
         except storepair.StoreError as exc:
+            self._runtime.remove()
             self._lock.release()
             raise StartupError(str(exc)) from None
         self._state_dir = state_dir
         self.keys = KeyStore(state_dir / "keys")
-        try:
-            self.events_endpoint = events_endpoint(config.endpoint)
-        except ValueError as exc:
-            raise StartupError(f"daemon.endpoint: {exc}") from None
-        self.runtime_dir = config.runtime_dir()
+        self.runtime_dir = self._runtime.path
         self.endpoints = Endpoints(self.runtime_dir)
         self.transcript_path = os.path.abspath(os.path.join(config.state_dir, "transcript.db"))
         self._mp = multiprocess.get_context("spawn")
@@ -152,9 +163,6 @@ class Daemon:
     def _bind_sockets(self) -> Sockets:
         """The workers', logs' and clients' sockets, bound; the sink's, connected."""
         cfg = self.config
-        for name in ("sink.in", "sink.stream", "sink.ctl", "workers", "logs"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.runtime_dir, name))
         workers_sock = self._socket(zmq.ROUTER, ROUTER_MANDATORY=1)
         workers_sock.bind(self.endpoints.workers)
         logs_sock = self._socket(zmq.PULL)
@@ -195,6 +203,7 @@ class Daemon:
             p = self._build()
         except BaseException:
             self._stop_children()  # none left for multiprocess's exit handler to wait on
+            self._runtime.remove()
             raise
         self._signals.install()
         self._watch(p)
@@ -256,6 +265,7 @@ class Daemon:
             p.driver.schedule()
         p.front.acceptance.flush_accepts()
         p.clients.expire_waiters(now)
+        p.sink.expire(now)
         p.journal.commit()
         p.front.acceptance.refuse_unstored()
         p.counters["journal_pruned"] += p.journal.prune_tick(self.config.retention_days)
@@ -280,7 +290,8 @@ class Daemon:
         due = [now + IDLE_WAKE_S, p.driver.next_due(), p.clients.next_due(),
                p.pool.next_due(), self._drain_until, self._sink.restarts.due(),
                self._zygote.restarts.due(), self._gateway.restarts.due(),
-               p.journal.retry_due, p.cluster.next_due() if p.cluster is not None else None]
+               p.journal.retry_due, p.sink.next_due(),
+               p.cluster.next_due() if p.cluster is not None else None]
         if self.config.retention_days > 0:
             due.append(p.journal.prune_due)
         nearest = min(d for d in due if d is not None)
@@ -393,6 +404,7 @@ class Daemon:
         p.pool.close()
         if p.cluster is not None:
             p.cluster.close()
+        self._runtime.remove()
         self._lock.release()
         log.info("stopped")
 
@@ -410,6 +422,13 @@ class Daemon:
                 if proc.is_alive():
                     proc.kill()
                     proc.join(timeout=1.0)
+
+
+def _bound_paths(runtime_dir: str, endpoint: str, events: str) -> list[str]:
+    """The unix socket paths this start binds: the internal ones (checked
+    before they are bound, statedir/runtimedir), and the client endpoints if ipc://."""
+    paths = [ep.removeprefix("ipc://") for ep in (endpoint, events) if ep.startswith("ipc://")]
+    return paths + [os.path.join(runtime_dir, name) for name in INTERNAL_SOCKETS]
 
 
 def _drain_logs(logs: zmq.Socket[bytes]) -> None:

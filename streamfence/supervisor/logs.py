@@ -1,7 +1,17 @@
 """The daemon's one log stream: its own records and every child's, plain text
 or JSON lines. A record's session_id, call_id and attempt appear only when
 set: `session=… call=… attempt=…` before the message in text, keys in JSON
-(a line of no call has none of them)."""
+(a line of no call has none of them).
+
+Clients choose some of what is logged (a session id, a model name), so the
+text format escapes it: one record is one line, whatever a client sent. In
+the message, each character that is not printable (a newline, a carriage
+return, an ANSI escape, a bidirectional override) is written as its Python
+escape (`\n`, `\x1b`, `\u202e`); a context value holding any of those, a
+space, `=` or `"` is written as a JSON string, so no one forges a `call=`
+either. A traceback's lines follow its record's line as they always did
+(a worker's tracebacks leave the exceptions' text out: workers/errors.py).
+JSON lines are escaped by the encoder."""
 
 from __future__ import annotations
 
@@ -22,14 +32,43 @@ def context_of(record: logging.LogRecord) -> dict[str, Any]:
     return {key: value for key in CONTEXT_FIELDS if (value := getattr(record, key, None))}
 
 
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape_char(c: str) -> str:
+    code = ord(c)
+    if c in _ESCAPES:
+        return _ESCAPES[c]
+    return f"\\x{code:02x}" if code < 0x100 else (
+        f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+
+
+def escape_text(text: str) -> str:
+    """`text` on one line: each character that is not printable as its escape."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _escape_char(c) for c in text)
+
+
+def _context_value(value: Any) -> str:
+    text = str(value)
+    if text.isprintable() and not any(c in text for c in ' ="'):
+        return text
+    return json.dumps(text)
+
+
 class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__(TEXT_FORMAT)
 
     def format(self, record: logging.LogRecord) -> str:
-        record.context = "".join(f" {_LABELS[key]}={value}"
+        record.context = "".join(f" {_LABELS[key]}={_context_value(value)}"
                                  for key, value in context_of(record).items())
         return super().format(record)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escape_text(record.message)
+        return super().formatMessage(record)
 
 
 class JsonFormatter(logging.Formatter):

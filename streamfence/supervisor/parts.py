@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -22,7 +22,7 @@ from streamfence.supervisor.clients import Clients
 from streamfence.supervisor.front import Front
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.pool import Pool
-from streamfence.supervisor.sinklink import SinkLink
+from streamfence.supervisor.sinklink import SinkLink, StatsCallback
 from streamfence.supervisor.status import status_of
 from streamfence.workers.liveness import LivenessTable
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # cluster mode only: it brings nats
 
 Socket = zmq.Socket[bytes]
 Sockets = tuple[Socket, Socket, Socket, Socket]  # workers', logs', clients', the sink's
-SinkStats = Callable[[SinkLink, Callable[[dict[str, Any]], None]], None]
+SinkStats = Callable[[SinkLink, StatsCallback], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +70,7 @@ def build_parts(cfg: DaemonConfig, journal: Journal, live: LivenessTable,
     pool = Pool(to_zygote, workers_sock, live, slots=cfg.workers_max,
                 spare=cfg.workers_spare, max_workers=cfg.workers_max)
     clients = Clients(front_sock)
-    sink = SinkLink(sink_sock)
+    sink = SinkLink(sink_sock, clock)
     breakers = Breakers(cfg.breaker_threshold, cfg.breaker_cooldown_s, clock)
     driver = AttemptDriver(cfg, journal, pool, sink, clients, breakers, counters, clock,
                            random.Random(), transcript_path, cluster)

@@ -8,14 +8,13 @@ sinklink); the daemon makes a new one per sink process.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from streamfence.config.model import DaemonConfig
 from streamfence.protocol.lifecycle import ExitCode
 from streamfence.sink.process import run_sink
 from streamfence.supervisor.restarts import RestartedChild, RestartPolicy
-from streamfence.supervisor.sinklink import SinkLink
+from streamfence.supervisor.sinklink import STATS_WAIT_S, SinkLink, StatsCallback
 from streamfence.supervisor.startup import cluster_settings
 
 
@@ -42,18 +41,19 @@ class SinkChild(RestartedChild):
         self.restarts.started()
         started = self.process
 
-        def answered(_stats: dict[str, Any]) -> None:
+        def answered(_stats: dict[str, Any], _fresh: bool) -> None:
             # The link answers from its last counters when the sink died first.
             if self.process is started and not self.restarts.down:
                 self.restarts.ready()
 
         link.read_stats(answered)
 
-    def stats(self, link: SinkLink, reply: Callable[[dict[str, Any]], None]) -> None:
-        """The sink's counters for `status`: asked for, or the last ones known, at
-        once, while the sink is down or not yet serving (status must not wait
-        for its back-off or its start)."""
+    def stats(self, link: SinkLink, reply: StatsCallback) -> None:
+        """The sink's counters for `status`: asked for (the last ones known if it
+        does not answer within STATS_WAIT_S), or the last ones known at once
+        while the sink is down or not yet serving (status must not wait for
+        its back-off or its start)."""
         if self.restarts.serving:
-            link.read_stats(reply)
+            link.read_stats(reply, STATS_WAIT_S)
         else:
-            reply(dict(link.stats))
+            reply(dict(link.stats), False)

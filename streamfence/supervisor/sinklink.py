@@ -1,5 +1,9 @@
 """The supervisor's end of the sink's control socket.
 
+A `status` asks the sink for its counters; a sink that does not answer
+within STATS_WAIT_S (stopped, or stuck) does not hold the reply: it goes
+with the last counters known, marked so (`read_stats`, `expire`).
+
 Replies and attempt endings share one socket, so their order is the sink's
 order: an attempt's E_ENDED that the sink produced before a fence arrives
 before that fence's reply. The attempt driver relies on this. The calls'
@@ -8,6 +12,7 @@ events do not come here: the sink sends them to the subscribers itself.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +47,7 @@ from streamfence.protocol.internal.control import (
 )
 from streamfence.protocol.internal.outcome import BadOutcome
 from streamfence.protocol.messages import CallStatus
+from streamfence.supervisor.timers import Deadlines
 
 log = logging.getLogger("streamfence.sinklink")
 
@@ -60,6 +66,12 @@ class SinkLost(Enum):
 
 
 SINK_LOST = SinkLost.SINK_LOST
+# How long a `status` waits for the sink's counters (it answers in
+# milliseconds when it runs; the clients' default timeout is 10 s).
+STATS_WAIT_S = 1.0
+# What a stats request's callback gets: the counters, and whether the sink
+# sent them for this request (False: the last ones known).
+StatsCallback = Callable[[dict[str, Any], bool], None]
 T = TypeVar("T")
 # What a request's callback gets: the parsed payload, or why there is none.
 StatsReply = AttemptStats | Refused | SinkLost
@@ -85,16 +97,20 @@ class AttemptEvents(Protocol):
 class SinkLink:
     """Owns the supervisor's end of `sink.ctl`: request ids, the callbacks of
     requests in flight, and the sink's last counters (for `status` when the
-    sink is gone). Attempt endings go to the AttemptEvents given to `drain`."""
+    sink is gone or late: their waits are its deadlines, `next_due` and
+    `expire`). Attempt endings go to the AttemptEvents given to `drain`."""
 
-    def __init__(self, socket: zmq.Socket[bytes]) -> None:
+    def __init__(self, socket: zmq.Socket[bytes], clock: Callable[[], float]) -> None:
         self.socket = socket
+        self._clock = clock
         self._next_req = 1
         self._pending: dict[int, Callable[[Reply | SinkLost], None]] = {}
         self.stats: dict[str, Any] = {}
+        self._stats_due: Deadlines[int] = Deadlines()  # stats request -> when it answers late
+        self._late: dict[int, Callable[[], None]] = {}
 
     def _request(self, op: Callable[[int], ControlOp], parse: Callable[[Any], T],
-                 reply: Callable[[T | Refused | SinkLost], None]) -> None:
+                 reply: Callable[[T | Refused | SinkLost], None]) -> int:
         req = self._next_req
         self._next_req += 1
 
@@ -106,6 +122,7 @@ class SinkLink:
 
         self._pending[req] = deliver
         self.socket.send(encode_control(op(req)))
+        return req
 
     def authorize(self, call_id: str, attempt: int, reset: bool, model: str,
                   reply: Callable[[StatsReply], None], log_seq: int = 0) -> None:
@@ -151,15 +168,40 @@ class SinkLink:
         says whether it is done (ARCHITECTURE §4.17, rule 5)."""
         self._request(lambda req: Follow(req, call_id), _as_map, reply)
 
-    def read_stats(self, reply: Callable[[dict[str, Any]], None]) -> None:
-        """Ask the sink for its counters; `reply` gets them (the last known
-        ones if the sink died before answering)."""
+    def read_stats(self, reply: StatsCallback, wait_s: float | None = None) -> None:
+        """Ask the sink for its counters; `reply` gets them once: the sink's
+        answer, or the last ones known if the sink died first or, given
+        `wait_s`, has not answered within it (a late answer is still kept)."""
+        replied = False
+
+        def answer(fresh: bool) -> None:
+            nonlocal replied
+            if not replied:
+                replied = True
+                reply(self.stats, fresh)
+
         def store(r: DoneReply) -> None:
             if isinstance(r, dict):
                 self.stats = r
-            reply(self.stats)
+            self._late.pop(req, None)
+            self._stats_due.clear(req)
+            answer(isinstance(r, dict))
 
-        self._request(Stats, _as_map, store)
+        req = self._request(Stats, _as_map, store)
+        if wait_s is not None:
+            self._late[req] = functools.partial(answer, False)
+            self._stats_due.arm(req, self._clock() + wait_s)
+
+    def next_due(self) -> float | None:
+        """When the next stats request stops waiting for the sink."""
+        return self._stats_due.next_due()
+
+    def expire(self, now: float) -> None:
+        """Stats requests the sink left unanswered too long get the last counters."""
+        for req in self._stats_due.pop_due(now):
+            late = self._late.pop(req, None)
+            if late is not None:
+                late()
 
     def fail_pending(self) -> None:
         """The sink died: its replies will never come. Each waiting callback gets

@@ -14,7 +14,7 @@ from streamfence.supervisor.pool import Pool
 
 
 def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
-              sink_stats: Callable[[Callable[[dict[str, Any]], None]], None],
+              sink_stats: Callable[[Callable[[dict[str, Any], bool], None]], None],
               counters: Counter[str], pids: Callable[[], dict[str, int | None]],
               auth_counts: Callable[[], dict[str, int]],
               storage: Callable[[], dict[str, Any] | None], user: Identity,
@@ -23,7 +23,8 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
     identity that is not an admin sees only its own calls (docs/SECURITY.md);
     an admin's reply waits for the sink's counters (`sink_stats`: asked for,
     not polled, so an idle daemon sleeps; the last known ones while the sink
-    is down). `calls.in_flight_bytes` is the request bytes the
+    is down, or when it does not answer in time: `sink_answered` false).
+    `calls.in_flight_bytes` is the request bytes the
     calls accepted and not done hold (the byte budgets: admission.py); an admin
     also sees them per owner and `in_flight_bytes_max`; `storage`, the
     journal's storage fault while one lasts (nil otherwise); and
@@ -43,13 +44,14 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
             "breakers": breakers.snapshot(),
             "storage": storage(),
             "counters": dict(counters, **auth_counts())}
-    sink_stats(lambda stats: reply(_with_sink(body, driver.histograms.to_map(), stats)))
+    sink_stats(lambda stats, fresh: reply(_with_sink(body, driver.histograms.to_map(), stats,
+                                                     fresh)))
 
 
-def _with_sink(body: dict[str, Any], histograms: dict[str, Any], stats: dict[str, Any]
-               ) -> dict[str, Any]:
+def _with_sink(body: dict[str, Any], histograms: dict[str, Any], stats: dict[str, Any],
+               fresh: bool) -> dict[str, Any]:
     sink = dict(stats)  # a copy: the last counters known are kept as they came
     latency = sink.pop("delta_latency", None)
     if isinstance(latency, dict):
         histograms["delta_latency_seconds"] = latency
-    return dict(body, sink=sink, histograms=histograms)
+    return dict(body, sink=sink, sink_answered=fresh, histograms=histograms)
