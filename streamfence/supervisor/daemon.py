@@ -42,7 +42,7 @@ from streamfence.protocol.internal.workers import StopZygote
 from streamfence.protocol.keys import KeyStore
 from streamfence.protocol.messages import events_endpoint
 from streamfence.protocol.states import WorkerState
-from streamfence.supervisor import statedir, storepair
+from streamfence.supervisor import replies, statedir, storepair
 from streamfence.supervisor.auth import ClientAuth
 from streamfence.supervisor.gatewaychild import GatewayChild, GatewayEntry
 from streamfence.supervisor.logs import emit_child_record
@@ -161,8 +161,9 @@ class Daemon:
         logs_sock.bind(self.endpoints.logs)
         # Refuse absurd frames at the transport (the peer is cut off), but let
         # moderately oversized ones through so they get a `too_large` reply.
+        # Replies that cannot be queued raise (counted): supervisor/replies.py.
         front_sock = self._socket(zmq.ROUTER, MAXMSGSIZE=cfg.max_frame_bytes * 4,
-                                  SNDHWM=100_000)
+                                  SNDHWM=replies.SEND_HWM, ROUTER_MANDATORY=1)
         self.auth.secure(front_sock)
         try:
             front_sock.bind(cfg.endpoint)
