@@ -2,18 +2,21 @@
 (docs/SECURITY.md, "Connections").
 
 The client socket's monitor reports each connection accepted (with its
-descriptor), the end of its handshake and its close. From them
-`FrontConnections` keeps the count (`counters.connections`) and:
+descriptor) and its close; the loop reports the descriptor each request came
+from (`spoke`). From them `FrontConnections` keeps the count
+(`counters.connections`) and:
 
 - `[daemon] max_connections`: past it, ZAP refuses new handshakes (curve;
   with `auth = "none"` the cap is only logged).
-- the connections still in their handshake, oldest first: at most
-  PENDING_MAX, and never so many that the open-files limit would leave
-  fewer than RESERVE descriptors free. Past either, the oldest are shed:
-  their descriptor is shut down, libzmq sees the end and closes it
-  (`connections_shed`). libzmq closes a handshake that takes longer than
-  HANDSHAKE_S itself. When the connections past their handshake alone
-  leave no room, ZAP refuses new handshakes as at the cap.
+- the silent connections: accepted less than HANDSHAKE_S ago, no request
+  yet (those in their handshake among them: libzmq closes a handshake that
+  takes longer than HANDSHAKE_S, so an older connection is past it). At
+  most SILENT_MAX of them, and never so many that the open-files limit
+  would leave fewer than RESERVE descriptors free. Past either, the oldest
+  are shed: their descriptor is shut down, libzmq sees the end and closes
+  it (`connections_shed`). When the other connections alone leave no room,
+  ZAP refuses new handshakes as at the cap. (The monitor cannot say whose
+  handshake ended: its handshake events carry no descriptor.)
 
 Why: libzmq's listener, when `accept` fails for want of a descriptor,
 retries at once in its I/O thread, for as long as a connection waits, and
@@ -45,21 +48,19 @@ from zmq.utils.monitor import recv_monitor_message
 log = logging.getLogger("streamfence.connections")
 
 RESERVE = 128  # descriptors never given to client connections (the daemon's own, bursts)
-PENDING_MAX = 256  # connections in their handshake at once; beyond, the oldest are shed
+SILENT_MAX = 256  # silent connections at once; beyond, the oldest are shed
 HANDSHAKE_S = 10.0  # libzmq closes a connection whose handshake takes longer
 DRAIN_MAX = 10_000  # monitor events read in one turn of the loop
 LOG_EVERY_S = 10.0  # "cap reached" and "shed" lines, at most this often
 
-_HANDSHAKE_ENDS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-_WATCHED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_ENDS
+_WATCHED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
 Names = tuple[Any, Any]  # a connection's (local, peer) address: which socket a descriptor is
 
 
 class FrontConnections:
     """Owns the client socket's monitor, the count of its connections and the
-    table of those in their handshake (descriptor -> its addresses)."""
+    table of the silent ones (descriptor -> when accepted, its addresses)."""
 
     def __init__(self, context: zmq.Context[Any], max_connections: int,
                  refuse_handshakes: Callable[[bool], None]) -> None:
@@ -70,7 +71,7 @@ class FrontConnections:
         self.monitor: zmq.Socket[bytes] | None = None
         self.open = 0  # accepted and not yet closed, handshakes included
         self.shed = 0
-        self._pending: OrderedDict[int, Names | None] = OrderedDict()
+        self._silent: OrderedDict[int, tuple[float, Names | None]] = OrderedDict()
         self._closing: set[int] = set()  # shed, not yet closed by libzmq
         self._full = False
         self._logged: dict[str, float] = {}  # what was last logged when (rate limit)
@@ -88,46 +89,57 @@ class FrontConnections:
     def on_monitor(self) -> None:
         """The loop's turn when the monitor is readable: count, shed, cap."""
         assert self.monitor is not None
+        now = time.monotonic()
         for _ in range(DRAIN_MAX):
             try:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 break
-            kind, fd = event["event"], event["value"]
-            if kind == zmq.EVENT_ACCEPTED:
+            fd = event["value"]
+            if event["event"] == zmq.EVENT_ACCEPTED:
                 self.open += 1
-                self._pending[fd] = _names(fd)
-            elif kind == zmq.EVENT_DISCONNECTED:
+                self._silent[fd] = (now, _names(fd))
+            else:  # disconnected
                 self.open = max(0, self.open - 1)
-                self._pending.pop(fd, None)
+                self._silent.pop(fd, None)
                 self._closing.discard(fd)
-            else:  # its handshake is over, either way
-                self._pending.pop(fd, None)
+        self._forget_old(now)
         room = _room(self.open)
-        self._shed_handshakes(room)
-        established = self.open - len(self._pending) - len(self._closing)
+        self._shed_silent(room)
+        established = self.open - len(self._silent) - len(self._closing)
         capped = bool(self._max_connections) and self.open > self._max_connections
         self._set_full(capped, room is not None and established >= room)
 
-    def _shed_handshakes(self, room: int | None) -> None:
-        """Shed the oldest handshakes past PENDING_MAX or past the `room`
-        the descriptors leave to connections (None: no limit)."""
-        keep = PENDING_MAX
+    def spoke(self, frame: zmq.Frame) -> None:
+        """A request came in `frame`: its connection is not silent."""
+        if self._silent:
+            self._silent.pop(frame.get(zmq.SRCFD), None)
+
+    def _forget_old(self, now: float) -> None:
+        """Silent connections older than HANDSHAKE_S are past their handshake."""
+        silent = self._silent
+        while silent and now - next(iter(silent.values()))[0] >= HANDSHAKE_S:
+            silent.popitem(last=False)
+
+    def _shed_silent(self, room: int | None) -> None:
+        """Shed the oldest silent connections past SILENT_MAX or past the
+        `room` the descriptors leave to connections (None: no limit)."""
+        keep = SILENT_MAX
         if room is not None:
-            established = self.open - len(self._pending) - len(self._closing)
+            established = self.open - len(self._silent) - len(self._closing)
             keep = max(0, min(keep, room - established - len(self._closing)))
         shed = 0
-        while len(self._pending) > keep:
-            fd, names = self._pending.popitem(last=False)
+        while len(self._silent) > keep:
+            fd, (_, names) = self._silent.popitem(last=False)
             if _shut_down(fd, names):
                 self._closing.add(fd)
                 shed += 1
         if shed:
             self.shed += shed
             self._log_at_most_every(
-                "shed", logging.WARNING, "shed %d client connection(s) in their handshake "
-                "(%d at most, and %d descriptors kept free under the open-files limit; "
-                "%d so far)", shed, PENDING_MAX, RESERVE, self.shed)
+                "shed", logging.WARNING, "shed %d new client connection(s) that had not "
+                "spoken (%d at most, and %d descriptors kept free under the open-files "
+                "limit; %d so far)", shed, SILENT_MAX, RESERVE, self.shed)
 
     def _set_full(self, capped: bool, no_room: bool) -> None:
         full = capped or no_room
@@ -153,8 +165,9 @@ class FrontConnections:
             log.log(level, msg, *args)
 
     def counts(self) -> dict[str, int]:
-        """For `status`: connections open, in their handshake, shed."""
-        return {"connections": self.open, "connections_handshaking": len(self._pending),
+        """For `status`: connections open, silent, shed."""
+        self._forget_old(time.monotonic())
+        return {"connections": self.open, "connections_silent": len(self._silent),
                 "connections_shed": self.shed}
 
     def close(self, sock: zmq.Socket[bytes]) -> None:

@@ -308,6 +308,7 @@ class Daemon:
                 frames = p.clients.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            self.connections.spoke(frames[-1])
             user = self.auth.user_of(frames[-1])
             if user is None:
                 p.counters["refused.unauthenticated"] += 1
