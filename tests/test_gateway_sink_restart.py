@@ -23,7 +23,6 @@ import json
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from streamfence.protocol import failpoints
 from streamfence.protocol.client_effects import Send, Wait
 from streamfence.protocol.codec import encode
 from streamfence.protocol.credentials import load_credentials
-from streamfence.protocol.messages import listening_msg
+from streamfence.protocol.messages import events_endpoint, listening_msg
 from tests.harness import DaemonProcess, free_port, healthy, process_state, wait_until
 from tests.test_client_core import core, sent
 from tests.test_gateway_e2e import _content, _frames
@@ -155,8 +154,13 @@ def test_http_streams_go_on_when_the_sink_restarts(gateway: Gateway,
     if death == "twice":
         wait_until(lambda: "sink.after_rebind" in failpoints.hits(
             str(gateway.where)), 20.0, "the restarted sink to stand still at its rebind")  # type: ignore[attr-defined]
-        time.sleep(0.5)  # the gateway's events connection is made to it meanwhile
         (second,) = _children(gateway.daemon) - children
+        # The gateway's events connection is made to it meanwhile (its I/O
+        # thread accepts while the sink stands still): kill it once it is.
+        events = events_endpoint(gateway.daemon.endpoint).removeprefix("ipc://")
+        wait_until(lambda: sum(c.laddr == events for c in psutil.Process(second)
+                               .net_connections("unix")) >= 2, 20.0,
+                   "the gateway's events connection to the restarted sink")
         os.kill(second, signal.SIGKILL)
     for stream in streams:
         stream.join(GOES_ON_S)

@@ -11,7 +11,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from streamfence.protocol.internal import T_DELTA
+from streamfence.protocol.internal import T_DELTA, T_REBIND
 from streamfence.protocol.internal.outcome import ErrorClass
 from streamfence.protocol.internal.workers import (
     AttemptSettings,
@@ -115,6 +115,11 @@ class _Sink:
 
     def send(self, frame: bytes) -> None:
         self.frames.append(frame)
+
+    def wait_reply(self, timeout_s: float) -> list[Any] | None:
+        """The sink's answer to the attempt's hello: write as yourself."""
+        hello = msgpack.unpackb(self.frames[0])
+        return [T_REBIND, hello[1], hello[2], hello[2], 0]
 
 
 def test_sink_output_numbers_deltas_and_notices_visible_text() -> None:

@@ -13,12 +13,12 @@ from typing import Any
 
 from streamfence.config.model import DaemonConfig
 from streamfence.protocol.lifecycle import ExitCode
-from streamfence.supervisor.restarts import RestartPolicy
+from streamfence.supervisor.restarts import RestartedChild, RestartPolicy
 
 GatewayEntry = Callable[[DaemonConfig, str], None]  # (config, runtime dir)
 
 
-class GatewayChild:
+class GatewayChild(RestartedChild):
     """Owns the gateway process (None until it starts, and without an entry)
     and its restart policy."""
 
@@ -39,13 +39,3 @@ class GatewayChild:
         self.process.start()
         self.restarts.started()
         return int(self.process.sentinel)
-
-    def pid(self) -> int | None:
-        """None while it is down, awaiting its restart."""
-        return None if self.restarts.down else int(self.process.pid)
-
-    def reap(self) -> int | None:
-        """The gateway died: wait for it; its exit code."""
-        self.process.join(timeout=1.0)
-        code: int | None = self.process.exitcode
-        return code

@@ -35,6 +35,7 @@ import logging
 import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from streamfence.supervisor.pool import exit_text
 
@@ -141,3 +142,22 @@ class RestartPolicy:
                   exit_text(code), now - self._started_at,
                   "" if self._ready else ", before it was ready", self._delay, more)
         self._logged_at, self._unlogged = now, 0
+
+
+class RestartedChild:
+    """A child process the supervisor starts again when it dies (the sink,
+    the gateway): its `process` (a multiprocessing.Process, None before its
+    first start) and its `restarts` policy, set by the subclass."""
+
+    process: Any
+    restarts: RestartPolicy
+
+    def pid(self) -> int | None:
+        """None while it is down, awaiting its restart."""
+        return None if self.restarts.down else int(self.process.pid)
+
+    def reap(self) -> int | None:
+        """It died: wait for it; its exit code."""
+        self.process.join(timeout=1.0)
+        code: int | None = self.process.exitcode
+        return code

@@ -14,12 +14,12 @@ from typing import Any
 from streamfence.config.model import DaemonConfig
 from streamfence.protocol.lifecycle import ExitCode
 from streamfence.sink.process import run_sink
-from streamfence.supervisor.restarts import RestartPolicy
+from streamfence.supervisor.restarts import RestartedChild, RestartPolicy
 from streamfence.supervisor.sinklink import SinkLink
 from streamfence.supervisor.startup import cluster_settings
 
 
-class SinkChild:
+class SinkChild(RestartedChild):
     """Owns the sink process and its restart policy. `control_identity`: the
     only identity the sink obeys (passed to it at spawn, never sent)."""
 
@@ -57,13 +57,3 @@ class SinkChild:
             link.read_stats(reply)
         else:
             reply(dict(link.stats))
-
-    def pid(self) -> int | None:
-        """None while it is down, awaiting its restart."""
-        return None if self.restarts.down else int(self.process.pid)
-
-    def reap(self) -> int | None:
-        """The sink died: wait for it; its exit code."""
-        self.process.join(timeout=1.0)
-        code: int | None = self.process.exitcode
-        return code
