@@ -104,7 +104,7 @@ class FakeSocket:
     def send(self, frame: bytes, flags: int = 0) -> None:
         self.sent.append(frame)
 
-    def send_multipart(self, parts: list[bytes]) -> None:
+    def send_multipart(self, parts: list[bytes], flags: int = 0, **options: Any) -> None:
         self.sent.append(parts)
 
     def recv(self, flags: int = 0) -> bytes:
@@ -274,7 +274,7 @@ def test_sinklink_subscribe_sends_add_subscriber_and_delivers_its_reply() -> Non
 
 def test_clients_follow_listeners_and_answer_waiters() -> None:
     sock = FakeSocket()
-    clients = Clients(sock)  # type: ignore[arg-type]
+    clients = Clients(sock, Counter())  # type: ignore[arg-type]
     a, b = ListenerOwner("a"), ListenerOwner("b")
     clients.follow("c", "listener-a-0000000", a)
     clients.follow("c", "listener-b-0000000", b)
@@ -316,7 +316,7 @@ def parts(tmp_path: Path) -> Iterator[dict[str, Any]]:
     workers, sink_sock, client_sock = FakeSocket(), FakeSocket(), FakeSocket()
     pool = Pool(zygote.append, workers, live, slots=4, spare=1,  # type: ignore[arg-type]
                 max_workers=4)
-    clients = Clients(client_sock)  # type: ignore[arg-type]
+    clients = Clients(client_sock, Counter())  # type: ignore[arg-type]
     sink = SinkLink(sink_sock, time.monotonic)  # type: ignore[arg-type]
     counters: Counter[str] = Counter()
     transcript = str(tmp_path / "transcript.db")

@@ -41,6 +41,9 @@ class ErrorCode(StrEnum):
     # Cluster mode: the host running the call was asked to cancel it and did not
     # answer in time; it may still act on the cancel (docs/PROTOCOL.md §7).
     CANCEL_UNKNOWN = "cancel_unknown"
+    # The connection's earlier replies are not read yet (more than the daemon
+    # queues to one connection, or to all): this reply was not queued.
+    REPLY_BACKLOG = "reply_backlog"
     # Outcomes of a call, carried in the `error` of a `done` event.
     PROVIDER_ERROR = "provider_error"  # the provider answered with a non-retryable error
     CREDENTIALS_MISSING = "credentials_missing"  # the profile's api_key_env is not set

@@ -44,6 +44,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # in the same tick as a read leaves it unchanged. A read this close to the last
 # change is not trusted (read again next time), as git treats "racy" entries.
 _RACY_NS = 100_000_000
+REFUSED_LOG_EVERY_S = 10.0  # refused-handshake warnings, at most one this often
 
 
 class KeyStoreError(Exception):
@@ -169,6 +170,8 @@ class _Authenticator(ThreadAuthenticator):
         # handshakes are refused (counted in `refused_full`), whatever the key.
         self.full = False
         self.refused_full = 0
+        self._refused_logged = 0  # `refused` when the last warning was written
+        self._refused_log_at = -REFUSED_LOG_EVERY_S
 
     # pyzmq calls this with the Z85 key: the credentials-provider protocol.
     def callback(self, domain: str, key: bytes) -> bool:
@@ -178,8 +181,20 @@ class _Authenticator(ThreadAuthenticator):
         if self._store.identity_of(key) is not None:
             return True
         self.refused += 1
-        log.warning("refused a CURVE client with an unregistered key")
+        self._log_refused()
         return False
+
+    def _log_refused(self) -> None:
+        """One warning per REFUSED_LOG_EVERY_S at most, with the count since the
+        last one: a client retrying with a bad key cannot flood the log."""
+        now = time.monotonic()
+        if now - self._refused_log_at < REFUSED_LOG_EVERY_S:
+            return
+        self._refused_log_at = now
+        log.warning("refused %d CURVE handshake(s) with an unregistered key (%d in all; at "
+                    "most one such line per %.0fs)", self.refused - self._refused_logged,
+                    self.refused, REFUSED_LOG_EVERY_S)
+        self._refused_logged = self.refused
 
 
 def start_authenticator(context: zmq.Context[zmq.Socket[bytes]],

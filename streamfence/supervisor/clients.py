@@ -2,12 +2,15 @@
 held back (a refusal for a rate is answered when the wait is over, as Kafka
 throttles a client over its quota: one that waits for its replies then
 cannot send faster than its quota allows), and the answers owed to `result`
-requests that wait (the events go from the sink)."""
+requests that wait (the events go from the sink). Every reply goes
+through streamfence.supervisor.replies, which bounds the bytes queued to
+clients that do not read them."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +19,7 @@ import zmq
 from streamfence.protocol.codec import encode
 from streamfence.protocol.internal.control import ListenerOwner
 from streamfence.protocol.messages import pending_msg
+from streamfence.supervisor.replies import ReplyQueues
 from streamfence.supervisor.timers import Deadlines
 
 HELD_MAX = 10_000  # replies held back at most (a bound on their memory)
@@ -27,24 +31,26 @@ class Clients:
     go from the sink to them), and the `result` requests waiting for a
     call's end."""
 
-    def __init__(self, socket: zmq.Socket[bytes]) -> None:
+    def __init__(self, socket: zmq.Socket[bytes], counters: Counter[str]) -> None:
         self.socket = socket
-        self._send_multipart = socket.send_multipart
+        self.replies = ReplyQueues(socket, counters)
         self._listeners: dict[str, dict[str, ListenerOwner]] = {}  # call -> listener -> owner
         self._waiters: dict[str, list[tuple[bytes, str, float]]] = {}
         self._waits_due: Deadlines[str] = Deadlines()  # call -> its first waiter's end
-        self._held: list[tuple[float, int, bytes, bytes]] = []  # (when, order, identity, frame)
+        # (when, order, identity, frame, the request's ref)
+        self._held: list[tuple[float, int, bytes, bytes, str | None]] = []
         self._order = itertools.count()
 
     def send(self, identity: bytes, msg: dict[str, Any]) -> None:
-        self._send_multipart([identity, encode(msg)])
+        self.replies.send(identity, encode(msg), msg.get("ref"))
 
     def send_at(self, identity: bytes, msg: dict[str, Any], when: float) -> None:
         """Send `msg` at `when` (monotonic seconds); at once if HELD_MAX replies wait."""
         if len(self._held) >= HELD_MAX:
             self.send(identity, msg)
             return
-        heapq.heappush(self._held, (when, next(self._order), identity, encode(msg)))
+        heapq.heappush(self._held, (when, next(self._order), identity, encode(msg),
+                                    msg.get("ref")))
 
     # ---- listeners of live calls -----------------------------------------------------
     def follow(self, call_id: str, listener: str, owner: ListenerOwner) -> None:
@@ -89,8 +95,8 @@ class Clients:
         """Waits that ran out get `pending`; held replies whose time came go."""
         held = self._held
         while held and held[0][0] <= now:
-            _, _, identity, frame = heapq.heappop(held)
-            self._send_multipart([identity, frame])
+            _, _, identity, frame, ref = heapq.heappop(held)
+            self.replies.send(identity, frame, ref)
         for call_id in self._waits_due.pop_due(now):
             keep = []
             for identity, ref, until in self._waiters.pop(call_id, []):

@@ -42,8 +42,9 @@ from streamfence.protocol.internal.workers import StopZygote
 from streamfence.protocol.keys import KeyStore
 from streamfence.protocol.messages import events_endpoint
 from streamfence.protocol.states import WorkerState
-from streamfence.supervisor import statedir, storepair
+from streamfence.supervisor import replies, statedir, storepair
 from streamfence.supervisor.auth import ClientAuth
+from streamfence.supervisor.connections import FrontConnections
 from streamfence.supervisor.gatewaychild import GatewayChild, GatewayEntry
 from streamfence.supervisor.logs import emit_child_record
 from streamfence.supervisor.notify import Notifier
@@ -126,7 +127,9 @@ class Daemon:
         self._notify = Notifier()  # before any child starts: they must not inherit it
         self.ctx = zmq.Context(io_threads=IO_THREADS)
         self.auth = ClientAuth(self.ctx, self.keys, config.auth, config.identities,
-                               config.endpoint, config.max_connections)
+                               config.endpoint)
+        self.connections = FrontConnections(self.ctx, config.max_connections,
+                                            self.auth.refuse_handshakes)
         # The sink obeys only this identity (passed to it at spawn, never sent).
         self._control_identity = b"sup-" + secrets.token_hex(16).encode()
         self._sink = SinkChild(self._mp, config, self.runtime_dir, self.transcript_path,
@@ -169,14 +172,19 @@ class Daemon:
         logs_sock.bind(self.endpoints.logs)
         # Refuse absurd frames at the transport (the peer is cut off), but let
         # moderately oversized ones through so they get a `too_large` reply.
+        # Replies that cannot be queued raise (counted): supervisor/replies.py.
         front_sock = self._socket(zmq.ROUTER, MAXMSGSIZE=cfg.max_frame_bytes * 4,
-                                  SNDHWM=100_000)
+                                  SNDHWM=replies.SEND_HWM, ROUTER_MANDATORY=1)
         self.auth.secure(front_sock)
+        self.connections.watch(front_sock)
         try:
             front_sock.bind(cfg.endpoint)
         except zmq.ZMQError as exc:
             raise StartupError(f"cannot bind {cfg.endpoint}: {exc}") from None
         return workers_sock, logs_sock, front_sock, self._sink_socket()
+
+    def _connection_counts(self) -> dict[str, int]:
+        return {**self.auth.counts(), **self.connections.counts()}
 
     def _build(self) -> Parts:
         """Every owner, each built after what it needs; then the children start."""
@@ -186,7 +194,8 @@ class Daemon:
         live = LivenessTable(self.endpoints.liveness_file, cfg.workers_max, create=True)
         sockets = self._bind_sockets()
         parts = build_parts(cfg, journal, live, sockets, connect_cluster(cfg), self._zygote.send,
-                            self._sink.stats, self._pids, self.auth.counts, self.transcript_path)
+                            self._sink.stats, self._pids, self._connection_counts,
+                            self.transcript_path)
         self._sink.start(parts.sink)
         self._zygote.start()
         for call in recovered:
@@ -224,7 +233,7 @@ class Daemon:
         w.slot("front", functools.partial(self._drain_front, p), p.clients.socket)
         w.slot("request_files", p.front.acceptance.on_stored, p.journal.files.fileno())
         w.slot("journal_synced", p.journal.on_synced, p.journal.sync_fileno())
-        w.slot("connections", self.auth.on_monitor, self.auth.monitor)
+        w.slot("connections", self.connections.on_monitor, self.connections.monitor)
         if p.cluster is not None:
             w.slot("cluster", p.cluster.run_done, p.cluster.fd)
         w.slot("sink", functools.partial(p.sink.drain, p.driver), p.sink.socket)
@@ -310,6 +319,7 @@ class Daemon:
                 frames = p.clients.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            self.connections.spoke(frames[-1])
             user = self.auth.user_of(frames[-1])
             if user is None:
                 p.counters["refused.unauthenticated"] += 1
@@ -396,7 +406,7 @@ class Daemon:
         self._stop_children()
         p.journal.close()  # before abandon_staged: the accepts a last commit lets go
         p.front.acceptance.abandon_staged()
-        self.auth.close_monitor(p.clients.socket)
+        self.connections.close(p.clients.socket)
         for sock in (p.clients.socket, p.sink.socket, p.pool.socket, p.logs):
             sock.close(linger=0)
         self.auth.stop()

@@ -69,7 +69,7 @@ def build_parts(cfg: DaemonConfig, journal: Journal, live: LivenessTable,
     counters: Counter[str] = Counter()
     pool = Pool(to_zygote, workers_sock, live, slots=cfg.workers_max,
                 spare=cfg.workers_spare, max_workers=cfg.workers_max)
-    clients = Clients(front_sock)
+    clients = Clients(front_sock, counters)
     sink = SinkLink(sink_sock, clock)
     breakers = Breakers(cfg.breaker_threshold, cfg.breaker_cooldown_s, clock)
     driver = AttemptDriver(cfg, journal, pool, sink, clients, breakers, counters, clock,
