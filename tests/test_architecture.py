@@ -167,7 +167,7 @@ TAG_HOMES = {
     "C_": {"protocol.internal.control"}, "R_": {"protocol.internal.control"},
     "E_": {"protocol.internal.control"},
     "W_": {"protocol.internal.workers"},
-    "L_": {"protocol.logs", "supervisor.daemon"},
+    "L_": {"protocol.logs", "supervisor.logs"},
 }
 # The sink's per-delta loop checks T_DELTA inline and dispatches T_HELLO (§3).
 TAG_EXCEPTIONS = {("sink.intake", "T_DELTA"), ("sink.intake", "T_HELLO")}

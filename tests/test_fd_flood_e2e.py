@@ -67,8 +67,6 @@ def test_a_descriptor_flood_leaves_the_daemon_answering_and_it_recovers(
         limit = supervisor.num_fds() + HEADROOM
         resource.prlimit(supervisor.pid, resource.RLIMIT_NOFILE, (limit, limit))
         rss = supervisor.memory_info().rss
-        cpu = sum(supervisor.cpu_times()[:2])
-        began = time.monotonic()
         flood = _flood(port, FLOOD)
         try:
             for _ in range(20):
@@ -77,12 +75,17 @@ def test_a_descriptor_flood_leaves_the_daemon_answering_and_it_recovers(
             # come as the kernel retries their SYNs: the room is kept.
             wait_until(lambda: established.status()["counters"].get("connections_shed", 0)
                        >= FLOOD - HEADROOM, 60, "the connections past the room to be shed")
+            # With the flood still held, a listener spinning on a failing
+            # accept takes a whole core; one that is not, next to nothing
+            # (measured over a window: shedding itself is work).
+            cpu, began = sum(supervisor.cpu_times()[:2]), time.monotonic()
+            time.sleep(1.0)
             busy = (sum(supervisor.cpu_times()[:2]) - cpu) / (time.monotonic() - began)
             grown = supervisor.memory_info().rss - rss
         finally:
             for s in flood:
                 s.close()
-        assert busy < 1.0, f"the supervisor used {busy:.0%} of a CPU during the flood"
+        assert busy < 0.5, f"the supervisor used {busy:.0%} of a CPU with the flood held"
         assert grown < GROWTH_MAX, f"the supervisor grew by {grown / 2**20:.0f} MiB"
 
         def fresh_answered() -> bool:

@@ -31,12 +31,11 @@ import secrets
 import signal
 import time
 
-import msgpack
 import multiprocess
 import zmq
 
 from streamfence.config.model import DaemonConfig
-from streamfence.protocol.internal import L_RECORD, Endpoints
+from streamfence.protocol.internal import Endpoints
 from streamfence.protocol.internal.control import FROM_NOW
 from streamfence.protocol.internal.workers import StopZygote
 from streamfence.protocol.keys import KeyStore
@@ -46,11 +45,11 @@ from streamfence.supervisor import replies, statedir, storepair
 from streamfence.supervisor.auth import ClientAuth
 from streamfence.supervisor.connections import FrontConnections
 from streamfence.supervisor.gatewaychild import GatewayChild, GatewayEntry
-from streamfence.supervisor.logs import emit_child_record
+from streamfence.supervisor.logs import drain_child_logs
 from streamfence.supervisor.notify import Notifier
 from streamfence.supervisor.parts import Parts, Sockets, build_parts
 from streamfence.supervisor.restarts import GiveUp, RestartPolicy
-from streamfence.supervisor.runtimedir import INTERNAL_SOCKETS, RuntimeDir, claim_sockets
+from streamfence.supervisor.runtimedir import RuntimeDir, bound_paths, claim_sockets
 from streamfence.supervisor.sinkchild import SinkChild
 from streamfence.supervisor.startup import (
     StartupError,
@@ -101,7 +100,7 @@ class Daemon:
             statedir.make_private(state_dir)
             # Before anything is written: a live daemon's sockets refuse the start.
             self._runtime = RuntimeDir(config.runtime_dir(), config.state_dir)
-            claim_sockets(_bound_paths(self._runtime.path, config.endpoint,
+            claim_sockets(bound_paths(self._runtime.path, config.endpoint,
                                        self.events_endpoint), str(state_dir))
         except statedir.StateDirError as exc:
             self._lock.release()
@@ -238,7 +237,7 @@ class Daemon:
             w.slot("cluster", p.cluster.run_done, p.cluster.fd)
         w.slot("sink", functools.partial(p.sink.drain, p.driver), p.sink.socket)
         w.slot("workers", functools.partial(self._drain_workers, p), p.pool.socket)
-        w.slot("logs", functools.partial(_drain_logs, p.logs), p.logs)
+        w.slot("logs", functools.partial(drain_child_logs, p.logs), p.logs)
         w.slot("sink_died", functools.partial(self._sink_died, p), self._sink.process.sentinel)
         w.slot("zygote", functools.partial(self._on_zygote, p), self._zygote.fileno())
         w.slot("gateway_died", self._gateway_died)
@@ -433,20 +432,3 @@ class Daemon:
                     proc.kill()
                     proc.join(timeout=1.0)
 
-
-def _bound_paths(runtime_dir: str, endpoint: str, events: str) -> list[str]:
-    """The unix socket paths this start binds: the internal ones (checked
-    before they are bound, statedir/runtimedir), and the client endpoints if ipc://."""
-    paths = [ep.removeprefix("ipc://") for ep in (endpoint, events) if ep.startswith("ipc://")]
-    return paths + [os.path.join(runtime_dir, name) for name in INTERNAL_SOCKETS]
-
-
-def _drain_logs(logs: zmq.Socket[bytes]) -> None:
-    while True:
-        try:
-            frame = logs.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        msg = msgpack.unpackb(frame, raw=False)
-        if msg and msg[0] == L_RECORD:
-            emit_child_record(msg[1])

@@ -20,6 +20,10 @@ import logging
 import sys
 from typing import Any
 
+import msgpack
+import zmq
+
+from streamfence.protocol.internal import L_RECORD
 from streamfence.protocol.logs import CONTEXT_FIELDS, ContextFilter, set_level
 
 TEXT_FORMAT = ("%(asctime)s %(levelname)-7s %(processName)s[%(process)d] %(name)s"
@@ -113,3 +117,15 @@ def emit_child_record(fields: dict[str, Any]) -> None:
     record = logging.makeLogRecord(fields)
     record.args = None
     logging.getLogger(record.name).handle(record)
+
+
+def drain_child_logs(logs: zmq.Socket[bytes]) -> None:
+    """Re-emit every record the children sent that waits on `logs` (PULL)."""
+    while True:
+        try:
+            frame = logs.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        msg = msgpack.unpackb(frame, raw=False)
+        if msg and msg[0] == L_RECORD:
+            emit_child_record(msg[1])

@@ -94,3 +94,10 @@ def claim_sockets(paths: Iterable[str], state_dir: str) -> None:
                                     f"a daemon.endpoint of its own")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def bound_paths(runtime_dir: str, endpoint: str, events: str) -> list[str]:
+    """The unix socket paths a start binds: the internal ones, and the client
+    endpoints if ipc:// (what `claim_sockets` checks before they are bound)."""
+    paths = [ep.removeprefix("ipc://") for ep in (endpoint, events) if ep.startswith("ipc://")]
+    return paths + [os.path.join(runtime_dir, name) for name in INTERNAL_SOCKETS]
