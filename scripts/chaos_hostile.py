@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from types import ModuleType
 
@@ -59,6 +60,7 @@ class Probe:
     def __init__(self, attack: Attack) -> None:
         self.attack = attack
         self.creds = attack.register("probe")
+        self.run = uuid.uuid4().hex[:8]
         self.status: list[tuple[float, float]] = []  # (started, took)
         self.calls: list[tuple[float, float, bool]] = []  # (started, took, exact)
         self.stop = threading.Event()
@@ -88,7 +90,7 @@ class Probe:
         with Client(self.attack.endpoint, 10.0, credentials=self.creds) as c:
             while not self.stop.wait(0.25):
                 n += 1
-                key = f"probe-{n}"
+                key = f"probe-{self.run}-{n}"  # the emulator outlives a scenario
                 self.attack.script(key, 20)
                 t0 = time.monotonic()
                 exact = False
