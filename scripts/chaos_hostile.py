@@ -38,8 +38,8 @@ from types import ModuleType
 
 import psutil
 
-from scripts.hostile import Attack, request, scenarios
-from streamfence.devtools.emulator.control import EmulatorProcess
+from scripts.hostile import PROFILES, Attack, request, scenarios
+from streamfence.devtools.emulator.control import EmulatorProcess, emulator_profile
 from streamfence.devtools.launcher import DaemonProcess
 from streamfence.protocol.client import Client, ClientError
 
@@ -146,9 +146,9 @@ def run_scenario(module: ModuleType, args: argparse.Namespace, rng: random.Rando
     settings = {"workers_spare": 4, "workers_max": 32, "log_level": "WARNING"}
     settings.update(getattr(module, "DAEMON", {}))
     with tempfile.TemporaryDirectory(prefix="streamfence-hostile-") as tmp:
-        daemon = DaemonProcess(Path(tmp) / "state", {"emu": {
-            "kind": "openai", "base_url": emulator.openai_base_url, "stale_timeout_s": 5.0}},
-            daemon=settings, log_json=False)
+        profiles = {name: dict(emulator_profile(wire, emulator.base_url), stale_timeout_s=5.0)
+                    for name, wire in PROFILES.items()}
+        daemon = DaemonProcess(Path(tmp) / "state", profiles, daemon=settings, log_json=False)
         daemon.log_path = Path(tmp) / "daemon.log"
         daemon.start()
         if nofile and daemon.proc is not None:  # soft and hard: it cannot raise it again

@@ -38,6 +38,9 @@ from streamfence.protocol.credentials import Credentials
 from streamfence.protocol.keys import KeyStore
 from streamfence.protocol.messages import events_endpoint
 
+# The daemon's provider profiles (on the emulator): name -> wire.
+PROFILES = {"emu": "openai", "an": "anthropic", "br": "bedrock"}
+
 
 def scenarios() -> list[ModuleType]:
     """Every scenario module, by file name."""

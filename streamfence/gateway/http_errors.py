@@ -64,6 +64,9 @@ ERRORS: dict[str, Row] = {
     "unauthenticated": Row(401, 401, "invalid_request_error", "authentication_error",
                            "invalid_api_key"),
     "credentials_missing": Row(401, 401, "invalid_request_error", "authentication_error"),
+    # the gateway's own key was revoked or rotated under an events connection
+    "key_revoked": Row(401, 401, "invalid_request_error", "authentication_error",
+                       "invalid_api_key"),
     # 404  NotFoundError         NotFoundError (no profile or model by that name)
     "unknown_provider": Row(404, 404, "invalid_request_error", "not_found_error",
                             "model_not_found"),
@@ -73,6 +76,7 @@ ERRORS: dict[str, Row] = {
     # 429  RateLimitError        RateLimitError
     "rate_limited": Row(429, 429, "requests", "rate_limit_error", "rate_limit_exceeded"),
     "too_many_calls": Row(429, 429, "requests", "rate_limit_error"),
+    "too_many_subscriptions": Row(429, 429, "requests", "rate_limit_error"),
     # 499 (nginx's "client closed request": someone cancelled the call)
     #      APIStatusError        ClientClosedRequestError; neither SDK retries it
     "cancelled": Row(499, 499, "invalid_request_error", "api_error"),
@@ -85,6 +89,7 @@ ERRORS: dict[str, Row] = {
     "storage_busy": _UNAVAILABLE,
     "cluster_unavailable": _UNAVAILABLE,
     "storage_error": _UNAVAILABLE,
+    "reply_backlog": _UNAVAILABLE,  # the gateway's own replies wait unread: later
     # 502  InternalServerError   InternalServerError: every attempt failed transiently.
     # answer_restarted is the gateway's own: a `reset` (or a second attempt after
     # text) mid-stream, which the wires cannot express; only ever an in-stream error.
