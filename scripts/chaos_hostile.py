@@ -184,7 +184,10 @@ def _judge(module: ModuleType, daemon: DaemonProcess, emulator: EmulatorProcess,
     time.sleep(RECOVERY_S)
     probe.join()
     sampler.join()
-    own = list(getattr(module, "checks", lambda a: [])(attack))
+    try:
+        own = list(getattr(module, "checks", lambda a: [])(attack))
+    except Exception as exc:  # a check that cannot look is a failed check
+        own = [(f"the scenario's own checks: {type(exc).__name__}: {exc}"[:300], False)]
     return _verdict(module, attack, probe, sampler, (began, ended), errors, own,
                     attacker.is_alive())
 
