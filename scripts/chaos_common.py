@@ -91,7 +91,10 @@ def chaos_run(daemon_settings: dict[str, Any] | None = None,
         daemon.log_path = Path(tmp) / "daemon.log"
         daemon.start()
         try:
-            yield ChaosState(emulator=emulator, emu=emulator.client(), daemon=daemon)
+            # The storms load the machine on purpose: the emulator's control calls
+            # (a script per call) may wait longer than a test's usual 10 s.
+            yield ChaosState(emulator=emulator, emu=EmulatorClient(emulator.base_url, timeout=30.0),
+                             daemon=daemon)
         finally:
             daemon.cleanup()
             if daemon.survivors:
