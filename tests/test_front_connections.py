@@ -81,7 +81,9 @@ def served() -> Iterator[Served]:
         s.close()
 
 
-def test_silent_connections_past_the_cap_are_shed_oldest_first(served: Served) -> None:
+def test_silent_connections_past_the_cap_are_shed_oldest_first(
+        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(connections, "SILENT_MAX", 200)  # the cap's rule, at a test's size
     spoken = served.ctx.socket(zmq.DEALER)  # the oldest, but it speaks: it stays
     spoken.linger = 0
     served.zmq_peers.append(spoken)

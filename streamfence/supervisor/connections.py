@@ -48,7 +48,7 @@ from zmq.utils.monitor import recv_monitor_message
 log = logging.getLogger("streamfence.connections")
 
 RESERVE = 128  # descriptors never given to client connections (the daemon's own, bursts)
-SILENT_MAX = 256  # silent connections at once; beyond, the oldest are shed
+SILENT_MAX = 2048  # silent connections at once; beyond, the oldest are shed
 HANDSHAKE_S = 10.0  # libzmq closes a connection whose handshake takes longer
 DRAIN_MAX = 10_000  # monitor events read in one turn of the loop
 LOG_EVERY_S = 10.0  # "cap reached" and "shed" lines, at most this often
