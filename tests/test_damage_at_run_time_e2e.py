@@ -21,15 +21,15 @@ from typing import Any
 
 import pytest
 
+from streamfence.devtools import pages
 from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.devtools.launcher import DaemonExited
 from streamfence.protocol.client import Client
 from streamfence.protocol.client_router import ClientError, Router
 from streamfence.protocol.codec import encode
-from tests.harness import DaemonProcess, wait_until
+from tests.harness import DaemonProcess
 
 REQUEST = {"messages": [{"role": "user", "content": "x"}]}
-PAGE = 4096
 
 
 def _request(key: str) -> dict[str, Any]:
@@ -43,27 +43,6 @@ def _run(client: Client, emu: EmulatorClient, key: str, chunks: int = 3,
     done = client.result(call_id, wait_s=30.0)
     assert done is not None and done["status"] == "completed", done
     return call_id
-
-
-def _checkpointed(db_path: Path) -> sqlite3.Connection:
-    """A connection to the running daemon's file once every page is in the
-    file itself (its WAL checkpointed and emptied, which also makes the
-    daemon's connections read their pages from the file again)."""
-    db = sqlite3.connect(db_path, timeout=5.0, isolation_level=None)
-
-    def emptied() -> bool:
-        busy, frames, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-        return bool(busy == 0 and frames == 0)
-
-    wait_until(emptied, 10.0, f"{db_path.name}'s WAL to be checkpointed into it")
-    return db
-
-
-def _scribble(db_path: Path, page: int) -> None:
-    """Overwrite a page of the file (pages count from 1) with other bytes."""
-    with open(db_path, "r+b") as f:
-        f.seek((page - 1) * PAGE)
-        f.write(bytes(range(256)) * (PAGE // 256))
 
 
 def _refused(client: Client, key: str) -> ClientError:
@@ -81,13 +60,13 @@ def test_a_damaged_journal_page_refuses_submits_and_the_daemon_serves_on(
     journal = daemon.state_dir / "journal.db"
     with daemon.client(timeout_s=10.0) as client:
         finished = _run(client, emu, "before")
-        db = _checkpointed(journal)
+        db = pages.checkpointed(journal)
         try:  # (owner, idempotency_key): every new call's row goes into it; no start read
             page = db.execute("SELECT rootpage FROM sqlite_master WHERE name = "
                               "'sqlite_autoindex_calls_2'").fetchone()[0]
         finally:
             db.close()
-        _scribble(journal, page)
+        pages.scribble(journal, page)
         for n in range(3):  # the first meets the page; the others are refused before it
             refused = _refused(client, f"after{n}")
             assert refused.code == "storage_error", refused
@@ -121,10 +100,10 @@ def _leaf_of(db: sqlite3.Connection, db_path: Path, only: str, not_: list[str]) 
     leaves = [int(r[0]) for r in db.execute(
         "SELECT pageno FROM dbstat WHERE name = 'events' AND pagetype = 'leaf' ORDER BY path")]
     data = db_path.read_bytes()
-    holding = [p for p in leaves[:-1] if only.encode() in data[(p - 1) * PAGE:p * PAGE]]
+    holding = [p for p in leaves[:-1] if only.encode() in data[(p - 1) * pages.PAGE:p * pages.PAGE]]
     assert len(holding) >= 2, f"call {only}'s rows fill {len(holding)} leaf page(s)"
     page = holding[0]
-    assert not any(c.encode() in data[(page - 1) * PAGE:page * PAGE] for c in not_)
+    assert not any(c.encode() in data[(page - 1) * pages.PAGE:page * pages.PAGE] for c in not_)
     return page
 
 
@@ -137,12 +116,12 @@ def test_a_damaged_transcript_page_ends_that_replay_with_an_error_and_no_sink_re
         # Paced, so its events are committed in many small rows over several pages.
         damaged = _run(client, emu, "damaged", chunks=300, delay_s=0.005)
         sound = _run(client, emu, "sound")
-        db = _checkpointed(transcript)
+        db = pages.checkpointed(transcript)
         try:
             page = _leaf_of(db, transcript, damaged, [sound])
         finally:
             db.close()
-        _scribble(transcript, page)
+        pages.scribble(transcript, page)
     with daemon.client(timeout_s=10.0) as client:  # one that never read the call
         client.subscribe(damaged, from_seq=0)
         got: list[dict[str, Any]] = []

@@ -29,6 +29,7 @@ import msgpack
 import psutil
 import pytest
 
+from streamfence.devtools import pages
 from streamfence.devtools.emulator.control import EmulatorProcess
 from streamfence.protocol.errors import ErrorCode, ProtocolError
 from streamfence.protocol.internal import R_OK
@@ -194,26 +195,6 @@ def _refused(daemon: DaemonProcess, *fragments: str, one_line: bool = True) -> s
     return lines[-1]
 
 
-def _root_page(db_path: Path, table: str) -> int:
-    db = sqlite3.connect(db_path)
-    try:
-        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # every page in the main file
-        row = db.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (table,)).fetchone()
-        page_size = db.execute("PRAGMA page_size").fetchone()[0]
-    finally:
-        db.close()
-    assert row is not None, f"{db_path} has no table {table}"
-    assert page_size == 4096
-    return int(row[0])
-
-
-def _scribble_page(db_path: Path, page: int) -> None:
-    """Overwrite a page of the main file (pages count from 1) with other bytes."""
-    with open(db_path, "r+b") as f:
-        f.seek((page - 1) * 4096)
-        f.write(bytes(range(256)) * 16)
-
-
 def _resumes(daemon: DaemonProcess, template: Template) -> None:
     """The daemon starts; every finished call has its result and the
     unfinished one completes: nothing was forgotten."""
@@ -305,7 +286,7 @@ def test_scribbled_journal_page_is_refused(copies: Any, table: str) -> None:
     on the zygote it had started)."""
     daemon: DaemonProcess = copies("a")
     journal = daemon.state_dir / "journal.db"
-    _scribble_page(journal, _root_page(journal, table))
+    pages.scribble(journal, pages.root_page(journal, table))
     _refused(daemon, str(journal), "is damaged", "malformed", *FIX,
              one_line=table == "calls")
 
@@ -316,7 +297,7 @@ def test_scribbled_transcript_page_found_by_recovery_is_refused(copies: Any) -> 
     unfinished call), which must name the transcript, not the journal."""
     daemon: DaemonProcess = copies("a")
     transcript = daemon.state_dir / "transcript.db"
-    _scribble_page(transcript, _root_page(transcript, "events"))
+    pages.scribble(transcript, pages.root_page(transcript, "events"))
     _refused(daemon, str(transcript), "is damaged", "malformed", *FIX, one_line=False)
 
 
@@ -365,7 +346,7 @@ def test_check_passes_a_good_state_dir_and_reports_each_damage(copies: Any) -> N
     assert f"pair: ok (store {store}, generation 2)" in out, out
 
     transcript = daemon.state_dir / "transcript.db"
-    page = _root_page(transcript, "events")
+    page = pages.root_page(transcript, "events")
     sound = transcript.read_bytes()
     with open(transcript, "r+b") as f:  # the header's freelist count: the start never reads it
         f.seek(36)
@@ -376,7 +357,7 @@ def test_check_passes_a_good_state_dir_and_reports_each_damage(copies: Any) -> N
             "size is 0 but should be 5") in out, out
     assert "journal.db: ok" in out and "pair: ok" in out, out
     transcript.write_bytes(sound)
-    _scribble_page(transcript, page)  # so damaged that quick_check stops on it
+    pages.scribble(transcript, page)  # so damaged that quick_check stops on it
     code, out, err = _check(daemon)
     assert code == 1, out + err
     assert "transcript.db: DAMAGED (quick_check): database disk image is malformed" in out, out
@@ -648,7 +629,7 @@ def test_a_write_that_meets_a_damaged_journal_page_is_a_lasting_storage_error(
     _add(journal, "old", 1)
     journal.close()
     # (owner, idempotency_key): every new call's row goes into it, nothing else reads it.
-    _scribble_page(path, _root_page(path, "sqlite_autoindex_calls_2"))
+    pages.scribble(path, pages.root_page(path, "sqlite_autoindex_calls_2"))
     caplog.set_level(logging.INFO, logger="streamfence.journal")
     journal = Journal(str(path))  # opening does not read it
     try:
@@ -692,8 +673,8 @@ def test_a_read_that_meets_a_damaged_journal_page_is_refused_not_raised(
     journal = Journal(str(path))
     _add(journal, "old", 1)
     journal.close()
-    _scribble_page(path, _root_page(path, "attempts"))  # a result's diagnostics
-    _scribble_page(path, _root_page(path, "sqlite_autoindex_calls_1"))  # a call by its id
+    pages.scribble(path, pages.root_page(path, "attempts"))  # a result's diagnostics
+    pages.scribble(path, pages.root_page(path, "sqlite_autoindex_calls_1"))  # a call by its id
     caplog.set_level(logging.INFO, logger="streamfence.journal")
     journal = Journal(str(path))
     try:
@@ -718,7 +699,7 @@ def test_a_transcript_commit_that_meets_damage_waits_it_out(
     store.add("c-old", 1, 1, 1, "done", b"\x80")
     store.commit()
     store.close()
-    _scribble_page(path, _root_page(path, "events_by_call"))  # every new event goes in it
+    pages.scribble(path, pages.root_page(path, "events_by_call"))  # every new event goes in it
     caplog.set_level(logging.INFO, logger="streamfence.sink.store")
     tries: list[float] = []
 
@@ -749,7 +730,7 @@ def test_the_start_refuses_damage_only_quick_check_reads(
     journal.close()
     transcript.close()
     path = tmp_path / "journal.db"
-    _scribble_page(path, _root_page(path, "sqlite_autoindex_calls_2"))
+    pages.scribble(path, pages.root_page(path, "sqlite_autoindex_calls_2"))
     with pytest.raises(StoreError) as refused:
         storepair.check(tmp_path)
     assert f"{path} is damaged" in str(refused.value), refused.value
@@ -778,17 +759,8 @@ class _Listener(Nobody):
 def _events_leaf(path: Path, holding: str, not_: str) -> int:
     """The first leaf page of `events` that holds rows of call `holding` and
     none of call `not_`."""
-    db = sqlite3.connect(path)
-    try:
-        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        leaves = [int(r[0]) for r in db.execute(
-            "SELECT pageno FROM dbstat WHERE name = 'events' AND pagetype = 'leaf' "
-            "ORDER BY path")]
-    finally:
-        db.close()
-    data = path.read_bytes()
-    for page in leaves:
-        content = data[(page - 1) * 4096:page * 4096]
+    for page in pages.leaves(path, "events"):
+        content = pages.page_bytes(path, page)
         if holding.encode() in content and not_.encode() not in content:
             return page
     raise AssertionError(f"no leaf page holds only call {holding}'s rows")
@@ -805,7 +777,7 @@ def test_a_replay_that_meets_a_damaged_page_ends_with_an_error_event(
         store.set_done(call_id, 1, "completed", n)
         store.commit()
     store.close()
-    _scribble_page(path, _events_leaf(path, "damaged-call", "sound-call"))
+    pages.scribble(path, _events_leaf(path, "damaged-call", "sound-call"))
     caplog.set_level(logging.INFO, logger="streamfence.sink")
     store = TranscriptStore(str(path), background_checkpoints=False)
     listener = _Listener()

@@ -12,48 +12,20 @@ The pages are damaged as tests/test_damage_at_run_time_e2e.py does.
 
 from __future__ import annotations
 
-import sqlite3
-import time
 from pathlib import Path
 
 from scripts.hostile import Attack, request
+from streamfence.devtools import pages
 from streamfence.protocol.client import Client, ClientError
 
 NAME = "damaged pages"
 ABOUT = "a transcript page under a finished call overwritten, the call replayed on and on"
-PAGE = 4096
-
-
-def _checkpointed(path: Path) -> sqlite3.Connection:
-    """Every page in the file itself (the WAL emptied, so the daemon reads it anew)."""
-    db = sqlite3.connect(path, timeout=5.0, isolation_level=None)
-    for _ in range(100):
-        busy, frames, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-        if busy == 0 and frames == 0:
-            return db
-        time.sleep(0.05)
-    db.close()
-    raise RuntimeError(f"{path.name}'s WAL could not be checkpointed")
-
-
-def _scribble(path: Path, page: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek((page - 1) * PAGE)
-        f.write(bytes(range(256)) * (PAGE // 256))
 
 
 def _first_leaf_of(path: Path, call_id: str) -> int:
     """The first leaf of `events` holding the call's rows, not the table's last."""
-    db = _checkpointed(path)
-    try:
-        leaves = [int(r[0]) for r in db.execute(
-            "SELECT pageno FROM dbstat WHERE name = 'events' AND pagetype = 'leaf' "
-            "ORDER BY path")]
-    finally:
-        db.close()
-    data = path.read_bytes()
-    for page in leaves[:-1]:
-        if call_id.encode() in data[(page - 1) * PAGE:page * PAGE]:
+    for page in pages.leaves(path, "events")[:-1]:
+        if call_id.encode() in pages.page_bytes(path, page):
             return page
     raise RuntimeError(f"no leaf page but the last holds call {call_id}")
 
@@ -64,7 +36,7 @@ def attack(a: Attack) -> None:
         a.script("victim", 300, 0.005)  # paced: its events fill many small rows
         victim = c.submit("emu", request("victim"))
         c.result(victim, wait_s=30.0)
-    _scribble(a.state_dir / "transcript.db", _first_leaf_of(a.state_dir / "transcript.db",
+    pages.scribble(a.state_dir / "transcript.db", _first_leaf_of(a.state_dir / "transcript.db",
                                                             victim))
     a.count("pages overwritten")
     while not a.stop.wait(0.2):
@@ -93,13 +65,8 @@ def checks(a: Attack) -> list[tuple[str, bool]]:
                     ended > 0 and damaged == ended and restarts == 0
                     and set(a.counts) == {"pages overwritten", "replays ended storage_error"}))
         journal = a.state_dir / "journal.db"
-        db = _checkpointed(journal)
-        try:  # (owner, idempotency_key): every new call's row goes into it
-            page = db.execute("SELECT rootpage FROM sqlite_master WHERE name = "
-                              "'sqlite_autoindex_calls_2'").fetchone()[0]
-        finally:
-            db.close()
-        _scribble(journal, page)
+        # (owner, idempotency_key): every new call's row goes into it
+        pages.scribble(journal, pages.root_page(journal, "sqlite_autoindex_calls_2"))
         a.script("after-journal", 3)
         codes = []
         for _ in range(3):
