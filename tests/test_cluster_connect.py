@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -119,6 +120,27 @@ def test_an_unreachable_cluster_stops_the_start_in_one_line(tmp_path: Path) -> N
     line = _assert_one_line(code, took, lines, 2.0, f"nats://streamfence:***@127.0.0.1:{port}",
                             "connection refused")
     assert PASSWORD not in proc.log_text(), line
+
+
+def test_each_reason_is_named_within_timeout_s() -> None:
+    """A name DNS does not know, a server that accepts and says nothing, and a
+    port nothing listens on (the password in its URL hidden)."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)
+    port = silent.getsockname()[1]
+    cases = [("nats://no-such-host.invalid:4222", "DNS: "),
+             (f"nats://127.0.0.1:{port}", "no answer within 1 s"),
+             (f"nats://u:{PASSWORD}@127.0.0.1:{free_port()}", "connection refused (")]
+    with silent:
+        for url, why in cases:
+            began = time.monotonic()
+            with pytest.raises(Unreachable) as caught:
+                asyncio.run(connect(ClusterSettings((url,), "host-a", timeout_s=1.0)))
+            assert time.monotonic() - began < 1.5
+            assert str(caught.value).startswith(
+                f"cannot reach the NATS cluster at {shown_url(url)}: {why}"), str(caught.value)
+            assert PASSWORD not in str(caught.value)
 
 
 # ---- a cluster that requires a password ---------------------------------------------
