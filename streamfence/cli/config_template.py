@@ -245,9 +245,21 @@ def render(state_dir: str, emulator_url: str = EMULATOR_URL, config_name: str = 
         "2.10 or later). Off unless `urls` is set. `host` names this host, unique in the "
         "cluster; `replicas` is JetStream's replication of every stream and bucket; a host "
         "silent for `lease_s` seconds loses its calls to the others; `timeout_s` bounds each "
-        "JetStream request."), "#", "#   [cluster]",
+        "JetStream request, and the first connect: a start that cannot reach the cluster "
+        "stops within it, in one line. `[cluster.auth]`: one of `creds` (a .creds file), "
+        "`nkey_seed` (a file holding an nkey seed), or `user` with `password_env` (the "
+        "variable holding the password). `[cluster.tls]`: `ca` (the servers' CA), `cert` "
+        "and `key` (this host's, for servers that verify clients), `verify` (the servers' "
+        "certificates; default true), `server_name` (the name in their certificates, if not "
+        "the URL's host); a tls:// URL alone uses the system's CAs."), "#", "#   [cluster]",
         '#   urls = ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222", "nats://10.0.0.3:4222"]',
-        '#   host = "host-a"', "#   replicas = 3", "#   lease_s = 5.0", "#   timeout_s = 5.0"]
+        '#   host = "host-a"', "#   replicas = 3", "#   lease_s = 5.0", "#   timeout_s = 5.0",
+        "#   [cluster.auth]", '#   creds = "/etc/streamfence/nats.creds"',
+        '#   # nkey_seed = "/etc/streamfence/nats.nk"',
+        '#   # user = "streamfence"', '#   # password_env = "STREAMFENCE_NATS_PASSWORD"',
+        "#   [cluster.tls]", '#   ca = "/etc/streamfence/nats-ca.pem"',
+        '#   # cert = "/etc/streamfence/host-a.pem"', '#   # key = "/etc/streamfence/host-a.key"',
+        "#   # verify = true", '#   # server_name = "nats.internal"']
     out += ["", "", *_comment("A client registered with `streamfence keys new alice` may be "
                           "limited by a table of its name (values: the defaults, but "
                           "`providers`):"),

@@ -27,12 +27,13 @@ from streamfence.cluster.settings import ClusterSettings
 
 T = TypeVar("T")
 Done = Callable[[Any], None]  # gets the result, or the exception the operation raised
+CONNECT_TIMEOUTS = 8  # the most a connect may take, in timeout_s (see __init__)
 
 
 class LedgerBridge:
     """Owns the ledger's thread, its loop and the pipe (module docstring)."""
 
-    def __init__(self, settings: ClusterSettings, connect_timeout_s: float = 30.0) -> None:
+    def __init__(self, settings: ClusterSettings) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="cluster",
                                         daemon=True)
@@ -42,8 +43,11 @@ class LedgerBridge:
         os.set_blocking(self._write, False)
         self._done: deque[tuple[Done, concurrent.futures.Future[Any]]] = deque()
         self._timeout_s = settings.timeout_s * 2  # a call's wait: its requests' own timeouts first
+        # Ledger.connect ends itself: a connect within timeout_s, then the
+        # streams made within 6 of them (ledger.CONNECTING); this wait is a backstop.
+        wait_s = settings.timeout_s * CONNECT_TIMEOUTS
         try:
-            self.ledger: Ledger = self.call(Ledger.connect(settings), connect_timeout_s)
+            self.ledger: Ledger = self.call(Ledger.connect(settings), wait_s)
         except BaseException:
             self._stop_loop()
             raise

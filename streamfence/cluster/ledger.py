@@ -59,6 +59,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from streamfence.cluster.connect import connect as connect_nats
 from streamfence.cluster.records import EPOCH, EVENTS
 from streamfence.cluster.retry import RetryPolicy, TryAgain, retry_async
 from streamfence.cluster.settings import ClusterSettings
@@ -160,9 +161,7 @@ class Ledger:
 
     @classmethod
     async def connect(cls, settings: ClusterSettings) -> Ledger:
-        nc = await nats.connect(servers=list(settings.urls), name=f"streamfence {settings.host}",
-                                connect_timeout=settings.timeout_s, max_reconnect_attempts=-1,
-                                reconnect_time_wait=0.2, allow_reconnect=True)
+        nc = await connect_nats(settings)
         ledger = cls(nc, settings)
         try:
             await retry_async(CONNECTING.within(settings.timeout_s * 6), ledger.ensure)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlparse
 
+from streamfence.cluster.settings import NatsAuth, NatsTls, parse_auth, parse_tls, shown_url
 from streamfence.config.identities import Identity, parse_identities
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7755"
@@ -63,7 +64,9 @@ class ClusterConfig:
     host: str = ""  # this host's name: unique in the cluster
     replicas: int = 3  # JetStream replicas of every stream and bucket
     lease_s: float = 5.0  # a host silent this long has lost its calls
-    timeout_s: float = 5.0  # per JetStream request
+    timeout_s: float = 5.0  # per JetStream request; bounds the first connect too
+    auth: NatsAuth = field(default_factory=NatsAuth)  # [cluster.auth]
+    tls: NatsTls = field(default_factory=NatsTls)  # [cluster.tls]
 
     @property
     def enabled(self) -> bool:
@@ -251,14 +254,20 @@ def _parse_cluster(table: Any, where: str) -> ClusterConfig:
                                           "lease_s": (int, float), "timeout_s": (int, float)}
     values: dict[str, Any] = {}
     for key, value in table.items():
-        if key not in types:
+        if key == "auth":
+            values[key] = parse_auth(value, f"{where}.auth", ConfigError)
+        elif key == "tls":
+            values[key] = parse_tls(value, f"{where}.tls", ConfigError)
+        elif key not in types:
             raise ConfigError(f"{where}.{key}: unknown key")
-        values[key] = _check(where, key, value, types[key])
+        else:
+            values[key] = _check(where, key, value, types[key])
     urls = values.get("urls")
     if not urls or not all(isinstance(u, str) and urlparse(u).scheme in ("nats", "tls")
                            and urlparse(u).hostname for u in urls):
         raise ConfigError(f"{where}.urls: a list of the NATS servers' URLs "
-                          f"(nats://HOST:PORT or tls://HOST:PORT), got {urls!r}")
+                          f"(nats://HOST:PORT or tls://HOST:PORT), got "
+                          f"{[shown_url(u) if isinstance(u, str) else u for u in urls or ()]!r}")
     host = values.get("host", "")
     if not CLUSTER_HOST_RE.match(host):
         raise ConfigError(f"{where}.host: this host's name, unique in the cluster (letters, "

@@ -89,7 +89,9 @@ class Node:
 class NatsCluster:
     """Owns the nodes' processes and directories (module docstring)."""
 
-    def __init__(self, root: Path, nodes: int = 3, name: str = "streamfence") -> None:
+    def __init__(self, root: Path, nodes: int = 3, name: str = "streamfence", *,
+                 user: str | None = None, password: str | None = None) -> None:
+        """`user` and `password`: clients must give them (the default account)."""
         exe = executable()
         if exe is None:
             raise FileNotFoundError(f"no {EXECUTABLE} found: {INSTALL_HINT}")
@@ -103,6 +105,8 @@ class NatsCluster:
         self.exe = exe
         self.root = root
         self.name = name
+        self._auth = "" if user is None else (
+            f"authorization {{ user: {json.dumps(user)}, password: {json.dumps(password)} }}\n")
         ports = _free_ports(3 * nodes)
         self.nodes = [Node(f"n{i + 1}", ports[3 * i], ports[3 * i + 1], ports[3 * i + 2],
                            root / f"n{i + 1}" / "store", root / f"n{i + 1}" / "nats.conf",
@@ -120,7 +124,7 @@ class NatsCluster:
             f"server_name: {node.name}\n"
             f"listen: 127.0.0.1:{node.client_port}\n"
             f"http: 127.0.0.1:{node.http_port}\n"
-            f"jetstream {{ store_dir: {json.dumps(str(node.store))} }}\n"
+            f"jetstream {{ store_dir: {json.dumps(str(node.store))} }}\n{self._auth}"
             f"cluster {{\n  name: {self.name}\n  listen: 127.0.0.1:{node.route_port}\n"
             f"  routes: [{routes}]\n}}\n")
 

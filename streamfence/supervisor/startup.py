@@ -57,25 +57,28 @@ def cluster_settings(config: DaemonConfig) -> ClusterSettings | None:
     cfg = config.cluster
     if not cfg.enabled:
         return None
-    return ClusterSettings(cfg.urls, cfg.host, cfg.replicas, cfg.timeout_s)
+    return ClusterSettings(cfg.urls, cfg.host, cfg.replicas, cfg.timeout_s, cfg.auth, cfg.tls)
 
 
 def connect_cluster(config: DaemonConfig) -> ClusterLink | None:
     """Cluster mode: the supervisor's link to the NATS cluster (its streams and
-    buckets made if missing); a cluster that cannot be reached stops the start."""
+    buckets made if missing); a cluster that cannot be reached stops the start,
+    in one line that names the servers (no password) and why (cluster/connect.py)."""
     cfg = config.cluster
     settings = cluster_settings(config)
     if settings is None:
         return None
+    from streamfence.cluster.connect import AccessError, Unreachable, reason
     from streamfence.supervisor.clusterlink import ClusterLink  # brings nats
 
     try:
         link = ClusterLink(settings, cfg.lease_s, time.monotonic)
-    except Exception as exc:
-        raise StartupError(f"cannot reach the NATS cluster at {', '.join(cfg.urls)}: "
-                           f"{type(exc).__name__}: {exc}") from None
+    except (AccessError, Unreachable) as exc:
+        raise StartupError(str(exc)) from None
+    except Exception as exc:  # connected, but JetStream did not answer (Ledger.ensure)
+        raise StartupError(f"the NATS cluster at {settings.shown_urls}: {reason(exc)}") from None
     log.info("cluster: host %r, %d replica(s), NATS at %s", cfg.host, cfg.replicas,
-             ", ".join(cfg.urls))
+             settings.shown_urls)
     return link
 
 
