@@ -40,7 +40,7 @@ def test_auth_and_tls_tables_parse_and_bad_ones_name_their_key() -> None:
                                 tls={"ca": "/ca.pem", "verify": False}), "f.toml").cluster
     assert cfg.auth == NatsAuth(user="u", password_env="NATS_PW")
     assert cfg.tls == NatsTls(ca="/ca.pem", verify=False) and cfg.tls.configured
-    bad = [({"auth": {"creds": "/a", "user": "u", "password_env": "P"}},
+    bad: list[tuple[dict[str, Any], str]] = [({"auth": {"creds": "/a", "user": "u", "password_env": "P"}},
             "f.toml: cluster.auth: one of creds, nkey_seed or user, got creds and user"),
            ({"auth": {"user": "u"}}, "f.toml: cluster.auth: user and password_env go together"),
            ({"auth": {"password": "x"}}, "f.toml: cluster.auth.password: unknown key"),
