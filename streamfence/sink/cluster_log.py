@@ -22,8 +22,8 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from streamfence.cluster.bridge import LedgerBridge
-from streamfence.cluster.ledger import Fenced, Owner, Ownership, Record, valid
-from streamfence.cluster.records import EVENTS
+from streamfence.cluster.ledger import Fenced, Owner, Ownership
+from streamfence.cluster.records import EVENTS, Record, valid
 from streamfence.cluster.retry import RetryPolicy, retry_sync
 from streamfence.cluster.settings import ClusterSettings
 
