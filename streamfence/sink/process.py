@@ -115,7 +115,7 @@ class Sink:
         if cluster is not None:
             from streamfence.sink.cluster_log import ClusterLog  # brings nats: cluster mode only
 
-            cluster_log = ClusterLog(cluster)
+            cluster_log = ClusterLog(cluster, pause=self._pause)
         self.state = SinkState(TranscriptStore(db_path, pause=self._pause), self.peer,
                                self.subscribers, retention_days, cluster_log)
         self.intake = WorkerIntake(self.sin, self.streams, self.state)
