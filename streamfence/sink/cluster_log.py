@@ -51,20 +51,20 @@ class _Unanswered(Exception):
 APPENDS_UNANSWERED = RetryPolicy((_Unanswered,), first_s=0.05, factor=2.0, cap_s=1.0,
                                  budget_s=60.0)
 
-# An append batch not answered within this is waited for through `pause` (in
-# slices of POLL_S: the sink's stats are answered meanwhile).
+# An append batch not answered within this is waited for through `pause` (the
+# sink's stats are answered meanwhile).
 ANSWERED_S = 0.05
-POLL_S = 0.01
 
 Row = tuple[str, int, int, int, str, int, bytes]  # the store's: call, seq, last, attempt, op, n, body
-# The sink's wait that answers the supervisor's stats and holds its other ops
-# (sink/process.py, as for a storage fault): True when a stop was asked.
-Pause = Callable[[float], bool]
+# The sink's wait (sink/process.py, as for a storage fault): up to the seconds
+# given, or until the descriptor given is readable; it answers the supervisor's
+# stats and holds its other ops meanwhile. True when a stop was asked.
+Pause = Callable[[float, int | None], bool]
 
 
-def _sleep(seconds: float) -> bool:
-    """The default `pause`: sleep; no stop is ever asked."""
-    time.sleep(seconds)
+def _sleep(seconds: float, fd: int | None) -> bool:
+    """The default `pause`: wait for `fd` or the time; no stop is ever asked."""
+    select.select([] if fd is None else [fd], [], [], seconds)
     return False
 
 
@@ -208,24 +208,25 @@ class ClusterLog:
             return list(await asyncio.gather(*ops, return_exceptions=True))
         bridge = self.bridge
         bridge.submit(all_of(), got.append)
-        waited = select.select([bridge.fd], [], [], ANSWERED_S)[0]
+        select.select([bridge.fd], [], [], ANSWERED_S)
         deadline = time.monotonic() + self.settings.timeout_s * 2
         while True:
-            if waited:
-                bridge.run_done()  # the other callbacks too: all are this thread's
-                if self._incoming:  # the loop's wake-up, consumed here: given back
-                    bridge.wake()
-                if got:
-                    return got[0]
-            if time.monotonic() > deadline:
+            bridge.run_done()  # the other callbacks too: all are this thread's
+            if self._incoming:  # the loop's wake-up, consumed here: given back
+                bridge.wake()
+            if got:
+                return got[0]
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return [TimeoutError(f"no answer within {self.settings.timeout_s * 2:g} s")
                         for _ in ops]
-            self._wait(POLL_S)
-            waited = select.select([bridge.fd], [], [], 0)[0]
+            if self._pause(left, bridge.fd):  # a stop asked (the final commit's, say):
+                select.select([bridge.fd], [], [], left)  # the answer is still waited for
 
     def _wait(self, seconds: float) -> None:
-        """`pause` for `seconds`; a stop asked meanwhile gives the commit up."""
-        if self._pause(seconds):
+        """`pause` for `seconds` between two tries; a stop asked meanwhile gives
+        the commit up (as a storage fault's wait does)."""
+        if self._pause(seconds, None):
             raise StoreStopped("a stop was asked while the cluster did not answer the "
                                "commit's appends: gave the commit up")
 
