@@ -41,8 +41,8 @@ import msgpack
 import psutil
 
 from scripts.chaos_common import parser, seeded
-from streamfence.cluster.ledger import Ledger, valid
-from streamfence.cluster.records import EVENTS
+from streamfence.cluster.ledger import Ledger
+from streamfence.cluster.records import EVENTS, valid
 from streamfence.cluster.settings import ClusterSettings
 from streamfence.devtools.emulator.control import EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess

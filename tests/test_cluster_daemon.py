@@ -20,8 +20,8 @@ import msgpack
 import psutil
 import pytest
 
-from streamfence.cluster.ledger import Ledger, Record
-from streamfence.cluster.records import EPOCH, EVENTS, call_record
+from streamfence.cluster.ledger import Ledger
+from streamfence.cluster.records import EPOCH, EVENTS, Record, call_record
 from streamfence.cluster.settings import ClusterSettings
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.nats_cluster import NatsCluster

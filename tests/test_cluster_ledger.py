@@ -18,6 +18,8 @@ from streamfence.cluster.ledger import (
     CALLS_STREAM,
     Fenced,
     Ledger,
+    Owner,
+    Ownership,
 )
 from streamfence.cluster.records import EPOCH, EVENTS
 from streamfence.cluster.settings import ClusterSettings
@@ -87,6 +89,53 @@ def test_a_host_that_lost_a_call_can_no_longer_append_to_its_log(nats: NatsClust
                        (EVENTS, 1, "host-a", ["a1"]), (EVENTS, 1, "host-a", ["a2"]),
                        (EPOCH, 2, "host-b", None), (EVENTS, 2, "host-b", ["b0"])]
     _run(nats, body)
+
+
+class _StandsStillAfterItsOwnerRead(Ledger):
+    """A host whose next read of an owner entry is followed by `meanwhile`,
+    before it goes on: open_epoch's check, then a pause past a lease."""
+
+    meanwhile: Callable[[], Awaitable[None]] | None = None
+
+    async def owner(self, call_id: str) -> Owner | None:
+        current = await super().owner(call_id)
+        if self.meanwhile is not None:
+            meanwhile, self.meanwhile = self.meanwhile, None
+            await meanwhile()
+        return current
+
+
+def test_an_owner_paused_after_its_check_opens_no_epoch_below_a_later_one(
+        nats: NatsCluster) -> None:
+    """The reviewer's interleaving (issue 30): A owns the call at epoch 1 and
+    reads its owner entry (its own); before A reads the log, B takes the call
+    at epoch 2 and opens it; then A goes on. A must be refused: an EPOCH 1
+    after EPOCH 2 is accepted by JetStream (it checks the sequence, not the
+    epoch), B's next append would be refused and the call run twice."""
+    async def main() -> None:
+        a = await _StandsStillAfterItsOwnerRead.connect(_settings(nats, "host-a", 0))
+        b = await Ledger.connect(_settings(nats, "host-b", 1))
+        try:
+            await a.accept("paused", b"the request")
+            held = await a.take("paused", None)
+            assert held is not None and held.epoch == 1
+            opened: list[Ownership] = []
+
+            async def b_takes_and_opens() -> None:
+                taken = await b.take("paused", await b.owner("paused"))
+                assert taken is not None and taken.epoch == 2
+                opened.append(await b.open_epoch(taken))
+            a.meanwhile = b_takes_and_opens
+            with pytest.raises(Fenced, match="epoch 1 is fenced"):
+                await a.open_epoch(held)
+            assert opened, "B took and opened the call while A stood still"
+            await b.append(opened[0], ["b0"])  # B goes on: its log position still holds
+            log = [(r.kind, r.epoch, r.host) for r in await b.read("paused")]
+            assert log == [(EPOCH, 2, "host-b"), (EVENTS, 2, "host-b")]
+        finally:
+            await a.close()
+            await b.close()
+    asyncio.run(main())
 
 
 def test_of_two_hosts_taking_a_call_from_the_same_view_one_wins(nats: NatsCluster) -> None:

@@ -21,11 +21,12 @@ here by the engine, not by a host's view:
   from then on every append of an earlier owner carries a stale sequence and
   the engine refuses it (error 10071), whatever that owner still believes:
   `append` raises `Fenced`, and the host fences the attempt locally and
-  kills its worker. Known hole (issue 30): a host paused between
-  `open_epoch`'s read of the last sequence and its append can append an
-  older epoch after a newer one (ARCHITECTURE §4.17).
+  kills its worker. `open_epoch` reads the last record and its sequence in
+  one read, refuses if it is of a later epoch, and appends conditional on
+  that sequence: a host paused anywhere in between cannot put an older
+  epoch after a newer one (the log's epochs never go down).
 
-Records are msgpack arrays `[kind, epoch, host, body]` (`EPOCH`, `EVENTS`).
+Records are msgpack arrays `[kind, epoch, host, body]` (cluster/records.py).
 Asyncio, on the official `nats-py` client; one `Ledger` per host process.
 """
 
@@ -60,7 +61,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from streamfence.cluster.connect import connect as connect_nats
-from streamfence.cluster.records import EPOCH, EVENTS
+from streamfence.cluster.records import EPOCH, EVENTS, Record, decode
 from streamfence.cluster.retry import RetryPolicy, TryAgain, retry_async
 from streamfence.cluster.settings import ClusterSettings
 
@@ -124,17 +125,6 @@ class Ownership:
     @property
     def epoch(self) -> int:
         return self.owner.epoch
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    """One record of a call's events subject."""
-
-    seq: int  # its sequence in SF_EVENTS
-    kind: int
-    epoch: int
-    host: str
-    body: Any
 
 
 class Fenced(Exception):
@@ -312,26 +302,33 @@ class Ledger:
 
     # ---- the fenced log ----------------------------------------------------------
 
-    async def last_seq(self, call_id: str) -> int:
-        """The last sequence of the call's events subject (0: none yet)."""
+    async def last_record(self, call_id: str) -> Record | None:
+        """The last record of the call's events subject, with its sequence (None:
+        none yet): one read, so what it says and where it is go together."""
         try:
             msg = await self._js.get_last_msg(EVENTS_STREAM, EVENTS_SUBJECT + call_id)
         except NotFoundError:
-            return 0
-        return int(msg.seq or 0)
+            return None
+        return decode(int(msg.seq or 0), msg.data)
 
     async def open_epoch(self, own: Ownership) -> Ownership:
-        """Append this owner's epoch record after whatever the log holds: from
-        then on no earlier owner can append. Raises Fenced if a later owner
-        took the call meanwhile."""
+        """Append this owner's epoch record right after the log's last record, if
+        that record is not of a later epoch (nor of this epoch and another
+        host): from then on no earlier owner can append, and the log's epochs
+        never go down. Raises Fenced if a later owner took the call."""
         async def after_the_last_record() -> Ownership:
-            current = await self.owner(own.call_id)
+            current = await self.owner(own.call_id)  # a take after ours: refused early
             if current is None or current.epoch != own.epoch or current.host != own.owner.host:
                 raise Fenced(own, f"the call's owner is now {current}")
-            at = replace(own, log_seq=await self.last_seq(own.call_id))
-            try:
-                return await self._append(at, EPOCH, None)
-            except Fenced:  # the previous owner appended meanwhile: read again
+            last = await self.last_record(own.call_id)
+            if last is not None and (last.epoch > own.epoch or (
+                    last.epoch == own.epoch and last.host != own.owner.host)):
+                raise Fenced(replace(own, log_seq=last.seq),
+                             f"the log holds epoch {last.epoch} of {last.host} at seq {last.seq}")
+            try:  # conditional on the record just judged: nothing can slip in between
+                return await self._append(replace(own, log_seq=last.seq if last else 0),
+                                          EPOCH, None)
+            except Fenced:  # the log moved meanwhile (the previous owner, or a later one)
                 raise TryAgain from None
         try:
             return await retry_async(EPOCH_RACED, after_the_last_record)
@@ -366,8 +363,7 @@ class Ledger:
         """`deliver` each record of the call's log after stream sequence `after`,
         as it is stored (an ordered consumer); the unsubscribe."""
         async def got(msg: Msg) -> None:
-            kind, epoch, host, body = msgpack.unpackb(msg.data or b"")
-            deliver(Record(int(msg.metadata.sequence.stream), kind, epoch, host, body))
+            deliver(decode(int(msg.metadata.sequence.stream), msg.data))
 
         sub = await self._js.subscribe(
             EVENTS_SUBJECT + call_id, cb=got, ordered_consumer=True,
@@ -379,7 +375,8 @@ class Ledger:
         """The call's records after stream sequence `after`, in order, up to the
         last one stored when asked: streamed by an ordered consumer (one round
         trip per record was 0.75 ms a record on loopback)."""
-        last = await self.last_seq(call_id)
+        last_record = await self.last_record(call_id)
+        last = last_record.seq if last_record is not None else 0
         if last <= after:
             return []
         out: list[Record] = []
@@ -390,8 +387,7 @@ class Ledger:
             seq = int(msg.metadata.sequence.stream)
             if seq > last:
                 return
-            kind, epoch, host, body = msgpack.unpackb(msg.data or b"")
-            out.append(Record(seq, kind, epoch, host, body))
+            out.append(decode(seq, msg.data))
             if seq == last and not read_all.done():
                 read_all.set_result(None)
 
@@ -433,16 +429,3 @@ class Ledger:
                                        timeout=self.settings.timeout_s)
         answer: dict[str, Any] = msgpack.unpackb(reply.data or b"\x80", raw=False)
         return answer
-
-
-def valid(records: list[Record]) -> list[Record]:
-    """The records every reader keeps (ARCHITECTURE §4.17, rule 6): those not
-    below the epoch of an EPOCH record before them."""
-    out, epoch = [], 0
-    for record in records:
-        if record.epoch < epoch:
-            continue
-        if record.kind == EPOCH:
-            epoch = record.epoch
-        out.append(record)
-    return out

@@ -1,8 +1,10 @@
-"""The records the cluster's streams hold that are built outside the ledger
-(docs/ARCHITECTURE.md §4.17); importing it does not import nats."""
+"""The records the cluster's streams hold (docs/ARCHITECTURE.md §4.17): a
+call's record on SF_CALLS, a call log's records and which of them a reader
+keeps; importing it does not import nats."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -19,3 +21,33 @@ def call_record(call_id: str, owner: str, provider: str, request: dict[str, Any]
                                    "session_id": session_id,
                                    "idempotency_key": idempotency_key}, use_bin_type=True)
     return packed
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One record of a call's events subject."""
+
+    seq: int  # its sequence in SF_EVENTS
+    kind: int
+    epoch: int
+    host: str
+    body: Any
+
+
+def decode(seq: int, data: bytes | None) -> Record:
+    """The record stored at `seq`: a msgpack array `[kind, epoch, host, body]`."""
+    kind, epoch, host, body = msgpack.unpackb(data or b"")
+    return Record(seq, kind, epoch, host, body)
+
+
+def valid(records: list[Record]) -> list[Record]:
+    """The records every reader keeps (ARCHITECTURE §4.17, rule 6): those not
+    below the epoch of an EPOCH record before them."""
+    out, epoch = [], 0
+    for record in records:
+        if record.epoch < epoch:
+            continue
+        if record.kind == EPOCH:
+            epoch = record.epoch
+        out.append(record)
+    return out

@@ -12,20 +12,28 @@ engine refused: another host opened a later epoch of each, so their rows
 must never be stored or sent here. A call whose log this sink has not
 opened (rows after a restart of the sink, before any authorize) is refused
 the same way: the attempt is fenced and run again, never written blind.
+Appends the cluster does not answer at once are waited for, and tried
+again, through the sink's `pause` (sink/process.py, as a storage fault is
+waited out): the supervisor's stats are answered meanwhile, its other ops
+held for the loop, for up to 60 s (APPENDS_UNANSWERED).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import select
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from streamfence.cluster.bridge import LedgerBridge
-from streamfence.cluster.ledger import Fenced, Owner, Ownership, Record, valid
-from streamfence.cluster.records import EVENTS
+from streamfence.cluster.ledger import Fenced, Owner, Ownership
+from streamfence.cluster.records import EVENTS, Record, valid
 from streamfence.cluster.retry import RetryPolicy, retry_sync
 from streamfence.cluster.settings import ClusterSettings
+from streamfence.sink.store import StoreStopped
 
 log = logging.getLogger("streamfence.sink")
 
@@ -43,14 +51,29 @@ class _Unanswered(Exception):
 APPENDS_UNANSWERED = RetryPolicy((_Unanswered,), first_s=0.05, factor=2.0, cap_s=1.0,
                                  budget_s=60.0)
 
+# An append batch not answered within this is waited for through `pause` (the
+# sink's stats are answered meanwhile).
+ANSWERED_S = 0.05
+
 Row = tuple[str, int, int, int, str, int, bytes]  # the store's: call, seq, last, attempt, op, n, body
+# The sink's wait (sink/process.py, as for a storage fault): up to the seconds
+# given, or until the descriptor given is readable; it answers the supervisor's
+# stats and holds its other ops meanwhile. True when a stop was asked.
+Pause = Callable[[float, int | None], bool]
+
+
+def _sleep(seconds: float, fd: int | None) -> bool:
+    """The default `pause`: wait for `fd` or the time; no stop is ever asked."""
+    select.select([] if fd is None else [fd], [], [], seconds)
+    return False
 
 
 class ClusterLog:
     """Owns the bridge and, per call, the hold this sink has on its log."""
 
-    def __init__(self, settings: ClusterSettings) -> None:
+    def __init__(self, settings: ClusterSettings, pause: Pause = _sleep) -> None:
         self.settings = settings
+        self._pause = pause
         self.bridge = LedgerBridge(settings)
         self._held: dict[str, Ownership] = {}
         # Calls another host runs, followed here (§4.17, rule 5): their unsubscribes,
@@ -147,7 +170,7 @@ class ClusterLog:
 
         def append_calls() -> None:
             nonlocal calls
-            results = self.bridge.gather(ledger.append(self._held[c], by_call[c]) for c in calls)
+            results = self._gathered([ledger.append(self._held[c], by_call[c]) for c in calls])
             failed = []
             for call_id, result in zip(calls, results, strict=True):
                 if isinstance(result, Ownership):
@@ -163,7 +186,8 @@ class ClusterLog:
                 raise _Unanswered(failed)
         if calls:
             try:
-                retry_sync(APPENDS_UNANSWERED, append_calls, on_retry=self._retrying)
+                retry_sync(APPENDS_UNANSWERED, append_calls, on_retry=self._retrying,
+                           sleep=self._wait)
             except _Unanswered as exc:
                 raise exc.failed[0][1] from None
         if refused:
@@ -171,6 +195,40 @@ class ClusterLog:
             log.warning("sink: the cluster refused the runs of %d call(s) (%s): another host "
                         "owns them now", len(refused), ", ".join(sorted(refused)[:5]))
         return refused
+
+    def _gathered(self, ops: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+        """`ops` run together in the ledger's loop; each one's result or exception.
+        Waited for as a commit waits for SQLite while they answer within
+        ANSWERED_S (the normal case: no other wake-up in between), then through
+        `pause` (the supervisor's stats answered meanwhile, its other ops held),
+        for up to 2 × timeout_s (their requests' own timeouts come first)."""
+        got: list[list[Any]] = []
+
+        async def all_of() -> list[Any]:
+            return list(await asyncio.gather(*ops, return_exceptions=True))
+        bridge = self.bridge
+        bridge.submit(all_of(), got.append)
+        select.select([bridge.fd], [], [], ANSWERED_S)
+        deadline = time.monotonic() + self.settings.timeout_s * 2
+        while True:
+            bridge.run_done()  # the other callbacks too: all are this thread's
+            if self._incoming:  # the loop's wake-up, consumed here: given back
+                bridge.wake()
+            if got:
+                return got[0]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return [TimeoutError(f"no answer within {self.settings.timeout_s * 2:g} s")
+                        for _ in ops]
+            if self._pause(left, bridge.fd):  # a stop asked (the final commit's, say):
+                select.select([bridge.fd], [], [], left)  # the answer is still waited for
+
+    def _wait(self, seconds: float) -> None:
+        """`pause` for `seconds` between two tries; a stop asked meanwhile gives
+        the commit up (as a storage fault's wait does)."""
+        if self._pause(seconds, None):
+            raise StoreStopped("a stop was asked while the cluster did not answer the "
+                               "commit's appends: gave the commit up")
 
     def _retrying(self, failure: BaseException, wait_s: float) -> None:
         self.retries += 1

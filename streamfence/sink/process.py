@@ -26,7 +26,9 @@ owns the sockets, the signals and the loop. The sink:
   busy timeout: docs/ARCHITECTURE.md §4.15) inside the store's commit,
   through `_pause`: it answers C_STATS meanwhile (status shows the
   fault), holds every other control op for the loop, in order, and tells
-  the store when a stop was asked;
+  the store when a stop was asked; in cluster mode the calls' logs' appends
+  the cluster does not answer at once are waited for the same way
+  (sink/cluster_log.py);
 - dies with its parent (PR_SET_PDEATHSIG) and exits cleanly on SIGTERM after a
   last commit (given up, in one ERROR line, if the store is in a storage
   fault). SIGINT and SIGHUP are ignored: the supervisor owns the shutdown order.
@@ -40,6 +42,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import select
 import signal
 import socket
 import sys
@@ -115,7 +118,7 @@ class Sink:
         if cluster is not None:
             from streamfence.sink.cluster_log import ClusterLog  # brings nats: cluster mode only
 
-            cluster_log = ClusterLog(cluster)
+            cluster_log = ClusterLog(cluster, pause=self._pause)
         self.state = SinkState(TranscriptStore(db_path, pause=self._pause), self.peer,
                                self.subscribers, retention_days, cluster_log)
         self.intake = WorkerIntake(self.sin, self.streams, self.state)
@@ -268,27 +271,32 @@ class Sink:
             self.peer.heard_from(ident)
             return ident, op
 
-    def _pause(self, seconds: float) -> bool:
+    def _pause(self, seconds: float, fd: int | None = None) -> bool:
         """The store's wait between two tries of a write that met a storage
-        fault (sink/store.py): up to `seconds`, woken by a signal or by the
-        supervisor. A C_STATS is answered at once, so `status` shows the
-        fault; any other control op is held, in order, for the loop (each
-        needs a commit). True: a stop was asked (SIGTERM). While the store
-        opens (no state yet, no SIGTERM handler: SIGTERM ends the process),
-        it just sleeps."""
+        fault (sink/store.py), and the cluster log's for its appends
+        (sink/cluster_log.py): up to `seconds`, woken by a signal or by the
+        supervisor, or ended early when `fd` is readable. A C_STATS is
+        answered at once, so `status` shows the fault; any other control op
+        is held, in order, for the loop (each needs a commit). True: a stop
+        was asked (SIGTERM). While the store opens (no state yet, no SIGTERM
+        handler: SIGTERM ends the process), it just sleeps."""
         if not self._ready:
-            time.sleep(seconds)
+            select.select([] if fd is None else [fd], [], [], seconds)
             return False
         deadline = time.monotonic() + seconds
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        if fd is not None:
+            poller.register(fd, zmq.POLLIN)
         wake_fd = self._wake_r.fileno()
         while not self._stopping and signal.SIGTERM not in self._signals:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             ready = dict(poller.poll(int(left * 1000) + 1))
+            if fd is not None and fd in ready:
+                return False
             if wake_fd in ready:
                 self._drain_signals()
             if self.ctl in ready:
