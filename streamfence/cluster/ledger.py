@@ -36,7 +36,7 @@ import asyncio
 import zlib
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import msgpack
 import nats
@@ -150,7 +150,7 @@ class Ledger:
         self.refused = 0  # appends the engine refused (Fenced)
 
     @classmethod
-    async def connect(cls, settings: ClusterSettings) -> Ledger:
+    async def connect(cls, settings: ClusterSettings) -> Self:
         nc = await connect_nats(settings)
         ledger = cls(nc, settings)
         try:
