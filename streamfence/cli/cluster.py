@@ -37,6 +37,8 @@ def _busy(ports: list[int]) -> list[int]:
     busy = []
     for port in ports:
         with socket.socket() as s:
+            # As nats-server binds: a port in TIME_WAIT (a cluster just stopped) is free.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
