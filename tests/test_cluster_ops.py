@@ -1,6 +1,7 @@
 """Operating cluster mode (issue 30, "Operable"): `streamfence cluster dev`
 runs a real NATS JetStream cluster until a stop signal and leaves no node
-behind, also when it is killed; `status` shows this host's view of the
+behind, also when it is killed; `init --cluster-host` writes a host's
+config; `status` shows this host's view of the
 cluster (its lease, the hosts it has seen beat, its calls, its takes and
 the engine's refusals), and `streamfence status` and `/metrics` show it."""
 
@@ -19,13 +20,16 @@ from typing import Any
 
 import psutil
 import pytest
+from click.testing import CliRunner
 from rich.console import Console
 
+from streamfence.cli import main
 from streamfence.cli.status_view import status_tables
 from streamfence.cluster.ledger import Ledger
 from streamfence.cluster.settings import ClusterSettings
+from streamfence.config.model import load_config
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
-from streamfence.devtools.nats_cluster import NatsCluster
+from streamfence.devtools.nats_cluster import NatsCluster, dev_urls
 from streamfence.gateway.metrics import families
 from tests.harness import DaemonProcess, wait_until
 from tests.wires import profile_for
@@ -135,6 +139,26 @@ def test_cluster_dev_refuses_ports_in_use_in_one_line(tmp_path: Path) -> None:
     assert out.stderr.strip() == (f"Error: port(s) {port} on 127.0.0.1 are in use (another "
                                   f"`streamfence cluster dev`, or a nats-server?): stop it, "
                                   f"or give --port"), out.stderr
+
+
+# ---- a host's config ---------------------------------------------------------------------------
+
+
+def test_init_writes_a_cluster_hosts_config(tmp_path: Path) -> None:
+    """`init --cluster-host` (with `--endpoint` for a second daemon here): a
+    config that loads with the dev cluster's URLs; a bad host name writes
+    nothing and says why in one line."""
+    runner = CliRunner()
+    out = runner.invoke(main, ["init", str(tmp_path / "b"), "--cluster-host", "host-b",
+                               "--endpoint", "tcp://127.0.0.1:7765"])
+    assert out.exit_code == 0, out.output
+    cfg = load_config(str(tmp_path / "b" / "streamfence.toml"))
+    assert cfg.endpoint == "tcp://127.0.0.1:7765"
+    assert (cfg.cluster.host, list(cfg.cluster.urls), cfg.cluster.replicas) \
+        == ("host-b", dev_urls(), 3)
+    out = runner.invoke(main, ["init", str(tmp_path / "c"), "--cluster-host", "host c"])
+    assert out.exit_code == 1 and "cluster.host: this host's name" in out.output, out.output
+    assert not (tmp_path / "c").exists()
 
 
 # ---- status shows the cluster ---------------------------------------------------------------
