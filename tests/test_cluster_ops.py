@@ -1,7 +1,7 @@
 """Operating cluster mode (issue 30, "Operable"): `streamfence cluster dev`
 runs a real NATS JetStream cluster until a stop signal and leaves no node
 behind, also when it is killed; `init --cluster-host` writes a host's
-config; `status` shows this host's view of the
+config, `submit --no-wait` prints the call id alone; `status` shows this host's view of the
 cluster (its lease, the hosts it has seen beat, its calls, its takes and
 the engine's refusals), and `streamfence status` and `/metrics` show it."""
 
@@ -256,3 +256,19 @@ def test_status_shows_this_hosts_view_of_the_cluster(
         for proc in (a, b):
             with contextlib.suppress(ProcessLookupError):
                 proc.cleanup()
+
+
+def test_submit_no_wait_prints_only_the_call_id(make_daemon: Any) -> None:
+    """What the quick start captures: the id alone on stdout, exit 0, the
+    call running on without the client."""
+    daemon = make_daemon()
+    out = subprocess.run(
+        [sys.executable, "-m", "streamfence.cli", "submit", "--credentials",
+         str(daemon.state_dir / "keys" / "local.credentials"), "--provider", "emu",
+         "--no-wait", "hi"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stderr == "", out
+    call_id = out.stdout.strip()
+    assert re.fullmatch(r"[0-9a-f]{32}", call_id) and out.stdout == call_id + "\n", out.stdout
+    with daemon.client() as client:
+        done = client.result(call_id, wait_s=20.0)
+    assert done is not None and done["status"] == "completed", done

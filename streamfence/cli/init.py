@@ -75,6 +75,9 @@ def init(directory: Path, emulator_url: str | None, force: bool, endpoint: str |
     else:
         click.echo(f"  (the emulator at {url}: streamfence emulator --port "
                    f"{parsed.port or 80})")
+    if cluster is not None and cluster[1] == dev_urls():
+        click.echo("  streamfence cluster dev nats-dev   (the NATS cluster it names, unless "
+                   "it runs)")
     click.echo(f"  streamfence serve{config}")
     click.echo(f"  streamfence submit{config} --provider anthropic \"Hello\"")
 
