@@ -133,7 +133,7 @@ def test_cluster_dev_refuses_ports_in_use_in_one_line(tmp_path: Path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         out = subprocess.run([sys.executable, "-m", "streamfence.cli", "cluster", "dev",
-                              "--port", str(port), "--nodes", "1", str(tmp_path / "nats")],
+                              "--port", str(port), str(tmp_path / "nats")],
                              capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and out.stdout == "", out
     assert out.stderr.strip() == (f"Error: port(s) {port} on 127.0.0.1 are in use (another "

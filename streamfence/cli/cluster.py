@@ -47,8 +47,9 @@ def _busy(ports: list[int]) -> list[int]:
 
 
 @cluster.command()
-@click.option("--nodes", type=click.IntRange(1, 5), default=3, show_default=True,
-              help="nats-server processes, all routed to each other.")
+@click.option("--nodes", type=click.IntRange(3, 5), default=3, show_default=True,
+              help="nats-server processes, all routed to each other: 3 to 5 (JetStream's "
+                   "clustered mode needs routes; 3 keep a quorum when one is killed).")
 @click.option("--port", type=click.IntRange(0, 61000), default=None,
               help="The first node's client port; the others follow, routes are 2000 "
                    "and monitoring 4000 above (default 4222; 0: any free ports).")
@@ -81,7 +82,7 @@ def dev(nodes: int, port: int | None, directory: Path) -> None:
             nats.start()
         except (RuntimeError, TimeoutError) as exc:
             raise click.ClickException(str(exc)) from None
-        _announce(nats.urls, min(nodes, 3))
+        _announce(nats.urls, 3)
         _run_until(stop, nats)
     finally:
         nats.stop()
