@@ -1,5 +1,5 @@
 """The `streamfence` command: init, emulator, serve, submit, cancel, result,
-status, keys, prune, check, demo.
+status, keys, prune, check, demo, cluster.
 
 Client commands find the daemon and their identity without flags on the
 daemon's own machine: `--credentials`, else $STREAMFENCE_CREDENTIALS, else the
@@ -19,6 +19,7 @@ import click
 
 from streamfence.cli.calls import EXIT_INTERRUPTED, cancel, interrupted, outcome_line, result
 from streamfence.cli.check import check
+from streamfence.cli.cluster import cluster
 from streamfence.cli.common import (
     DEFAULT_CONFIG,
     client_options,
@@ -149,11 +150,15 @@ def _parse_request(wire: str, model: str, prompt: str,
 @click.option("--detach", is_flag=True, default=False,
               help="Ctrl-C leaves the call running (and says how to get its result) instead "
                    "of cancelling it.")
+@click.option("--no-wait", is_flag=True, default=False,
+              help="Print the call id (stdout) once accepted and exit; the call runs on "
+                   "(`streamfence result --wait S ID` gives its answer, on any host of a "
+                   "cluster).")
 @click.argument("prompt", required=False, default="Hello!")
 def submit(endpoint: str | None, credentials: str | None, config_path: str | None,
            provider: str, wire: str | None, model: str | None, request_json: str | None,
            session_id: str | None, stale_timeout: float | None, timeout: float,
-           detach: bool, prompt: str) -> None:
+           detach: bool, no_wait: bool, prompt: str) -> None:
     """Submit one call to the profile named by --provider and stream its text
     live to stdout; the call id first and the outcome last go to stderr.
     Ctrl-C cancels the call (exit 130), unless --detach."""
@@ -165,7 +170,8 @@ def submit(endpoint: str | None, credentials: str | None, config_path: str | Non
     request = _parse_request(wire, model or DEFAULT_MODELS[wire], prompt, request_json)
     with connect(endpoint, credentials, config_path) as client:
         try:
-            call_id = client.submit(provider, request, session_id=session_id, options=options)
+            call_id = client.submit(provider, request, session_id=session_id, options=options,
+                                    subscribe=not no_wait)
         except ClientError as exc:
             hint = (f" (profile {provider!r} is not in {config_path_of(config_path) or 'a config'}"
                     f", so the request was shaped for --wire {wire}; give --wire if it is "
@@ -175,6 +181,9 @@ def submit(endpoint: str | None, credentials: str | None, config_path: str | Non
             click.echo("[interrupted] before the daemon answered the submit: if it took the "
                        "call, the call runs on (`streamfence status` lists the calls)", err=True)
             sys.exit(EXIT_INTERRUPTED)
+        if no_wait:
+            click.echo(call_id)
+            return
         done: dict[str, Any] = {}
         try:
             click.echo(f"[accepted] call={call_id}", err=True)
@@ -244,3 +253,4 @@ main.add_command(emulator)
 main.add_command(check)
 main.add_command(keys)
 main.add_command(prune)
+main.add_command(cluster)

@@ -182,9 +182,13 @@ def _version() -> str:
         return "unknown"
 
 
-def render(state_dir: str, emulator_url: str = EMULATOR_URL, config_name: str = "") -> str:
-    """The commented config text; `state_dir` should be absolute."""
+def render(state_dir: str, emulator_url: str = EMULATOR_URL, config_name: str = "",
+           endpoint: str | None = None, cluster: tuple[str, list[str]] | None = None) -> str:
+    """The commented config text; `state_dir` should be absolute. `endpoint`
+    sets `[daemon] endpoint`; `cluster`, (this host's name, the NATS URLs),
+    writes a `[cluster]` table."""
     daemon = DaemonConfig()
+    chosen = {"state_dir": state_dir, "endpoint": endpoint}
     where = config_name or "streamfence.toml"
     out = [f"# streamfence configuration, written by `streamfence init` (streamfence "
            f"{_version()}).", "#"]
@@ -204,8 +208,9 @@ def render(state_dir: str, emulator_url: str = EMULATOR_URL, config_name: str = 
     for f in fields(DaemonConfig):
         if f.name in ("providers", "identities", "http", "cluster"):
             continue
-        value = state_dir if f.name == "state_dir" else getattr(daemon, f.name)
-        out += _key(f.name, value, f.name == "state_dir", DAEMON_DOCS[f.name])
+        value = chosen.get(f.name)
+        out += _key(f.name, getattr(daemon, f.name) if value is None else value,
+                    value is not None, DAEMON_DOCS[f.name])
     documented: set[str] = set()
     profile_defaults = _defaults(ProviderProfile)
     for wire in WIRES:
@@ -251,15 +256,24 @@ def render(state_dir: str, emulator_url: str = EMULATOR_URL, config_name: str = 
         "variable holding the password). `[cluster.tls]`: `ca` (the servers' CA), `cert` "
         "and `key` (this host's, for servers that verify clients), `verify` (the servers' "
         "certificates; default true), `server_name` (the name in their certificates, if not "
-        "the URL's host); a tls:// URL alone uses the system's CAs."), "#", "#   [cluster]",
-        '#   urls = ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222", "nats://10.0.0.3:4222"]',
-        '#   host = "host-a"', "#   replicas = 3", "#   lease_s = 5.0", "#   timeout_s = 5.0",
-        "#   [cluster.auth]", '#   creds = "/etc/streamfence/nats.creds"',
-        '#   # nkey_seed = "/etc/streamfence/nats.nk"',
-        '#   # user = "streamfence"', '#   # password_env = "STREAMFENCE_NATS_PASSWORD"',
-        "#   [cluster.tls]", '#   ca = "/etc/streamfence/nats-ca.pem"',
-        '#   # cert = "/etc/streamfence/host-a.pem"', '#   # key = "/etc/streamfence/host-a.key"',
-        "#   # verify = true", '#   # server_name = "nats.internal"']
+        "the URL's host); a tls:// URL alone uses the system's CAs.")]
+    if cluster is None:
+        out += ["#", "#   [cluster]",
+                '#   urls = ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222", '
+                '"nats://10.0.0.3:4222"]',
+                '#   host = "host-a"', "#   replicas = 3", "#   lease_s = 5.0",
+                "#   timeout_s = 5.0"]
+    else:
+        host, urls = cluster
+        out += ["[cluster]", f"urls = {_value(urls)}", f"host = {_value(host)}",
+                f"replicas = {min(len(urls), 3)}", "# lease_s = 5.0", "# timeout_s = 5.0"]
+    out += ["#   [cluster.auth]",
+            '#   creds = "/etc/streamfence/nats.creds"',
+            '#   # nkey_seed = "/etc/streamfence/nats.nk"',
+            '#   # user = "streamfence"', '#   # password_env = "STREAMFENCE_NATS_PASSWORD"',
+            "#   [cluster.tls]", '#   ca = "/etc/streamfence/nats-ca.pem"',
+            '#   # cert = "/etc/streamfence/host-a.pem"', '#   # key = "/etc/streamfence/host-a.key"',
+            "#   # verify = true", '#   # server_name = "nats.internal"']
     out += ["", "", *_comment("A client registered with `streamfence keys new alice` may be "
                           "limited by a table of its name (values: the defaults, but "
                           "`providers`):"),

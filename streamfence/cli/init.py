@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import sys
+import tomllib
 from pathlib import Path
 from urllib.parse import urlparse
 
 import click
 
 from streamfence.cli.common import DEFAULT_CONFIG
+from streamfence.config.model import ConfigError, parse_config
 
 
 @click.command()
@@ -21,24 +23,43 @@ from streamfence.cli.common import DEFAULT_CONFIG
                    "where `streamfence emulator` listens).")
 @click.option("--force", is_flag=True, default=False,
               help="Overwrite an existing streamfence.toml in DIRECTORY.")
-def init(directory: Path, emulator_url: str | None, force: bool) -> None:
+@click.option("--endpoint", default=None, metavar="tcp://HOST:PORT",
+              help="The daemon's client endpoint (default: tcp://127.0.0.1:7755; events on "
+                   "the next port). A second daemon on this machine needs another one.")
+@click.option("--cluster-host", default=None, metavar="NAME",
+              help="Cluster mode: write a [cluster] table with this host's name (unique in "
+                   "the cluster) and the NATS URLs of --nats-url.")
+@click.option("--nats-url", "nats_urls", multiple=True, metavar="URL",
+              help="With --cluster-host, repeated: the NATS servers (default: the ones "
+                   "`streamfence cluster dev` runs, nats://127.0.0.1:4222 to 4224).")
+def init(directory: Path, emulator_url: str | None, force: bool, endpoint: str | None,
+         cluster_host: str | None, nats_urls: tuple[str, ...]) -> None:
     """Write DIRECTORY/streamfence.toml (default: here): every key with its
     default and what it does, a state dir inside DIRECTORY, and a profile per
     wire (openai, anthropic, bedrock) pointing at the bundled emulator."""
     from streamfence.cli.config_template import EMULATOR_URL, render
+    from streamfence.devtools.nats_cluster import dev_urls
 
     url = (emulator_url or EMULATOR_URL).rstrip("/")
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.path:
         raise click.BadParameter(f"must be http://HOST:PORT (no path), got {url!r}",
                                  param_hint="--emulator-url")
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / DEFAULT_CONFIG
     if path.exists() and not force:
         raise click.ClickException(f"{path} exists; it is left as it is (--force overwrites it)")
     state_dir = directory.resolve() / "streamfence-state"
-    text = render(str(state_dir), url, config_name=str(path.resolve()))
+    if nats_urls and cluster_host is None:
+        raise click.UsageError("--nats-url goes with --cluster-host NAME")
+    cluster = None if cluster_host is None else (cluster_host, list(nats_urls or dev_urls()))
+    text = render(str(state_dir), url, config_name=str(path.resolve()), endpoint=endpoint,
+                  cluster=cluster)
+    try:  # what `serve` would refuse (a bad --endpoint or host name), refused now
+        parse_config(tomllib.loads(text), str(path))
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
     try:
+        directory.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
@@ -54,6 +75,9 @@ def init(directory: Path, emulator_url: str | None, force: bool) -> None:
     else:
         click.echo(f"  (the emulator at {url}: streamfence emulator --port "
                    f"{parsed.port or 80})")
+    if cluster is not None and cluster[1] == dev_urls():
+        click.echo("  streamfence cluster dev nats-dev   (the NATS cluster it names, unless "
+                   "it runs)")
     click.echo(f"  streamfence serve{config}")
     click.echo(f"  streamfence submit{config} --provider anthropic \"Hello\"")
 

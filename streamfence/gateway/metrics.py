@@ -218,6 +218,39 @@ def _histogram(name: str, doc: str, m: Any) -> HistogramMetricFamily | None:
                                  sum_value=total)
 
 
+def _cluster(cluster: Mapping[str, Any]) -> list[Metric]:
+    """Cluster mode's (status `cluster`): hosts are labels; never a call."""
+    lease = GaugeMetricFamily("streamfence_cluster_lease_age_seconds", "Since this host's "
+                              "last beat was stored in the cluster (absent before the first)")
+    if cluster.get("lease_age_s") is not None:
+        lease.add_metric([], _num(cluster.get("lease_age_s")))
+    hosts = cluster.get("hosts") or {}
+    beats = _by(GaugeMetricFamily(
+        "streamfence_cluster_host_beat_age_seconds", "Since this host saw another host's "
+        "beat move, by host", labels=["host"]),
+        {h: seen.get("beat_age_s") for h, seen in hosts.items()})
+    lost = _by(GaugeMetricFamily(
+        "streamfence_cluster_host_lease_lost", "1 for a host whose lease this host judged "
+        "lost (its calls taken over), by host", labels=["host"]),
+        {h: 1 if seen.get("lease_lost") else 0 for h, seen in hosts.items()})
+    takes = _by(CounterMetricFamily(
+        "streamfence_cluster_takes_total", "Calls of hosts whose lease lapsed, taken over by "
+        "this host (won) or by another first (lost)", labels=["result"]),
+        {"won": cluster.get("takes_won"), "lost": cluster.get("takes_lost")})
+    return [
+        GaugeMetricFamily("streamfence_cluster_connected", "1 while this host's supervisor "
+                          "is connected to NATS", value=1 if cluster.get("connected") else 0),
+        lease, beats, lost, takes,
+        GaugeMetricFamily("streamfence_cluster_calls_owned", "Live calls this host owns in "
+                          "the cluster", value=_num(cluster.get("calls_owned"))),
+        CounterMetricFamily("streamfence_cluster_calls_moved_total", "Attempts that found "
+                            "their call owned by another host",
+                            value=_num(cluster.get("calls_moved"))),
+        CounterMetricFamily("streamfence_cluster_appends_refused_total", "Appends of this "
+                            "host JetStream refused (a later owner opened the call's epoch)",
+                            value=_num(cluster.get("appends_refused")))]
+
+
 def families(status: Mapping[str, Any] | None, providers: Iterable[str] = ()) -> list[Metric]:
     """The metric families of one admin status reply (None: no answer)."""
     up = GaugeMetricFamily("streamfence_up", "1 if the supervisor answered this scrape's "
@@ -318,6 +351,8 @@ def families(status: Mapping[str, Any] | None, providers: Iterable[str] = ()) ->
           1 if sink.get("storage_fault") else 0)
     gauge("streamfence_journal_storage_fault", "1 while the journal refuses submits for a "
           "storage fault", 1 if status.get("storage") else 0)
+    if isinstance(cluster := status.get("cluster"), Mapping):
+        out += _cluster(cluster)
     # Histograms (the daemon's: every call's, not only the gateway's).
     for key, m in (status.get("histograms") or {}).items():
         if key in HISTOGRAMS and (h := _histogram(*HISTOGRAMS[key], m)) is not None:

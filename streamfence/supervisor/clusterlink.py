@@ -57,6 +57,8 @@ class ClusterLink:
         self.accepted = 0
         self.moved = 0  # calls found owned by another host
         self.taken = 0  # calls taken from hosts that lost their lease
+        self.takes_lost = 0  # ... that another host took first
+        self._beat_at: float | None = None  # when this host's last beat was stored
         # Each other host's beat as last read: (revision, when it last moved here).
         self._beats: dict[str, tuple[int, float]] = {}
         self._dead: set[str] = set()  # hosts whose calls were taken (until they beat again)
@@ -291,7 +293,7 @@ class ClusterLink:
             return
         self._next_beat = now + self.lease_s / 3
         ledger = self.bridge.ledger
-        self.bridge.submit(ledger.beat(), _ignore)
+        self.bridge.submit(ledger.beat(), self._beaten)
         if not self._watching:
             self._watching = True
             self.bridge.submit(ledger.host_revisions(), self._judge)
@@ -299,6 +301,12 @@ class ClusterLink:
             self._auditing = True
             self._next_audit = now + AUDIT_LEASES * self.lease_s
             self.bridge.submit(ledger.owned_by(self.settings.host), self._audited)
+
+    def _beaten(self, result: Any) -> None:
+        if isinstance(result, BaseException):
+            log.debug("cluster: a beat failed: %s", result)
+        else:
+            self._beat_at = self._clock()
 
     def _judge(self, result: Any) -> None:
         self._watching = False
@@ -318,7 +326,7 @@ class ClusterLink:
                 log.warning("cluster: host %r has not beaten for %.1f s (lease %g s): taking "
                             "over its calls", host, now - last[1], self.lease_s)
 
-                async def take_over(host: str = host) -> tuple[list[Won], int]:
+                async def take_over(host: str = host) -> tuple[list[Won], int, int]:
                     return await self._take_over(await self.bridge.ledger.owned_by(host))
                 self.bridge.submit(take_over(), functools.partial(self._took, host=host))
 
@@ -339,19 +347,21 @@ class ClusterLink:
                         "taking them up", len(strays))
             self.bridge.submit(self._take_over(strays), self._took)
 
-    async def _take_over(self, entries: list[Owner]) -> tuple[list[Won], int]:
+    async def _take_over(self, entries: list[Owner]) -> tuple[list[Won], int, int]:
         """Take each call from the entry read at its next epoch: those this host
-        won, with their records, and how many could not be tried (the cluster
-        failed: a call whose write may have landed is found by the audit)."""
+        won, with their records, how many could not be tried (the cluster
+        failed: a call whose write may have landed is found by the audit), and
+        how many another host took first."""
         ledger = self.bridge.ledger
-        won, failed = [], 0
+        won, failed, lost = [], 0, 0
         for seen in entries:
             try:
                 held = await ledger.take(seen.call_id, seen)
                 owner = held.owner if held is not None else \
                     await self._landed(seen.call_id, seen.epoch + 1)
                 if owner is None:
-                    continue  # another host was first
+                    lost += 1  # another host was first
+                    continue
                 record = await ledger.accepted(seen.call_id)
             except (TimeoutError, nats.errors.Error) as exc:
                 log.warning("cluster: could not take call %s: %s", seen.call_id, exc)
@@ -362,7 +372,7 @@ class ClusterLink:
                           seen.call_id)
                 continue
             won.append((owner, msgpack.unpackb(record, raw=False)))
-        return won, failed
+        return won, failed, lost
 
     def _took(self, result: Any, host: str | None = None) -> None:
         failed = isinstance(result, BaseException) or result[1] > 0
@@ -373,15 +383,27 @@ class ClusterLink:
             self._beats.pop(host, None)  # judged again from the next read
         if isinstance(result, BaseException):
             return
+        self.takes_lost += result[2]
         for owner, record in result[0]:
             self._owners[owner.call_id] = owner
             self.taken += 1
             self.on_taken(owner, record)
 
     def stats(self) -> dict[str, Any]:
-        return {"host": self.settings.host, "accepted": self.accepted, "moved": self.moved,
-                "taken": self.taken, "owned": len(self._owners),
-                "hosts_dead": sorted(self._dead)}
+        """`status`'s `cluster` (docs/PROTOCOL.md): ages by this host's clock;
+        another host's beat age counts from when this host saw it move (it
+        reads the beats every lease / 3)."""
+        now = self._clock()
+        return {"host": self.settings.host, "lease_s": self.lease_s,
+                "lease_age_s": None if self._beat_at is None else round(now - self._beat_at, 3),
+                "connected": self.bridge.ledger.connected,
+                "hosts": {host: {"beat_age_s": round(now - seen, 3),
+                                 "lease_lost": host in self._dead}
+                          for host, (_, seen) in sorted(self._beats.items())},
+                "calls_owned": len(self._owners), "calls_accepted": self.accepted,
+                "calls_moved": self.moved, "takes_won": self.taken,
+                "takes_lost": self.takes_lost,
+                "appends_refused": self.bridge.ledger.refused}
 
     def close(self) -> None:
         self.bridge.close()

@@ -76,7 +76,8 @@ def build_parts(cfg: DaemonConfig, journal: Journal, live: LivenessTable,
                            random.Random(), transcript_path, cluster)
     status = functools.partial(status_of, pool, driver, breakers,
                                functools.partial(sink_stats, sink), counters, pids,
-                               auth_counts, journal.fault_view)
+                               auth_counts, journal.fault_view,
+                               cluster.stats if cluster is not None else None)
     front = Front(cfg, journal, driver, clients, sink, breakers, counters, clock,
                   transcript_path, status, cluster)
     if cluster is not None and driver.takeover is not None:

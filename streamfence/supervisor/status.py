@@ -17,7 +17,8 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
               sink_stats: Callable[[Callable[[dict[str, Any], bool], None]], None],
               counters: Counter[str], pids: Callable[[], dict[str, int | None]],
               auth_counts: Callable[[], dict[str, int]],
-              storage: Callable[[], dict[str, Any] | None], user: Identity,
+              storage: Callable[[], dict[str, Any] | None],
+              cluster: Callable[[], dict[str, Any]] | None, user: Identity,
               reply: Callable[[dict[str, Any]], None]) -> None:
     """Give `reply` the body of a `status_reply`: each owner's own view. An
     identity that is not an admin sees only its own calls (docs/SECURITY.md);
@@ -27,7 +28,9 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
     `calls.in_flight_bytes` is the request bytes the
     calls accepted and not done hold (the byte budgets: admission.py); an admin
     also sees them per owner and `in_flight_bytes_max`; `storage`, the
-    journal's storage fault while one lasts (nil otherwise); and
+    journal's storage fault while one lasts (nil otherwise); `cluster`, in
+    cluster mode, this host's view of it (clusterlink.py `stats`; nil
+    otherwise), its `appends_refused` counting the sink's too; and
     `histograms` (protocol/histograms.py): the driver's, and the sink's
     `delta_latency` (taken out of its counters)."""
     if not user.is_admin:
@@ -43,6 +46,7 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
             "calls": driver.calls.status(),
             "breakers": breakers.snapshot(),
             "storage": storage(),
+            "cluster": cluster() if cluster is not None else None,
             "counters": dict(counters, **auth_counts())}
     sink_stats(lambda stats, fresh: reply(_with_sink(body, driver.histograms.to_map(), stats,
                                                      fresh)))
@@ -54,4 +58,7 @@ def _with_sink(body: dict[str, Any], histograms: dict[str, Any], stats: dict[str
     latency = sink.pop("delta_latency", None)
     if isinstance(latency, dict):
         histograms["delta_latency_seconds"] = latency
+    if body["cluster"] is not None:  # the engine refuses appends of both processes
+        body["cluster"] = dict(body["cluster"], appends_refused=body["cluster"]["appends_refused"]
+                               + int(sink.get("cluster_engine_refused", 0)))
     return dict(body, sink=sink, sink_answered=fresh, histograms=histograms)
