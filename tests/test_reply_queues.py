@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -45,6 +46,12 @@ def pair() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes], bytes]]:
         ctx.term()
 
 
+def _socket_buffers() -> int:
+    """The most a loopback TCP connection's send and receive buffers hold."""
+    return sum(int(Path(f"/proc/sys/net/ipv4/tcp_{b}").read_text().split()[2])
+               for b in ("wmem", "rmem"))
+
+
 def _answers(client: zmq.Socket[bytes]) -> list[bytes]:
     got = []
     while client.poll(200):
@@ -61,7 +68,11 @@ def test_large_replies_to_a_connection_that_does_not_read_are_bounded(
         queues.send(identity, DONE, f"r{n}")
     assert queues.total <= replies.CONNECTION_BYTES, queues.total
     refused = counters["refused.reply_backlog"]
-    assert refused >= 200 - replies.CONNECTION_BYTES // len(DONE) - 1, counters
+    # Queued: the budget's worth, plus what libzmq's I/O thread wrote on
+    # meanwhile into the loopback connection's kernel buffers (how much of
+    # that it did depends on the machine's load).
+    queued_max = (replies.CONNECTION_BYTES + _socket_buffers()) // len(DONE) + 1
+    assert refused >= 200 - queued_max, counters
 
     answers = _answers(client)  # it reads at last: what was queued, then the refusals
     dones = [a for a in answers if a == DONE]
