@@ -87,7 +87,10 @@ def test_a_descriptor_flood_leaves_the_daemon_answering_and_it_recovers(
         finally:
             for s in flood:
                 s.close()
-        assert busy < 0.5, f"the supervisor used {busy:.0%} of a CPU with the flood held"
+        # The spin took 160-190 % (the I/O thread's accepts and the loop's
+        # reading of their events); shedding under the flood's SYN retries
+        # takes up to ~70 % on a loaded machine.
+        assert busy < 1.5, f"the supervisor used {busy:.0%} of a CPU with the flood held"
         assert grown < GROWTH_MAX, f"the supervisor grew by {grown / 2**20:.0f} MiB"
 
         def fresh_answered() -> bool:
