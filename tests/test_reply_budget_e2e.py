@@ -20,7 +20,9 @@ from streamfence.protocol.credentials import load_credentials
 from tests.harness import DaemonProcess, wait_until
 from tests.wires import request_for
 
-pytestmark = pytest.mark.slow
+# 400 large replies read from the transcript: under CI's parallel load this took
+# over two minutes, alone 5 s; it runs in the serial phase.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 TEXT = "x" * 900_000  # the done: 0.88 MiB
 ASKS = 400  # unbounded, their replies would hold some 350 MiB
