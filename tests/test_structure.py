@@ -291,6 +291,35 @@ def test_no_module_of_streamfence_is_longer_than_the_limit() -> None:
                       "not by size):\n" + "\n".join(long))
 
 
+# The methods of cluster/ledger.py that write a call's log (ARCHITECTURE §4.17, rule 3),
+# and the one module outside the ledger allowed to call them: the sink's.
+LOG_WRITES = {"open_epoch", "append", "_append"}
+LOG_WRITER = "streamfence.sink.cluster_log"
+
+
+def _log_writes(tree: ast.AST) -> Iterator[int]:
+    """Lines that call a log write on something named `ledger` (`ledger.append`,
+    `self.bridge.ledger.open_epoch`, ...)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in LOG_WRITES:
+            owner = node.func.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if "ledger" in name.lower() or node.func.attr == "open_epoch":
+                yield node.lineno
+
+
+def test_the_sink_is_the_only_writer_of_a_calls_log() -> None:
+    """One writer per call log: no module but the sink's cluster log appends to
+    it (the supervisor only decides ownership, by compare-and-set)."""
+    found = {name: list(_log_writes(ast.parse(path.read_text())))
+             for name, path in _modules().items()}
+    assert found[LOG_WRITER], "the check no longer sees the sink's own appends"
+    others = [f"  {name}:{line}" for name, lines in found.items()
+              if name not in (LOG_WRITER, "streamfence.cluster.ledger") for line in lines]
+    assert not others, "calls' logs written outside the sink:\n" + "\n".join(others)
+
+
 # ---- an application with its own protocol.py and supervisor.py -------------------------
 
 APP_MODULE = '''\

@@ -2,9 +2,8 @@
 the sink's, which poll ZeroMQ sockets): `LedgerBridge` runs a `Ledger` on an
 event loop in a thread of its own.
 
-The owning thread either waits for an operation (`call`, `gather`: the
-sink's group commit waits for its appends, as it waits for SQLite) or hands
-one over with a callback (`submit`) and goes on; the callback then runs in
+The owning thread either waits for an operation (`call`: a start-up, a
+rare read) or hands one over with a callback (`submit`) and goes on; the callback then runs in
 the owning thread, from `run_done`, which the owner calls when the bridge's
 descriptor (`fd`, the read end of a pipe the ledger's thread writes a byte
 to) is readable. So every piece of the owner's state is still touched by
@@ -19,7 +18,7 @@ import contextlib
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from streamfence.cluster.ledger import Ledger
@@ -60,13 +59,6 @@ class LedgerBridge:
         """Run `op` on the ledger's loop and wait for its result (or exception)."""
         return asyncio.run_coroutine_threadsafe(op, self._loop).result(
             self._timeout_s if timeout_s is None else timeout_s)
-
-    def gather(self, ops: Iterable[Coroutine[Any, Any, Any]],
-               timeout_s: float | None = None) -> list[Any]:
-        """Run `ops` together; each one's result or exception, in order."""
-        async def all_of(ops: list[Coroutine[Any, Any, Any]]) -> list[Any]:
-            return list(await asyncio.gather(*ops, return_exceptions=True))
-        return self.call(all_of(list(ops)), timeout_s)
 
     def submit(self, op: Coroutine[Any, Any, Any], then: Done) -> None:
         """Run `op`; `then(result or exception)` runs in the owner's thread, from

@@ -16,7 +16,8 @@ Durable before visible: every event is handed to its listeners after the
 commit that stores it, and every ack or reply after the commit covering
 what it reports. So whatever a client has seen survives a kill -9 of the
 whole daemon, and a restarted sink never re-uses a seq. In cluster mode the
-calls' logs take each commit's rows first (`replicate`: sink/replica.py).
+calls' logs take each commit's rows first (`replicate`: sink/log_queue.py),
+and what must follow a call's stored rows waits for them (`after_stored`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from streamfence.sink.calls import Calls, LiveCall
 from streamfence.sink.store import TranscriptStore
 from streamfence.sink.subscribers import Cuts, Listeners, Outbox
 
+Step = Callable[[], None]
 COMMIT_EVERY = 1000  # events per group commit ...
 COMMIT_AFTER_S = 0.005  # ... or this long after the first uncommitted one ...
 IDLE_COMMIT_GAP_S = 0.0002  # ... or when the input runs dry, at most once per this
@@ -51,8 +53,11 @@ class Commits:
         self.commit_due: float | None = None
         self.last_commit = 0.0
         self.outbox: Outbox = []  # events waiting for their commit, with their listeners
-        # Cluster mode: the calls' logs take the commit's rows first (sink/replica.py).
+        # Cluster mode: the calls' logs take the commit's rows first, and a step that
+        # must follow a call's stored rows waits for them (sink/log_queue.py).
         self.replicate: Callable[[], None] | None = None
+        self.after_stored: Callable[[str, Step], None] = lambda call_id, step: step()
+        self.waits: Callable[[str], bool] = lambda call_id: False  # rows wait for its log
         # Per commit that stored deltas (never per delta): see `commit`.
         self.delta_latency = Histogram(DELTA_LATENCY_BUCKETS)
 
@@ -85,15 +90,19 @@ class Commits:
         self.commit_due = None
         self.last_commit = time.monotonic()
         if self.outbox:
-            if ARMED:
-                failpoint("sink.after_commit")
-            cuts = self._listeners.deliver(self.outbox)
+            self.deliver(self.outbox)
             self.outbox.clear()  # in place: the hot path holds a bound append
-            if cuts:
-                self._cut_off(cuts)
         if since is not None:
             self.delta_latency.observe(time.monotonic() - since)
         return True
+
+    def deliver(self, events: Outbox) -> None:
+        """Events whose rows are stored, to their listeners."""
+        if ARMED:
+            failpoint("sink.after_commit")
+        cuts = self._listeners.deliver(events)
+        if cuts:
+            self._cut_off(cuts)
 
     def send_event(self, subs: set[bytes], event: bytes) -> None:
         """One event (a reset, a done) to a call's listeners, after its commit."""

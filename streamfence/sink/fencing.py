@@ -14,11 +14,16 @@ here also does what the rule needs around it:
   before the ack, and before E_ENDED / E_FINAL_REFUSED to the supervisor.
 
 Each reply reports the attempt's stats as they were before the operation.
+Each operation answers through the `reply` it is given: at once, or in
+cluster mode once the call's log allows (an authorize's epoch open, a
+finish's done and a final's runs stored: sink/log_queue.py), while the
+loop serves the other calls.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import msgpack
 
@@ -46,6 +51,7 @@ from streamfence.sink.replica import Replica
 from streamfence.sink.store import TranscriptStore
 
 log = logging.getLogger("streamfence.sink")
+Reply = Callable[[bytes], object]
 
 
 def refusal_reason(fence: FenceTable, refusal: AuthorizeRefusal, op: Authorize | Rebind) -> str:
@@ -73,24 +79,33 @@ class Fencing:
         self._peer = peer
         self._replica = replica
 
-    def authorize(self, op: Authorize) -> bytes:
+    def authorize(self, op: Authorize, reply: Reply) -> None:
         calls = self._calls
         live = calls.live(op.call_id)
-        prev = live.stats(closed=True)
         view = calls.fence.view(op.call_id)
         if self._replica is not None and (view is None or op.attempt > view.epoch) \
                 and not (view is not None and view.finished):
-            opened = self._replica.authorize(op, live)  # the log first (§4.17)
-            if isinstance(opened, str):
-                log.info("sink: authorize refused call=%s attempt=%d: %s", op.call_id,
-                         op.attempt, opened)
-                return encode_refused(op.req, opened)
-            op = opened
+            # The log first (§4.17): the epoch opened there, without waiting.
+            self._replica.authorize(op, live, lambda opened: self._authorized(op, opened, reply))
+            return
+        self._authorized(op, op, reply)
+
+    def _authorized(self, asked: Authorize, opened: Authorize | str, reply: Reply) -> None:
+        if isinstance(opened, str):  # another host owns the call: why
+            log.info("sink: authorize refused call=%s attempt=%d: %s", asked.call_id,
+                     asked.attempt, opened)
+            reply(encode_refused(asked.req, opened))
+            return
+        op = opened
+        calls = self._calls
+        live = calls.live(op.call_id)
+        prev = live.stats(closed=True)
         refusal = calls.fence.authorize(op.call_id, op.attempt)
         if refusal is not None:
             reason = refusal_reason(calls.fence, refusal, op)
             log.info("sink: authorize refused call=%s attempt=%d: %s", op.call_id, op.attempt, reason)
-            return encode_refused(op.req, reason)
+            reply(encode_refused(op.req, reason))
+            return
         self._commits.flush_pending()  # the old attempt's pending run keeps its attempt number
         live.start_attempt(op.attempt, op.model)
         self._store.set_epoch(op.call_id, op.attempt)
@@ -102,13 +117,16 @@ class Fencing:
         # Durable before the ack: after a restart no epoch may be handed out twice.
         self._commits.commit()
         if reset is not None:
-            self._commits.send_event(live.subs, reset)
+            subs, event = live.subs, reset
+            self._commits.after_stored(op.call_id, lambda: self._commits.send_event(subs, event))
         log.debug("sink: authorized call=%s attempt=%d reset=%s", op.call_id, op.attempt, op.reset)
         if ARMED:
             failpoint("sink.after_authorize")
-        return encode_ok(op.req, stats_to_wire(prev))
+        reply(encode_ok(op.req, stats_to_wire(prev)))
 
-    def fence(self, op: Fence) -> bytes:
+    def fence(self, op: Fence, reply: Reply) -> None:
+        """Answered at once, in cluster mode too: it needs nothing of the cluster
+        (what the fenced attempt sent before it is stored as its log allows)."""
         live = self._calls.live(op.call_id)
         prev = live.stats(closed=True)
         fence = self._calls.fence
@@ -119,24 +137,37 @@ class Fencing:
             self._store.set_epoch(op.call_id, op.attempt)
             self._commits.commit()
         log.debug("sink: fenced call=%s attempt=%d", op.call_id, op.attempt)
-        return encode_ok(op.req, stats_to_wire(prev))
+        reply(encode_ok(op.req, stats_to_wire(prev)))
 
-    def finish(self, op: Finish) -> bytes:
+    def finish(self, op: Finish, reply: Reply) -> None:
         calls, store = self._calls, self._store
-        live = calls.live(op.call_id)
         view = calls.fence.view(op.call_id)
         if view is not None and view.finished:
             # Idempotent: a repeated finish gets the stored done event, nothing new.
             body = store.done_event(op.call_id)
             if body is None:
-                return encode_refused(op.req, "call_finished: no done event stored")
-            return encode_ok(op.req, msgpack.unpackb(body))
+                reply(encode_refused(op.req, "call_finished: no done event stored"))
+            else:
+                reply(encode_ok(op.req, msgpack.unpackb(body)))
+            return
         epoch = view.epoch if view is not None else 0
-        if self._replica is not None:
-            lost = self._replica.finish_open(op.call_id, epoch)
-            if lost is not None:
+        if self._replica is None:
+            self._finish(op, epoch, reply)
+            return
+
+        def opened(lost: str | None) -> None:
+            if lost is None:
+                self._finish(op, epoch, reply)
+            else:
                 calls.fence.fence(op.call_id, epoch)
-                return encode_refused(op.req, lost)
+                reply(encode_refused(op.req, lost))
+        self._replica.finish_open(op.call_id, epoch, opened)
+
+    def _finish(self, op: Finish, epoch: int, reply: Reply) -> None:
+        """The done event, stored (in cluster mode with its done mark, once its
+        log holds it), then sent and answered."""
+        calls, store = self._calls, self._store
+        live = calls.live(op.call_id)
         response = live.content.build_response(op.meta)
         calls.fence.finish(op.call_id)  # nothing more is accepted for this call
         self._commits.flush_pending()
@@ -144,16 +175,22 @@ class Fencing:
         done = done_event(op.call_id, live.seq, op.status, response, op.error, op.attempts)
         body = encode(done)
         store.add(op.call_id, live.seq, live.seq, epoch, "done", body)
-        store.set_done(op.call_id, epoch, op.status.value, live.seq)
+        if self._replica is None:  # cluster mode: sink/log_queue.py stores it with its row
+            store.set_done(op.call_id, epoch, op.status.value, live.seq)
         self._commits.commit()  # committed before anyone can see it
-        if self._replica is not None and self._replica.lost(op.call_id):
-            return self._finish_lost(op, live, epoch)
-        self._commits.send_event(live.subs, body)
-        live.subs = set()  # the done is the last event
-        live.forget_content()
-        calls.remember_finished(op.call_id)
-        log.debug("sink: done call=%s status=%s seq=%d", op.call_id, op.status.value, live.seq)
-        return encode_ok(op.req, done)
+
+        def stored() -> None:
+            if self._replica is not None and self._replica.lost(op.call_id):
+                reply(self._finish_lost(op, live, epoch))
+                return
+            self._commits.send_event(live.subs, body)
+            live.subs = set()  # the done is the last event
+            live.forget_content()
+            calls.remember_finished(op.call_id)
+            log.debug("sink: done call=%s status=%s seq=%d", op.call_id, op.status.value,
+                      live.seq)
+            reply(encode_ok(op.req, done))
+        self._commits.after_stored(op.call_id, stored)
 
     def _finish_lost(self, op: Finish, live: LiveCall, epoch: int) -> bytes:
         """The cluster refused the done (another host took the call): it went
@@ -165,11 +202,18 @@ class Fencing:
         live.seq = row.last_seq if row is not None else 0
         return encode_refused(op.req, "cluster_lost: another host owns the call now")
 
-    def final(self, f: Final) -> bytes:
-        """An attempt's final message; returns the encoded ack for the worker."""
-        # Every delta up to last_seq is durable (and its event sent) before the
-        # ack, and before E_ENDED / E_FINAL_REFUSED.
+    def final(self, f: Final, ack: Reply) -> None:
+        """An attempt's final message; `ack(the encoded ack)` for the worker.
+        Every delta up to last_seq is durable (and its event sent) before the
+        verdict and its ack, and before E_ENDED / E_FINAL_REFUSED: in cluster
+        mode once the call's log holds them (the loop goes on meanwhile)."""
         self._commits.commit()
+
+        def judged() -> None:
+            ack(self._final_verdict(f))
+        self._commits.after_stored(f.call_id, judged)
+
+    def _final_verdict(self, f: Final) -> bytes:
         fence = self._calls.fence
         verdict = fence.close_on_final(f.call_id, f.attempt, f.last_seq)
         if verdict is FinalVerdict.ACCEPT:

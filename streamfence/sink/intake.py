@@ -76,7 +76,10 @@ class WorkerIntake:
         except BadFrame as exc:
             self._counters.bad_frame("in", exc.reason)
             return
-        ack = state.fencing.final(final)
+        state.fencing.final(final, functools.partial(self._ack, reply))
+
+    def _ack(self, reply: Callable[[bytes], bool], ack: bytes) -> None:
+        """A final's ack, to the worker that sent it."""
         if ARMED and failpoint("sink.before_final_ack"):
             return  # the ack is lost
         if not reply(ack):

@@ -26,9 +26,11 @@ owns the sockets, the signals and the loop. The sink:
   busy timeout: docs/ARCHITECTURE.md §4.15) inside the store's commit,
   through `_pause`: it answers C_STATS meanwhile (status shows the
   fault), holds every other control op for the loop, in order, and tells
-  the store when a stop was asked; in cluster mode the calls' logs' appends
-  the cluster does not answer at once are waited for the same way
-  (sink/cluster_log.py);
+  the store when a stop was asked; in cluster mode the calls' logs are
+  never waited for: what must follow a call's runs in its log waits in
+  sink/log_queue.py while the loop goes on (its tries again are the
+  loop's timers; past its bound the loop stops reading the workers), and a
+  stop waits up to `timeout_s` for the appends in flight;
 - dies with its parent (PR_SET_PDEATHSIG) and exits cleanly on SIGTERM after a
   last commit (given up, in one ERROR line, if the store is in a storage
   fault). SIGINT and SIGHUP are ignored: the supervisor owns the shutdown order.
@@ -39,10 +41,10 @@ logged sparsely (sink/counters.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
-import select
 import signal
 import socket
 import sys
@@ -118,7 +120,7 @@ class Sink:
         if cluster is not None:
             from streamfence.sink.cluster_log import ClusterLog  # brings nats: cluster mode only
 
-            cluster_log = ClusterLog(cluster, pause=self._pause)
+            cluster_log = ClusterLog(cluster)
         self.state = SinkState(TranscriptStore(db_path, pause=self._pause), self.peer,
                                self.subscribers, retention_days, cluster_log)
         self.intake = WorkerIntake(self.sin, self.streams, self.state)
@@ -146,6 +148,12 @@ class Sink:
             self._loop(poller, streams_fd, wake_fd)
             log.info("sink: stopping; final commit")
             self.state.commits.commit()
+            replica = self.state.replica
+            if replica is not None:
+                left = replica.queue.drain(replica.cluster.settings.timeout_s)
+                if left:
+                    log.error("sink: stopping with %d run(s) the cluster never stored: given "
+                              "up (their attempts were not acked: they run again)", left)
         except StoreStopped as exc:
             log.error("sink: %s", exc)
 
@@ -155,11 +163,16 @@ class Sink:
                                                 state.replica)
         idle = True  # the input ran dry in the last drain
         replaying = False  # a replay could take more at the end of the last turn
-        cluster_fd = -1  # cluster mode: the followed calls' records came
+        cluster_fd = -1  # cluster mode: the cluster answered, followed calls' records came
+        reading = True  # the workers' input is read (cluster mode: room for its runs)
         if replica is not None:
             cluster_fd = replica.wake_fd()
             poller.register(cluster_fd, zmq.POLLIN)
         while not self._stopping:
+            if replica is not None and replica.queue.has_room() != reading:
+                reading = not reading  # past the bound the workers' input waits
+                poller.register(streams_fd, zmq.POLLIN if reading else 0)
+                poller.register(self.sin, zmq.POLLIN if reading else 0)
             ready = dict(poller.poll(self._timeout(idle, replaying)))
             if wake_fd in ready:  # plain fds come back as their fileno
                 self._drain_signals()
@@ -167,8 +180,11 @@ class Sink:
                 self._drain_ctl()
             if subscribers.socket in ready:
                 subscribers.drain()
-            if cluster_fd in ready and replica is not None:
-                replica.on_wake()
+            if replica is not None:
+                if cluster_fd in ready:
+                    replica.on_wake()
+                if replica.queue.due() <= time.monotonic():
+                    replica.queue.retry()
             idle = True
             if streams_fd in ready:
                 idle = intake.drain_streams()
@@ -201,7 +217,9 @@ class Sink:
                 if idle else commits.commit_due
             timeout = min(timeout, max(0, int((due - time.monotonic()) * 1000) + 1))
         prune_due = self.state.retention.due
-        if prune_due is not None:
+        if self.state.replica is not None:  # the cluster's tries again
+            prune_due = min(prune_due or math.inf, self.state.replica.queue.due())
+        if prune_due is not None and prune_due < math.inf:
             timeout = min(timeout, max(0, int((prune_due - time.monotonic()) * 1000) + 1))
         return timeout
 
@@ -238,7 +256,7 @@ class Sink:
             if got is None:
                 return
             ident, op = got
-            send(self.ctl, ident, self.state.handle_control(op))
+            self.state.handle_control(op, functools.partial(send, self.ctl, ident))
 
     def _recv_ctl(self) -> tuple[bytes, ControlOp] | None:
         """The next well-formed control op from the supervisor, counting (and,
@@ -271,32 +289,27 @@ class Sink:
             self.peer.heard_from(ident)
             return ident, op
 
-    def _pause(self, seconds: float, fd: int | None = None) -> bool:
+    def _pause(self, seconds: float) -> bool:
         """The store's wait between two tries of a write that met a storage
-        fault (sink/store.py), and the cluster log's for its appends
-        (sink/cluster_log.py): up to `seconds`, woken by a signal or by the
-        supervisor, or ended early when `fd` is readable. A C_STATS is
+        fault (sink/store.py): up to `seconds`, woken by a signal or by the
+        supervisor. A C_STATS is
         answered at once, so `status` shows the fault; any other control op
         is held, in order, for the loop (each needs a commit). True: a stop
         was asked (SIGTERM). While the store opens (no state yet, no SIGTERM
         handler: SIGTERM ends the process), it just sleeps."""
         if not self._ready:
-            select.select([] if fd is None else [fd], [], [], seconds)
+            time.sleep(seconds)
             return False
         deadline = time.monotonic() + seconds
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        if fd is not None:
-            poller.register(fd, zmq.POLLIN)
         wake_fd = self._wake_r.fileno()
         while not self._stopping and signal.SIGTERM not in self._signals:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             ready = dict(poller.poll(int(left * 1000) + 1))
-            if fd is not None and fd in ready:
-                return False
             if wake_fd in ready:
                 self._drain_signals()
             if self.ctl in ready:

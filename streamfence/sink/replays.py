@@ -167,9 +167,10 @@ class Replays:
                     active[key] = replay
                     served = served or sent > 0
                 continue
-            if self._caught_up(key, replay):
+            more = self._caught_up(key, replay)
+            if more is not None:
                 active[key] = replay
-                served = True
+                served = served or more
         return served
 
     def _failed(self, listener: bytes, call_id: str, seq: int, exc: Exception) -> None:
@@ -187,17 +188,20 @@ class Replays:
                       f"the daemon's transcript is damaged ({what})"),
             call_id=call_id, seq=seq))])
 
-    def _caught_up(self, key: tuple[bytes, str], replay: Replay) -> bool:
+    def _caught_up(self, key: tuple[bytes, str], replay: Replay) -> bool | None:
         """Nothing more is stored after the replay's seq: the listener joins the
-        live feed, or the replay ends. True if it must go on (events accepted,
-        not stored yet: they are committed now)."""
+        live feed, or the replay ends (None). It goes on if events were accepted
+        and not stored yet: they are committed now (True), or, in cluster mode,
+        wait for their call's log (False: served again once stored)."""
         listener, call_id = key
         live = self._calls.lives.get(call_id)
         view = self._calls.fence.view(call_id)
-        if live is None or view is None or view.finished or not replay.follow:
-            return False  # ended: all sent
-        if live.seq > replay.seq:  # accepted, not stored yet
+        if live is None or view is None:
+            return None
+        if live.seq > replay.seq and (replay.follow or view.finished):  # not stored yet
             self._commits.commit()
-            return True
+            return not self._commits.waits(call_id)
+        if view.finished or not replay.follow:
+            return None  # ended: all sent
         live.subs.add(listener)
-        return False
+        return None

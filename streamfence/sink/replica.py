@@ -1,18 +1,19 @@
 """Cluster mode at the sink (docs/ARCHITECTURE.md §4.17): the transcript as
 a replica of the calls' logs on JetStream (sink/cluster_log.py).
 
-`Replica` owns the ClusterLog and the calls this host follows (another host
-runs them). Its steps, each called where the sink's operations need them:
+`Replica` owns the ClusterLog, the LogQueue (what waits for the calls'
+logs: every commit's rows go there first, sink/log_queue.py) and the calls
+this host follows (another host runs them). Its steps, each called where
+the sink's operations need them:
 
-- `replicate` (before every commit's write: sink/commits.py): the logs take
-  the commit's rows first; the runs of calls another host took are dropped
-  here (never stored, never sent), their attempts fenced, and the
-  supervisor told (E_LOST);
+- `lost`: the runs of a call another host took were refused (never stored,
+  never sent): its attempt is fenced and the supervisor told (E_LOST);
 - `authorize` / `rebind` / `finish_open`: an attempt's epoch is open in
-  the call's log before the sink acks it (at an authorize the supervisor
-  opened it, and `log_seq` says where; else the sink opens it); `catch_up` stores first the runs
+  the call's log before the sink acks it (the sink, the only writer of the
+  log, opens it; an authorize's and a finish's without waiting); the runs
   the log holds that the transcript does not (a predecessor that died
-  between its appends and its commit), so no seq is handed out twice;
+  between its appends and its commit) are stored first, so no seq is
+  handed out twice;
 - `adopt` (C_ADOPT): a call taken over from a host that lost its lease;
 - `follow` (C_FOLLOW) and `apply_followed`: a call another host runs, stored
   here as its log holds it, its events sent to this host's listeners.
@@ -21,6 +22,7 @@ runs them). Its steps, each called where the sink's operations need them:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +47,7 @@ from streamfence.sink.store import TranscriptStore
 from streamfence.sink.transcript import split_events
 
 if TYPE_CHECKING:  # imported by the sink only in cluster mode (it brings nats)
-    from streamfence.sink.cluster_log import ClusterLog
+    from streamfence.sink.cluster_log import ClusterLog, Row
 
 log = logging.getLogger("streamfence.sink")
 
@@ -62,32 +64,31 @@ class Replica:
         self._commits = commits
         self._peer = peer
         self.followed: dict[str, int] = {}
+        from streamfence.sink.log_queue import LogQueue  # with cluster_log: cluster mode only
 
-    def replicate(self) -> None:
-        """The calls' logs take the commit's rows first (module docstring)."""
-        store = self._store
-        rows = store.unreplicated()
-        if not rows:
-            return
-        moved = self.cluster.replicate(rows)
-        store.replicated_but(moved)
-        if not moved:
-            return
-        lives, fence, outbox = self._calls.lives, self._calls.fence, self._commits.outbox
-        lost = {id(lives[c].subs) for c in moved if c in lives}
-        outbox[:] = [entry for entry in outbox if id(entry[0]) not in lost]
-        for call_id in moved:
-            view = fence.view(call_id)
-            epoch = view.epoch if view is not None else 0
-            if view is not None and view.open:
-                fence.fence(call_id, epoch)
-            self._peer.publish(encode_lost(call_id, epoch, "another host owns the call now"))
+        self.queue = LogQueue(cluster, store, calls, commits, self.moved)
+        commits.replicate = self.queue.take
+        commits.after_stored = self.queue.after_stored
+        commits.waits = self.queue.waits
+
+    def moved(self, call_id: str) -> None:
+        """The cluster refused the call's runs: another host owns it now (they
+        were never stored or sent); its attempt is fenced, the supervisor told."""
+        fence = self._calls.fence
+        view = fence.view(call_id)
+        epoch = view.epoch if view is not None else 0
+        if view is not None and view.open:
+            fence.fence(call_id, epoch)
+        self._peer.publish(encode_lost(call_id, epoch, "another host owns the call now"))
 
     def catch_up(self, live: LiveCall) -> bool:
         """For a call this sink process opens for the first time: the runs its
         log holds that the transcript does not are stored first. True if they
         hold deltas."""
-        rows = self.cluster.missing(live.call_id, live.seq)
+        return self._store_missing(live, self.cluster.missing(live.call_id, live.seq))
+
+    def _store_missing(self, live: LiveCall, rows: list[Row]) -> bool:
+        rows = [row for row in rows if row[1] > live.seq]
         if not rows:
             return False
         self._commits.commit()
@@ -97,23 +98,23 @@ class Replica:
         log.info("sink: call=%s: %d run(s) from its log stored here", live.call_id, len(rows))
         return any(row[4] == "delta" for row in rows)
 
-    def authorize(self, op: Authorize, live: LiveCall) -> Authorize | str:
-        """The log first: `op.attempt`'s epoch opened in the call's log (or held
-        at `op.log_seq`, where the supervisor opened it). Returns the op to
-        carry out, or why not."""
-        cluster = self.cluster
-        first = not cluster.holds(op.call_id)
-        if op.log_seq:  # the supervisor opened the epoch in the log (§4.17)
-            cluster.hold(op.call_id, op.attempt, op.log_seq)
-        else:
-            lost = cluster.open(op.call_id, op.attempt)
-            if lost is not None:
-                return lost
-        if first and op.attempt > 1 and self.catch_up(live) and not op.reset:
-            # Text of an earlier attempt the supervisor never heard of: the new
-            # attempt voids it, or the log would hold two answers.
-            return replace(op, reset=True)
-        return op
+    def authorize(self, op: Authorize, live: LiveCall,
+                  then: Callable[[Authorize | str], None]) -> None:
+        """The log first: `op.attempt`'s epoch opened in the call's log, once
+        every run of the call before it is stored, without waiting; then
+        `then(the op to carry out, or why not)`."""
+        read = not self.cluster.holds(op.call_id) and op.attempt > 1
+
+        def opened(rows: list[Row] | str) -> None:
+            if isinstance(rows, str):
+                then(rows)
+            elif read and self._store_missing(live, rows) and not op.reset:
+                # Text of an earlier attempt the supervisor never heard of: the new
+                # attempt voids it, or the log would hold two answers.
+                then(replace(op, reset=True))
+            else:
+                then(op)
+        self.queue.open(op.call_id, op.attempt, read, opened)
 
     def rebind(self, op: Rebind, live: LiveCall) -> str | None:
         """The rebound epoch opened in the call's log, as for an authorize: None,
@@ -126,13 +127,16 @@ class Replica:
             self.catch_up(live)
         return None
 
-    def finish_open(self, call_id: str, epoch: int) -> str | None:
+    def finish_open(self, call_id: str, epoch: int, then: Callable[[str | None], None]
+                    ) -> None:
         """A call that never ran here (its entry at epoch 0: cancelled while
-        queued) opens its log to write its done; one lost meanwhile cannot
-        (why not)."""
+        queued) opens its log to write its done, without waiting: `then(None)`;
+        one lost meanwhile cannot: `then(why not)`."""
         if self.cluster.holds(call_id):
-            return None
-        return self.cluster.open(call_id, epoch)
+            then(None)
+            return
+        self.queue.open(call_id, epoch, False,
+                        lambda rows: then(rows if isinstance(rows, str) else None))
 
     def lost(self, call_id: str) -> bool:
         """The cluster refused the call's runs (another host took it)."""
@@ -201,6 +205,7 @@ class Replica:
 
     def on_wake(self) -> None:
         self.cluster.bridge.run_done()
+        self.queue.settle()
         self.apply_followed(self.cluster.incoming())
 
     def apply_followed(self, records: list[tuple[str, Any]]) -> None:
@@ -244,7 +249,7 @@ class Replica:
         self._peer.publish(encode_followed_done(call_id, done))
 
     def stats(self) -> dict[str, int]:
-        return self.cluster.stats()
+        return {**self.cluster.stats(), **self.queue.stats()}
 
     def close(self) -> None:
         self.cluster.close()

@@ -21,9 +21,11 @@ Messages to the supervisor go through the `Publisher` it is given
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from streamfence.protocol.internal.control import (
+    AddSubscriber,
     Adopt,
     Authorize,
     ControlOp,
@@ -66,36 +68,48 @@ class SinkState:
         self.replica: Replica | None = None
         if cluster is not None:  # the calls' logs, written first (§4.17)
             self.replica = Replica(cluster, store, self.calls, self.commits, peer)
-            self.commits.replicate = self.replica.replicate
         self.fencing = Fencing(store, self.calls, self.commits, self.counters, peer,
                                self.replica)
         self.rebinds = Rebinds(store, self.calls, self.commits, self.replica)
         self.replays = Replays(store, self.calls, self.commits, listeners)
 
-    def handle_control(self, op: ControlOp) -> bytes:
-        """Run one control op; returns the encoded reply."""
+    def handle_control(self, op: ControlOp, reply: Callable[[bytes], object]) -> None:
+        """Run one control op; `reply(the encoded reply)`, at once or, in cluster
+        mode, once the call's log allows (sink/fencing.py). An op of a call
+        whose earlier op waits for its log waits behind it, in order."""
         # Commit (and so publish) what is accepted first: a reply never
         # overtakes the events it reports on. Stats do not wait out a storage
         # fault, so that `status` shows it while it lasts (sink/store.py).
         if isinstance(op, Stats):
             self.commits.commit(wait=False)
-            return encode_ok(op.req, self.stats())
+            reply(encode_ok(op.req, self.stats()))
+            return
         self.commits.commit()
+        if self.replica is not None and not isinstance(op, AddSubscriber) \
+                and self.replica.queue.parked(op.call_id):
+            self.replica.queue.after_stored(op.call_id, lambda: self._run(op, reply))
+            return
+        self._run(op, reply)
+
+    def _run(self, op: ControlOp, reply: Callable[[bytes], object]) -> None:
         if isinstance(op, (Authorize, Fence, Finish)):
             self.rebinds.settled(op.call_id)  # the supervisor decided the call otherwise
         if isinstance(op, Authorize):
-            return self.fencing.authorize(op)
-        if isinstance(op, Fence):
-            return self.fencing.fence(op)
-        if isinstance(op, Rebind):
-            return self.rebinds.rebind(op)
-        if isinstance(op, Finish):
-            return self.fencing.finish(op)
-        if isinstance(op, (Adopt, Follow)):
+            self.fencing.authorize(op, reply)
+        elif isinstance(op, Fence):
+            self.fencing.fence(op, reply)
+        elif isinstance(op, Finish):
+            self.fencing.finish(op, reply)
+        elif isinstance(op, Rebind):
+            reply(self.rebinds.rebind(op))
+        elif isinstance(op, (Adopt, Follow)):
             if self.replica is None:
-                return encode_refused(op.req, "not in cluster mode")
-            return self.replica.adopt(op) if isinstance(op, Adopt) else self.replica.follow(op)
-        return self.replays.subscribe(op)
+                reply(encode_refused(op.req, "not in cluster mode"))
+            else:
+                reply(self.replica.adopt(op) if isinstance(op, Adopt)
+                      else self.replica.follow(op))
+        elif not isinstance(op, Stats):
+            reply(self.replays.subscribe(op))
 
     def stats(self) -> dict[str, Any]:
         counters, commits, store = self.counters, self.commits, self.store

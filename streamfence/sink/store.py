@@ -136,7 +136,7 @@ class TranscriptStore:
         self._rows: list[Row] = []
         self._epochs: list[tuple[str, int, float]] = []
         self._done: list[tuple[str, int, str, int, float]] = []
-        self.replicated = 0  # leading rows of the buffer the cluster stored (sink/cluster_log.py)
+        self.replicated = 0  # leading rows of the buffer the cluster stored (sink/log_queue.py)
         self.rows_written = 0
         self.commits = 0
         self.pruned = 0  # calls deleted by `prune`
@@ -256,25 +256,18 @@ class TranscriptStore:
         n = len(events)
         self._rows.append((call_id, seq, seq + n - 1, attempt, "delta", n, b"".join(events)))
 
-    def unreplicated(self) -> list[Row]:
-        """The buffered rows the cluster has not stored yet (cluster mode)."""
-        return self._rows[self.replicated:]
-
-    def replicated_but(self, call_ids: set[str]) -> None:
-        """The cluster stored the unreplicated rows but those of `call_ids`,
-        which it refused: they are dropped, with the calls' done marks."""
-        if call_ids:
-            kept = [r for r in self._rows[self.replicated:] if r[0] not in call_ids]
-            self._rows[self.replicated:] = kept
-            self._done = [d for d in self._done if d[0] not in call_ids]
-        self.replicated = len(self._rows)
+    def take_unreplicated(self) -> list[Row]:
+        """The buffered rows the cluster has not stored yet, out of the buffer
+        (cluster mode: they wait for their calls' logs, sink/log_queue.py)."""
+        rows = self._rows[self.replicated:]
+        del self._rows[self.replicated:]
+        return rows
 
     def add_replicated(self, rows: list[Row]) -> None:
-        """Rows the cluster holds already (a call taken over: sink/cluster_log.py),
-        stored at the next commit and never appended again."""
-        assert self.replicated == len(self._rows), "replicate what is buffered first"
-        self._rows += rows
-        self.replicated = len(self._rows)
+        """Rows the cluster holds already (appended, or a call taken over:
+        sink/log_queue.py, sink/replica.py), stored at the next commit."""
+        self._rows[self.replicated:self.replicated] = rows  # before any not yet replicated
+        self.replicated += len(rows)
 
     def set_epoch(self, call_id: str, epoch: int) -> None:
         self._epochs.append((call_id, epoch, time.time()))

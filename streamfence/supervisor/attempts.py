@@ -204,22 +204,22 @@ class AttemptDriver:
             else:
                 self._authorize_at_sink(call)
 
-    def _authorize_at_sink(self, call: Call, log_seq: int = 0) -> None:
+    def _authorize_at_sink(self, call: Call) -> None:
         reset = call.delivered  # only under on_partial=restart can this hold here
         model = str(call.spec.request.get("model") or call.spec.request.get("modelId") or "-")
         if ARMED:
             failpoint("supervisor.before_authorize")
         self._sink.authorize(call.call_id, call.epoch, reset, model,
-                             functools.partial(self._authorized, call), log_seq)
+                             functools.partial(self._authorized, call))
 
-    def _owned(self, call: Call, epoch: int, result: int | bool | str) -> None:
-        """Cluster mode: the attempt's ownership was taken and its epoch opened
-        in the call's log at `result` (a sequence), is another host's (False),
-        or the cluster failed (why): tried again later."""
+    def _owned(self, call: Call, epoch: int, result: bool | str) -> None:
+        """Cluster mode: the attempt's ownership was taken (True: the sink opens
+        its epoch in the call's log at the authorize), is another host's
+        (False), or the cluster failed (why): tried again later."""
         if self.calls.get(call.call_id) is not call or call.epoch != epoch:
             return
-        if isinstance(result, int) and not isinstance(result, bool):
-            self._authorize_at_sink(call, result)
+        if result is True:
+            self._authorize_at_sink(call)
             return
         worker = self._pool.get(call.worker_id)
         if worker is not None:

@@ -24,7 +24,7 @@ import msgpack
 import nats.errors
 
 from streamfence.cluster.bridge import LedgerBridge
-from streamfence.cluster.ledger import Fenced, Owner, Ownership
+from streamfence.cluster.ledger import Owner
 from streamfence.cluster.retry import RetryPolicy, TryAgain, retry_async
 from streamfence.cluster.settings import ClusterSettings
 from streamfence.protocol.errors import ErrorCode
@@ -117,27 +117,16 @@ class ClusterLink:
                 then(msgpack.unpackb(result, raw=False) if result is not None else None)
         self.bridge.submit(self.bridge.ledger.accepted(call_id), done)
 
-    def take(self, call_id: str, epoch: int, then: Callable[[int | bool | str], None],
-             open_log: bool = True) -> None:
-        """Own the call at `epoch` (an attempt about to start), and with
-        `open_log` open that epoch in its log, all in the ledger's loop (so the
-        attempts of a burst go together, not one by one in the sink's):
-        `then(log_seq)` (0 without `open_log`); `then(False)`: another host owns
-        it; `then(why)`: the cluster failed."""
-        ledger = self.bridge.ledger
+    def take(self, call_id: str, epoch: int, then: Callable[[bool | str], None]) -> None:
+        """Own the call at `epoch` (an attempt about to start), by compare-and-set
+        in the ledger's loop (a burst's together); the sink, the only writer of
+        the call's log, opens the epoch there at the authorize: `then(True)`;
+        `then(False)`: another host owns it; `then(why)`: the cluster failed."""
         seen = self._owners.get(call_id)
         taken = seen is not None and seen.host == self.settings.host and seen.epoch == epoch
 
-        async def take() -> tuple[Owner, int] | None:
-            owner = seen if taken else await self._own(call_id, seen, epoch)
-            if owner is None:
-                return None
-            if taken or not open_log:  # a call taken over: its sink's adopt opened it
-                return owner, 0
-            try:
-                return owner, (await ledger.open_epoch(Ownership(owner))).log_seq
-            except Fenced:
-                return None
+        async def take() -> Owner | None:
+            return seen if taken else await self._own(call_id, seen, epoch)
 
         def done(result: Any) -> None:
             if isinstance(result, BaseException):
@@ -149,8 +138,8 @@ class ClusterLink:
                 self._owners.pop(call_id, None)
                 then(False)
             else:
-                self._owners[call_id] = result[0]
-                then(result[1])
+                self._owners[call_id] = result
+                then(True)
         self._write(call_id, take(), done)
 
     def _write(self, call_id: str, op: Coroutine[Any, Any, Any],

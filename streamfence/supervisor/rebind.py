@@ -75,7 +75,7 @@ class Rebinds:
                 continue
             if self._cluster is not None:  # the new epoch is owned first, as any (§4.17)
                 self._cluster.take(call.call_id, call.epoch, functools.partial(
-                    self._rebind_owned, call, call.epoch, old), open_log=False)
+                    self._rebind_owned, call, call.epoch, old))
             else:
                 self._rebind_at_sink(call, old)
 
@@ -85,10 +85,10 @@ class Rebinds:
         self._sink.rebind(call.call_id, call.epoch, old, call.content_from, call.token,
                           functools.partial(self._rebound, call, call.epoch))
 
-    def _rebind_owned(self, call: Call, epoch: int, old: int, result: int | bool | str) -> None:
+    def _rebind_owned(self, call: Call, epoch: int, old: int, result: bool | str) -> None:
         if call.epoch != epoch or call.state is not CallState.RUNNING:
             return
-        if isinstance(result, int) and not isinstance(result, bool):
+        if result is True:
             self._rebind_at_sink(call, old)
         else:
             self._fence(call, FenceReason.CLUSTER_LOST if result is False

@@ -125,10 +125,10 @@ class SinkLink:
         return req
 
     def authorize(self, call_id: str, attempt: int, reset: bool, model: str,
-                  reply: Callable[[StatsReply], None], log_seq: int = 0) -> None:
-        """The reply carries the stats of the attempt that was current before.
-        `log_seq`: cluster mode, where the attempt's epoch was opened in the log."""
-        self._request(lambda req: Authorize(req, call_id, attempt, reset, model, log_seq),
+                  reply: Callable[[StatsReply], None]) -> None:
+        """The reply carries the stats of the attempt that was current before
+        (in cluster mode, once the sink opened the attempt's epoch in the call's log)."""
+        self._request(lambda req: Authorize(req, call_id, attempt, reset, model),
                       stats_from_wire, reply)
 
     def fence(self, call_id: str, attempt: int, reply: Callable[[StatsReply], None]) -> None:

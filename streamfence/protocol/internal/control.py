@@ -4,9 +4,8 @@ Supervisor -> sink, each carrying a request id `req` that its reply echoes
 (records `Authorize`, `Fence`, `Rebind`, `Finish`, `Stats`, `AddSubscriber`,
 `Adopt`, `Follow`; `encode_control` / `parse_control`, which takes the
 decoded array as untrusted and raises only BadFrame):
-    [C_AUTHORIZE, req, call_id, attempt, reset: bool, model: str|nil, log_seq: int]
-        model and log_seq may be absent; log_seq (cluster mode): where the
-        supervisor opened the attempt's epoch in the call's log, 0: none
+    [C_AUTHORIZE, req, call_id, attempt, reset: bool, model: str|nil]
+        model may be absent
     [C_FENCE, req, call_id, attempt]
     [C_REBIND, req, call_id, attempt, from_attempt, content_from, token]
         after a sink restart: the running attempt `from_attempt` (its worker
@@ -154,9 +153,6 @@ class Authorize:
     attempt: int
     reset: bool
     model: str | None = None
-    # Cluster mode: the supervisor opened the attempt's epoch in the call's log
-    # at this sequence (ARCHITECTURE §4.17); 0: the sink opens it itself.
-    log_seq: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +266,7 @@ ControlOp = Authorize | Fence | Rebind | Finish | Stats | AddSubscriber | Adopt 
 def encode_control(op: ControlOp) -> bytes:
     msg: list[Any]
     if isinstance(op, Authorize):
-        msg = [C_AUTHORIZE, op.req, op.call_id, op.attempt, op.reset, op.model, op.log_seq]
+        msg = [C_AUTHORIZE, op.req, op.call_id, op.attempt, op.reset, op.model]
     elif isinstance(op, Fence):
         msg = [C_FENCE, op.req, op.call_id, op.attempt]
     elif isinstance(op, Rebind):
@@ -338,9 +334,7 @@ def parse_control(obj: Any) -> ControlOp:
         model = obj[5] if len(obj) >= 6 else None
         if model is not None and type(model) is not str:
             raise BadFrame("model must be a string or nil", req)
-        log_seq = check_int(obj[6], "log_seq", 0, req) if len(obj) == 7 else 0
-        return Authorize(req, call_id, check_int(obj[3], "attempt", 1, req), reset, model,
-                         log_seq)
+        return Authorize(req, call_id, check_int(obj[3], "attempt", 1, req), reset, model)
     status = obj[3]
     if type(status) is not str or status not in _STATUSES:
         raise BadFrame(f"status must be one of {sorted(_STATUSES)}", req)
