@@ -21,7 +21,7 @@ from streamfence.cluster.ledger import (
     NO_STREAM,
     WRONG_LAST_SEQUENCE,
 )
-from streamfence.cluster.retry import RetryPolicy, TryAgain, retry_async, retry_sync
+from streamfence.cluster.retry import RetryPolicy, TryAgain, retry_async
 from streamfence.supervisor.clusterlink import ACCEPTING, CANCEL_MOVED, ENTRY_RACED
 
 
@@ -63,13 +63,9 @@ class Failing:
         return self()
 
 
-def _sync(policy: RetryPolicy, op: Failing, **kw: Callable[..., None]) -> str:
-    return retry_sync(policy, op, clock=op.time.clock, sleep=op.time.sleep, **kw)
-
-
-def _async(policy: RetryPolicy, op: Failing) -> str:
+def _async(policy: RetryPolicy, op: Failing, **kw: Callable[..., None]) -> str:
     return asyncio.run(retry_async(policy, op.async_call, clock=op.time.clock,
-                                   sleep=op.time.sleep_async))
+                                   sleep=op.time.sleep_async, **kw))
 
 
 def _waits(policy: RetryPolicy, n: int) -> list[float]:
@@ -80,54 +76,44 @@ def _waits(policy: RetryPolicy, n: int) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("run", [_sync, _async], ids=["sync", "async"])
-def test_a_first_try_that_succeeds_neither_sleeps_nor_tries_again(
-        run: Callable[[RetryPolicy, Failing], str]) -> None:
+def test_a_first_try_that_succeeds_neither_sleeps_nor_tries_again() -> None:
     op = Failing(FakeTime(), [])
-    assert run(RetryPolicy((OSError,), first_s=1.0, tries=3), op) == "done"
+    assert _async(RetryPolicy((OSError,), first_s=1.0, tries=3), op) == "done"
     assert op.tries == 1 and op.time.slept == []
 
 
-@pytest.mark.parametrize("run", [_sync, _async], ids=["sync", "async"])
-def test_the_waits_double_up_to_the_cap_until_a_try_succeeds(
-        run: Callable[[RetryPolicy, Failing], str]) -> None:
+def test_the_waits_double_up_to_the_cap_until_a_try_succeeds() -> None:
     op = Failing(FakeTime(), [OSError("down")] * 7)
     policy = RetryPolicy((OSError,), first_s=0.05, factor=2.0, cap_s=1.0, budget_s=60.0)
-    assert run(policy, op) == "done"
+    assert _async(policy, op) == "done"
     assert op.tries == 8
     assert [round(w, 6) for w in op.time.slept] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
 
 
-@pytest.mark.parametrize("run", [_sync, _async], ids=["sync", "async"])
-def test_out_of_tries_the_last_failure_is_raised_as_it_was(
-        run: Callable[[RetryPolicy, Failing], str]) -> None:
+def test_out_of_tries_the_last_failure_is_raised_as_it_was() -> None:
     failures: list[BaseException] = [OSError(f"try {n}") for n in range(1, 6)]
     last = failures[-1]
     op = Failing(FakeTime(), failures)
     with pytest.raises(OSError) as raised:
-        run(RetryPolicy((OSError,), first_s=0.005, step_s=0.005, tries=5), op)
+        _async(RetryPolicy((OSError,), first_s=0.005, step_s=0.005, tries=5), op)
     assert raised.value is last
     assert op.tries == 5
     assert [round(w, 6) for w in op.time.slept] == [0.005, 0.01, 0.015, 0.02]
 
 
-@pytest.mark.parametrize("run", [_sync, _async], ids=["sync", "async"])
-def test_the_budget_counts_the_tries_too_and_lets_a_begun_try_end(
-        run: Callable[[RetryPolicy, Failing], str]) -> None:
+def test_the_budget_counts_the_tries_too_and_lets_a_begun_try_end() -> None:
     """1 s a try plus 1 s a wait: the budget of 4.5 s has passed after the
     third try (5 s in), which is the last; a try begun at 4 s is not cut."""
     op = Failing(FakeTime(tick_s=1.0), [TimeoutError()] * 10)
     with pytest.raises(TimeoutError):
-        run(RetryPolicy((TimeoutError,), first_s=1.0, budget_s=4.5), op)
+        _async(RetryPolicy((TimeoutError,), first_s=1.0, budget_s=4.5), op)
     assert op.tries == 3 and op.time.slept == [1.0, 1.0]
 
 
-@pytest.mark.parametrize("run", [_sync, _async], ids=["sync", "async"])
-def test_a_failure_it_does_not_name_is_raised_at_once(
-        run: Callable[[RetryPolicy, Failing], str]) -> None:
+def test_a_failure_it_does_not_name_is_raised_at_once() -> None:
     op = Failing(FakeTime(), [ValueError("a bug")])
     with pytest.raises(ValueError):
-        run(RetryPolicy((OSError,), first_s=1.0, tries=9), op)
+        _async(RetryPolicy((OSError,), first_s=1.0, tries=9), op)
     assert op.tries == 1 and op.time.slept == []
 
 
@@ -135,13 +121,13 @@ def test_only_if_picks_among_the_named_failures() -> None:
     raced, other = OSError(11, "again"), OSError(2, "gone")
     op = Failing(FakeTime(), [raced, raced, other])
     with pytest.raises(OSError) as raised:
-        _sync(RetryPolicy((OSError,), tries=9, only_if=lambda e: getattr(e, "errno", 0) == 11), op)
+        _async(RetryPolicy((OSError,), tries=9, only_if=lambda e: getattr(e, "errno", 0) == 11), op)
     assert raised.value is other and op.tries == 3
 
 
 def test_a_policy_without_waits_never_sleeps() -> None:
     op = Failing(FakeTime(), [TryAgain()] * 4)
-    assert _sync(RetryPolicy((TryAgain,), tries=5), op) == "done"
+    assert _async(RetryPolicy((TryAgain,), tries=5), op) == "done"
     assert op.tries == 5 and op.time.slept == []
 
 
@@ -152,7 +138,7 @@ def test_on_retry_hears_each_failure_and_wait_before_it_is_slept() -> None:
     def on_retry(failure: BaseException, wait_s: float) -> None:
         heard.append((str(failure), wait_s, len(op.time.slept)))
     with pytest.raises(OSError):
-        _sync(RetryPolicy((OSError,), first_s=0.5, factor=2.0, tries=3), op,
+        _async(RetryPolicy((OSError,), first_s=0.5, factor=2.0, tries=3), op,
               on_retry=on_retry)
     assert heard == [("a", 0.5, 0), ("b", 1.0, 1)]  # none at the give-up
 
@@ -179,7 +165,7 @@ def test_an_append_raced_by_one_in_flight_is_tried_again_a_refused_one_not() -> 
         err_code=WRONG_LAST_SEQUENCE)
     op = Failing(FakeTime(), [raced, raced, refused])
     with pytest.raises(BadRequestError) as raised:
-        _sync(APPEND_IN_FLIGHT, op)
+        _async(APPEND_IN_FLIGHT, op)
     assert raised.value is refused and op.tries == 3
 
 

@@ -15,7 +15,7 @@ no leader yet, a host that no longer has the call) raises `TryAgain`; the
 caller turns the last one into its own answer when the tries run out, so a
 `TryAgain` never leaves the function that retries it.
 
-`retry_async` and `retry_sync` take the clock and the sleep, so a test runs
+`retry_async` takes the clock and the sleep, so a test runs
 a policy to its end without waiting. A first try that succeeds costs a
 call and a clock read (each of the ledger's appends goes through two).
 """
@@ -93,24 +93,3 @@ async def retry_async(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], 
                 on_retry(failure, wait)
             if wait > 0:
                 await sleep(wait)
-
-
-def retry_sync(policy: RetryPolicy, attempt: Callable[[], T], *,
-               on_retry: OnRetry | None = None, clock: Callable[[], float] = time.monotonic,
-               sleep: Callable[[float], object] = time.sleep) -> T:
-    """`attempt()`, tried again under `policy` (`retry_async`'s twin for a
-    thread that may block: the sink's)."""
-    start, tries = clock(), 0
-    wait: float | None = None
-    while True:
-        try:
-            return attempt()
-        except policy.retry_on as failure:
-            tries += 1
-            if policy.gives_up(failure, tries, clock() - start):
-                raise
-            wait = policy.next_wait(wait)
-            if on_retry is not None:
-                on_retry(failure, wait)
-            if wait > 0:
-                sleep(wait)
