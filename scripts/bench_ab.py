@@ -24,7 +24,14 @@ import uuid
 from contextlib import ExitStack
 from pathlib import Path
 
-from scripts.bench.common import CpuMeter, emulator, median, realistic_text, wait_idle
+from scripts.bench.common import (
+    CpuMeter,
+    emulator,
+    median,
+    ratio_spread,
+    realistic_text,
+    wait_idle,
+)
 from streamfence.devtools.emulator.control import EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
 
@@ -89,9 +96,9 @@ def main() -> int:
     print(f"{'shape':<8} {'A µs/delta':>11} {'B µs/delta':>11} {'B/A median':>11} "
           f"{'B/A per round (min..max)':>26}")
     for name, (a, b) in per.items():
-        ratios = sorted(y / x for x, y in zip(a, b, strict=True))
+        mid, low, high = ratio_spread(a, b)
         print(f"{name:<8} {median(a) * 1e6:>11.2f} {median(b) * 1e6:>11.2f} "
-              f"{median(ratios):>11.3f} {ratios[0]:>12.3f} .. {ratios[-1]:.3f}")
+              f"{mid:>11.3f} {low:>12.3f} .. {high:.3f}")
     return 0
 
 

@@ -3,7 +3,10 @@
 Two daemons on this machine against the same emulator: `single` (its
 SQLite journal and transcript only) and `cluster` (the same, plus a `[cluster]`
 table: one host on a real 3-node NATS JetStream cluster on loopback ports,
-replication 3; docs/ARCHITECTURE.md §4.17). Each round, in rotated order:
+replication 3; docs/ARCHITECTURE.md §4.17). Each round, measure by measure,
+the variants one after the other in rotated order (a pair close in time),
+each once both daemons went quiet (`measure_rounds`, which
+scripts/bench_ab_cluster.py runs on two source trees' hosts):
 
 - TTFT: 1 stream (REPS calls one after the other) and a burst of 32, each a
   stream of 50 chunks at 50/s, read with the ZeroMQ client's wire
@@ -48,7 +51,7 @@ from scripts.bench.common import (
 from scripts.bench.ttft import Call, zmq_streams
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
-from streamfence.devtools.nats_cluster import NatsCluster
+from streamfence.devtools.nats_cluster import NatsCluster, nats_cluster
 
 VARIANTS = ("single", "cluster")
 CHUNKS, DELAY_S = 50, 0.02
@@ -57,12 +60,18 @@ SPARE = 34
 
 
 @contextlib.contextmanager
-def _daemon(root: Path, emu: EmulatorProcess, name: str,
-            cluster: dict[str, Any] | None) -> Iterator[DaemonProcess]:
+def host(root: Path, emu: EmulatorProcess, name: str, nats: NatsCluster | None,
+         tree: Path | None = None) -> Iterator[DaemonProcess]:
+    """A daemon in `root / name`, a host on `nats` if given; `tree`: the source
+    tree whose package it runs (default: this one's)."""
+    table = {"urls": nats.urls, "host": "bench", "replicas": 3} if nats else None
     proc = DaemonProcess(root / name, providers_for(emu, stale_timeout_s=60.0),
                          daemon={"log_level": "WARNING", "workers_spare": SPARE,
                                  "workers_max": SPARE + 16},
-                         tables={"cluster": cluster} if cluster else None)
+                         # -m in `tree` puts it first on sys.path; PYTHONPATH also
+                         # reaches the spawned sink and zygote, whatever their cwd.
+                         env={"PYTHONPATH": str(tree)} if tree else None, cwd=tree,
+                         tables={"cluster": table} if table else None)
     try:
         proc.start(ready_timeout=180.0)
         yield proc
@@ -102,6 +111,9 @@ def _measure(proc: DaemonProcess, raw: RawClient, nats_pids: list[int],
             "nats": nats_cpu.total() / deltas, "rate": deltas / wall}
 
 
+Results = dict[str, dict[str, list[dict[str, Any]]]]  # level -> variant -> one dict per round
+
+
 def run(quick: bool, rounds: int) -> Section:
     sec = Section("cluster", "10 cluster mode")
     reps = 2 if quick else 5
@@ -109,53 +121,54 @@ def run(quick: bool, rounds: int) -> Section:
                   "levels": f"1 (x {reps} one after the other), 32 (one burst); throughput: "
                             f"32 x {FAST_CHUNKS} chunks unpaced",
                   "NATS": "3 nodes, replication 3", "RLIMIT_NOFILE": raise_fd_limit()}
-    text = realistic_text(CHUNKS)
-    fast_text = realistic_text(FAST_CHUNKS)
-    res: dict[str, dict[str, list[dict[str, Any]]]] = {
-        level: {v: [] for v in VARIANTS} for level in ("1", "32", "rate")}
-    with tempfile.TemporaryDirectory(prefix="sfbench-cl-") as tmp, emulator() as emu:
-        nats = NatsCluster(Path(tmp) / "nats").start()
-        try:
-            table = {"urls": nats.urls, "host": "bench", "replicas": 3}
-            with _daemon(Path(tmp), emu, "single", None) as single, \
-                    _daemon(Path(tmp), emu, "cluster", table) as clustered:
-                procs = {"single": single, "cluster": clustered}
-                nats_pids = [nats.pid(i) for i in range(len(nats.nodes))]
-                control = emu.client()
-                raws = {v: RawClient(p) for v, p in procs.items()}
-                try:
-                    for v, p in procs.items():
-                        wait_idle(p, SPARE)
-                        _measure(p, raws[v], [], [_calls(control, 4, 10, 0.0,
-                                                         realistic_text(10))],
-                                 realistic_text(10))  # unmeasured: connections, paths
-                    for r in range(rounds):
-                        for v in rotated(VARIANTS, r):
-                            p, raw = procs[v], raws[v]
-                            pids = nats_pids if v == "cluster" else []
-                            wait_quiet(p)
-                            res["1"][v].append(_measure(p, raw, pids, [
-                                _calls(control, 1, CHUNKS, DELAY_S, text) for _ in range(reps)],
-                                text))
-                            wait_quiet(p)
-                            res["32"][v].append(_measure(p, raw, pids, [
-                                _calls(control, 32, CHUNKS, DELAY_S, text)], text))
-                            wait_quiet(p)
-                            res["rate"][v].append(_measure(p, raw, pids, [
-                                _calls(control, 32, FAST_CHUNKS, 0.0, fast_text)], fast_text))
-                        log(f"  cluster round {r + 1}/{rounds}: " + ", ".join(
-                            f"{v} 32-burst p50 {percentile(sorted(res['32'][v][-1]['ttft']), 50) * 1e3:.1f} ms, "
-                            f"{res['rate'][v][-1]['rate']:,.0f} deltas/s" for v in VARIANTS))
-                finally:
-                    for raw in raws.values():
-                        raw.close()
-        finally:
-            nats.stop()
+    with tempfile.TemporaryDirectory(prefix="sfbench-cl-") as tmp, emulator() as emu, \
+            nats_cluster(Path(tmp) / "nats") as nats, \
+            host(Path(tmp), emu, "single", None) as single, \
+            host(Path(tmp), emu, "cluster", nats) as clustered:
+        res = measure_rounds({"single": single, "cluster": clustered},
+                             {"single": [], "cluster": node_pids(nats)}, emu.client(),
+                             rounds, reps)
     _report(sec, res, reps)
     return sec
 
 
-def _report(sec: Section, res: dict[str, dict[str, list[dict[str, Any]]]], reps: int) -> None:
+def node_pids(nats: NatsCluster) -> list[int]:
+    return [nats.pid(i) for i in range(len(nats.nodes))]
+
+
+def measure_rounds(procs: dict[str, DaemonProcess], nats_pids: dict[str, list[int]],
+                   control: EmulatorClient, rounds: int, reps: int) -> Results:
+    """The rounds of section 10 (module docstring) over `procs` (variant ->
+    a started daemon), the variants in rotated order; `nats_pids`: the
+    NATS nodes whose CPU counts beside each variant's daemon."""
+    texts = {n: realistic_text(n) for n in (CHUNKS, FAST_CHUNKS)}
+    # level -> (runs one after the other, calls at once, chunks, chunk delay)
+    shapes = {"1": (reps, 1, CHUNKS, DELAY_S), "32": (1, 32, CHUNKS, DELAY_S),
+              "rate": (1, 32, FAST_CHUNKS, 0.0)}
+    res: Results = {level: {v: [] for v in procs} for level in shapes}
+    raws = {v: RawClient(p) for v, p in procs.items()}
+    try:
+        for v, p in procs.items():
+            wait_idle(p, SPARE)
+            _measure(p, raws[v], [], [_calls(control, 4, 10, 0.0, realistic_text(10))],
+                     realistic_text(10))  # unmeasured: connections, paths
+        for r in range(rounds):
+            for level, (runs, n, chunks, delay) in shapes.items():
+                for v in rotated(list(procs), r):  # each level's pair close in time
+                    wait_quiet(*procs.values())  # the other's spares warm up too
+                    res[level][v].append(_measure(procs[v], raws[v], nats_pids[v], [
+                        _calls(control, n, chunks, delay, texts[chunks]) for _ in range(runs)],
+                        texts[chunks]))
+            log(f"  cluster round {r + 1}/{rounds}: " + ", ".join(
+                f"{v} 32-burst p50 {percentile(sorted(res['32'][v][-1]['ttft']), 50) * 1e3:.1f} ms, "
+                f"{res['rate'][v][-1]['rate']:,.0f} deltas/s" for v in procs))
+    finally:
+        for raw in raws.values():
+            raw.close()
+    return res
+
+
+def _report(sec: Section, res: Results, reps: int) -> None:
     for level, label in (("1", "1 stream"), ("32", "32 streams")):
         p50 = {v: percentile(sorted(t for r in res[level][v] for t in r["ttft"]), 50)
                for v in VARIANTS}

@@ -80,6 +80,12 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[rank]
 
 
+def ratio_spread(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float]:
+    """The per-round ratios b/a (rounds paired in order): median, min, max."""
+    ratios = sorted(y / x for x, y in zip(a, b, strict=True))
+    return median(ratios), ratios[0], ratios[-1]
+
+
 def rotated(variants: Sequence[str], round_no: int) -> list[str]:
     """A B C, then B C A, ...: each variant runs at each position over the rounds."""
     k = round_no % len(variants)
@@ -202,20 +208,20 @@ def daemon(providers: dict[str, dict[str, Any]], settings: dict[str, Any] | None
             proc.cleanup()
 
 
-def wait_quiet(proc: DaemonProcess, window_s: float = 0.5, below: float = 0.1,
+def wait_quiet(*procs: DaemonProcess, window_s: float = 0.5, below: float = 0.1,
                timeout_s: float = 60.0) -> None:
-    """Wait until the daemon's process tree used under `below` of a core over a
-    whole `window_s` (new spares warm up after their hello)."""
-    assert proc.proc is not None
+    """Wait until the daemons' process trees used under `below` of a core each
+    over a whole `window_s` (new spares warm up after their hello)."""
+    roots = [p.proc.pid for p in procs if p.proc is not None]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        meter = CpuMeter([proc.proc.pid])
+        meter = CpuMeter(roots)
         meter.start()
         time.sleep(window_s)
         meter.stop()
-        if meter.total() < below * window_s:
+        if meter.total() < below * window_s * len(procs):
             return
-    raise TimeoutError(f"the daemon did not go quiet within {timeout_s:.0f} s")
+    raise TimeoutError(f"the daemons did not go quiet within {timeout_s:.0f} s")
 
 
 def wait_idle(proc: DaemonProcess, count: int, timeout_s: float = 300.0) -> float:
