@@ -71,7 +71,8 @@ class _Waiting:
     tries: int = 0
 
     def idle(self) -> bool:
-        return not (self.queued or self.flying is not None or self.items or self.opening)
+        return not (self.queued or self.flying is not None or self.items or self.opening
+                    or self.stored < self.queued_in)
 
 
 class LogQueue:
@@ -85,8 +86,9 @@ class LogQueue:
         self._commits = commits
         self._on_lost = on_lost
         self._waiting: dict[str, _Waiting] = {}
-        self._answered: list[Row] = []  # stored by the cluster, for the next `settle`
-        self._settled: set[str] = set()  # calls whose items may move at `settle`
+        # Runs the cluster stored, for the next `settle`; calls whose items may move then.
+        self._answered: list[Row] = []
+        self._settled: set[str] = set()
         self.bytes = 0  # of the rows queued and flying
         self.retries = 0  # appends and opens tried again
         self._failing_since: float | None = None
@@ -136,7 +138,7 @@ class LogQueue:
             self._answered_ok(waiting)
             waiting.opening = False
             then(result)
-            self._settled.add(call_id)
+            self._move(call_id)
         self.after_stored(call_id, start)
 
     def take(self) -> None:
@@ -188,6 +190,10 @@ class LogQueue:
                 if row[4] == "done":  # the done mark goes with its row (Fencing.finish)
                     store.set_done(row[0], row[3], msgpack.unpackb(row[6])["status"], row[1])
             self._commits.commit()
+            for row in answered:  # stored now: what waits for them may move
+                waiting = self._waiting.get(row[0])
+                if waiting is not None:
+                    waiting.stored += 1
         settled, self._settled = self._settled, set()
         for call_id in settled:
             self._move(call_id)
@@ -202,12 +208,11 @@ class LogQueue:
         self.bytes -= sum(len(r[6]) for r in rows)
         self._answered_ok(waiting)
         if result is None:
-            waiting.stored += len(rows)
-            self._answered += rows
+            self._answered += rows  # stored, and counted in `stored`, at `settle`
         else:  # refused: the call is another host's; nothing queued is stored or sent
             self.bytes -= sum(len(r[6]) for r in waiting.queued)
             waiting.queued = []
-            waiting.stored = waiting.queued_in
+            waiting.stored = waiting.queued_in - sum(1 for r in self._answered if r[0] == call_id)
             waiting.items = deque(i for i in waiting.items if not isinstance(i[1], tuple))
             self._on_lost(call_id)
         self._settled.add(call_id)
