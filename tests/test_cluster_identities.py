@@ -17,12 +17,14 @@ from typing import Any
 import nats as nats_py
 import psutil
 import pytest
+from click.testing import CliRunner
 from zmq.utils import z85
 
+from streamfence.cli import main
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.nats_cluster import NatsCluster
 from streamfence.protocol.client import Client
-from streamfence.protocol.credentials import Credentials
+from streamfence.protocol.credentials import Credentials, load_credentials
 from streamfence.protocol.keys import KeyStore
 from tests.harness import DaemonProcess, wait_until
 from tests.wires import profile_for
@@ -99,8 +101,16 @@ def test_a_key_registered_on_one_host_is_accepted_on_another_until_revoked(
     a = _host(tmp_path, emulator, nats, "host-a").start()
     b = _host(tmp_path, emulator, nats, "host-b").start()
     try:
-        alice = _keys(a).register("alice", a.endpoint)
-        on_b = _for(alice, b)
+        runner = CliRunner()  # as an operator would: `keys new` on a, `keys for-host` for b
+        made = runner.invoke(main, ["keys", "new", "alice", "--config", str(a.config_path)])
+        assert made.exit_code == 0, made.output
+        alice = load_credentials(_keys(a).credentials_path("alice"))
+        made = runner.invoke(main, ["keys", "for-host", str(_keys(a).credentials_path("alice")),
+                                    "--config", str(b.config_path),
+                                    "--out", str(tmp_path / "alice-b.credentials")])
+        assert made.exit_code == 0, made.output
+        on_b = load_credentials(tmp_path / "alice-b.credentials")
+        assert on_b == _for(alice, b)
         wait_until(lambda: _accepted(b, on_b), 15, "host b to accept alice's key from host a")
         with Client(b.endpoint, timeout_s=10.0, credentials=on_b) as client:
             stream = client.stream_text("emu", _request("shared"))
