@@ -77,13 +77,18 @@ class IdentityBucket:
         self._js = js
         self.host = host
         self._watching: asyncio.Task[None] | None = None
+        self._read: tuple[int, Known] = (-1, {})  # the last read, at the stream's last seq
         self.malformed: set[tuple[str, int]] = set()  # (key, revision) of entries ignored
 
     async def read(self) -> Known:
-        """Every key's last word, read now."""
-        prefix = f"$KV.{IDENTITIES_BUCKET}."
+        """Every key's last word, read now: the last read's again if nothing was
+        stored since (one request, as the hosts read every lease / 3)."""
+        stream, prefix = f"KV_{IDENTITIES_BUCKET}", f"$KV.{IDENTITIES_BUCKET}."
+        last_seq = int((await self._js.stream_info(stream)).state.last_seq or 0)
+        if last_seq == self._read[0]:
+            return dict(self._read[1])
         # The keys from the stream's subjects, as Ledger._keys (no consumer per read).
-        info = await self._js.stream_info(f"KV_{IDENTITIES_BUCKET}", subjects_filter=prefix + ">")
+        info = await self._js.stream_info(stream, subjects_filter=prefix + ">")
         subjects = list(info.state.subjects or {})
         known: Known = {}
         for at in range(0, len(subjects), READS_IN_FLIGHT):
@@ -92,7 +97,8 @@ class IdentityBucket:
                                      strict=True):
                 if last is not None:
                     known[subject[len(prefix):]] = last
-        return known
+        self._read = (last_seq, known)  # what was stored after last_seq is read again next time
+        return dict(known)
 
     async def _last(self, subject: str) -> tuple[int, SharedKey | None] | None:
         try:

@@ -47,6 +47,8 @@ class SharedKeys:
         self._known: Known = {}
         self._read_at: float | None = None  # when the last good read started
         self._shared: dict[bytes, str] | None = None  # as last handed to the key store
+        self._fresh = False  # as at the last hand-over
+        self._learnt = True  # `_known` changed since the last hand-over
         self._failing = False
         bridge.submit(self._run(), self._ended)
 
@@ -102,24 +104,28 @@ class SharedKeys:
     def _learn(self, key: str, revision: int, entry: SharedKey | None) -> None:
         """An older word (a read that began before a change the watch brought)
         never undoes a newer one."""
-        if revision >= self._known.get(key, (0, None))[0]:
+        if revision >= self._known.get(key, (0, None))[0] \
+                and self._known.get(key) != (revision, entry):
             self._known[key] = (revision, entry)
+            self._learnt = True
 
     def _hand_over(self, now: float) -> None:
         """The other hosts' keys to the key store if they changed; none while
         the last good read is older than a lease (module docstring)."""
         fresh = self._read_at is not None and now - self._read_at < self._lease_s
+        if fresh == self._fresh and not self._learnt:
+            return
         shared = {entry.public_key: entry.name for _, entry in self._known.values()
                   if entry is not None and entry.host != self._bucket.host
                   and entry.name != LOCAL_NAME} if fresh else {}
-        if shared == self._shared:
-            return
-        if not fresh and self._shared:
-            log.warning("cluster: no read of the shared identities for a lease (%g s): the "
-                        "%d key(s) of other hosts are refused until the next", self._lease_s,
-                        len(self._shared))
-        self._store.share(shared)
-        self._shared = shared
+        if shared != self._shared:
+            if not fresh and self._shared:
+                log.warning("cluster: no read of the shared identities for a lease (%g s): "
+                            "the %d key(s) of other hosts are refused until the next",
+                            self._lease_s, len(self._shared))
+            self._store.share(shared)
+            self._shared = shared
+        self._fresh, self._learnt = fresh, False
 
     def _ended(self, result: Any) -> None:
         """In the supervisor's thread: `_run` ended (the bridge closed, or a fault
