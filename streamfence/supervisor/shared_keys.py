@@ -52,11 +52,6 @@ class SharedKeys:
         self._failing = False
         bridge.submit(self._run(), self._ended)
 
-    @property
-    def count(self) -> int:
-        """The other hosts' keys accepted here now."""
-        return len(self._shared or {})
-
     async def _run(self) -> None:
         """Every POLL_S: a publish if one is due (on its own, so that a cluster
         slow to answer delays no hand-over), and the hand-over."""
