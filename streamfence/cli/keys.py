@@ -92,6 +92,38 @@ def list_(config_path: str | None) -> None:
         click.echo(name)
 
 
+@keys.command("for-host")
+@config_option
+@click.option("--endpoint", default=None,
+              help="The endpoint written into the credentials (default: the daemon's).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False),
+              help="The credentials file to write (0600).")
+@click.argument("credentials", type=click.Path(exists=True, dir_okay=False))
+def for_host(config_path: str | None, endpoint: str | None, out: str, credentials: str) -> None:
+    """Write CREDENTIALS' key pair for the daemon of --config (its endpoint and
+    public key). In cluster mode a key registered on one host is accepted
+    on every host (docs/SECURITY.md); a client needs each host's public key."""
+    from dataclasses import replace
+
+    from streamfence.protocol.credentials import (
+        CredentialsError,
+        load_credentials,
+        write_credentials,
+    )
+
+    store, daemon_endpoint = _store(config_path)
+    _check_reachable(endpoint or daemon_endpoint)
+    try:
+        creds = load_credentials(credentials)
+        server_public, _ = store.server_keys()
+    except (CredentialsError, KeyStoreError) as exc:
+        raise click.ClickException(str(exc)) from None
+    write_credentials(out, replace(creds, endpoint=endpoint or daemon_endpoint,
+                                   server_key=server_public))
+    click.echo(f"{creds.name}: credentials for {endpoint or daemon_endpoint} in {out} "
+               f"(the same key pair: keep it secret)")
+
+
 @keys.command("http-key")
 @config_option
 @click.argument("name")

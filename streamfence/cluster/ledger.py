@@ -61,6 +61,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from streamfence.cluster.connect import connect as connect_nats
+from streamfence.cluster.identities import IDENTITIES_BUCKET, IdentityBucket
 from streamfence.cluster.records import EPOCH, EVENTS, Record, decode
 from streamfence.cluster.retry import RetryPolicy, TryAgain, retry_async
 from streamfence.cluster.settings import ClusterSettings
@@ -161,7 +162,7 @@ class Ledger:
         return ledger
 
     async def ensure(self) -> None:
-        """Make the streams and the bucket if missing (idempotent, any host)."""
+        """Make the streams and the buckets if missing (idempotent, any host)."""
         r = self.settings.replicas
         for name, subject in ((CALLS_STREAM, CALLS_SUBJECT), (EVENTS_STREAM, EVENTS_SUBJECT)):
             await self._js.add_stream(StreamConfig(
@@ -171,7 +172,11 @@ class Ledger:
             bucket=OWNERS_BUCKET, history=1, storage=StorageType.FILE, replicas=r))
         self._hosts = await self._js.create_key_value(KeyValueConfig(
             bucket=HOSTS_BUCKET, history=1, storage=StorageType.FILE, replicas=r))
-        for name in (CALLS_STREAM, EVENTS_STREAM, f"KV_{OWNERS_BUCKET}", f"KV_{HOSTS_BUCKET}"):
+        self.identities = IdentityBucket(await self._js.create_key_value(KeyValueConfig(
+            bucket=IDENTITIES_BUCKET, history=1, storage=StorageType.FILE, replicas=r)),
+            self._js, self.settings.host)  # cluster/identities.py
+        for name in (CALLS_STREAM, EVENTS_STREAM, f"KV_{OWNERS_BUCKET}", f"KV_{HOSTS_BUCKET}",
+                     f"KV_{IDENTITIES_BUCKET}"):
             await self._led(name)
 
     async def _led(self, stream: str) -> None:

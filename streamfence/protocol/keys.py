@@ -4,6 +4,8 @@ Layout, all under `<state_dir>/keys/` (0700; every file 0600):
 
     server.key, server.key_secret      the daemon's key pair (ZeroMQ cert files)
     clients/NAME.key                   a registered client's public key: the allow-list
+    clients/cluster.identities         the keys other hosts of the cluster registered
+                                       (public keys and names, JSON; cluster mode only)
     NAME.credentials                   that client's credentials file, to hand over
 
 `KeyStore` owns that directory: it creates the daemon's pair on first use,
@@ -11,7 +13,11 @@ registers and revokes clients (`streamfence keys new|revoke|list`, with or
 without a running daemon), and answers "which identity has this public key?"
 from the allow-list, re-read whenever the `clients/` folder changes, so a
 revocation takes effect on the next handshake and on the next message
-(docs/SECURITY.md).
+(docs/SECURITY.md). In cluster mode the supervisor keeps `cluster.identities`
+to the cluster's word (`share`, supervisor/shared_keys.py): being in
+`clients/`, it is read with the allow-list, by the supervisor and the sink
+alike, at no cost per message; `names` and `revoke` know this host's own
+identities only.
 
 `start_authenticator` runs pyzmq's own ZAP authenticator thread, asked to
 accept a CURVE client only if its key is registered. The connection's User-Id
@@ -22,6 +28,7 @@ once, also on a connection made before.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -33,6 +40,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from streamfence.protocol.credentials import Credentials, write_credentials
 
@@ -45,6 +53,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # change is not trusted (read again next time), as git treats "racy" entries.
 _RACY_NS = 100_000_000
 REFUSED_LOG_EVERY_S = 10.0  # refused-handshake warnings, at most one this often
+SHARED_FILE = "cluster.identities"  # in clients/: not a `*.key`, so no identity's name
 
 
 class KeyStoreError(Exception):
@@ -150,6 +159,10 @@ class KeyStore:
             return self._by_key
 
     def _read_allow_list(self) -> dict[bytes, str]:
+        return {**self._read_shared(), **self.local_keys()}  # this host's own first
+
+    def local_keys(self) -> dict[bytes, str]:
+        """This host's registered public keys (Z85) and their names, read now."""
         by_key: dict[bytes, str] = {}
         for path in sorted(self.clients_dir.glob("*.key")):
             try:
@@ -159,6 +172,48 @@ class KeyStore:
                 continue
             by_key[public] = path.stem
         return by_key
+
+    # ---- the keys the cluster's other hosts registered ----------------------------
+
+    def share(self, keys: Mapping[bytes, str]) -> None:
+        """Accept `keys` (public key, Z85 -> identity name) besides this host's
+        own, in place of those shared before (replaced atomically)."""
+        _private_dir(self.clients_dir)
+        tmp = self.clients_dir / f".{SHARED_FILE}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            json.dump({key.decode("ascii"): name for key, name in sorted(keys.items())}, f)
+        os.replace(tmp, self.clients_dir / SHARED_FILE)
+
+    def forget_shared(self) -> None:
+        """Accept this host's own keys only (at a start: what the cluster shares
+        is known from the cluster, never from a previous run's file)."""
+        (self.clients_dir / SHARED_FILE).unlink(missing_ok=True)
+
+    def _read_shared(self) -> dict[bytes, str]:
+        path = self.clients_dir / SHARED_FILE
+        try:
+            data = json.loads(path.read_text(encoding="ascii"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("unreadable %s (%s); the cluster's keys are refused", path, exc)
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        return {key.encode("ascii"): name for key, name in data.items()
+                if valid_key(key) and isinstance(name, str) and NAME_RE.match(name)}
+
+
+def valid_key(key: object) -> bool:
+    """Whether `key` is a CURVE public key in Z85 (40 characters)."""
+    if not isinstance(key, str) or len(key) != 40 or not key.isascii():
+        return False
+    try:
+        z85.decode(key)
+    except (ValueError, KeyError):  # pyzmq raises KeyError for a character not of Z85
+        return False
+    return True
 
 
 class _Authenticator(ThreadAuthenticator):

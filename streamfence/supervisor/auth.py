@@ -36,6 +36,9 @@ class ClientAuth:
         self._identities = identities
         self._zap = None
         if mode == "curve":
+            # The other hosts' keys are known from the cluster only, never from a
+            # previous run's file (cluster mode: supervisor/shared_keys.py).
+            keys.forget_shared()
             self._zap = start_authenticator(context, keys)
             local = keys.credentials_path(LOCAL_NAME)
             if not local.exists():

@@ -30,6 +30,7 @@ import os
 import secrets
 import signal
 import time
+from typing import TYPE_CHECKING
 
 import multiprocess
 import zmq
@@ -62,6 +63,9 @@ from streamfence.supervisor.stopsignals import StopSignals
 from streamfence.supervisor.watched import Watched
 from streamfence.supervisor.zygotechild import ZygoteChild
 from streamfence.workers.liveness import LivenessTable
+
+if TYPE_CHECKING:  # cluster mode only: it brings nats
+    from streamfence.supervisor.shared_keys import SharedKeys
 
 log = logging.getLogger("streamfence.supervisor")
 # libzmq's I/O threads decrypt the clients' CURVE traffic, each connection on
@@ -136,6 +140,7 @@ class Daemon:
                                str(self.keys.dir) if config.auth == "curve" else None,
                                self._control_identity)
         self._watched = Watched()
+        self._shared_keys: SharedKeys | None = None  # cluster mode
 
     # ---- child processes -----------------------------------------------------
     def _pids(self) -> dict[str, int | None]:
@@ -192,7 +197,11 @@ class Daemon:
                                          self.transcript_path)
         live = LivenessTable(self.endpoints.liveness_file, cfg.workers_max, create=True)
         sockets = self._bind_sockets()
-        parts = build_parts(cfg, journal, live, sockets, connect_cluster(cfg), self._zygote.send,
+        cluster = connect_cluster(cfg)
+        if cluster is not None and cfg.auth == "curve":  # identities shared through the cluster
+            from streamfence.supervisor.shared_keys import SharedKeys  # brings nats
+            self._shared_keys = SharedKeys(self.keys, cluster.bridge, cfg.cluster.lease_s)
+        parts = build_parts(cfg, journal, live, sockets, cluster, self._zygote.send,
                             self._sink.stats, self._pids, self._connection_counts,
                             self.transcript_path)
         self._sink.start(parts.sink)
