@@ -78,7 +78,8 @@ def _bucket(nats: NatsCluster) -> list[tuple[str, bytes, dict[str, str]]]:
             out = []
             for seq in range(state.first_seq, state.last_seq + 1):
                 msg = await js.get_msg("KV_sf_identities", seq)
-                out.append((msg.subject, bytes(msg.data or b""), dict(msg.headers or {})))
+                out.append((str(msg.subject), bytes(msg.data or b""),
+                            {str(k): str(v) for k, v in (msg.headers or {}).items()}))
             return out
         finally:
             await nc.close()
