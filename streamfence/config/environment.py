@@ -35,11 +35,13 @@ def unknown_variables(env: Mapping[str, str], config: DaemonConfig) -> list[str]
     """A sentence for each STREAMFENCE_* variable in `env` that streamfence
     does not read, naming the known one it resembles, if any."""
     known = known_variables(config)
+    # Compared without the prefix they share, which would make every name "close".
+    tails = {k.removeprefix(ENV_PREFIX) for k in known if k.startswith(ENV_PREFIX)}
     out = []
     for name in sorted(env):
         if name.startswith(ENV_PREFIX) and name not in known:
-            match = closest(name, known)
-            hint = f" (did you mean {match}?)" if match else ""
+            match = closest(name.removeprefix(ENV_PREFIX), tails)
+            hint = f" (did you mean {ENV_PREFIX}{match}?)" if match else ""
             out.append(f"environment {name}: streamfence reads no such variable{hint}; "
                        f"it is ignored")
     return out
