@@ -6,10 +6,11 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from streamfence.config.environment import ENV_CONFIG
 from streamfence.config.model import ConfigError, DaemonConfig, load_config
 
 if TYPE_CHECKING:
@@ -24,16 +25,28 @@ def config_path_of(given: str | None) -> str | None:
     ./streamfence.toml if it exists, else None (the defaults)."""
     if given:
         return given
-    if os.environ.get("STREAMFENCE_CONFIG"):
-        return os.environ["STREAMFENCE_CONFIG"]
+    if os.environ.get(ENV_CONFIG):
+        return os.environ[ENV_CONFIG]
     return DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None
+
+
+class InvalidConfig(click.ClickException):
+    """Every problem of a config, one line each (exit status 1)."""
+
+    def __init__(self, error: ConfigError) -> None:
+        super().__init__(f"invalid configuration: {error}")
+        self.problems = error.problems
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        for problem in self.problems:
+            click.echo(f"Error: invalid configuration: {problem}", file=file, err=file is None)
 
 
 def load(config_path: str | None) -> DaemonConfig:
     try:
         return load_config(config_path_of(config_path))
     except ConfigError as exc:
-        raise click.ClickException(f"invalid configuration: {exc}") from None
+        raise InvalidConfig(exc) from None
 
 
 def config_option(f: F) -> F:

@@ -27,7 +27,7 @@ from streamfence.config.identities import (
     DEFAULT_MAX_SUBSCRIPTIONS,
     DEFAULT_SUBMIT_BYTES_PER_S,
 )
-from streamfence.config.model import DaemonConfig, ProviderProfile
+from streamfence.config.model import DAEMON_KEYS, DaemonConfig, ProviderProfile
 from streamfence.devtools.emulator.control import emulator_profile
 from streamfence.protocol.wires import WIRES
 
@@ -206,7 +206,7 @@ def render(state_dir: str, emulator_url: str = EMULATOR_URL, config_name: str = 
                     "STREAMFENCE_ENDPOINT=tcp://127.0.0.1:7800.")
     out += ["", "[daemon]"]  # each key's paragraph starts with a blank line
     for f in fields(DaemonConfig):
-        if f.name in ("providers", "identities", "http", "cluster"):
+        if f.name not in DAEMON_KEYS:  # a table of its own, or not a key
             continue
         value = chosen.get(f.name)
         out += _key(f.name, getattr(daemon, f.name) if value is None else value,

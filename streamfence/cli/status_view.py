@@ -1,4 +1,5 @@
-"""Terminal rendering of `status` replies (rich tables)."""
+"""Terminal rendering of `status` replies: a header line saying which
+daemon answered (an admin's reply), then rich tables."""
 
 from __future__ import annotations
 
@@ -12,6 +13,29 @@ CLUSTER_COUNTS = {"calls_owned": "calls owned here", "calls_accepted": "calls ac
                   "takes_lost": "takes lost (another host was first)",
                   "calls_moved": "calls moved to another host",
                   "appends_refused": "appends refused by the engine"}
+
+
+def uptime_text(seconds: float) -> str:
+    """`3d 04h 05m`, `2h 03m 04s`, `5m 06s` or `7.2s`."""
+    whole = int(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours:02d}h {minutes:02d}m"
+    if hours:
+        return f"{hours}h {minutes:02d}m {secs:02d}s"
+    return f"{minutes}m {secs:02d}s" if minutes else f"{seconds:.1f}s"
+
+
+def status_header(reply: dict[str, Any]) -> str | None:
+    """`streamfence VERSION, up UPTIME, config PATH, state dir PATH`; None
+    for a reply without them (not an admin's, or an older daemon's)."""
+    if "version" not in reply:
+        return None
+    config = reply.get("config_path") or "none (the built-in defaults)"
+    return (f"streamfence {reply['version']}, up {uptime_text(reply.get('uptime_s') or 0.0)}, "
+            f"config {config}, state dir {reply.get('state_dir')}")
 
 
 def status_tables(reply: dict[str, Any]) -> list[Table]:
@@ -65,5 +89,8 @@ def cluster_tables(cluster: dict[str, Any]) -> list[Table]:
 
 def render_status(reply: dict[str, Any]) -> None:
     console = Console()
+    header = status_header(reply)
+    if header is not None:
+        console.print(header, highlight=False, markup=False, soft_wrap=True)
     for table in status_tables(reply):
         console.print(table)

@@ -28,11 +28,12 @@ each subscribe (`ListenerOwner`, protocol/internal/control.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from streamfence.config.problems import unknown
 from streamfence.protocol.credentials import LOCAL_NAME
 
 DEFAULT_MAX_IN_FLIGHT_BYTES = 64 * 1024 * 1024
@@ -81,45 +82,54 @@ _NUMBERS = ("max_in_flight", "max_in_flight_bytes", "submits_per_s", "submit_byt
 _KEYS = {"role", "providers", *_NUMBERS}
 
 
-def parse_identities(tables: Any, where: str,
-                     error: Callable[[str], Exception]) -> dict[str, Identity]:
-    """The `[identities.NAME]` tables; `error(message)` makes the exception to raise."""
+def parse_identities(tables: Any, where: str, problems: list[str],
+                     elsewhere: Mapping[str, str] | None = None) -> dict[str, Identity]:
+    """The `[identities.NAME]` tables; each problem is added to `problems`
+    (for the caller to refuse the config: a key with a problem gets a
+    stand-in value, so that the rest of the file is still checked).
+    `elsewhere`: the other tables' keys, for an unknown key's message."""
     if not isinstance(tables, dict):
-        raise error(f"{where}: must be a table of tables")
-    out: dict[str, Identity] = {}
-    for name, table in tables.items():
-        at = f"{where}.{name}"
-        if not isinstance(table, dict):
-            raise error(f"{at}: must be a table")
-        unknown = set(table) - _KEYS
-        if unknown:
-            raise error(f"{at}.{sorted(unknown)[0]}: unknown key (one of {', '.join(sorted(_KEYS))})")
-        role = table.get("role", Role.ADMIN.value if name == LOCAL_NAME else Role.CLIENT.value)
-        if role not in (r.value for r in Role):
-            raise error(f"{at}.role: must be \"client\" or \"admin\", got {role!r}")
-        providers = table.get("providers")
-        if providers is not None and (not isinstance(providers, list) or not all(
-                isinstance(p, str) for p in providers)):
-            raise error(f"{at}.providers: must be a list of profile names")
-        numbers: dict[str, float] = {}
-        for key in _NUMBERS:
-            value = table.get(key, _DEFAULTS.get(key, 0))
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise error(f"{at}.{key}: must be a number >= 0, got {value!r}")
-            if key not in ("submits_per_s", "submit_bytes_per_s") and not isinstance(value, int):
-                raise error(f"{at}.{key}: must be a whole number, got {value!r}")
-            numbers[key] = value
-        out[name] = Identity(
-            name=name, role=Role(role),
-            providers=None if providers is None else frozenset(providers),
-            max_in_flight=int(numbers["max_in_flight"]),
-            max_in_flight_bytes=int(numbers["max_in_flight_bytes"]),
-            submits_per_s=float(numbers["submits_per_s"]),
-            submit_bytes_per_s=float(numbers["submit_bytes_per_s"]),
-            max_listeners=int(numbers["max_listeners"]),
-            max_subscriptions=int(numbers["max_subscriptions"]),
-            caps={k: int(numbers[k]) for k in ("max_tokens", "n") if numbers[k]})
-    return out
+        problems.append(f"{where}: must be a table of tables")
+        return {}
+    return {name: _parse_identity(name, table, f"{where}.{name}", problems, elsewhere)
+            for name, table in tables.items()}
+
+
+def _parse_identity(name: str, table: Any, at: str, problems: list[str],
+                    elsewhere: Mapping[str, str] | None) -> Identity:
+    if not isinstance(table, dict):
+        problems.append(f"{at}: must be a table")
+        return Identity(name)
+    for key in sorted(set(table) - _KEYS):
+        problems.append(unknown(f"{at}.{key}", key, _KEYS, elsewhere=elsewhere))
+    role = table.get("role", Role.ADMIN.value if name == LOCAL_NAME else Role.CLIENT.value)
+    if role not in (r.value for r in Role):
+        problems.append(f"{at}.role: must be \"client\" or \"admin\", got {role!r}")
+        role = Role.CLIENT.value
+    providers = table.get("providers")
+    if providers is not None and (not isinstance(providers, list) or not all(
+            isinstance(p, str) for p in providers)):
+        problems.append(f"{at}.providers: must be a list of profile names")
+        providers = None
+    numbers: dict[str, float] = {}
+    for key in _NUMBERS:
+        value = table.get(key, _DEFAULTS.get(key, 0))
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            problems.append(f"{at}.{key}: must be a number >= 0, got {value!r}")
+            value = 0
+        elif key not in ("submits_per_s", "submit_bytes_per_s") and not isinstance(value, int):
+            problems.append(f"{at}.{key}: must be a whole number, got {value!r}")
+        numbers[key] = value
+    return Identity(
+        name=name, role=Role(role),
+        providers=None if providers is None else frozenset(providers),
+        max_in_flight=int(numbers["max_in_flight"]),
+        max_in_flight_bytes=int(numbers["max_in_flight_bytes"]),
+        submits_per_s=float(numbers["submits_per_s"]),
+        submit_bytes_per_s=float(numbers["submit_bytes_per_s"]),
+        max_listeners=int(numbers["max_listeners"]),
+        max_subscriptions=int(numbers["max_subscriptions"]),
+        caps={k: int(numbers[k]) for k in ("max_tokens", "n") if numbers[k]})
 
 
 def identity_named(name: str, configured: Mapping[str, Identity]) -> Identity:

@@ -2,8 +2,9 @@
 [providers.NAME] table per provider profile, overridable by environment
 variables (STREAMFENCE_<KEY> for daemon keys, e.g. STREAMFENCE_ENDPOINT).
 
-An invalid file fails at start with the file, the key and the reason
-(`ConfigError`). Credentials are never in the file: a profile names the
+An invalid file fails at start with every problem it has, each naming the
+file, the key and the reason (`ConfigError`): the parsers gather problems
+in a list rather than stop at the first. Credentials are never in the file: a profile names the
 environment variable that holds its key (`api_key_env`).
 """
 
@@ -11,24 +12,44 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import tempfile
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ParamSpec, TypeVar
 from urllib.parse import urlparse
 
-from streamfence.cluster.settings import NatsAuth, NatsTls, parse_auth, parse_tls, shown_url
+from streamfence.cluster.settings import NatsAuth, NatsTls
+from streamfence.config.identities import _KEYS as IDENTITY_KEYS
 from streamfence.config.identities import Identity, parse_identities
+from streamfence.config.problems import did_you_mean, typed, unknown
+from streamfence.config.sections import (
+    CLUSTER_TYPES,
+    HTTP_KEYS,
+    http_port_problem,
+    is_loopback,
+    parse_cluster,
+    parse_http,
+)
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7755"
 DEFAULT_IN_FLIGHT_BYTES_MAX = 256 * 1024 * 1024
 KINDS = ("openai", "anthropic", "bedrock")
 
 
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
 class ConfigError(Exception):
-    pass
+    """One or more problems of a config, each naming the file, the key and
+    the reason: `problems` one by one (a terminal shows one a line), `str()`
+    all on one line (for a log line)."""
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +92,6 @@ class ClusterConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.urls)
-
-
-CLUSTER_HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +137,8 @@ class DaemonConfig:
     identities: dict[str, Identity] = field(default_factory=dict)
     http: HttpConfig = field(default_factory=HttpConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    # Not a key: the file this was loaded from (absolute); None: the defaults.
+    config_path: str | None = None
 
     def runtime_dir(self) -> str:
         """Where the ipc sockets live: `run/` under state_dir when the path is
@@ -146,6 +166,8 @@ _DAEMON_TYPES: dict[str, tuple[type, ...]] = {
     "breaker_cooldown_s": (int, float), "stop_grace_s": (int, float), "log_level": (str,),
     "log_json": (bool,), "auth": (str,), "retention_days": (int, float),
 }
+DAEMON_KEYS = tuple(_DAEMON_TYPES)  # the [daemon] table's keys
+ENV_PREFIX = "STREAMFENCE_"  # ENV_PREFIX + KEY.upper() overrides a [daemon] key
 AUTH_MODES = ("curve", "none")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _PROFILE_TYPES: dict[str, tuple[type, ...]] = {
@@ -154,144 +176,109 @@ _PROFILE_TYPES: dict[str, tuple[type, ...]] = {
     "max_attempts": (int,), "connect_timeout_s": (int, float), "read_timeout_s": (int, float),
     "aws_credentials": (str,), "aws_profile": (str,),
 }
+TABLES = ("daemon", "providers", "identities", "http", "cluster")
+# Where each key belongs, for a key written in the wrong table (problems.unknown).
+_HOMES: dict[str, str] = {
+    **{k: "[cluster]" for k in CLUSTER_TYPES}, **{k: "[http]" for k in HTTP_KEYS},
+    **{k: "[identities.NAME]" for k in IDENTITY_KEYS},
+    **{k: "[providers.NAME]" for k in _PROFILE_TYPES}, **{k: "[daemon]" for k in DAEMON_KEYS}}
 
 
-def _check(where: str, key: str, value: Any, types: tuple[type, ...]) -> Any:
-    if isinstance(value, bool) and bool not in types:
-        raise ConfigError(f"{where}.{key}: expected {types[0].__name__}, got a boolean")
-    if not isinstance(value, types):
-        raise ConfigError(f"{where}.{key}: expected {types[0].__name__}, "
-                          f"got {type(value).__name__}")
-    if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
-        raise ConfigError(f"{where}.{key}: must not be negative")
-    if float in types:
-        return float(cast(float, value))
-    return value
+def gather(problems: list[str], check: Callable[P, T], *args: P.args,
+           **kwargs: P.kwargs) -> T | None:
+    """`check(*args, **kwargs)`; None, with its problems added to `problems`,
+    if it raised ConfigError: so that one load names every problem."""
+    try:
+        return check(*args, **kwargs)
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+        return None
+
+
+def _table(data: dict[str, Any], name: str, where: str, problems: list[str]) -> dict[str, Any]:
+    table = data.get(name, {})
+    if isinstance(table, dict):
+        return table
+    problems.append(f"{where}: must be a table ([{name}])")
+    return {}
 
 
 def parse_config(data: dict[str, Any], source: str = "<config>") -> DaemonConfig:
-    unknown = set(data) - {"daemon", "providers", "identities", "http", "cluster"}
-    if unknown:
-        raise ConfigError(f"{source}: unknown table(s) {sorted(unknown)}")
-    daemon: dict[str, Any] = {}
-    for key, value in data.get("daemon", {}).items():
-        if key not in _DAEMON_TYPES:
-            raise ConfigError(f"{source}: daemon.{key}: unknown key")
-        daemon[key] = _check(f"{source}: daemon", key, value, _DAEMON_TYPES[key])
-    profiles: dict[str, ProviderProfile] = {}
-    for name, table in data.get("providers", {}).items():
-        where = f"{source}: providers.{name}"
-        if not isinstance(table, dict):
-            raise ConfigError(f"{where}: must be a table")
-        values: dict[str, Any] = {}
-        for key, value in table.items():
-            if key not in _PROFILE_TYPES:
-                raise ConfigError(f"{where}.{key}: unknown key")
-            values[key] = _check(where, key, value, _PROFILE_TYPES[key])
-        if values.get("kind") not in KINDS:
-            raise ConfigError(f"{where}.kind: must be one of {', '.join(KINDS)}")
-        if values.get("max_attempts", 3) < 1:
-            raise ConfigError(f"{where}.max_attempts: must be at least 1")
-        for key in ("base_url", "endpoint_url"):
-            if key in values:
-                _check_url(f"{where}.{key}", values[key])
-        profiles[name] = ProviderProfile(name=name, **values)
+    """The config a TOML document holds; ConfigError names every problem
+    found, each with `source` (the file), the key and the reason."""
+    problems: list[str] = []
+    for name in data:
+        if name not in TABLES:
+            problems.append(unknown(f"{source}: {name}", name, TABLES, "table", _HOMES))
+    daemon = _parse_daemon(_table(data, "daemon", f"{source}: daemon", problems), source,
+                           problems)
+    declared = _table(data, "providers", f"{source}: providers", problems)
+    profiles = {name: parsed for name, table in declared.items()
+                if (parsed := _parse_profile(name, table, f"{source}: providers.{name}",
+                                             problems)) is not None}
+    # References are judged against the profiles declared, valid or not: a
+    # profile's own problem is named once, not again at each reference to it.
     identities = parse_identities(data.get("identities", {}), f"{source}: identities",
-                                  ConfigError)
+                                  problems, _HOMES)
     for ident in identities.values():
         for profile in sorted(ident.providers or ()):
-            if profile not in profiles:
-                raise ConfigError(f"{source}: identities.{ident.name}.providers: no provider "
-                                  f"profile {profile!r}")
-    if "log_level" in daemon:
-        daemon["log_level"] = _log_level(f"{source}: daemon.log_level", daemon["log_level"])
-    if "auth" in daemon and daemon["auth"] not in AUTH_MODES:
-        raise ConfigError(f"{source}: daemon.auth: must be one of {', '.join(AUTH_MODES)}, "
-                          f"got {daemon['auth']!r}")
-    http = _parse_http(data.get("http", {}), f"{source}: http", profiles)
-    cluster = _parse_cluster(data.get("cluster", {}), f"{source}: cluster")
-    cfg = DaemonConfig(providers=profiles, identities=identities, http=http, cluster=cluster,
-                       **daemon)
-    check_endpoint(f"{source}: daemon.endpoint", cfg.endpoint, cfg.auth)
-    _check_http_port(f"{source}: http.listen", cfg)
-    if cfg.workers_spare < 1 or cfg.workers_max < 1:
-        raise ConfigError(f"{source}: daemon.workers_max and daemon.workers_spare must be >= 1")
+            if profile not in declared:
+                problems.append(f"{source}: identities.{ident.name}.providers: no provider "
+                                f"profile {profile!r}{did_you_mean(profile, declared)}")
+    listen, routes = parse_http(_table(data, "http", f"{source}: http", problems),
+                                f"{source}: http", declared, problems, _HOMES)
+    cluster = parse_cluster(_table(data, "cluster", f"{source}: cluster", problems),
+                            f"{source}: cluster", problems, _HOMES, ConfigError)
+    cfg = DaemonConfig(providers=profiles, identities=identities,
+                       http=HttpConfig(listen, routes), cluster=ClusterConfig(**cluster), **daemon)
+    found = len(problems)
+    if "endpoint" in daemon:
+        gather(problems, check_endpoint, f"{source}: daemon.endpoint", cfg.endpoint, cfg.auth)
+    if len(problems) == found and (problem := http_port_problem(f"{source}: http.listen",
+                                                                listen, cfg.endpoint)):
+        problems.append(problem)
+    if problems:
+        raise ConfigError(*problems)
     return cfg
 
 
-def _parse_http(table: Any, where: str, profiles: dict[str, ProviderProfile]) -> HttpConfig:
+def _parse_daemon(table: dict[str, Any], source: str, problems: list[str]) -> dict[str, Any]:
+    """The valid keys of `[daemon]`."""
+    daemon = typed(table, f"{source}: daemon", _DAEMON_TYPES, problems, _HOMES)
+    if "log_level" in daemon:
+        level = gather(problems, _log_level, f"{source}: daemon.log_level", daemon.pop("log_level"))
+        if level is not None:
+            daemon["log_level"] = level
+    if daemon.get("auth", AUTH_MODES[0]) not in AUTH_MODES:
+        problems.append(f"{source}: daemon.auth: must be one of {', '.join(AUTH_MODES)}, "
+                        f"got {daemon.pop('auth')!r}")
+    for key in ("workers_max", "workers_spare"):
+        if daemon.get(key) == 0:
+            problems.append(f"{source}: daemon.{key}: must be >= 1")
+            del daemon[key]
+    return daemon
+
+
+def _parse_profile(name: str, table: Any, where: str,
+                   problems: list[str]) -> ProviderProfile | None:
+    """`[providers.NAME]`; None (its problems added) if it has any."""
     if not isinstance(table, dict):
-        raise ConfigError(f"{where}: must be a table")
-    unknown = set(table) - {"listen", "routes"}
-    if unknown:
-        raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown key")
-    listen = table.get("listen")
-    if listen is not None:
-        if not isinstance(listen, str):
-            raise ConfigError(f"{where}.listen: expected str, got {type(listen).__name__}")
-        host, sep, port = listen.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ConfigError(f"{where}.listen: must be HOST:PORT, got {listen!r}")
-        if not is_loopback(host.strip("[]")):
-            raise ConfigError(f"{where}.listen: {listen} is reachable from other hosts; the "
-                              f"gateway speaks plain HTTP, so it binds loopback only (put a "
-                              f"TLS proxy in front of it for other hosts)")
-    routes = table.get("routes", {})
-    if not isinstance(routes, dict):
-        raise ConfigError(f"{where}.routes: must be a table of model = \"profile\"")
-    for model, profile in routes.items():
-        if not isinstance(profile, str) or profile not in profiles:
-            raise ConfigError(f"{where}.routes.{model}: no provider profile {profile!r}")
-    return HttpConfig(listen=listen, routes=dict(routes))
-
-
-def _parse_cluster(table: Any, where: str) -> ClusterConfig:
-    if not isinstance(table, dict):
-        raise ConfigError(f"{where}: must be a table")
-    if not table:
-        return ClusterConfig()
-    types: dict[str, tuple[type, ...]] = {"urls": (list,), "host": (str,), "replicas": (int,),
-                                          "lease_s": (int, float), "timeout_s": (int, float)}
-    values: dict[str, Any] = {}
-    for key, value in table.items():
-        if key == "auth":
-            values[key] = parse_auth(value, f"{where}.auth", ConfigError)
-        elif key == "tls":
-            values[key] = parse_tls(value, f"{where}.tls", ConfigError)
-        elif key not in types:
-            raise ConfigError(f"{where}.{key}: unknown key")
-        else:
-            values[key] = _check(where, key, value, types[key])
-    urls = values.get("urls")
-    if not urls or not all(isinstance(u, str) and urlparse(u).scheme in ("nats", "tls")
-                           and urlparse(u).hostname for u in urls):
-        raise ConfigError(f"{where}.urls: a list of the NATS servers' URLs "
-                          f"(nats://HOST:PORT or tls://HOST:PORT), got "
-                          f"{[shown_url(u) if isinstance(u, str) else u for u in urls or ()]!r}")
-    host = values.get("host", "")
-    if not CLUSTER_HOST_RE.match(host):
-        raise ConfigError(f"{where}.host: this host's name, unique in the cluster (letters, "
-                          f"digits, - and _, at most 64), got {host!r}")
-    if not 1 <= values.get("replicas", 3) <= 5:
-        raise ConfigError(f"{where}.replicas: JetStream allows 1 to 5, got {values['replicas']}")
-    for key in ("lease_s", "timeout_s"):
-        if key in values and values[key] <= 0:
-            raise ConfigError(f"{where}.{key}: must be above 0, got {values[key]}")
-    values["urls"] = tuple(urls)
-    return ClusterConfig(**values)
-
-
-def _check_http_port(where: str, cfg: DaemonConfig) -> None:
-    """The gateway's port is neither the client endpoint's nor the events
-    endpoint's (the next one: docs/PROTOCOL.md §1)."""
-    if cfg.http.listen is None or not cfg.endpoint.startswith("tcp://"):
-        return
-    port = int(cfg.endpoint.rpartition(":")[2])
-    if cfg.http.host_port[1] in (port, port + 1):
-        raise ConfigError(f"{where}: port {cfg.http.host_port[1]} is the daemon's "
-                          f"{'client' if cfg.http.host_port[1] == port else 'events'} "
-                          f"endpoint ({cfg.endpoint}, events on port {port + 1}); pick "
-                          f"another, e.g. {port + 2}")
+        problems.append(f"{where}: must be a table")
+        return None
+    found = len(problems)
+    values = typed(table, where, _PROFILE_TYPES, problems, _HOMES)
+    kind = values.get("kind")
+    if kind not in KINDS and (kind is not None or "kind" not in table):  # else: its type
+        problems.append(f"{where}.kind: must be one of {', '.join(KINDS)}" + (
+            "" if kind is None else f", got {kind!r}{did_you_mean(kind, KINDS)}"))
+    if values.get("max_attempts", 3) < 1:
+        problems.append(f"{where}.max_attempts: must be at least 1")
+    for key in ("base_url", "endpoint_url"):
+        if key in values:
+            gather(problems, _check_url, f"{where}.{key}", values[key])
+    if len(problems) > found:
+        return None
+    return ProviderProfile(name=name, **values)
 
 
 def _log_level(where: str, value: str) -> str:
@@ -306,10 +293,6 @@ def _check_url(where: str, url: str) -> None:
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ConfigError(f"{where}: must be an http:// or https:// URL with a host, got {url!r}")
-
-
-def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
 
 
 def check_endpoint(where: str, endpoint: str, auth: str) -> None:
@@ -329,42 +312,70 @@ def check_endpoint(where: str, endpoint: str, auth: str) -> None:
                           f"daemon.auth = \"curve\" (the default) or bind to 127.0.0.1")
 
 
-def apply_env(cfg: DaemonConfig, env: dict[str, str]) -> DaemonConfig:
-    """STREAMFENCE_<DAEMON_KEY>=value overrides a [daemon] key."""
+def env_overrides(env: dict[str, str], problems: list[str]) -> dict[str, Any]:
+    """The [daemon] keys `env` overrides (ENV_PREFIX + KEY, e.g.
+    STREAMFENCE_ENDPOINT), each checked as in the file; the problems of the
+    others added to `problems`."""
     changes: dict[str, Any] = {}
     for key, types in _DAEMON_TYPES.items():
-        raw = env.get("STREAMFENCE_" + key.upper())
+        name = ENV_PREFIX + key.upper()
+        raw = env.get(name)
         if raw is None:
             continue
-        kind = types[0]
-        try:
-            if kind is bool:
-                changes[key] = raw.lower() in ("1", "true", "yes", "on")
-            else:
-                changes[key] = kind(raw)
-        except ValueError:
-            raise ConfigError(f"environment STREAMFENCE_{key.upper()}: expected "
-                              f"{kind.__name__}, got {raw!r}") from None
+        where, kind = f"environment {name}", types[0]
+        value: Any = None
+        if kind is bool:
+            value = _BOOLS.get(raw.lower())
+            if value is None:
+                problems.append(f"{where}: expected a boolean ({', '.join(_BOOLS)}), "
+                                f"got {raw!r}")
+        else:
+            try:
+                value = kind(raw)
+            except ValueError:
+                problems.append(f"{where}: expected {kind.__name__}, got {raw!r}")
+        if key == "log_level" and value is not None:
+            value = gather(problems, _log_level, where, value)
+        elif key == "auth" and value not in (None, *AUTH_MODES):
+            # As in the file: a typo such as "CURVE" must not turn authentication off.
+            problems.append(f"{where}: must be one of {', '.join(AUTH_MODES)}, got {value!r}")
+            value = None
+        elif isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+            problems.append(f"{where}: must not be negative")
+            value = None
+        elif key in ("workers_max", "workers_spare") and value == 0:
+            problems.append(f"{where}: must be >= 1")
+            value = None
+        if value is not None:
+            changes[key] = value
+    return changes
+
+
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}
+
+
+def _with_env(cfg: DaemonConfig, changes: dict[str, Any], problems: list[str]) -> DaemonConfig:
     if not changes:
         return cfg
-    if "log_level" in changes:
-        changes["log_level"] = _log_level("environment STREAMFENCE_LOG_LEVEL",
-                                          changes["log_level"])
-    # As in the file: a typo such as "CURVE" must not turn authentication off.
-    if "auth" in changes and changes["auth"] not in AUTH_MODES:
-        raise ConfigError(f"environment STREAMFENCE_AUTH: must be one of "
-                          f"{', '.join(AUTH_MODES)}, got {changes['auth']!r}")
-    for key, value in changes.items():
-        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
-            raise ConfigError(f"environment STREAMFENCE_{key.upper()}: must not be negative")
     cfg = replace(cfg, **changes)
-    check_endpoint("environment STREAMFENCE_ENDPOINT", cfg.endpoint, cfg.auth)
-    if cfg.workers_spare < 1 or cfg.workers_max < 1:
-        raise ConfigError("environment STREAMFENCE_WORKERS_MAX/SPARE: both must be >= 1")
+    gather(problems, check_endpoint, f"environment {ENV_PREFIX}ENDPOINT", cfg.endpoint,
+           cfg.auth)
+    return cfg
+
+
+def apply_env(cfg: DaemonConfig, env: dict[str, str]) -> DaemonConfig:
+    """`cfg` with the [daemon] keys `env` overrides (`env_overrides`)."""
+    problems: list[str] = []
+    cfg = _with_env(cfg, env_overrides(env, problems), problems)
+    if problems:
+        raise ConfigError(*problems)
     return cfg
 
 
 def load_config(path: str | None, env: dict[str, str] | None = None) -> DaemonConfig:
+    """The config in the file at `path` (None: the defaults) with the
+    environment's overrides; ConfigError names every problem of both."""
     data: dict[str, Any] = {}
     source = "<defaults>"
     if path is not None:
@@ -375,4 +386,11 @@ def load_config(path: str | None, env: dict[str, str] | None = None) -> DaemonCo
             raise ConfigError(f"{source}: file not found") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{source}: not valid TOML: {exc}") from None
-    return apply_env(parse_config(data, source), dict(os.environ) if env is None else env)
+    problems: list[str] = []
+    cfg = gather(problems, parse_config, data, source)
+    changes = env_overrides(dict(os.environ) if env is None else env, problems)
+    if cfg is not None:
+        cfg = _with_env(cfg, changes, problems)
+    if cfg is None or problems:
+        raise ConfigError(*problems)
+    return replace(cfg, config_path=None if path is None else os.path.abspath(path))

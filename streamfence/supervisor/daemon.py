@@ -57,7 +57,7 @@ from streamfence.supervisor.startup import (
     connect_cluster,
     open_stores,
     raise_fd_limit,
-    warn_missing_credentials,
+    warn_about_environment,
 )
 from streamfence.supervisor.stopsignals import StopSignals
 from streamfence.supervisor.watched import Watched
@@ -214,7 +214,7 @@ class Daemon:
     # ---- the loop -------------------------------------------------------------
     def run(self) -> int:
         raise_fd_limit(self.config.workers_max)
-        warn_missing_credentials(self.config)
+        warn_about_environment(self.config)
         self._signals.hold_hangups()  # until the loop runs; children spawned meanwhile inherit it
         try:
             p = self._build()

@@ -23,7 +23,7 @@ from streamfence.supervisor.front import Front
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.pool import Pool
 from streamfence.supervisor.sinklink import SinkLink, StatsCallback
-from streamfence.supervisor.status import status_of
+from streamfence.supervisor.status import daemon_facts, status_of
 from streamfence.workers.liveness import LivenessTable
 
 if TYPE_CHECKING:  # cluster mode only: it brings nats
@@ -77,7 +77,8 @@ def build_parts(cfg: DaemonConfig, journal: Journal, live: LivenessTable,
     status = functools.partial(status_of, pool, driver, breakers,
                                functools.partial(sink_stats, sink), counters, pids,
                                auth_counts, journal.fault_view,
-                               cluster.stats if cluster is not None else None)
+                               cluster.stats if cluster is not None else None,
+                               functools.partial(daemon_facts, cfg, clock(), clock))
     front = Front(cfg, journal, driver, clients, sink, breakers, counters, clock,
                   transcript_path, status, cluster)
     if cluster is not None and driver.takeover is not None:

@@ -1,7 +1,8 @@
 """What the supervisor checks and opens before its loop starts, each step
 refusing a start it cannot make in one line (`StartupError`): the stores
 (the journal, and this start's stamp in both files), the cluster link, the
-open-files limit, and the providers' credentials named in the config.
+open-files limit; and what it warns about: the providers' credentials named
+in the config, STREAMFENCE_* variables it does not read.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from streamfence.cluster.settings import ClusterSettings
+from streamfence.config.environment import unknown_variables
 from streamfence.config.model import DaemonConfig
 from streamfence.supervisor import storepair
 from streamfence.supervisor.calls import Call
@@ -82,7 +84,12 @@ def connect_cluster(config: DaemonConfig) -> ClusterLink | None:
     return link
 
 
-def warn_missing_credentials(config: DaemonConfig) -> None:
+def warn_about_environment(config: DaemonConfig) -> None:
+    """A WARNING for each profile whose api_key_env is unset, and for each
+    STREAMFENCE_* variable streamfence does not read (a typo would otherwise
+    do nothing, silently)."""
+    for problem in unknown_variables(os.environ, config):
+        log.warning("%s", problem)
     for profile in config.providers.values():
         if profile.api_key_env and not os.environ.get(profile.api_key_env):
             log.warning("provider profile %r: its api_key_env %s is not set; its calls "

@@ -3,14 +3,31 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from streamfence.config.identities import Identity
+from streamfence.config.model import DaemonConfig
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.pool import Pool
+
+try:
+    VERSION = version("streamfence")
+except PackageNotFoundError:  # a checkout on sys.path without an install
+    VERSION = "0+unknown"
+
+
+def daemon_facts(config: DaemonConfig, started: float,
+                 clock: Callable[[], float]) -> dict[str, Any]:
+    """What an admin's status says first: this daemon's version, its uptime
+    (monotonic seconds since `started`, its supervisor's start), its config
+    file (absolute; nil: the built-in defaults) and its state dir (absolute)."""
+    return {"version": VERSION, "uptime_s": round(clock() - started, 3),
+            "config_path": config.config_path, "state_dir": os.path.abspath(config.state_dir)}
 
 
 def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
@@ -18,8 +35,8 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
               counters: Counter[str], pids: Callable[[], dict[str, int | None]],
               auth_counts: Callable[[], dict[str, int]],
               storage: Callable[[], dict[str, Any] | None],
-              cluster: Callable[[], dict[str, Any]] | None, user: Identity,
-              reply: Callable[[dict[str, Any]], None]) -> None:
+              cluster: Callable[[], dict[str, Any]] | None, facts: Callable[[], dict[str, Any]],
+              user: Identity, reply: Callable[[dict[str, Any]], None]) -> None:
     """Give `reply` the body of a `status_reply`: each owner's own view. An
     identity that is not an admin sees only its own calls (docs/SECURITY.md);
     an admin's reply waits for the sink's counters (`sink_stats`: asked for,
@@ -32,13 +49,14 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
     cluster mode, this host's view of it (clusterlink.py `stats`; nil
     otherwise), its `appends_refused` counting the sink's too; and
     `histograms` (protocol/histograms.py): the driver's, and the sink's
-    `delta_latency` (taken out of its counters)."""
+    `delta_latency` (taken out of its counters). `facts` (`daemon_facts`)
+    come first: version, uptime_s, config_path, state_dir."""
     if not user.is_admin:
         # Its calls' request bytes (`in_flight_bytes`) next to its budget for them.
         calls = dict(driver.calls.status(owner=user.name), max_in_flight_bytes=user.max_in_flight_bytes)
         reply({"identity": user.name, "role": user.role.value, "calls": calls})
         return
-    body = {"identity": user.name, "role": user.role.value,
+    body = {"identity": user.name, "role": user.role.value, **facts(),
             "processes": pids(),
             "workers": pool.snapshot(),
             "pool": {"spare": pool.spare, "max": pool.max_workers,
