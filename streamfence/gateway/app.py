@@ -75,7 +75,7 @@ class Wire:
     kind: str  # the profiles' kind it serves
     stream: Callable[[str, str, bool], Renderer]  # (call_id, model, include_usage)
     body: Callable[[str, str, dict[str, Any]], dict[str, Any]]  # (call_id, model, done)
-    error: Callable[[str, str, int | None], tuple[int, dict[str, Any]]]
+    error: Callable[[str, str, http_errors.ProviderError | None], tuple[int, dict[str, Any]]]
 
 
 OPENAI = Wire("openai", lambda c, m, u: openai_chat.ChatCompletionStream(c, m, u),
@@ -294,9 +294,9 @@ def _with_content(done: dict[str, Any], texts: dict[tuple[int, str], list[str]]
     return dict(done, response=response)
 
 
-def _error(wire: Wire, code: str, message: str, http_status: int | None = None
-           ) -> web.Response:
-    status, body = wire.error(code, message, http_status)
+def _error(wire: Wire, code: str, message: str,
+           provider: http_errors.ProviderError | None = None) -> web.Response:
+    status, body = wire.error(code, message, provider)
     return web.json_response(body, status=status)
 
 

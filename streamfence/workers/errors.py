@@ -8,6 +8,13 @@ alone and reads `code` for the special cases it handles
 because it reaches logs, the journal and clients; `attempt_error` is the one
 place that builds an AttemptError, so the one place that scrubs.
 
+A provider's error is passed on once, as its SDK shows it: `message` is the
+body's `error.message` (not the SDK's str(), which prefixes "Error code: 400
+- " and, in anthropic's, the whole body's repr), and `provider_type` /
+`provider_code` its `error.type` and `error.code` (anthropic's
+`error.details.error_code`; Bedrock's error code is its type), so the
+gateway can answer with the provider's own body (gateway/http_errors.py).
+
 Rules (docs/ARCHITECTURE.md §4.3):
 - transient: timeouts; connection drops (httpx2 connect/read/protocol errors
   raised raw while a body is read, the SDKs' APIConnectionError/APITimeoutError,
@@ -93,10 +100,18 @@ def scrub(text: str, extra_secrets: Iterable[str] = ()) -> str:
 
 
 def attempt_error(error_class: ErrorClass, code: str, message: str, status: int | None = None,
-                  retry_after_s: float | None = None, extra_secrets: Iterable[str] = ()
+                  retry_after_s: float | None = None, extra_secrets: Iterable[str] = (), *,
+                  provider_type: str | None = None, provider_code: str | None = None
                   ) -> AttemptError:
     """Build an AttemptError; the single place messages get scrubbed."""
-    return AttemptError(error_class, code, scrub(message, extra_secrets), status, retry_after_s)
+    extra = tuple(extra_secrets)
+    return AttemptError(error_class, code, scrub(message, extra), status, retry_after_s,
+                        provider_type=_scrubbed(provider_type, extra),
+                        provider_code=_scrubbed(provider_code, extra))
+
+
+def _scrubbed(value: str | None, extra_secrets: tuple[str, ...]) -> str | None:
+    return None if value is None else scrub(value, extra_secrets)[:200]
 
 
 _CAUSE = "The above exception was the direct cause of the following exception"
@@ -232,13 +247,19 @@ def status_from_value(value: Any) -> int | None:
     return None
 
 
-def classify_status(status: int, text: str, *, retry_after_s: float | None = None,
-                    provider_type: str = "", extra_secrets: Iterable[str] = ()) -> AttemptError:
-    """An HTTP status with the provider's message (and error type, if known)."""
+def classify_status(status: int, text: str, *, message: str | None = None,
+                    retry_after_s: float | None = None, provider_type: str | None = None,
+                    provider_code: str | None = None, extra_secrets: Iterable[str] = ()
+                    ) -> AttemptError:
+    """An HTTP status with the provider's error: `text` is what the rules read
+    (the SDK's whole str()), `message` what the error says (default `text`),
+    and its error type and code, if known."""
     def make(cls: ErrorClass, code: str) -> AttemptError:
-        return attempt_error(cls, code, text, status, retry_after_s, extra_secrets)
+        return attempt_error(cls, code, text if message is None else message, status,
+                             retry_after_s, extra_secrets, provider_type=provider_type,
+                             provider_code=provider_code)
 
-    low_type = provider_type.lower()
+    low_type = f"{provider_type or ''} {provider_code or ''}".lower()
     if status in (400, 413, 422) and is_context_overflow_text(text + " " + low_type):
         return make(ErrorClass.CONTEXT_OVERFLOW, "context_overflow")
     if names_stream_options(status, text):
@@ -253,19 +274,37 @@ def classify_status(status: int, text: str, *, retry_after_s: float | None = Non
     return make(ErrorClass.FINAL, _STATUS_CODES.get(status, f"http_{status}"))
 
 
-def classify_payload(payload: Any, *, status: int | None = None, text: str | None = None,
-                     extra_secrets: Iterable[str] = ()) -> AttemptError:
-    """A provider error object (in-stream `{"error": {...}}`, an error event, a body)."""
+def _text_or_none(value: Any) -> str | None:
+    return None if value is None or value == "" else str(value)
+
+
+def _error_object(payload: Any) -> Mapping[str, Any]:
+    """The error object of an error body or event: `error` if it is one, else the payload."""
     err = payload.get("error") if isinstance(payload, Mapping) else None
     if not isinstance(err, Mapping):
         err = payload if isinstance(payload, Mapping) else {}
     if isinstance(payload, Mapping) and isinstance(payload.get("error"), str) and not err.get("message"):
         err = {"message": payload["error"]}
-    etype = " ".join(str(v) for v in (err.get("type") or err.get("error_type"), err.get("code")) if v)
-    message = err.get("message") or err.get("error_message") or text or str(payload)
-    message = str(message)
-    if etype and etype not in message:
-        message = f"{etype}: {message}"
+    return err
+
+
+def provider_type_and_code(err: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """An error object's type and code: OpenAI's `type` and `code`,
+    Anthropic's `type` and `details.error_code`."""
+    details = err.get("details")
+    code = err.get("code")
+    if code is None and isinstance(details, Mapping):
+        code = details.get("error_code")
+    return _text_or_none(err.get("type") or err.get("error_type")), _text_or_none(code)
+
+
+def classify_payload(payload: Any, *, status: int | None = None, text: str | None = None,
+                     extra_secrets: Iterable[str] = ()) -> AttemptError:
+    """A provider error object (in-stream `{"error": {...}}`, an error event, a body)."""
+    err = _error_object(payload)
+    ptype, pcode = provider_type_and_code(err)
+    etype = " ".join(v for v in (ptype, pcode) if v)
+    message = str(err.get("message") or err.get("error_message") or text or str(payload))
     if status is None:
         for cand in (payload.get("status_code") if isinstance(payload, Mapping) else None,
                      err.get("status_code"), err.get("status"), err.get("http_status"), err.get("code")):
@@ -273,13 +312,17 @@ def classify_payload(payload: Any, *, status: int | None = None, text: str | Non
             if status is not None:
                 break
     if status is not None and status >= 400:
-        return classify_status(status, message, provider_type=etype, extra_secrets=extra_secrets)
+        return classify_status(status, message, provider_type=ptype, provider_code=pcode,
+                               extra_secrets=extra_secrets)
     low = (etype + " " + message).lower()
     if is_context_overflow_text(low):
-        return attempt_error(ErrorClass.CONTEXT_OVERFLOW, "context_overflow", message, status, None, extra_secrets)
-    if any(t in etype.lower() for t in _TRANSIENT_TYPES) or has_connection_phrase(message):
-        return attempt_error(ErrorClass.TRANSIENT, "provider_error", message, status, None, extra_secrets)
-    return attempt_error(ErrorClass.FINAL, "provider_error", message, status, None, extra_secrets)
+        error_class, code = ErrorClass.CONTEXT_OVERFLOW, "context_overflow"
+    elif any(t in etype.lower() for t in _TRANSIENT_TYPES) or has_connection_phrase(message):
+        error_class, code = ErrorClass.TRANSIENT, "provider_error"
+    else:
+        error_class, code = ErrorClass.FINAL, "provider_error"
+    return attempt_error(error_class, code, message, status, None, extra_secrets,
+                         provider_type=ptype, provider_code=pcode)
 
 
 def classify_error_text(text: str) -> AttemptError:
@@ -360,15 +403,17 @@ def _classify_botocore(exc: BaseException, extra: Iterable[str]) -> AttemptError
     response = response if isinstance(response, Mapping) else {}
     err = response.get("Error") or {}
     code = str(err.get("Code") or "")
-    message = f"{code}: {err.get('Message') or exc}"
+    message = str(err.get("Message") or exc)
+    text = f"{code}: {message}"  # what the rules read; Bedrock's type is its error code
     meta = response.get("ResponseMetadata") or {}
     status = status_from_value(meta.get("HTTPStatusCode"))
     headers = meta.get("HTTPHeaders")
     low = code.lower()
-    if "accessdenied" in low and ("stream" in message.lower()):
-        return attempt_error(ErrorClass.FINAL, "streaming_unsupported", message, status, None, extra)
+    if "accessdenied" in low and ("stream" in text.lower()):
+        return attempt_error(ErrorClass.FINAL, "streaming_unsupported", message, status, None,
+                             extra, provider_type=code or None)
     if status is not None and status >= 400 and not any(t in low for t in _TRANSIENT_TYPES):
-        return classify_status(status, message, provider_type=code,
+        return classify_status(status, text, message=message, provider_type=code or None,
                                retry_after_s=retry_after_from_headers(headers), extra_secrets=extra)
     result = classify_payload({"error": {"type": code, "message": str(err.get("Message") or exc)}},
                               status=None, extra_secrets=extra)
@@ -393,6 +438,17 @@ class CredentialsMissing(Exception):
     retry cannot set it)."""
 
 
+def _status_message(status: int, body: Any, err: Mapping[str, Any]) -> str:
+    """What a status error says: its body's message, else the body itself (a
+    proxy's HTML or text page), else that it said nothing."""
+    message = err.get("message")
+    if isinstance(message, str) and message:
+        return message
+    if isinstance(body, str) and body.strip():
+        return body.strip()
+    return f"the provider answered HTTP {status} with no error message"
+
+
 def _classify(exc: BaseException, extra: tuple[str, ...]) -> AttemptError:
     if isinstance(exc, CredentialsMissing):
         return attempt_error(ErrorClass.FINAL, "credentials_missing", str(exc),
@@ -410,8 +466,10 @@ def _classify(exc: BaseException, extra: tuple[str, ...]) -> AttemptError:
         if status < 400:  # anthropic: an in-stream error event is an APIStatusError on a 200
             info = classify_payload(body, text=str(exc), extra_secrets=extra)
         else:
-            etype = f"{getattr(exc, 'type', None) or ''} {getattr(exc, 'code', None) or ''}"
-            info = classify_status(status, str(exc), provider_type=etype,
+            err = _error_object(body)
+            ptype, pcode = provider_type_and_code(err)
+            info = classify_status(status, str(exc), message=_status_message(status, body, err),
+                                   provider_type=ptype, provider_code=pcode,
                                    retry_after_s=retry_after_from_headers(headers), extra_secrets=extra)
         return replace(info, status=status)
     if isinstance(exc, _types("botocore.exceptions", "ClientError")):
