@@ -14,6 +14,7 @@ body's `error.message` (not the SDK's str(), which prefixes "Error code: 400
 `provider_code` its `error.type` and `error.code` (anthropic's
 `error.details.error_code`; Bedrock's error code is its type), so the
 gateway can answer with the provider's own body (gateway/http_errors.py).
+Reading a provider's text, body and headers is workers/error_text.py's.
 
 Rules (docs/ARCHITECTURE.md §4.3):
 - transient: timeouts; connection drops (httpx2 connect/read/protocol errors
@@ -31,13 +32,10 @@ is already loaded.
 
 from __future__ import annotations
 
-import email.utils
 import json
-import math
 import re
 import ssl
 import sys
-import time
 import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -47,6 +45,17 @@ import httpx2
 import openai
 
 from streamfence.protocol.internal.outcome import AttemptError, ErrorClass
+from streamfence.workers.error_text import (
+    error_object,
+    has_connection_phrase,
+    is_context_overflow_text,
+    names_stream_options,
+    provider_type_and_code,
+    rejects_streaming,
+    retry_after_from_headers,
+    status_from_value,
+    status_message,
+)
 
 MESSAGE_LIMIT = 2000
 TRACEBACK_LIMIT = 16_000  # characters of a traceback kept for the log (its end)
@@ -157,21 +166,7 @@ def traceback_text(exc: BaseException) -> str:
     return text
 
 
-# ---- text patterns ---------------------------------------------------------
-
-_CONTEXT_RE = re.compile(
-    r"context[_ ]length[_ ]exceeded|maximum context|context (?:length|window|size|limit)"
-    r"|prompt is too long|prompt too long|input is too long|too many (?:input )?tokens"
-    r"|exceeds? (?:the )?(?:model'?s? )?(?:context|max(?:imum)? (?:input|number of tokens|tokens))"
-    r"|reduce the length of the messages|input length and `?max_tokens`? exceed"
-    r"|maximum input length|prompt (?:length|tokens?) exceeds?", re.IGNORECASE)
-
-# Proxies report an upstream drop as an SSE error event, not a status.
-_CONN_PHRASES = ("connection lost", "connection reset", "connection closed", "connection terminated",
-                 "connection aborted", "connection refused", "network error", "network connection",
-                 "terminated", "peer closed", "broken pipe", "upstream connect error",
-                 "incomplete chunked read", "server disconnected", "remote end closed",
-                 "eof occurred", "timed out", "stream timeout")
+# ---- classification ----------------------------------------------------------
 
 # Provider error types/codes that say "try again" rather than "your request is wrong".
 _TRANSIENT_TYPES = ("server_error", "internal", "overloaded", "unavailable", "rate_limit",
@@ -182,69 +177,6 @@ _STATUS_CODES = {400: "bad_request", 401: "auth_failed", 403: "permission_denied
                  404: "not_found", 408: "request_timeout", 409: "conflict",
                  413: "payload_too_large", 422: "unprocessable", 429: "rate_limited",
                  503: "unavailable", 529: "overloaded"}
-
-
-def is_context_overflow_text(text: str) -> bool:
-    return _CONTEXT_RE.search(text) is not None
-
-
-def has_connection_phrase(text: str) -> bool:
-    low = text.lower()
-    return any(p in low for p in _CONN_PHRASES)
-
-
-def names_stream_options(status: int | None, text: str) -> bool:
-    """A strict endpoint rejecting the usage extension (400/422 naming it)."""
-    return status in (400, 422) and "stream_options" in text.lower()
-
-
-def _rejects_streaming(status: int | None, text: str) -> bool:
-    low = text.lower()
-    return (status is not None and 400 <= status < 500 and "stream" in low
-            and ("not supported" in low or "unsupported" in low or "not allowed" in low
-                 or "does not support" in low))
-
-
-# ---- Retry-After -----------------------------------------------------------
-
-def retry_after_from_headers(headers: Any, now: float | None = None) -> float | None:
-    """Seconds to wait from `retry-after-ms` or `Retry-After` (seconds or HTTP date)."""
-    if headers is None:
-        return None
-    try:
-        ms = headers.get("retry-after-ms")
-        raw = headers.get("retry-after")
-    except Exception:
-        return None
-    for value, scale in ((ms, 1000.0), (raw, 1.0)):
-        if value is None:
-            continue
-        try:
-            delay = float(value) / scale
-        except (TypeError, ValueError):
-            continue
-        return max(0.0, delay) if math.isfinite(delay) else None
-    if isinstance(raw, str):
-        parsed = email.utils.parsedate_tz(raw)
-        if parsed is not None:
-            try:
-                when = float(email.utils.mktime_tz(parsed))
-            except (OverflowError, ValueError):
-                return None
-            return max(0.0, when - (time.time() if now is None else now))
-    return None
-
-
-# ---- classification ----------------------------------------------------------
-
-def status_from_value(value: Any) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
-        return value
-    if isinstance(value, str):
-        m = re.search(r"\b([1-5]\d\d)\b", value)
-        if m:
-            return int(m.group(1))
-    return None
 
 
 def classify_status(status: int, text: str, *, message: str | None = None,
@@ -264,7 +196,7 @@ def classify_status(status: int, text: str, *, message: str | None = None,
         return make(ErrorClass.CONTEXT_OVERFLOW, "context_overflow")
     if names_stream_options(status, text):
         return make(ErrorClass.FINAL, "stream_options_rejected")
-    if _rejects_streaming(status, text):
+    if rejects_streaming(status, text):
         return make(ErrorClass.FINAL, "streaming_unsupported")
     if status == 429 and ("insufficient_quota" in text + low_type or "billing" in text.lower()):
         # OpenAI's quota exhaustion is a 429 that no retry can fix.
@@ -274,34 +206,10 @@ def classify_status(status: int, text: str, *, message: str | None = None,
     return make(ErrorClass.FINAL, _STATUS_CODES.get(status, f"http_{status}"))
 
 
-def _text_or_none(value: Any) -> str | None:
-    return None if value is None or value == "" else str(value)
-
-
-def _error_object(payload: Any) -> Mapping[str, Any]:
-    """The error object of an error body or event: `error` if it is one, else the payload."""
-    err = payload.get("error") if isinstance(payload, Mapping) else None
-    if not isinstance(err, Mapping):
-        err = payload if isinstance(payload, Mapping) else {}
-    if isinstance(payload, Mapping) and isinstance(payload.get("error"), str) and not err.get("message"):
-        err = {"message": payload["error"]}
-    return err
-
-
-def provider_type_and_code(err: Mapping[str, Any]) -> tuple[str | None, str | None]:
-    """An error object's type and code: OpenAI's `type` and `code`,
-    Anthropic's `type` and `details.error_code`."""
-    details = err.get("details")
-    code = err.get("code")
-    if code is None and isinstance(details, Mapping):
-        code = details.get("error_code")
-    return _text_or_none(err.get("type") or err.get("error_type")), _text_or_none(code)
-
-
 def classify_payload(payload: Any, *, status: int | None = None, text: str | None = None,
                      extra_secrets: Iterable[str] = ()) -> AttemptError:
     """A provider error object (in-stream `{"error": {...}}`, an error event, a body)."""
-    err = _error_object(payload)
+    err = error_object(payload)
     ptype, pcode = provider_type_and_code(err)
     etype = " ".join(v for v in (ptype, pcode) if v)
     message = str(err.get("message") or err.get("error_message") or text or str(payload))
@@ -438,17 +346,6 @@ class CredentialsMissing(Exception):
     retry cannot set it)."""
 
 
-def _status_message(status: int, body: Any, err: Mapping[str, Any]) -> str:
-    """What a status error says: its body's message, else the body itself (a
-    proxy's HTML or text page), else that it said nothing."""
-    message = err.get("message")
-    if isinstance(message, str) and message:
-        return message
-    if isinstance(body, str) and body.strip():
-        return body.strip()
-    return f"the provider answered HTTP {status} with no error message"
-
-
 def _classify(exc: BaseException, extra: tuple[str, ...]) -> AttemptError:
     if isinstance(exc, CredentialsMissing):
         return attempt_error(ErrorClass.FINAL, "credentials_missing", str(exc),
@@ -466,9 +363,9 @@ def _classify(exc: BaseException, extra: tuple[str, ...]) -> AttemptError:
         if status < 400:  # anthropic: an in-stream error event is an APIStatusError on a 200
             info = classify_payload(body, text=str(exc), extra_secrets=extra)
         else:
-            err = _error_object(body)
+            err = error_object(body)
             ptype, pcode = provider_type_and_code(err)
-            info = classify_status(status, str(exc), message=_status_message(status, body, err),
+            info = classify_status(status, str(exc), message=status_message(status, body, err),
                                    provider_type=ptype, provider_code=pcode,
                                    retry_after_s=retry_after_from_headers(headers), extra_secrets=extra)
         return replace(info, status=status)
