@@ -23,8 +23,17 @@ from streamfence.devtools.emulator.control import (
     EmulatorProcess,
     emulator_profile,
 )
+from streamfence.gateway import http_errors
 from streamfence.gateway.keys import http_key
 from streamfence.protocol.credentials import load_credentials
+from streamfence.protocol.internal.outcome import (
+    AttemptError,
+    AttemptOutcome,
+    BadOutcome,
+    ErrorClass,
+    outcome_from_wire,
+    outcome_to_wire,
+)
 from tests.harness import DaemonProcess, free_port, healthy, wait_until
 
 QUESTION: Any = [{"role": "user", "content": "hello"}]
@@ -171,3 +180,48 @@ def test_done_error_carries_the_providers_error_once(
     assert done["status"] == "failed", done
     assert done["error"] == {"code": "provider_error", "message": "bad thing",
                              "provider_status": 400, **error}
+
+
+# ---- the pieces (pure) ------------------------------------------------------------------
+
+def test_the_attempt_error_crosses_the_wire_with_the_providers_type_and_code() -> None:
+    error = AttemptError(ErrorClass.FINAL, "bad_request", "bad thing", 400,
+                         provider_type="invalid_request_error", provider_code="invalid_value")
+    outcome = AttemptOutcome(ok=False, error=error)
+    assert outcome_from_wire(outcome_to_wire(outcome)) == outcome
+    wire = outcome_to_wire(outcome)
+    wire[7][7] = 400  # a code that is not a text
+    with pytest.raises(BadOutcome):
+        outcome_from_wire(wire)
+
+
+def test_the_log_still_shows_the_status_or_the_type() -> None:
+    assert AttemptError(ErrorClass.FINAL, "c", "bad thing", 400).described == \
+        "Error code: 400 - bad thing"
+    assert AttemptError(ErrorClass.TRANSIENT, "c", "Network connection lost.",
+                        provider_type="server_error").described == \
+        "server_error: Network connection lost."
+    assert AttemptError(ErrorClass.TRANSIENT, "c", "gone").described == "gone"
+
+
+def test_the_gateway_renders_the_providers_error_as_the_provider_would() -> None:
+    given = http_errors.ProviderError(403, "permission_error", "no_access")
+    assert http_errors.openai_error("provider_error", "m", given) == (
+        403, {"error": {"message": "m", "type": "permission_error", "param": None,
+                        "code": "no_access"}})
+    assert http_errors.anthropic_error("provider_error", "m", given) == (
+        403, {"type": "error", "error": {"type": "permission_error", "message": "m",
+                                         "details": {"error_code": "no_access"}}})
+    # A type without a code: OpenAI's code is null, as the provider sent it.
+    typed = http_errors.ProviderError(400, "invalid_request_error")
+    assert http_errors.openai_error("provider_error", "m", typed)[1]["error"]["code"] is None
+    # A context overflow keeps the provider's status; only the two codes pass it through.
+    assert http_errors.openai_error("context_overflow", "m",
+                                    http_errors.ProviderError(413))[0] == 413
+    assert http_errors.openai_error("retries_exhausted", "m", given) == \
+        http_errors.openai_error("retries_exhausted", "m")
+    done = {"status": "failed", "error": {"code": "provider_error", "message": "m",
+                                          "provider_status": 403,
+                                          "provider_type": "permission_error",
+                                          "provider_code": "no_access"}}
+    assert http_errors.done_error(done) == ("provider_error", "m", given)

@@ -47,9 +47,12 @@ class AttemptError:
     @property
     def described(self) -> str:
         """The message with the provider's HTTP status, worded as the SDKs
-        word it, for the log and a retries_exhausted message."""
+        word it (an in-stream error, with no status: with its type), for the
+        log and a retries_exhausted message."""
         if self.status is not None and self.status >= 400:
             return f"Error code: {self.status} - {self.message}"
+        if self.provider_type and self.provider_type not in self.message:
+            return f"{self.provider_type}: {self.message}"
         return self.message
 
 
