@@ -114,7 +114,8 @@ class ZmqLogHandler(logging.Handler):
             }
             for key in CONTEXT_FIELDS:
                 fields[key] = getattr(record, key, _context[key])
-            fields["fields"] = getattr(record, "fields", None)
+            if (structured := getattr(record, "fields", None)) is not None:
+                fields["fields"] = structured
             frame = msgpack.packb([L_RECORD, fields], use_bin_type=True, default=str)
             with self._lock_send:
                 self._socket.send(frame, zmq.NOBLOCK)
