@@ -18,11 +18,11 @@ import orjson
 import pytest
 
 from streamfence.protocol.internal.outcome import AttemptError, ErrorClass
+from streamfence.workers.error_text import retry_after_from_headers
 from streamfence.workers.errors import (
     MalformedStreamError,
     classify,
     classify_payload,
-    retry_after_from_headers,
     scrub,
 )
 from tests.http_stub import Reply as StubReply

@@ -100,7 +100,7 @@ class Call:
 # ---- the server --------------------------------------------------------------------------
 
 Renderer = openai_chat.ChatCompletionStream | anthropic_messages.MessageStream
-ErrorFn = Callable[[str, str, int | None], tuple[int, dict[str, Any]]]
+ErrorFn = Callable[[str, str, http_errors.ProviderError | None], tuple[int, dict[str, Any]]]
 
 
 class WireServer:
@@ -180,8 +180,8 @@ class WireServer:
 
 
 def _error_response(error: ErrorFn, done: dict[str, Any]) -> web.Response:
-    code, message, http_status = http_errors.done_error(done)
-    status, body = error(code, message, http_status)
+    code, message, provider = http_errors.done_error(done)
+    status, body = error(code, message, provider)
     return web.json_response(body, status=status)
 
 
@@ -605,10 +605,11 @@ def test_every_protocol_error_code_has_a_row() -> None:
 
 
 def test_provider_error_status() -> None:
-    assert http_errors.openai_error("provider_error", "m", 404)[0] == 404
-    assert http_errors.anthropic_error("provider_error", "m", 529) == (
+    given = http_errors.ProviderError
+    assert http_errors.openai_error("provider_error", "m", given(404))[0] == 404
+    assert http_errors.anthropic_error("provider_error", "m", given(529)) == (
         529, {"type": "error", "error": {"type": "overloaded_error", "message": "m"}})
-    assert http_errors.openai_error("provider_error", "m", 200)[0] == 400
+    assert http_errors.openai_error("provider_error", "m", given(200))[0] == 400
     assert http_errors.openai_error("provider_error", "m")[0] == 400
     assert http_errors.openai_error("no_such_code", "m")[0] == 500
 

@@ -214,8 +214,8 @@ class MessageStream:
 
     def _done(self, seq: int, done: dict[str, Any], out: list[bytes]) -> None:
         if done.get("status") not in ("completed", "partial"):
-            code, message, http_status = http_errors.done_error(done)
-            self._error(seq, code, message, http_status, StreamState.ENDED, out)
+            code, message, provider = http_errors.done_error(done)
+            self._error(seq, code, message, provider, StreamState.ENDED, out)
             return
         response = done["response"]
         self._pieces(seq, self._gate.release(), out)
@@ -243,10 +243,11 @@ class MessageStream:
         out.append(frame(seq, {"type": "message_stop"}, "message_stop"))
         self.state = StreamState.ENDED
 
-    def _error(self, seq: int, code: str, message: str, http_status: int | None,
+    def _error(self, seq: int, code: str, message: str,
+               provider: http_errors.ProviderError | None,
                then: StreamState, out: list[bytes]) -> None:
         self.state = then
-        out.append(frame(seq, http_errors.anthropic_error(code, message, http_status)[1],
+        out.append(frame(seq, http_errors.anthropic_error(code, message, provider)[1],
                          "error"))
 
 

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from streamfence.config.model import DaemonConfig
-from streamfence.gateway import anthropic_messages, http_errors, openai_chat
+from streamfence.gateway import access, anthropic_messages, http_errors, openai_chat
 from streamfence.gateway.keys import HttpKeys
 from streamfence.gateway.metrics import Health
 from streamfence.gateway.routes import PROFILE_HEADER, NoRoute, route
@@ -75,7 +75,7 @@ class Wire:
     kind: str  # the profiles' kind it serves
     stream: Callable[[str, str, bool], Renderer]  # (call_id, model, include_usage)
     body: Callable[[str, str, dict[str, Any]], dict[str, Any]]  # (call_id, model, done)
-    error: Callable[[str, str, int | None], tuple[int, dict[str, Any]]]
+    error: Callable[[str, str, http_errors.ProviderError | None], tuple[int, dict[str, Any]]]
 
 
 OPENAI = Wire("openai", lambda c, m, u: openai_chat.ChatCompletionStream(c, m, u),
@@ -96,7 +96,8 @@ class Gateway:
         self._health = Health(self._endpoint, keys_dir, config.providers)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self._config.max_frame_bytes)
+        app = web.Application(client_max_size=self._config.max_frame_bytes,
+                              middlewares=[access.abandoned])
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_post("/v1/messages", self._messages)
         app.router.add_get("/v1/models", self._models)
@@ -114,13 +115,17 @@ class Gateway:
 
     def _identity(self, request: web.Request) -> Credentials | str | None:
         """The caller's credentials (auth "curve"), LOCAL_NAME (auth "none"),
-        or None: no key, or not one of ours."""
+        or None: no key, or not one of ours. Its name goes to the access log."""
         if self._keys is None:
-            return LOCAL_NAME
-        auth = request.headers.get("Authorization", "")
-        key = auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else \
-            request.headers.get("x-api-key", "").strip()
-        return self._keys.identify(key) if key else None
+            who: Credentials | str | None = LOCAL_NAME
+        else:
+            auth = request.headers.get("Authorization", "")
+            key = auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else \
+                request.headers.get("x-api-key", "").strip()
+            who = self._keys.identify(key) if key else None
+        if who is not None:
+            request[access.IDENTITY] = who if isinstance(who, str) else who.name
+        return who
 
     def _client(self, who: Credentials | str) -> AsyncClient:
         name = who if isinstance(who, str) else who.name
@@ -188,6 +193,7 @@ class Gateway:
             return _error(wire, exc.code, exc.message)
         except TimeoutError:
             return _error(wire, "overloaded", "the daemon did not answer the submit")
+        request[access.CALL_ID] = call_id
         log.info("http call %s: %s via %s", call_id, model, picked.profile,
                  extra={"call_id": call_id})
         me = asyncio.current_task()
@@ -294,9 +300,9 @@ def _with_content(done: dict[str, Any], texts: dict[tuple[int, str], list[str]]
     return dict(done, response=response)
 
 
-def _error(wire: Wire, code: str, message: str, http_status: int | None = None
-           ) -> web.Response:
-    status, body = wire.error(code, message, http_status)
+def _error(wire: Wire, code: str, message: str,
+           provider: http_errors.ProviderError | None = None) -> web.Response:
+    status, body = wire.error(code, message, provider)
     return web.json_response(body, status=status)
 
 

@@ -1,21 +1,26 @@
 """streamfence error codes (docs/PROTOCOL.md §7) as the providers' own HTTP errors.
 
 Contract:
-- `openai_error(code, message, http_status=None) -> (status, body)`: OpenAI's
+- `openai_error(code, message, provider=None) -> (status, body)`: OpenAI's
   body, `{"error": {"message", "type", "param": null, "code"}}`. `code` is
   OpenAI's own code where one means the same (`context_length_exceeded`,
   `rate_limit_exceeded`, `model_not_found`, `invalid_api_key`), else the
   streamfence code, so `exc.code` tells an app what happened.
-- `anthropic_error(code, message, http_status=None) -> (status, body)`:
+- `anthropic_error(code, message, provider=None) -> (status, body)`:
   Anthropic's body, `{"type": "error", "error": {"type", "message"}}`.
 - Both bodies are also the in-stream error: OpenAI's SDK raises `APIError` on
   a `data:` chunk holding `error`, Anthropic's raises `APIStatusError` on an
   `event: error` frame (the renderers send them, gateway/openai_chat.py and
   gateway/anthropic_messages.py).
-- `http_status` is the provider's own status, used for `provider_error` only
-  (a status outside 400..599 is ignored): the daemon's `done.error` does not
-  carry it today, so without it a provider error is a 400.
-- `done_error(done)`: a failed or cancelled done's (code, message, http_status).
+- `provider`: the provider's own error (`ProviderError`: its HTTP status,
+  type and code, as a `provider_error` or `context_overflow` done carries
+  them, PROTOCOL §6), passed through for those two codes only: the status
+  (one outside 400..599 is ignored; without one a provider error is a 400),
+  and, when the provider sent a type or code, its type and code in place of
+  the table's (OpenAI's `error.code`, null if it gave none; Anthropic's
+  `error.details.error_code`). The message is the provider's, once: an SDK
+  pointed at the gateway shows what it shows pointed at the provider.
+- `done_error(done)`: a failed or cancelled done's (code, message, provider).
 
 `ERRORS` below is the table, the one place the statuses are decided. The
 status picks the exception class the SDK raises: openai 3.57 maps 400
@@ -31,8 +36,10 @@ the response has the header `x-should-retry: false`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+PASSED_THROUGH = frozenset({"provider_error", "context_overflow"})  # the provider's own errors
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +121,20 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
 
 
+@dataclass(frozen=True, slots=True)
+class ProviderError:
+    """The provider's own error as a done carries it: each None if it gave none."""
+
+    status: int | None = None
+    type: str | None = None
+    code: str | None = None
+
+    @property
+    def given(self) -> bool:
+        """The provider sent an error object of its own (a type or a code)."""
+        return self.type is not None or self.code is not None
+
+
 def _by_status(status: int) -> Row:
     """The row of a provider's own error status."""
     openai_type = ("server_error" if status >= 500 else "requests" if status == 429
@@ -124,36 +145,55 @@ def _by_status(status: int) -> Row:
 
 
 def row_of(code: str, http_status: int | None = None) -> Row:
-    """The table's row for `code` (PROVIDER_ERROR: by the provider's status)."""
+    """The table's row for `code` (a provider's own error: by its status)."""
+    status = http_status if isinstance(http_status, int) and 400 <= http_status <= 599 \
+        else None
     if code == "provider_error":
-        if isinstance(http_status, int) and 400 <= http_status <= 599:
-            return _by_status(http_status)
-        return _by_status(400)
-    return ERRORS.get(code, INTERNAL)
+        return _by_status(status or 400)
+    row = ERRORS.get(code, INTERNAL)
+    if code in PASSED_THROUGH and status is not None:
+        return replace(row, status=status, anthropic_status=status)
+    return row
 
 
-def openai_error(code: str, message: str, http_status: int | None = None
+def _provider(code: str, provider: ProviderError | None) -> ProviderError:
+    return provider if provider is not None and code in PASSED_THROUGH else ProviderError()
+
+
+def openai_error(code: str, message: str, provider: ProviderError | None = None
                  ) -> tuple[int, dict[str, Any]]:
     """OpenAI's HTTP status and error body for a streamfence error code."""
-    row = row_of(code, http_status)
+    given = _provider(code, provider)
+    row = row_of(code, given.status)
+    if given.given:
+        return row.status, {"error": {"message": message,
+                                      "type": given.type or row.openai_type,
+                                      "param": None, "code": given.code}}
     return row.status, {"error": {"message": message, "type": row.openai_type, "param": None,
                                   "code": row.openai_code or code}}
 
 
-def anthropic_error(code: str, message: str, http_status: int | None = None
+def anthropic_error(code: str, message: str, provider: ProviderError | None = None
                     ) -> tuple[int, dict[str, Any]]:
     """Anthropic's HTTP status and error body for a streamfence error code."""
-    row = row_of(code, http_status)
-    return row.anthropic_status, {"type": "error",
-                                  "error": {"type": row.anthropic_type, "message": message}}
+    given = _provider(code, provider)
+    row = row_of(code, given.status)
+    error: dict[str, Any] = {"type": given.type or row.anthropic_type, "message": message}
+    if given.code is not None:
+        error["details"] = {"error_code": given.code}
+    return row.anthropic_status, {"type": "error", "error": error}
 
 
-def done_error(done: dict[str, Any]) -> tuple[str, str, int | None]:
-    """(code, message, http_status) of a failed or cancelled done. `http_status`
-    is the provider's own, which a `provider_error` carries (`provider_status`)."""
+def done_error(done: dict[str, Any]) -> tuple[str, str, ProviderError | None]:
+    """(code, message, provider) of a failed or cancelled done: `provider` is
+    the provider's own error, which a `provider_error` or `context_overflow`
+    carries (`provider_status`, `provider_type`, `provider_code`)."""
     error = done.get("error") or {}
     status = str(done.get("status"))
     code = str(error.get("code") or ("cancelled" if status == "cancelled" else "internal"))
     message = str(error.get("message") or f"the call ended {status}")
-    http_status = error.get("provider_status")
-    return code, message, http_status if isinstance(http_status, int) else None
+    http_status, etype, ecode = (error.get(f"provider_{k}") for k in ("status", "type", "code"))
+    provider = ProviderError(http_status if isinstance(http_status, int) else None,
+                             etype if isinstance(etype, str) else None,
+                             ecode if isinstance(ecode, str) else None)
+    return code, message, provider if provider != ProviderError() else None

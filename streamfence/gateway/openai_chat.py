@@ -141,8 +141,8 @@ class ChatCompletionStream:
     def _done(self, seq: int, done: dict[str, Any]) -> bytes:
         status = done.get("status")
         if status not in ("completed", "partial"):
-            code, message, http_status = http_errors.done_error(done)
-            return self._error(seq, code, message, http_status, StreamState.ENDED)
+            code, message, provider = http_errors.done_error(done)
+            return self._error(seq, code, message, provider, StreamState.ENDED)
         response = done["response"]
         out = [self._chunk(seq, {_FIELDS[k]: piece}) for k, piece in self._gate.release()]
         for i, call in enumerate(response.get("tool_calls") or ()):
@@ -173,10 +173,11 @@ class ChatCompletionStream:
             chunk["usage"] = None
         return frame(seq, chunk)
 
-    def _error(self, seq: int, code: str, message: str, http_status: int | None,
+    def _error(self, seq: int, code: str, message: str,
+               provider: http_errors.ProviderError | None,
                then: StreamState) -> bytes:
         self.state = then
-        return frame(seq, http_errors.openai_error(code, message, http_status)[1])
+        return frame(seq, http_errors.openai_error(code, message, provider)[1])
 
 
 def completion(call_id: str, model: str, done: dict[str, Any],

@@ -19,6 +19,8 @@ import uvloop
 import zmq
 
 from streamfence.config.model import DaemonConfig
+from streamfence.gateway.access import AccessLog
+from streamfence.gateway.access import log as access_log
 from streamfence.gateway.app import Gateway, keys_dir_of
 from streamfence.protocol.internal import Endpoints
 from streamfence.protocol.lifecycle import (
@@ -41,8 +43,6 @@ def run_gateway(config: DaemonConfig, runtime_dir: str) -> None:
     log_sock.linger = 1000
     log_sock.connect(Endpoints(runtime_dir).logs)
     route_logs_to(log_sock, config.log_level, "gateway")
-    # httpx-style per-request lines are the access log's job, not ours.
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if not die_with_parent(expected_parent_pid()):
         sys.exit(ExitCode.PARENT_GONE)
     try:
@@ -57,7 +57,8 @@ async def _serve(config: DaemonConfig) -> int:
     from aiohttp import web
 
     runner = web.AppRunner(Gateway(config, keys_dir_of(config)).app(),
-                           handler_cancellation=True)  # a client gone cancels its handler
+                           handler_cancellation=True,  # a client gone cancels its handler
+                           access_log_class=AccessLog, access_log=access_log)
     await runner.setup()
     host, port = config.http.host_port
     try:

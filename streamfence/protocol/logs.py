@@ -10,6 +10,10 @@ attempt at a time, so the context is simply process-global: it holds for
 records from any thread and any library (the openai SDK's, httpx2's), which
 a thread-local or contextvar would not.
 
+A record may also carry `fields` (`extra={"fields": {...}}`): a map of
+structured values that JSON logs write as keys of their own (the text log
+has them in the message already); the gateway's access lines do.
+
 httpx2 logs every request at INFO (`HTTP Request: POST … "HTTP/1.1 200
 OK"`): the warm-ups' requests to a stub on a random local port, and one per
 attempt, which the daemon's own lines (`attempt started`, a failure with its
@@ -110,6 +114,8 @@ class ZmqLogHandler(logging.Handler):
             }
             for key in CONTEXT_FIELDS:
                 fields[key] = getattr(record, key, _context[key])
+            if (structured := getattr(record, "fields", None)) is not None:
+                fields["fields"] = structured
             frame = msgpack.packb([L_RECORD, fields], use_bin_type=True, default=str)
             with self._lock_send:
                 self._socket.send(frame, zmq.NOBLOCK)

@@ -140,13 +140,18 @@ class Finish:
     meta: FinishMeta
 
 
-def call_error(code: ErrorCode, message: str, provider_status: int | None = None
+def call_error(code: ErrorCode, message: str, provider: AttemptError | None = None
                ) -> dict[str, Any]:
-    """A done's `error`; `provider_status`: the provider's HTTP status, for
-    `provider_error` (the gateway answers with it: docs/PROTOCOL.md §6)."""
+    """A done's `error`; `provider`: the provider's error, whose HTTP status,
+    type and code it carries when the provider gave them (the gateway answers
+    with them: docs/PROTOCOL.md §6)."""
     error: dict[str, Any] = {"code": code.value, "message": message}
-    if provider_status is not None:
-        error["provider_status"] = provider_status
+    if provider is not None:
+        for key, value in (("provider_status", provider.status),
+                           ("provider_type", provider.provider_type),
+                           ("provider_code", provider.provider_code)):
+            if value is not None:
+                error[key] = value
     return error
 
 
@@ -175,8 +180,8 @@ def decide(call: Call, stats: AttemptStats, outcome: AttemptOutcome | None,
     visible = stats.visible_chars > 0
     restart = call.spec.options.on_partial is OnPartial.RESTART
     if error.error_class is ErrorClass.CONTEXT_OVERFLOW:
-        return Finish(CallStatus.FAILED, call_error(ErrorCode.CONTEXT_OVERFLOW, error.message),
-                      meta)
+        return Finish(CallStatus.FAILED,
+                      call_error(ErrorCode.CONTEXT_OVERFLOW, error.message, error), meta)
     if visible and not restart:
         # Retrying would duplicate text the caller already has: end partial,
         # finish_reason "length", so the caller can ask for a continuation.
@@ -184,14 +189,14 @@ def decide(call: Call, stats: AttemptStats, outcome: AttemptOutcome | None,
     if error.error_class is not ErrorClass.TRANSIENT:
         code = (ErrorCode.CREDENTIALS_MISSING if error.code == "credentials_missing"
                 else ErrorCode.PROVIDER_ERROR)
-        return Finish(CallStatus.FAILED, call_error(code, error.message, error.status), meta)
+        return Finish(CallStatus.FAILED, call_error(code, error.message, error), meta)
     out_of_time = call.deadline is not None and now >= call.deadline
     if call.attempts >= call.max_attempts or out_of_time:
         code = (ErrorCode.DEADLINE_EXCEEDED if out_of_time
                 else ErrorCode.STREAM_STALLED if error.code == "stream_stalled"
                 else ErrorCode.RETRIES_EXHAUSTED)
         return Finish(CallStatus.FAILED, call_error(
-            code, f"{call.attempts} attempt(s) failed; last: {error.message}"), meta)
+            code, f"{call.attempts} attempt(s) failed; last: {error.described}"), meta)
     # Under on_partial="restart" the next attempt voids this one's text
     # (`call.delivered` makes its authorize a reset).
     return Retry(retry_after_s=error.retry_after_s)

@@ -1,7 +1,9 @@
 """The daemon's one log stream: its own records and every child's, plain text
 or JSON lines. A record's session_id, call_id and attempt appear only when
 set: `session=… call=… attempt=…` before the message in text, keys in JSON
-(a line of no call has none of them).
+(a line of no call has none of them). A record's `fields` (protocol/logs.py)
+are keys of their own in JSON, after the ones above, which they never
+replace.
 
 Clients choose some of what is logged (a session id, a model name), so the
 text format escapes it: one record is one line, whatever a client sent. In
@@ -83,6 +85,9 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
         }
         out.update(context_of(record))
+        fields = getattr(record, "fields", None)
+        for key, value in (fields.items() if isinstance(fields, dict) else ()):
+            out.setdefault(key, value)
         exc = record.exc_text or (self.formatException(record.exc_info)
                                   if record.exc_info else None)
         if exc:

@@ -8,6 +8,14 @@ alone and reads `code` for the special cases it handles
 because it reaches logs, the journal and clients; `attempt_error` is the one
 place that builds an AttemptError, so the one place that scrubs.
 
+A provider's error is passed on once, as its SDK shows it: `message` is the
+body's `error.message` (not the SDK's str(), which prefixes "Error code: 400
+- " and, in anthropic's, the whole body's repr), and `provider_type` /
+`provider_code` its `error.type` and `error.code` (anthropic's
+`error.details.error_code`; Bedrock's error code is its type), so the
+gateway can answer with the provider's own body (gateway/http_errors.py).
+Reading a provider's text, body and headers is workers/error_text.py's.
+
 Rules (docs/ARCHITECTURE.md §4.3):
 - transient: timeouts; connection drops (httpx2 connect/read/protocol errors
   raised raw while a body is read, the SDKs' APIConnectionError/APITimeoutError,
@@ -24,13 +32,10 @@ is already loaded.
 
 from __future__ import annotations
 
-import email.utils
 import json
-import math
 import re
 import ssl
 import sys
-import time
 import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -40,6 +45,17 @@ import httpx2
 import openai
 
 from streamfence.protocol.internal.outcome import AttemptError, ErrorClass
+from streamfence.workers.error_text import (
+    error_object,
+    has_connection_phrase,
+    is_context_overflow_text,
+    names_stream_options,
+    provider_type_and_code,
+    rejects_streaming,
+    retry_after_from_headers,
+    status_from_value,
+    status_message,
+)
 
 MESSAGE_LIMIT = 2000
 TRACEBACK_LIMIT = 16_000  # characters of a traceback kept for the log (its end)
@@ -93,10 +109,18 @@ def scrub(text: str, extra_secrets: Iterable[str] = ()) -> str:
 
 
 def attempt_error(error_class: ErrorClass, code: str, message: str, status: int | None = None,
-                  retry_after_s: float | None = None, extra_secrets: Iterable[str] = ()
+                  retry_after_s: float | None = None, extra_secrets: Iterable[str] = (), *,
+                  provider_type: str | None = None, provider_code: str | None = None
                   ) -> AttemptError:
     """Build an AttemptError; the single place messages get scrubbed."""
-    return AttemptError(error_class, code, scrub(message, extra_secrets), status, retry_after_s)
+    extra = tuple(extra_secrets)
+    return AttemptError(error_class, code, scrub(message, extra), status, retry_after_s,
+                        provider_type=_scrubbed(provider_type, extra),
+                        provider_code=_scrubbed(provider_code, extra))
+
+
+def _scrubbed(value: str | None, extra_secrets: tuple[str, ...]) -> str | None:
+    return None if value is None else scrub(value, extra_secrets)[:200]
 
 
 _CAUSE = "The above exception was the direct cause of the following exception"
@@ -142,21 +166,7 @@ def traceback_text(exc: BaseException) -> str:
     return text
 
 
-# ---- text patterns ---------------------------------------------------------
-
-_CONTEXT_RE = re.compile(
-    r"context[_ ]length[_ ]exceeded|maximum context|context (?:length|window|size|limit)"
-    r"|prompt is too long|prompt too long|input is too long|too many (?:input )?tokens"
-    r"|exceeds? (?:the )?(?:model'?s? )?(?:context|max(?:imum)? (?:input|number of tokens|tokens))"
-    r"|reduce the length of the messages|input length and `?max_tokens`? exceed"
-    r"|maximum input length|prompt (?:length|tokens?) exceeds?", re.IGNORECASE)
-
-# Proxies report an upstream drop as an SSE error event, not a status.
-_CONN_PHRASES = ("connection lost", "connection reset", "connection closed", "connection terminated",
-                 "connection aborted", "connection refused", "network error", "network connection",
-                 "terminated", "peer closed", "broken pipe", "upstream connect error",
-                 "incomplete chunked read", "server disconnected", "remote end closed",
-                 "eof occurred", "timed out", "stream timeout")
+# ---- classification ----------------------------------------------------------
 
 # Provider error types/codes that say "try again" rather than "your request is wrong".
 _TRANSIENT_TYPES = ("server_error", "internal", "overloaded", "unavailable", "rate_limit",
@@ -169,81 +179,24 @@ _STATUS_CODES = {400: "bad_request", 401: "auth_failed", 403: "permission_denied
                  503: "unavailable", 529: "overloaded"}
 
 
-def is_context_overflow_text(text: str) -> bool:
-    return _CONTEXT_RE.search(text) is not None
-
-
-def has_connection_phrase(text: str) -> bool:
-    low = text.lower()
-    return any(p in low for p in _CONN_PHRASES)
-
-
-def names_stream_options(status: int | None, text: str) -> bool:
-    """A strict endpoint rejecting the usage extension (400/422 naming it)."""
-    return status in (400, 422) and "stream_options" in text.lower()
-
-
-def _rejects_streaming(status: int | None, text: str) -> bool:
-    low = text.lower()
-    return (status is not None and 400 <= status < 500 and "stream" in low
-            and ("not supported" in low or "unsupported" in low or "not allowed" in low
-                 or "does not support" in low))
-
-
-# ---- Retry-After -----------------------------------------------------------
-
-def retry_after_from_headers(headers: Any, now: float | None = None) -> float | None:
-    """Seconds to wait from `retry-after-ms` or `Retry-After` (seconds or HTTP date)."""
-    if headers is None:
-        return None
-    try:
-        ms = headers.get("retry-after-ms")
-        raw = headers.get("retry-after")
-    except Exception:
-        return None
-    for value, scale in ((ms, 1000.0), (raw, 1.0)):
-        if value is None:
-            continue
-        try:
-            delay = float(value) / scale
-        except (TypeError, ValueError):
-            continue
-        return max(0.0, delay) if math.isfinite(delay) else None
-    if isinstance(raw, str):
-        parsed = email.utils.parsedate_tz(raw)
-        if parsed is not None:
-            try:
-                when = float(email.utils.mktime_tz(parsed))
-            except (OverflowError, ValueError):
-                return None
-            return max(0.0, when - (time.time() if now is None else now))
-    return None
-
-
-# ---- classification ----------------------------------------------------------
-
-def status_from_value(value: Any) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
-        return value
-    if isinstance(value, str):
-        m = re.search(r"\b([1-5]\d\d)\b", value)
-        if m:
-            return int(m.group(1))
-    return None
-
-
-def classify_status(status: int, text: str, *, retry_after_s: float | None = None,
-                    provider_type: str = "", extra_secrets: Iterable[str] = ()) -> AttemptError:
-    """An HTTP status with the provider's message (and error type, if known)."""
+def classify_status(status: int, text: str, *, message: str | None = None,
+                    retry_after_s: float | None = None, provider_type: str | None = None,
+                    provider_code: str | None = None, extra_secrets: Iterable[str] = ()
+                    ) -> AttemptError:
+    """An HTTP status with the provider's error: `text` is what the rules read
+    (the SDK's whole str()), `message` what the error says (default `text`),
+    and its error type and code, if known."""
     def make(cls: ErrorClass, code: str) -> AttemptError:
-        return attempt_error(cls, code, text, status, retry_after_s, extra_secrets)
+        return attempt_error(cls, code, text if message is None else message, status,
+                             retry_after_s, extra_secrets, provider_type=provider_type,
+                             provider_code=provider_code)
 
-    low_type = provider_type.lower()
+    low_type = f"{provider_type or ''} {provider_code or ''}".lower()
     if status in (400, 413, 422) and is_context_overflow_text(text + " " + low_type):
         return make(ErrorClass.CONTEXT_OVERFLOW, "context_overflow")
     if names_stream_options(status, text):
         return make(ErrorClass.FINAL, "stream_options_rejected")
-    if _rejects_streaming(status, text):
+    if rejects_streaming(status, text):
         return make(ErrorClass.FINAL, "streaming_unsupported")
     if status == 429 and ("insufficient_quota" in text + low_type or "billing" in text.lower()):
         # OpenAI's quota exhaustion is a 429 that no retry can fix.
@@ -256,16 +209,10 @@ def classify_status(status: int, text: str, *, retry_after_s: float | None = Non
 def classify_payload(payload: Any, *, status: int | None = None, text: str | None = None,
                      extra_secrets: Iterable[str] = ()) -> AttemptError:
     """A provider error object (in-stream `{"error": {...}}`, an error event, a body)."""
-    err = payload.get("error") if isinstance(payload, Mapping) else None
-    if not isinstance(err, Mapping):
-        err = payload if isinstance(payload, Mapping) else {}
-    if isinstance(payload, Mapping) and isinstance(payload.get("error"), str) and not err.get("message"):
-        err = {"message": payload["error"]}
-    etype = " ".join(str(v) for v in (err.get("type") or err.get("error_type"), err.get("code")) if v)
-    message = err.get("message") or err.get("error_message") or text or str(payload)
-    message = str(message)
-    if etype and etype not in message:
-        message = f"{etype}: {message}"
+    err = error_object(payload)
+    ptype, pcode = provider_type_and_code(err)
+    etype = " ".join(v for v in (ptype, pcode) if v)
+    message = str(err.get("message") or err.get("error_message") or text or str(payload))
     if status is None:
         for cand in (payload.get("status_code") if isinstance(payload, Mapping) else None,
                      err.get("status_code"), err.get("status"), err.get("http_status"), err.get("code")):
@@ -273,13 +220,17 @@ def classify_payload(payload: Any, *, status: int | None = None, text: str | Non
             if status is not None:
                 break
     if status is not None and status >= 400:
-        return classify_status(status, message, provider_type=etype, extra_secrets=extra_secrets)
+        return classify_status(status, message, provider_type=ptype, provider_code=pcode,
+                               extra_secrets=extra_secrets)
     low = (etype + " " + message).lower()
     if is_context_overflow_text(low):
-        return attempt_error(ErrorClass.CONTEXT_OVERFLOW, "context_overflow", message, status, None, extra_secrets)
-    if any(t in etype.lower() for t in _TRANSIENT_TYPES) or has_connection_phrase(message):
-        return attempt_error(ErrorClass.TRANSIENT, "provider_error", message, status, None, extra_secrets)
-    return attempt_error(ErrorClass.FINAL, "provider_error", message, status, None, extra_secrets)
+        error_class, code = ErrorClass.CONTEXT_OVERFLOW, "context_overflow"
+    elif any(t in etype.lower() for t in _TRANSIENT_TYPES) or has_connection_phrase(message):
+        error_class, code = ErrorClass.TRANSIENT, "provider_error"
+    else:
+        error_class, code = ErrorClass.FINAL, "provider_error"
+    return attempt_error(error_class, code, message, status, None, extra_secrets,
+                         provider_type=ptype, provider_code=pcode)
 
 
 def classify_error_text(text: str) -> AttemptError:
@@ -360,15 +311,17 @@ def _classify_botocore(exc: BaseException, extra: Iterable[str]) -> AttemptError
     response = response if isinstance(response, Mapping) else {}
     err = response.get("Error") or {}
     code = str(err.get("Code") or "")
-    message = f"{code}: {err.get('Message') or exc}"
+    message = str(err.get("Message") or exc)
+    text = f"{code}: {message}"  # what the rules read; Bedrock's type is its error code
     meta = response.get("ResponseMetadata") or {}
     status = status_from_value(meta.get("HTTPStatusCode"))
     headers = meta.get("HTTPHeaders")
     low = code.lower()
-    if "accessdenied" in low and ("stream" in message.lower()):
-        return attempt_error(ErrorClass.FINAL, "streaming_unsupported", message, status, None, extra)
+    if "accessdenied" in low and ("stream" in text.lower()):
+        return attempt_error(ErrorClass.FINAL, "streaming_unsupported", message, status, None,
+                             extra, provider_type=code or None)
     if status is not None and status >= 400 and not any(t in low for t in _TRANSIENT_TYPES):
-        return classify_status(status, message, provider_type=code,
+        return classify_status(status, text, message=message, provider_type=code or None,
                                retry_after_s=retry_after_from_headers(headers), extra_secrets=extra)
     result = classify_payload({"error": {"type": code, "message": str(err.get("Message") or exc)}},
                               status=None, extra_secrets=extra)
@@ -410,8 +363,10 @@ def _classify(exc: BaseException, extra: tuple[str, ...]) -> AttemptError:
         if status < 400:  # anthropic: an in-stream error event is an APIStatusError on a 200
             info = classify_payload(body, text=str(exc), extra_secrets=extra)
         else:
-            etype = f"{getattr(exc, 'type', None) or ''} {getattr(exc, 'code', None) or ''}"
-            info = classify_status(status, str(exc), provider_type=etype,
+            err = error_object(body)
+            ptype, pcode = provider_type_and_code(err)
+            info = classify_status(status, str(exc), message=status_message(status, body, err),
+                                   provider_type=ptype, provider_code=pcode,
                                    retry_after_s=retry_after_from_headers(headers), extra_secrets=extra)
         return replace(info, status=status)
     if isinstance(exc, _types("botocore.exceptions", "ClientError")):

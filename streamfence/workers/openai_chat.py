@@ -49,12 +49,12 @@ from streamfence.workers.assembly import (
     raised_here,
     sse_events,
 )
+from streamfence.workers.error_text import names_stream_options
 from streamfence.workers.errors import (
     MalformedStreamError,
     attempt_error,
     classify,
     classify_error_text,
-    names_stream_options,
 )
 from streamfence.workers.output import REASONING, REFUSAL, TEXT, TOOL_CALL, AttemptOutput
 

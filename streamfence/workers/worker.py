@@ -235,7 +235,7 @@ def _failed(outcome: AttemptOutcome, error: AttemptError, out: SinkOutput) -> At
     outcome to that line; another exception's (an SDK's status error, a
     dropped connection: the line says it all) is logged here at DEBUG only."""
     log.warning("stream failed %s: %s (%s, %s)",
-                "after visible text" if out.visible else "before delivery", error.message,
+                "after visible text" if out.visible else "before delivery", error.described,
                 error.error_class.value, error.code)
     exc = out.exc
     if exc is None:

@@ -27,7 +27,13 @@ class AttemptError:
     (`workers.errors.traceback_text`: frames and exception types, no
     exception text), for the one log line of the call's final failure
     (ARCHITECTURE §4.9). It goes to the log only: never to a client or the
-    journal."""
+    journal.
+
+    `message`, `provider_type`, `provider_code`: what the provider's error
+    said, as its SDK shows them (`message` once, without the SDK's "Error
+    code: 400 - " prefix); the type and code are None where the provider
+    gave none (a timeout, our own stream checks): the gateway answers with
+    them as the provider would (gateway/http_errors.py)."""
 
     error_class: ErrorClass
     code: str
@@ -35,6 +41,19 @@ class AttemptError:
     status: int | None = None
     retry_after_s: float | None = None
     traceback: str | None = None
+    provider_type: str | None = None
+    provider_code: str | None = None
+
+    @property
+    def described(self) -> str:
+        """The message with the provider's HTTP status, worded as the SDKs
+        word it (an in-stream error, with no status: with its type), for the
+        log and a retries_exhausted message."""
+        if self.status is not None and self.status >= 400:
+            return f"Error code: {self.status} - {self.message}"
+        if self.provider_type and self.provider_type not in self.message:
+            return f"{self.provider_type}: {self.message}"
+        return self.message
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +100,8 @@ def outcome_to_wire(o: AttemptOutcome) -> list[Any]:
     return [o.ok, o.finish_reason, o.usage, o.model, o.provider_response_id,
             list(o.dropped_tool_names), list(o.dropped_tool_indexes),
             None if e is None else [e.error_class.value, e.code, e.message, e.status,
-                                    e.retry_after_s, e.traceback],
+                                    e.retry_after_s, e.traceback, e.provider_type,
+                                    e.provider_code],
             [d.first_chunk_ms, d.chunks, d.bytes, d.deltas, d.duration_ms],
             o.stream_options_rejected, o.streaming_denied]
 
@@ -90,14 +110,20 @@ class BadOutcome(ValueError):
     """A T_FINAL outcome that does not have the shape of `outcome_to_wire`."""
 
 
+def _error_from_wire(error_class: Any, code: Any, message: Any, status: Any,
+                     retry_after_s: Any, traceback: Any, provider_type: Any,
+                     provider_code: Any) -> AttemptError:
+    return AttemptError(ErrorClass(error_class), str(code), str(message), status,
+                        retry_after_s, traceback, provider_type, provider_code)
+
+
 def outcome_from_wire(raw: Any) -> AttemptOutcome:
     """Parse `outcome_to_wire`'s form. It crosses a process boundary (a worker runs
     provider code), so a bad shape raises BadOutcome, never anything else."""
     try:
         (ok, finish, usage, model, response_id, names, indexes, err, diag,
          so_rejected, denied) = raw
-        error = None if err is None else AttemptError(ErrorClass(err[0]), str(err[1]),
-                                                      str(err[2]), err[3], err[4], err[5])
+        error = None if err is None else _error_from_wire(*err)
         outcome = AttemptOutcome(
             bool(ok), finish, usage, model, response_id, tuple(str(n) for n in names),
             tuple(int(i) for i in indexes), error, AttemptDiag(*diag), bool(so_rejected),
@@ -107,6 +133,7 @@ def outcome_from_wire(raw: Any) -> AttemptOutcome:
     if not (finish is None or isinstance(finish, str)) or not (
             usage is None or isinstance(usage, dict)):
         raise BadOutcome("malformed attempt outcome: finish_reason or usage")
-    if error is not None and not (error.traceback is None or isinstance(error.traceback, str)):
-        raise BadOutcome("malformed attempt outcome: error traceback")
+    if error is not None and not all(v is None or isinstance(v, str) for v in (
+            error.traceback, error.provider_type, error.provider_code)):
+        raise BadOutcome("malformed attempt outcome: error traceback, type or code")
     return outcome
