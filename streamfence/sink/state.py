@@ -12,7 +12,7 @@ the per-delta hot path, which works on `calls` and `commits` directly.
 | authorize, fence, finish, finals | fencing.py (`Fencing`) | none of its own |
 | rebinds after a restart (§2.8) | rebinds.py (`Rebinds`) | rebinds not asked for, waiting hellos |
 | replays to listeners | replays.py (`Replays`) | replays in progress |
-| cluster mode (§4.17) | replica.py (`Replica`) | the ClusterLog, followed calls |
+| cluster mode (§4.17) | replica.py (`Replica`), log_queue.py (`LogQueue`) | the ClusterLog, followed calls; what waits for the calls' logs |
 
 Messages to the supervisor go through the `Publisher` it is given
 (`peer.SupervisorPeer`), the calls' events to their listeners through
