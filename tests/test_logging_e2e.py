@@ -157,9 +157,11 @@ def _title(pid: int) -> str:
 def test_process_titles(daemon: DaemonProcess, emu: EmulatorClient) -> None:
     with daemon.client() as client:
         pids = client.status()["processes"]
-        assert _title(pids["supervisor"]) == "streamfence: supervisor"
-        assert _title(pids["sink"]) == "streamfence: sink"
-        assert _title(pids["zygote"]) == "streamfence: zygote"
+        # Named for the daemon's endpoint: two daemons on one machine differ.
+        name = daemon.endpoint.split("://", 1)[-1]
+        assert _title(pids["supervisor"]) == f"streamfence[{name}]: supervisor"
+        assert _title(pids["sink"]) == f"streamfence[{name}]: sink"
+        assert _title(pids["zygote"]) == f"streamfence[{name}]: zygote"
         # A stream of ~1 s keeps its worker busy long enough to be seen.
         emu.script("slow", [{"chunks": 20, "chunk_delay_s": 0.05}])
         call_id = client.submit("emu", {"model": "gpt-emu#slow", "messages": HELLO})
@@ -171,11 +173,11 @@ def test_process_titles(daemon: DaemonProcess, emu: EmulatorClient) -> None:
         worker = wait_until(busy_worker, 10, "a worker running the call")
         assert worker is not None
         wid, pid = worker["worker_id"], worker["pid"]
-        running = f"streamfence: worker {wid} (call {call_id[:8]}…, attempt 1)"
+        running = f"streamfence[{name}]: worker {wid} (call {call_id[:8]}…, attempt 1)"
         wait_until(lambda: _title(pid) == running, 5, f"the title {running!r}")
         assert list(client.events(call_id, timeout_s=30.0))[-1]["status"] == "completed"
-        wait_until(lambda: _title(pid) == f"streamfence: worker {wid} (idle)", 5,
+        wait_until(lambda: _title(pid) == f"streamfence[{name}]: worker {wid} (idle)", 5,
                    "the worker's idle title")
         for w in client.status()["workers"]:
             if w["state"] == "idle":
-                assert _title(w["pid"]) == f"streamfence: worker {w['worker_id']} (idle)"
+                assert _title(w["pid"]) == f"streamfence[{name}]: worker {w['worker_id']} (idle)"

@@ -52,7 +52,7 @@ def main() -> None:
 def serve(config_path: str | None, log_json: bool) -> None:
     """Run the daemon in the foreground until SIGTERM/SIGINT."""
     from streamfence.protocol import failpoints
-    from streamfence.protocol.lifecycle import set_process_title
+    from streamfence.protocol.lifecycle import name_processes, set_process_title
     from streamfence.supervisor.daemon import Daemon
     from streamfence.supervisor.gatewaychild import GatewayEntry
     from streamfence.supervisor.logs import setup_logging
@@ -64,6 +64,8 @@ def serve(config_path: str | None, log_json: bool) -> None:
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     cfg = load(config_path)
+    name_processes(cfg.endpoint)
+    set_process_title("supervisor")
     setup_logging(cfg.log_level, log_json or cfg.log_json)
     path = config_path_of(config_path)
     gateway: GatewayEntry | None = None

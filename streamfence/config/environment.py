@@ -18,9 +18,10 @@ from streamfence.config.problems import closest
 from streamfence.protocol.credentials import ENV_CREDENTIALS
 from streamfence.protocol.failpoints import DIR_ENV as FAILPOINTS_DIR_ENV
 from streamfence.protocol.failpoints import ENV as FAILPOINTS_ENV
+from streamfence.protocol.lifecycle import TITLE_ENV
 
 ENV_CONFIG = ENV_PREFIX + "CONFIG"  # the CLI's config file (cli/common.py)
-OTHERS = (ENV_CONFIG, ENV_CREDENTIALS, FAILPOINTS_ENV, FAILPOINTS_DIR_ENV)
+OTHERS = (ENV_CONFIG, ENV_CREDENTIALS, FAILPOINTS_ENV, FAILPOINTS_DIR_ENV, TITLE_ENV)
 
 
 def known_variables(config: DaemonConfig) -> set[str]:

@@ -8,9 +8,11 @@ to run then). It returns False when the parent is already gone (it died
 before the prctl, so the signal will never come): the caller then exits with
 `ExitCode.PARENT_GONE`.
 
-`set_process_title(role)` makes `ps` show `streamfence: ROLE` (`supervisor`,
-`sink`, `zygote`, `worker 3 (idle)`, `worker 3 (call 1a2b3c4d…, attempt 2)`)
-instead of the interpreter's command line, which for every child is the same
+`set_process_title(role)` makes `ps` show `streamfence[NAME]: ROLE`
+(`supervisor`, `sink`, `zygote`, `worker 3 (idle)`, `worker 3 (call
+1a2b3c4d…, attempt 2)`), NAME being the daemon's endpoint (`name_processes`,
+at `serve`; two daemons on one machine have two), instead of the
+interpreter's command line, which for every child is the same
 `python -c from multiprocess.spawn import spawn_main…` or the zygote's.
 setproctitle rewrites the argv area, so /proc/PID/cmdline shows it too; a
 worker sets it twice per attempt (~4 µs each).
@@ -68,6 +70,19 @@ def expected_parent_pid() -> int:
     return os.getppid()
 
 
+# The daemon's name in its processes' titles: set by `serve`, inherited by every child.
+TITLE_ENV = "STREAMFENCE_TITLE"
+
+
+def name_processes(endpoint: str) -> None:
+    """This process and every child started from now on carry `endpoint` in
+    their titles (`tcp://127.0.0.1:7755` as `127.0.0.1:7755`, an ipc one as
+    its path)."""
+    os.environ[TITLE_ENV] = endpoint.split("://", 1)[-1]
+
+
 def set_process_title(role: str) -> None:
-    """`ps` shows this process as `streamfence: {role}`."""
-    setproctitle.setproctitle(f"streamfence: {role}")
+    """`ps` shows this process as `streamfence[NAME]: {role}` (`streamfence:
+    {role}` before `name_processes`)."""
+    name = os.environ.get(TITLE_ENV)
+    setproctitle.setproctitle(f"streamfence[{name}]: {role}" if name else f"streamfence: {role}")

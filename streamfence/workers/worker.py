@@ -14,8 +14,8 @@ Duties:
    ExitCode.SINK_UNREACHABLE so the supervisor treats the attempt as incomplete.
 5. Report W_IDLE and wait for the next attempt.
 
-Its process title (`ps`) says which attempt it runs: `streamfence: worker 3
-(call 1a2b3c4d…, attempt 2)`, or `streamfence: worker 3 (idle)`.
+Its process title (`ps`) says which attempt it runs: `streamfence[NAME]: worker 3
+(call 1a2b3c4d…, attempt 2)`, or `streamfence[NAME]: worker 3 (idle)`.
 
 The worker never decides retries: a stale or superseded worker is killed by
 the supervisor and, even if it lived on, its deltas carry a fenced epoch.
