@@ -221,15 +221,16 @@ def test_status_shows_this_hosts_view_of_the_cluster(
         assert cluster["hosts"]["host-b"]["lease_lost"] is False
         assert "host-a" not in cluster["hosts"]  # itself: lease_age_s
         assert (cluster["calls_accepted"], cluster["calls_owned"], cluster["calls_moved"],
-                cluster["takes_won"], cluster["takes_lost"], cluster["appends_refused"]) \
-            == (1, 0, 0, 0, 0, 0), cluster
+                cluster["takes_won"], cluster["takes_lost"], cluster["appends_refused"],
+                cluster["runs_waiting"], cluster["calls_waiting"]) \
+            == (1, 0, 0, 0, 0, 0, 0, 0), cluster
 
         text = _rendered(reply)
         assert "cluster (lease 2 s, NATS connected)" in text, text
         assert re.search(r"host-a \(this host\)\s*│\s*\d+\.\d s ago\s*│\s*held", text), text
         assert re.search(r"host-b\s*│\s*\d+\.\d s ago\s*│\s*held", text), text
         for what in ("calls owned here", "takes won", "takes lost", "calls moved",
-                     "appends refused by the engine"):
+                     "appends refused by the engine", "runs waiting for the cluster"):
             assert re.search(rf"{what}.*│\s*0 │", text), (what, text)
         assert re.search(r"calls accepted here\s*│\s*1 │", text), text
         samples = _samples(reply)
@@ -238,6 +239,7 @@ def test_status_shows_this_hosts_view_of_the_cluster(
         assert samples[("streamfence_cluster_takes_total", (("result", "won"),))] == 0.0
         assert ("streamfence_cluster_lease_age_seconds", ()) in samples
         assert samples[("streamfence_cluster_appends_refused_total", ())] == 0.0
+        assert samples[("streamfence_cluster_runs_waiting", ())] == 0.0
 
         # Host a dies mid-call; host b takes it over.
         with a.client() as client:

@@ -12,7 +12,8 @@ CLUSTER_COUNTS = {"calls_owned": "calls owned here", "calls_accepted": "calls ac
                   "takes_won": "takes won (calls of a host whose lease lapsed)",
                   "takes_lost": "takes lost (another host was first)",
                   "calls_moved": "calls moved to another host",
-                  "appends_refused": "appends refused by the engine"}
+                  "appends_refused": "appends refused by the engine",
+                  "runs_waiting": "runs waiting for the cluster"}
 
 
 def uptime_text(seconds: float) -> str:

@@ -248,7 +248,10 @@ def _cluster(cluster: Mapping[str, Any]) -> list[Metric]:
                             value=_num(cluster.get("calls_moved"))),
         CounterMetricFamily("streamfence_cluster_appends_refused_total", "Appends of this "
                             "host JetStream refused (a later owner opened the call's epoch)",
-                            value=_num(cluster.get("appends_refused")))]
+                            value=_num(cluster.get("appends_refused"))),
+        GaugeMetricFamily("streamfence_cluster_runs_waiting", "Runs the sink accepted that "
+                          "wait for their calls' logs (the cluster has not stored them yet)",
+                          value=_num(cluster.get("runs_waiting")))]
 
 
 def families(status: Mapping[str, Any] | None, providers: Iterable[str] = ()) -> list[Metric]:

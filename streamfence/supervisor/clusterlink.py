@@ -391,8 +391,7 @@ class ClusterLink:
                           for host, (_, seen) in sorted(self._beats.items())},
                 "calls_owned": len(self._owners), "calls_accepted": self.accepted,
                 "calls_moved": self.moved, "takes_won": self.taken,
-                "takes_lost": self.takes_lost,
-                "appends_refused": self.bridge.ledger.refused}
+                "takes_lost": self.takes_lost}
 
     def close(self) -> None:
         self.bridge.close()

@@ -76,7 +76,9 @@ def _with_sink(body: dict[str, Any], histograms: dict[str, Any], stats: dict[str
     latency = sink.pop("delta_latency", None)
     if isinstance(latency, dict):
         histograms["delta_latency_seconds"] = latency
-    if body["cluster"] is not None:  # the engine refuses appends of both processes
-        body["cluster"] = dict(body["cluster"], appends_refused=body["cluster"]["appends_refused"]
-                               + int(sink.get("cluster_engine_refused", 0)))
+    if body["cluster"] is not None:  # the sink, the only writer of the calls' logs, says
+        body["cluster"] = dict(body["cluster"],
+                               appends_refused=int(sink.get("cluster_engine_refused", 0)),
+                               runs_waiting=int(sink.get("cluster_waiting_rows", 0)),
+                               calls_waiting=int(sink.get("cluster_waiting_calls", 0)))
     return dict(body, sink=sink, sink_answered=fresh, histograms=histograms)
