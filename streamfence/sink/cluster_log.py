@@ -5,19 +5,18 @@ the only writer here.
 `open_soon` appends an attempt's epoch record to the call's log (an
 authorize, the done of a call it does not hold); `append_soon` appends a
 batch of the call's rows, conditional on the last sequence this sink wrote
-or read for the call. Neither waits: each answers by callback in the sink's
-thread (the bridge's `run_done`), and sink/log_queue.py decides what waits
+or read for the call; `follow_soon` reads a call another host runs and
+follows its log. None waits: each answers by callback in the sink's thread
+(the bridge's `run_done`), and sink/log_queue.py decides what waits
 meanwhile. A refused append or open (error 10071: another host opened a
-later epoch) drops the hold. `open` (an adopt, a rebind: after a host's
-lease or the sink's restart), `missing` and `follow` still wait for their
-answer in the loop.
+later epoch) drops the hold.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from streamfence.cluster.bridge import LedgerBridge
@@ -46,28 +45,17 @@ class ClusterLog:
         # and the records their consumers delivered (filled by the ledger's thread).
         self._following: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {}
         self._incoming: deque[tuple[str, Record]] = deque()
+        self._starting: dict[str, list[Record]] = {}  # follows asked: records come early
         self.refused = 0  # runs the engine refused (their calls moved to another host)
         self.appends = 0
 
-    def open(self, call_id: str, attempt: int) -> str | None:
-        """Open `attempt`'s epoch in the call's log; None, or why not (the call's
-        owner in the cluster is not this host at this epoch). Opened already: None."""
-        held = self._held.get(call_id)
-        if held is not None and held.epoch == attempt:
-            return None
-        own = Ownership(Owner(call_id, self.settings.host, attempt, 0))
-        try:
-            self._held[call_id] = self.bridge.call(self.bridge.ledger.open_epoch(own))
-        except Fenced as exc:
-            self._held.pop(call_id, None)
-            return f"cluster_lost: {exc}"
-        return None
-
     def open_soon(self, call_id: str, attempt: int, read_before: bool,
                   then: Callable[[Opened], None]) -> None:
-        """`open`, without waiting: `then(rows)` once opened, with `read_before` the
-        rows the log holds before the epoch (void ones skipped: §4.17, rule 6),
-        else []. Opened already: `then([])` at once."""
+        """Open `attempt`'s epoch in the call's log, without waiting: `then(rows)`
+        once opened, with `read_before` the rows the log holds before the epoch
+        (void ones skipped: §4.17, rule 6), else []; `then(why not)` if the
+        call's owner in the cluster is not this host at this epoch. Opened
+        already: `then([])` at once."""
         held = self._held.get(call_id)
         if held is not None and held.epoch == attempt:
             then([])
@@ -116,40 +104,34 @@ class ClusterLog:
         """This sink process has opened (or been given) the call's log before."""
         return call_id in self._held
 
-    def missing(self, call_id: str, after_seq: int) -> list[Row]:
-        """The rows the call's log holds after `after_seq` (this sink's last stored
-        one): after a restart of the sink, the runs its predecessor appended
-        but never committed here (the log is written first)."""
-        opened = self._held[call_id].log_seq
-        records = self.bridge.call(self.bridge.ledger.read(call_id))
-        return [row for row in _rows(call_id, valid([r for r in records if r.seq < opened]))
-                if row[1] > after_seq]
-
-    def adopt(self, call_id: str, epoch: int) -> list[Row] | str:
-        """A call taken over at `epoch` from a host that lost its lease: open the
-        epoch in its log (the old owner can write no more), and the rows the log
-        holds before it (void records skipped: §4.17, rule 6); or why not."""
-        lost = self.open(call_id, epoch)
-        if lost is not None:
-            return lost
-        opened = self._held[call_id].log_seq
-        records = self.bridge.call(self.bridge.ledger.read(call_id))
-        return _rows(call_id, valid([r for r in records if r.seq < opened]))
-
-    def follow(self, call_id: str) -> list[Record]:
-        """Follow a call another host runs: the records its log holds now; the
-        later ones come through `incoming` as they are stored."""
-        if call_id in self._following:
-            return []
+    def follow_soon(self, call_id: str, then: Callable[[list[Record] | BaseException], None]
+                    ) -> None:
+        """Follow a call another host runs, without waiting: `then(the records its
+        log holds now)`; the later ones come through `incoming` as they are
+        stored, after those (the ones delivered before `then` are handed to it)."""
+        if call_id in self._following or call_id in self._starting:
+            then([])
+            return
+        self._starting[call_id] = []
         ledger = self.bridge.ledger
-        records = self.bridge.call(ledger.read(call_id))
-        after = records[-1].seq if records else 0
 
         def deliver(record: Record) -> None:  # in the ledger's thread
             self._incoming.append((call_id, record))
             self.bridge.wake()
-        self._following[call_id] = self.bridge.call(ledger.follow(call_id, after, deliver))
-        return records
+
+        async def read_and_follow() -> tuple[list[Record], Callable[[], Coroutine[Any, Any, None]]]:
+            records = await ledger.read(call_id)
+            after = records[-1].seq if records else 0
+            return records, await ledger.follow(call_id, after, deliver)
+
+        def done(result: Any) -> None:
+            early = self._starting.pop(call_id)
+            if isinstance(result, BaseException):
+                then(result)
+                return
+            records, self._following[call_id] = result
+            then(records + early)
+        self.bridge.submit(read_and_follow(), done)
 
     def unfollow(self, call_id: str) -> None:
         stop = self._following.pop(call_id, None)
@@ -160,12 +142,13 @@ class ClusterLog:
         """The followed calls' records delivered since last asked, in order."""
         out = []
         while self._incoming:
-            out.append(self._incoming.popleft())
+            call_id, record = self._incoming.popleft()
+            early = self._starting.get(call_id)
+            if early is not None:  # its follow's first read is not in yet: after it
+                early.append(record)
+            else:
+                out.append((call_id, record))
         return out
-
-    def forget(self, call_ids: Iterable[str]) -> None:
-        for call_id in call_ids:
-            self._held.pop(call_id, None)
 
     def stats(self) -> dict[str, int]:
         return {"cluster_appends": self.appends, "cluster_refused": self.refused,

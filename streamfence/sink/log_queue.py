@@ -13,7 +13,8 @@ hook) instead of to the transcript; per call, in order (`_Waiting`):
   (`after_stored`: a final's verdict and ack, an authorize's epoch open, a
   finish's done, and any control op of the call that comes while one of
   those waits), run in order;
-- `opening`: an epoch open in flight (`open`), before which nothing of the
+- `opening`: a question about the call in flight (`ask`: an epoch open, an
+  adopt's, a rebind's, a follow's read), before whose answer nothing of the
   call is appended and no later step runs.
 
 An append or open the cluster did not answer (a timeout, no node) is tried
@@ -36,11 +37,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 
 from streamfence.sink.calls import Calls
-from streamfence.sink.cluster_log import Appended, ClusterLog, Opened, Row
+from streamfence.sink.cluster_log import Appended, ClusterLog, Row
 from streamfence.sink.commits import Commits
 from streamfence.sink.store import TranscriptStore
 
@@ -120,26 +122,35 @@ class LogQueue:
         waiting.items.append((waiting.queued_in, step))
         self._move(call_id)
 
-    def open(self, call_id: str, attempt: int, read_before: bool,
-             then: Callable[[list[Row] | str], None]) -> None:
-        """Once every run of the call is stored: open `attempt`'s epoch in its log
-        (ClusterLog.open_soon), tried again until the cluster answers; then
-        `then(rows before it, or why not)`, before any later step of the call."""
-        def start() -> None:
-            waiting = self._waiting.setdefault(call_id, _Waiting())
-            waiting.opening = True
-            self._cluster.open_soon(call_id, attempt, read_before, opened)
+    def ask(self, call_id: str, start: Callable[[Callable[[Any], None]], None],
+            then: Callable[[Any], object], again: bool = True) -> None:
+        """Once every run of the call is stored: `start(answer)` asks the cluster
+        something about the call without waiting (an epoch open, a follow), and
+        nothing later of the call moves until its `answer(result)`; then
+        `then(result)`. A result that is an exception (the cluster did not
+        answer) is asked again from the loop's timers, with `again`; else it
+        goes to `then` too."""
+        def begin() -> None:
+            self._waiting.setdefault(call_id, _Waiting()).opening = True
+            start(answered)
 
-        def opened(result: Opened) -> None:
+        def answered(result: Any) -> None:
             waiting = self._waiting[call_id]
-            if isinstance(result, BaseException):
-                self._failed(call_id, waiting, result, start)
+            if isinstance(result, BaseException) and again:
+                self._failed(call_id, waiting, result, begin)
                 return
             self._answered_ok(waiting)
             waiting.opening = False
             then(result)
             self._move(call_id)
-        self.after_stored(call_id, start)
+        self.after_stored(call_id, begin)
+
+    def open(self, call_id: str, attempt: int, read_before: bool,
+             then: Callable[[list[Row] | str], object]) -> None:
+        """`attempt`'s epoch opened in the call's log (ClusterLog.open_soon), asked
+        until the cluster answers: `then(the rows before it, or why not)`."""
+        self.ask(call_id, lambda answer: self._cluster.open_soon(call_id, attempt, read_before,
+                                                                  answer), then)
 
     def take(self) -> None:
         """The commit's hook (Commits.replicate): the runs the store buffered

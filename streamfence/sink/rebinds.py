@@ -50,19 +50,28 @@ class Rebinds:
         self.hellos: dict[str, tuple[Hello, Reply]] = {}
         self.count = 0
 
-    def rebind(self, op: Rebind) -> bytes:
-        """C_REBIND: the running attempt `op.from_attempt` writes on as `op.attempt`."""
+    def rebind(self, op: Rebind, reply: Callable[[bytes], object]) -> None:
+        """C_REBIND: the running attempt `op.from_attempt` writes on as `op.attempt`
+        (in cluster mode once that epoch is open in the call's log)."""
         calls = self._calls
         live = calls.live(op.call_id)
         view = calls.fence.view(op.call_id)
         if view is not None and (view.finished or op.attempt <= view.epoch):
             refusal = (AuthorizeRefusal.CALL_FINISHED if view.finished
                        else AuthorizeRefusal.STALE_EPOCH)
-            return encode_refused(op.req, refusal_reason(calls.fence, refusal, op))
-        if self._replica is not None:
-            lost = self._replica.rebind(op, live)  # the log first, as for an authorize
-            if lost is not None:
-                return encode_refused(op.req, lost)
+            reply(encode_refused(op.req, refusal_reason(calls.fence, refusal, op)))
+            return
+        if self._replica is None:
+            reply(self._rebound(op))
+            return
+
+        def opened(lost: str | None) -> None:  # the log first, as for an authorize
+            reply(encode_refused(op.req, lost) if lost is not None else self._rebound(op))
+        self._replica.rebind(op, live, opened)
+
+    def _rebound(self, op: Rebind) -> bytes:
+        calls = self._calls
+        live = calls.live(op.call_id)
         self._commits.flush_pending()
         calls.restore_content(live, op.from_attempt, since=op.content_from)
         resume_after = live.content.deltas()

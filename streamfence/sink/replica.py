@@ -47,6 +47,7 @@ from streamfence.sink.store import TranscriptStore
 from streamfence.sink.transcript import split_events
 
 if TYPE_CHECKING:  # imported by the sink only in cluster mode (it brings nats)
+    from streamfence.cluster.records import Record
     from streamfence.sink.cluster_log import ClusterLog, Row
 
 log = logging.getLogger("streamfence.sink")
@@ -81,13 +82,10 @@ class Replica:
             fence.fence(call_id, epoch)
         self._peer.publish(encode_lost(call_id, epoch, "another host owns the call now"))
 
-    def catch_up(self, live: LiveCall) -> bool:
+    def _store_missing(self, live: LiveCall, rows: list[Row]) -> bool:
         """For a call this sink process opens for the first time: the runs its
         log holds that the transcript does not are stored first. True if they
         hold deltas."""
-        return self._store_missing(live, self.cluster.missing(live.call_id, live.seq))
-
-    def _store_missing(self, live: LiveCall, rows: list[Row]) -> bool:
         rows = [row for row in rows if row[1] > live.seq]
         if not rows:
             return False
@@ -116,16 +114,19 @@ class Replica:
                 then(op)
         self.queue.open(op.call_id, op.attempt, read, opened)
 
-    def rebind(self, op: Rebind, live: LiveCall) -> str | None:
-        """The rebound epoch opened in the call's log, as for an authorize: None,
-        or why not."""
-        first = not self.cluster.holds(op.call_id)
-        lost = self.cluster.open(op.call_id, op.attempt)
-        if lost is not None:
-            return lost
-        if first:
-            self.catch_up(live)
-        return None
+    def rebind(self, op: Rebind, live: LiveCall, then: Callable[[str | None], None]) -> None:
+        """The rebound epoch opened in the call's log, as for an authorize,
+        without waiting: `then(None)`, or `then(why not)`."""
+        read = not self.cluster.holds(op.call_id)
+
+        def opened(rows: list[Row] | str) -> None:
+            if isinstance(rows, str):
+                then(rows)
+                return
+            if read:
+                self._store_missing(live, rows)
+            then(None)
+        self.queue.open(op.call_id, op.attempt, read, opened)
 
     def finish_open(self, call_id: str, epoch: int, then: Callable[[str | None], None]
                     ) -> None:
@@ -142,14 +143,17 @@ class Replica:
         """The cluster refused the call's runs (another host took it)."""
         return not self.cluster.holds(call_id)
 
-    def adopt(self, op: Adopt) -> bytes:
+    def adopt(self, op: Adopt, reply: Callable[[bytes], object]) -> None:
         """A call taken over from a host that lost its lease (Adopt's
-        docstring). Its events are stored as the log holds them; the fence
-        stays closed until the supervisor authorizes `op.epoch`."""
+        docstring): its epoch opened in its log (the old owner can write no
+        more), without waiting; then its events are stored as the log holds
+        them; the fence stays closed until the supervisor authorizes `op.epoch`."""
         if op.call_id in self.followed:  # another host's until now: this host's from here
             self.followed.pop(op.call_id)
             self.cluster.unfollow(op.call_id)
-        rows = self.cluster.adopt(op.call_id, op.epoch)
+        self.queue.open(op.call_id, op.epoch, True, lambda rows: reply(self._adopted(op, rows)))
+
+    def _adopted(self, op: Adopt, rows: list[Row] | str) -> bytes:
         if isinstance(rows, str):
             return encode_refused(op.req, rows)
         store = self._store
@@ -177,27 +181,43 @@ class Replica:
                  op.call_id, op.epoch, len(rows))
         return encode_ok(op.req, stats_to_wire(live.stats(closed=True)))
 
-    def follow(self, op: Follow) -> bytes:
+    def follow(self, op: Follow, reply: Callable[[bytes], object]) -> None:
         """A call another host runs (Follow's docstring). Stored here as the
-        log holds it; the fence stays closed (no attempt of this host may
-        write it)."""
+        log holds it, read without waiting; the fence stays closed (no attempt
+        of this host may write it)."""
         calls, store = self._calls, self._store
-        if op.call_id not in self.followed:
-            if calls.fence.view(op.call_id) is None and store.call_row(op.call_id) is None:
-                store.set_epoch(op.call_id, 0)
-                self._commits.commit()
-            live = calls.live(op.call_id)  # closed: nothing of this host writes it (a
-            view = calls.fence.view(op.call_id)  # call that moved away was fenced here first)
-            row = store.call_row(op.call_id)
-            # What is stored, not what this sink once accepted: the runs the cluster
-            # refused when the call moved away counted in `seq` but were never stored,
-            # and the new owner's rows at those seqs must not be taken for repeats.
-            live.seq = row.last_seq if row is not None else 0
-            if view is None or not view.finished:
-                self.followed[op.call_id] = 0
-                self.apply_followed([(op.call_id, r) for r in self.cluster.follow(op.call_id)])
-        view = calls.fence.view(op.call_id)
-        return encode_ok(op.req, {"done": view is not None and view.finished})
+
+        def answer() -> None:
+            view = calls.fence.view(op.call_id)
+            reply(encode_ok(op.req, {"done": view is not None and view.finished}))
+        if op.call_id in self.followed:
+            answer()
+            return
+        if calls.fence.view(op.call_id) is None and store.call_row(op.call_id) is None:
+            store.set_epoch(op.call_id, 0)
+            self._commits.commit()
+        live = calls.live(op.call_id)  # closed: nothing of this host writes it (a
+        view = calls.fence.view(op.call_id)  # call that moved away was fenced here first)
+        row = store.call_row(op.call_id)
+        # What is stored, not what this sink once accepted: the runs the cluster
+        # refused when the call moved away counted in `seq` but were never stored,
+        # and the new owner's rows at those seqs must not be taken for repeats.
+        live.seq = row.last_seq if row is not None else 0
+        if view is not None and view.finished:
+            answer()
+            return
+        self.followed[op.call_id] = 0
+
+        def read(records: list[Record] | BaseException) -> None:
+            if isinstance(records, BaseException):
+                self.followed.pop(op.call_id, None)
+                reply(encode_refused(op.req, f"cluster_unavailable: {type(records).__name__}: "
+                                             f"{records}"))
+                return
+            self.apply_followed([(op.call_id, r) for r in records])
+            answer()
+        self.queue.ask(op.call_id, lambda answered: self.cluster.follow_soon(op.call_id, answered),
+                       read, again=False)
 
     def wake_fd(self) -> int:
         """Readable when followed calls' records came (for the sink's poller)."""

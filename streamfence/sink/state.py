@@ -101,13 +101,14 @@ class SinkState:
         elif isinstance(op, Finish):
             self.fencing.finish(op, reply)
         elif isinstance(op, Rebind):
-            reply(self.rebinds.rebind(op))
+            self.rebinds.rebind(op, reply)
         elif isinstance(op, (Adopt, Follow)):
             if self.replica is None:
                 reply(encode_refused(op.req, "not in cluster mode"))
+            elif isinstance(op, Adopt):
+                self.replica.adopt(op, reply)
             else:
-                reply(self.replica.adopt(op) if isinstance(op, Adopt)
-                      else self.replica.follow(op))
+                self.replica.follow(op, reply)
         elif not isinstance(op, Stats):
             reply(self.replays.subscribe(op))
 

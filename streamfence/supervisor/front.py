@@ -200,9 +200,11 @@ class Front:
                    owner: str, reply: dict[str, Any] | Refused | SinkLost) -> None:
         call_id = request.call_id
         if not isinstance(reply, dict):
-            self._error(identity, request.ref, ErrorCode.INTERNAL,
-                        f"this host could not follow call {call_id} from the cluster: "
-                        f"{getattr(reply, 'reason', 'the sink restarted')}")
+            why = getattr(reply, "reason", "the sink restarted")
+            code = ErrorCode.CLUSTER_UNAVAILABLE if why.startswith("cluster_unavailable") \
+                else ErrorCode.INTERNAL
+            self._error(identity, request.ref, code,
+                        f"this host could not follow call {call_id} from the cluster: {why}")
             return
         self._followed[call_id] = owner
         while len(self._followed) > FOLLOWED_KEEP:
