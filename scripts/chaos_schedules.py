@@ -118,7 +118,8 @@ CHECK_ACT = (("supervisor.before_authorize", "sink.after_authorize"),
              ("supervisor.before_rebind", "sink.after_rebind"),
              ("sink.after_rebind", "worker.after_rebind"))
 # Points a single fault may arm: those the call mix passes without another fault.
-SINGLES = tuple(p for p in failpoints.POINTS if p not in AFTER_SINK)
+SINGLES = tuple(p for p in failpoints.POINTS
+                if p not in AFTER_SINK and p not in failpoints.CLUSTER_POINTS)
 # P1 of a pair: steps passed while calls stream, so that a recovery follows.
 PAIR_FIRST = ("supervisor.after_journal_commit", "supervisor.before_authorize",
               "supervisor.before_dispatch", "supervisor.after_fence", "sink.after_commit",
