@@ -333,8 +333,13 @@ def _judge_call(emu: EmulatorClient, record: CallRecord, log: list[Record],
     for host in HOSTS:
         seen = views[host, record.call_id]
         if seen != record.events:
-            shown = seen if isinstance(seen, str) else f"{len(seen)} events"
-            labels.append(f"{host}'s subscriber got {shown}, the log holds "
+            if isinstance(seen, str):
+                shown = seen
+            else:
+                at = next((i for i, (a, b) in enumerate(zip(seen, record.events, strict=False))
+                           if a != b), min(len(seen), len(record.events)))
+                shown = f"{len(seen)} events, differing from the log's at event {at + 1}"
+            labels.append(f"{host}'s subscriber got {shown}; the log holds "
                           f"{len(record.events)}")
     return [f"{name}: {label}" for label in labels]
 
