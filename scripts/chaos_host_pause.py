@@ -31,11 +31,11 @@ The judge, per call, never from the hosts' counters: its log on JetStream
 duplicated, interleaved or superseded (streamfence.devtools.verdict); the
 log's epoch records never go down (`epoch_below`: what issue 30's
 check-then-act let through); each host's subscriber, from seq 0, gets
-exactly the log's events; at most one provider request per host the call
-ran on (`extra_request` beyond 1 + the changes of host among the log's
-epoch records: only a takeover may run a call again); every provider
-request closed (`open_request`); no process outlives its host
-(`survivor`).
+exactly the log's events; at most 1 + the changes of host among the log's
+epoch records provider requests (a takeover may run a call again), one
+more where host-a was killed (its recovery runs its calls again), else
+`extra_request`; every provider request closed (`open_request`); no
+process outlives its host (`survivor`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import random
 import shutil
 import signal
@@ -55,9 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgpack
-import psutil
-
+from scripts.chaos_common import process_tree, signal_all, unpack_events
 from streamfence.cluster.ledger import Ledger
 from streamfence.cluster.records import EPOCH, EVENTS, Record, valid
 from streamfence.cluster.settings import ClusterSettings
@@ -133,22 +130,6 @@ def generate(seed: int, count: int) -> list[HostPause]:
 
 # ---- one run --------------------------------------------------------------------------
 
-def _tree(proc: DaemonProcess) -> list[int]:
-    if proc.proc is None or proc.proc.poll() is not None:
-        return []
-    try:
-        root = psutil.Process(proc.proc.pid)
-        return [root.pid, *(c.pid for c in root.children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _signal(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
 @dataclass
 class Run:
     schedule: HostPause
@@ -188,12 +169,12 @@ class Run:
         while not marker.exists():
             if self.stop.wait(0.01) or time.monotonic() > given_up:
                 return  # never fired: not as planned (the report says so)
-        pids = _tree(self.hosts[s.paused])
-        _signal(pids, signal.SIGSTOP)
+        pids = process_tree(self.hosts[s.paused])
+        signal_all(pids, signal.SIGSTOP)
         self.note(f"{s.paused} fired {s.point}: stands still")
         self.stood_still.set()
         self.stop.wait(max(0.0, marker.stat().st_mtime + s.pause_ms / 1000 - time.time()))
-        _signal(pids, signal.SIGCONT)
+        signal_all(pids, signal.SIGCONT)
         self.note(f"{s.paused} goes on")
 
     def lose_lease(self) -> None:
@@ -202,15 +183,15 @@ class Run:
         if self.stop.wait(s.loss_at):
             return
         host = self.hosts[HOSTS[0]]
-        pids = _tree(host)
+        pids = process_tree(host)
         if s.loss == "freeze":
-            _signal(pids, signal.SIGSTOP)
+            signal_all(pids, signal.SIGSTOP)
             self.note("host-a frozen")
             self.stop.wait(2.5 * LEASE_S)
-            _signal(pids, signal.SIGCONT)
+            signal_all(pids, signal.SIGCONT)
             self.note("host-a woken")
             return
-        _signal(pids, signal.SIGKILL)
+        signal_all(pids, signal.SIGKILL)
         self.note("host-a killed")
         with contextlib.suppress(Exception):
             host.proc.wait(timeout=10)  # type: ignore[union-attr]
@@ -245,19 +226,13 @@ def _submit(run: Run, record: CallRecord, i: int, deadline: float) -> None:
             time.sleep(0.3)
 
 
-def _unpack(body: bytes) -> list[dict[str, Any]]:
-    unpacker = msgpack.Unpacker(raw=False)
-    unpacker.feed(body)
-    return list(unpacker)
-
-
 def _events(records: list[Record]) -> list[dict[str, Any]]:
     """The public events of a log's valid EVENTS records, in order."""
     out: list[dict[str, Any]] = []
     for rec in valid(records):
         if rec.kind == EVENTS:
             for *_, body in rec.body:
-                out.extend(_unpack(body))
+                out.extend(unpack_events(body))
     return out
 
 
@@ -391,7 +366,7 @@ def run_schedule(s: HostPause, emulator: EmulatorProcess, emu: EmulatorClient) -
         finally:
             run.stop.set()
             for proc in run.hosts.values():
-                _signal(_tree(proc), signal.SIGCONT)
+                signal_all(process_tree(proc), signal.SIGCONT)
                 proc.cleanup()
             nats.stop()
         violations += [f"survivor of {h}: {p}" for h, proc in run.hosts.items()
