@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import signal
 import tempfile
@@ -37,10 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgpack
-import psutil
-
-from scripts.chaos_common import parser, seeded
+from scripts.chaos_common import parser, process_tree, seeded, signal_all, unpack_events
 from streamfence.cluster.ledger import Ledger
 from streamfence.cluster.records import EVENTS, valid
 from streamfence.cluster.settings import ClusterSettings
@@ -52,22 +48,6 @@ from streamfence.protocol.client import ClientError
 
 HOSTS = ("host-a", "host-b", "host-c")
 FAULTS = ("freeze", "nats", "kill")  # each once first, in this order (a restart is slowest)
-
-
-def _tree(proc: DaemonProcess) -> list[int]:
-    if proc.proc is None or proc.proc.poll() is not None:
-        return []
-    try:
-        root = psutil.Process(proc.proc.pid)
-        return [root.pid, *(c.pid for c in root.children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _signal(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
 
 
 class Cluster:
@@ -118,9 +98,9 @@ class Cluster:
         host = self.hosts[name]
         with self.lock:
             self.down.add(name)
-        pids = _tree(host)
+        pids = process_tree(host)
         if kind == "kill":
-            _signal(pids, signal.SIGKILL)
+            signal_all(pids, signal.SIGKILL)
             self.count("host kill -9 (its process tree) + restart")
             self.note(f"{name} killed")
             stop.wait(2 * lease_s)
@@ -129,11 +109,11 @@ class Cluster:
             host.start(ready_timeout=120.0)
             self.note(f"{name} started again")
         else:
-            _signal(pids, signal.SIGSTOP)
+            signal_all(pids, signal.SIGSTOP)
             self.count("host SIGSTOP past its lease + SIGCONT (a zombie host)")
             self.note(f"{name} frozen")
             stop.wait(2.5 * lease_s)
-            _signal(pids, signal.SIGCONT)
+            signal_all(pids, signal.SIGCONT)
             self.note(f"{name} woken")
             stop.wait(lease_s)  # it notices: its sink's next appends are refused
             with contextlib.suppress(Exception), host.client(timeout_s=5.0) as client:
@@ -169,7 +149,7 @@ async def _read_logs(nats: NatsCluster, records: list[CallRecord], deadline: flo
                     for rec in valid(await ledger.read(r.call_id)):
                         if rec.kind == EVENTS:
                             for *_, body in rec.body:
-                                events.extend(_unpack(body))
+                                events.extend(unpack_events(body))
                     if any(e.get("op") == "done" for e in events):
                         r.events = events
                         pending.remove(r)
@@ -192,12 +172,6 @@ async def _explain(nats: NatsCluster, lost: list[CallRecord]) -> None:
                 print(f"      {entry}")
     finally:
         await ledger.close()
-
-
-def _unpack(body: bytes) -> list[dict[str, Any]]:
-    unpacker = msgpack.Unpacker(raw=False)
-    unpacker.feed(body)
-    return list(unpacker)
 
 
 def main() -> int:
@@ -225,14 +199,14 @@ def main() -> int:
             stop.set()
             faults.join(timeout=60.0)
             for name in HOSTS:  # a frozen host is woken before the verdict
-                _signal(_tree(cluster.hosts[name]), signal.SIGCONT)
+                signal_all(process_tree(cluster.hosts[name]), signal.SIGCONT)
             asyncio.run(_read_logs(nats, records, time.monotonic() + 120.0))
             served = _subscribers_view(cluster, records, rng, args.sample)
             return _verdict(cluster, records, served)
         finally:
             stop.set()
             for host in cluster.hosts.values():
-                _signal(_tree(host), signal.SIGCONT)
+                signal_all(process_tree(host), signal.SIGCONT)
                 host.cleanup()
             nats.stop()
 

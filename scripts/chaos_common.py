@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import tempfile
 import threading
@@ -23,6 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgpack
+import psutil
+
 from streamfence.devtools import disks
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
@@ -30,6 +34,30 @@ from streamfence.devtools.verdict import BAD, CallRecord, judge, tally, verdict_
 from streamfence.protocol.client import ClientError
 
 StepMaker = Callable[[random.Random], list[dict[str, Any]]]
+
+
+def process_tree(proc: DaemonProcess) -> list[int]:
+    """The daemon's pid and its descendants' (none once it exited)."""
+    if proc.proc is None or proc.proc.poll() is not None:
+        return []
+    try:
+        root = psutil.Process(proc.proc.pid)
+        return [root.pid, *(c.pid for c in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def unpack_events(body: bytes) -> list[dict[str, Any]]:
+    """The events a row of a call's log carries (msgpack maps, back to back)."""
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(body)
+    return list(unpacker)
 
 
 def parser(description: str, calls: int = 2000, duration: float = 60.0) -> argparse.ArgumentParser:

@@ -13,6 +13,8 @@ STREAMFENCE_FAILPOINTS_DIR) and the emulator, and judges it. Classes:
     pause+crash   a pause at a check, a crash at the act that depends on it
     crash         one crash
     pause         one pause (shorter than the stale timeout)
+    host-pause    (with --only only) two hosts on a NATS cluster, one standing
+                  still past its lease at a cluster.* point: scripts/chaos_host_pause.py
 
 P1 may also be a SIGKILL of the sink from outside at a time into the run.
 A recovery step is one that only the recovery passes (after a sink's death:
@@ -70,6 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scripts import chaos_host_pause as host_pause
 from scripts.chaos_calls import (
     HTTP_READ_S,
     Followed,
@@ -118,7 +121,8 @@ CHECK_ACT = (("supervisor.before_authorize", "sink.after_authorize"),
              ("supervisor.before_rebind", "sink.after_rebind"),
              ("sink.after_rebind", "worker.after_rebind"))
 # Points a single fault may arm: those the call mix passes without another fault.
-SINGLES = tuple(p for p in failpoints.POINTS if p not in AFTER_SINK)
+SINGLES = tuple(p for p in failpoints.POINTS
+                if p not in AFTER_SINK and p not in failpoints.CLUSTER_POINTS)
 # P1 of a pair: steps passed while calls stream, so that a recovery follows.
 PAIR_FIRST = ("supervisor.after_journal_commit", "supervisor.before_authorize",
               "supervisor.before_dispatch", "supervisor.after_fence", "sink.after_commit",
@@ -456,13 +460,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--schedules", type=int, default=20)
     p.add_argument("--seed", type=int, default=None, help="random seed (printed)")
-    p.add_argument("--only", choices=CLASSES, help="schedules of this class only")
+    p.add_argument("--only", choices=(*CLASSES, host_pause.CLASS),
+                   help="schedules of this class only")
     p.add_argument("--index", type=int, action="append",
                    help="run schedule K of the seed's list only (repeatable)")
     p.add_argument("--list", action="store_true", help="print the schedules, run nothing")
     args = p.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     print(f"seed: {seed}  (rerun with --seed {seed})", flush=True)
+    if args.only == host_pause.CLASS:
+        return host_pause.explore(seed, args.schedules, args.index, args.list)
     count = max(args.schedules, max(args.index or [0]) + 1)
     schedules = [s for s in generate(seed, count, args.only)
                  if args.index is None or s.index in args.index]

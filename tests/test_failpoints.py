@@ -22,10 +22,11 @@ from typing import Any
 import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.nats_cluster import NatsCluster
 from streamfence.gateway.keys import http_key
 from streamfence.protocol import failpoints
 from streamfence.protocol.credentials import load_credentials
-from streamfence.protocol.failpoints import POINTS, Action, parse
+from streamfence.protocol.failpoints import CLUSTER_POINTS, POINTS, Action, parse
 from tests.harness import DaemonProcess, assert_one_exact_answer, free_port, healthy, wait_until
 from tests.wires import profile_for, request_for
 
@@ -195,7 +196,8 @@ def test_every_point_is_reached_by_a_daemons_ordinary_faults(armed: Armed,
     """Armed `*=count`, a daemon with its gateway runs a plain call, a stalled
     one (fenced, its worker killed, retried), one whose sink is killed
     mid-stream (rebound), and an HTTP stream resumed with Last-Event-ID:
-    together they pass every point of POINTS."""
+    together they pass every point of POINTS but those of cluster mode
+    (CLUSTER_POINTS: the next test's)."""
     port = free_port()
     daemon, where = armed("*=count", tables={"http": {"listen": f"127.0.0.1:{port}"}})
     emu.script("plain", [{"fault": "ok", "chunks": 5}])
@@ -222,9 +224,28 @@ def test_every_point_is_reached_by_a_daemons_ordinary_faults(armed: Armed,
     rest = _sse_ids(url, "resumed", dict(headers, **{"Last-Event-ID": str(first[-1])}))
     assert rest and min(rest) > first[-1], (first, rest[:3])
     reached = set(failpoints.hits(str(where)))
-    never = sorted(set(POINTS) - reached)
+    never = sorted(set(POINTS) - set(CLUSTER_POINTS) - reached)
     assert not never, f"points no test passes through: {never}"
-    assert reached == set(POINTS)
+    assert reached == set(POINTS) - set(CLUSTER_POINTS)
+
+
+@pytest.mark.slow
+def test_every_cluster_point_is_reached_by_a_cluster_daemons_call(
+        armed: Armed, emu: EmulatorClient, nats: NatsCluster) -> None:
+    """The points only cluster mode passes: armed `*=count`, a host on a real
+    3-node NATS cluster runs one call, whose attempt takes the call's owner
+    entry and opens its epoch in the call's log. With the test above, every
+    point of POINTS is reached."""
+    assert CLUSTER_POINTS and set(CLUSTER_POINTS) <= set(POINTS)
+    daemon, where = armed("*=count", tables={"cluster": {"urls": nats.urls, "host": "host-a",
+                                                         "replicas": 3}})
+    emu.script("clustered", [{"fault": "ok", "chunks": 5}])
+    with daemon.client(timeout_s=20.0) as client:
+        assert client.run("emu", request_for("openai", "clustered"), timeout_s=30.0)["status"] \
+            == "completed"
+    reached = set(failpoints.hits(str(where)))
+    never = sorted(set(CLUSTER_POINTS) - reached)
+    assert not never, f"cluster points no test passes through: {never}"
 
 
 @pytest.mark.slow

@@ -65,6 +65,7 @@ from streamfence.cluster.identities import IDENTITIES_BUCKET, IdentityBucket
 from streamfence.cluster.records import EPOCH, EVENTS, Record, decode
 from streamfence.cluster.retry import RetryPolicy, TryAgain, retry_async
 from streamfence.cluster.settings import ClusterSettings
+from streamfence.protocol.failpoints import ARMED, failpoint
 
 T = TypeVar("T")
 CALLS_STREAM = "SF_CALLS"
@@ -251,6 +252,8 @@ class Ledger:
             if seen is None:
                 revision = await self._stored(lambda: self.owners.create(call_id, value))
             else:
+                if ARMED:  # a pause here stands the whole ledger still: no beat either
+                    failpoint("cluster.before_take")
                 revision = await self._stored(
                     lambda: self.owners.update(call_id, value, last=seen.revision))
         except KeyWrongLastSequenceError:
@@ -330,6 +333,8 @@ class Ledger:
                     last.epoch == own.epoch and last.host != own.owner.host)):
                 raise Fenced(replace(own, log_seq=last.seq),
                              f"the log holds epoch {last.epoch} of {last.host} at seq {last.seq}")
+            if ARMED:
+                failpoint("cluster.before_epoch_append")
             try:  # conditional on the record just judged: nothing can slip in between
                 return await self._append(replace(own, log_seq=last.seq if last else 0),
                                           EPOCH, None)

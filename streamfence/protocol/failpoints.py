@@ -63,7 +63,14 @@ POINTS: dict[str, str] = {
     "worker.after_rebind": "T_REBIND received; the held deltas not yet sent again",
     "gateway.replay_to_live": "a resumed HTTP stream read again up to Last-Event-ID; the "
                               "first event after it not yet sent",
+    "cluster.before_take": "a call's owner entry read; its compare-and-set to a higher epoch "
+                           "not yet sent (pause: the process's ledger thread stands still)",
+    "cluster.before_epoch_append": "a call's log's last record read and judged; the epoch "
+                                   "record's append conditional on it not yet sent",
 }
+# Points only a daemon in cluster mode passes (the ledger's, cluster/ledger.py):
+# the explorer's `host-pause` class arms them, its other classes never do.
+CLUSTER_POINTS = tuple(name for name in POINTS if name.startswith("cluster."))
 
 KINDS = ("crash", "pause", "raise", "drop", "count")
 _ENTRY = re.compile(r"^(?P<name>[\w.*]+)=(?P<kind>crash|pause|raise|drop|count)"

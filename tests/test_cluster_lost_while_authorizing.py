@@ -1,0 +1,92 @@
+"""Cluster mode (ARCHITECTURE §4.17, rule 3): a call taken by another host
+while this host authorizes an attempt of it. Found by the explorer's
+`host-pause` class (scripts/chaos_host_pause.py, seed 30, schedule 11).
+
+The supervisor stands still between taking attempt 2 (its epoch open in
+the call's log) and C_AUTHORIZE (`supervisor.before_authorize`); meanwhile
+host B takes the call at epoch 3 and opens it. The sink's authorize stores
+the attempt's reset and commits it before it answers; the commit's append
+is refused by the engine, so the sink fences the attempt and sends E_LOST,
+and only then answers the authorize `ok`. The supervisor hears E_LOST while
+the call is AUTHORIZING and drops it (AttemptDriver.on_lost acts on RUNNING
+and FENCING only), then dispatches the attempt the sink has fenced: a
+second provider request, all of whose output the sink drops; the attempt
+stays RUNNING (no chunk ever reaches the sink: only the first-chunk
+timeout ends it), the call is never marked moved meanwhile, and its
+subscribers on this host wait (in the explorer's run, 20 s and more)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from streamfence.cluster.ledger import Ledger
+from streamfence.cluster.settings import ClusterSettings
+from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.nats_cluster import NatsCluster
+from streamfence.protocol import failpoints
+from tests.harness import DaemonProcess, wait_until
+from tests.wires import profile_for
+
+pytestmark = pytest.mark.slow
+HOST = "host-a"
+PAUSE = "supervisor.before_authorize"
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, emulator: EmulatorProcess, nats: NatsCluster
+           ) -> Iterator[tuple[DaemonProcess, Path]]:
+    """A cluster host whose supervisor stands still 3 s before its 2nd authorize."""
+    where = tmp_path / "failpoints"
+    where.mkdir()
+    proc = DaemonProcess(tmp_path / "state", {"emu": profile_for("openai", emulator)},
+                         env={failpoints.ENV: f"{PAUSE}=pause(3s)@2",
+                              failpoints.DIR_ENV: str(where)},
+                         tables={"cluster": {"urls": nats.urls, "host": HOST, "replicas": 3}})
+    proc.start()
+    try:
+        yield proc, where
+    finally:
+        proc.cleanup()
+        assert not proc.survivors, f"processes outlived the daemon: {proc.survivors}"
+
+
+def _take_and_open_as_host_b(nats: NatsCluster, call_id: str) -> int:
+    """Host B takes the call from this host's epoch 2 and opens epoch 3."""
+    async def main() -> int:
+        ledger = await Ledger.connect(ClusterSettings(tuple(nats.urls), "host-b"))
+        try:
+            seen = await ledger.owner(call_id)
+            assert seen is not None and (seen.host, seen.epoch) == (HOST, 2), seen
+            held = await ledger.take(call_id, seen)
+            assert held is not None and held.epoch == 3
+            return (await ledger.open_epoch(held)).log_seq
+        finally:
+            await ledger.close()
+    return asyncio.run(main())
+
+
+@pytest.mark.xfail(strict=True, raises=TimeoutError, reason="E_LOST while AUTHORIZING is dropped: the supervisor "
+                   "dispatches the attempt its sink fenced (issue 30; see the module docstring)")
+def test_a_call_taken_while_its_attempt_is_authorized_is_not_run_here(
+        daemon: tuple[DaemonProcess, Path], emu: EmulatorClient, nats: NatsCluster) -> None:
+    proc, where = daemon
+    # Attempt 1 delivers 4 deltas, then stalls: stale, run again under `restart` (a reset).
+    emu.script("taken", [{"fault": "stall", "after": 4, "stall_s": 20.0},
+                         {"fault": "ok", "chunks": 40, "chunk_delay_s": 0.05}])
+    request: dict[str, Any] = {"model": "gpt-emu#taken",
+                               "messages": [{"role": "user", "content": "hi"}]}
+    with proc.client(timeout_s=20.0) as client:
+        call_id = client.submit("emu", request, subscribe=False,
+                                options={"stale_timeout_s": 1.0, "on_partial": "restart"})
+        wait_until(lambda: (where / f"fired.{PAUSE}").exists(), 20,
+                   "the supervisor to stand still before attempt 2's authorize")
+        _take_and_open_as_host_b(nats, call_id)  # within the 3 s pause
+        wait_until(lambda: client.status()["counters"].get("calls_moved", 0) == 1, 10,
+                   "this host to see the call moved to host b")
+    assert len(emu.log("taken")) == 1, \
+        f"this host ran the attempt its sink fenced: {len(emu.log('taken'))} provider requests"
