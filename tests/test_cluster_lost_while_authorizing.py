@@ -2,18 +2,18 @@
 while this host authorizes an attempt of it. Found by the explorer's
 `host-pause` class (scripts/chaos_host_pause.py, seed 30, schedule 11).
 
-The supervisor stands still between taking attempt 2 (its epoch open in
-the call's log) and C_AUTHORIZE (`supervisor.before_authorize`); meanwhile
-host B takes the call at epoch 3 and opens it. The sink's authorize stores
-the attempt's reset and commits it before it answers; the commit's append
-is refused by the engine, so the sink fences the attempt and sends E_LOST,
-and only then answers the authorize `ok`. The supervisor hears E_LOST while
-the call is AUTHORIZING and drops it (AttemptDriver.on_lost acts on RUNNING
-and FENCING only), then dispatches the attempt the sink has fenced: a
-second provider request, all of whose output the sink drops; the attempt
-stays RUNNING (no chunk ever reaches the sink: only the first-chunk
-timeout ends it), the call is never marked moved meanwhile, and its
-subscribers on this host wait (in the explorer's run, 20 s and more)."""
+The supervisor stands still before C_AUTHORIZE of attempt 2
+(`supervisor.before_authorize`); meanwhile host B takes the call at epoch 3
+and opens it. Before the sink became the only writer of the log (issue 30),
+the supervisor had opened epoch 2 itself; the sink's authorize then stored
+the attempt's reset, its commit's append was refused, and the sink sent
+E_LOST before it answered `ok`: the supervisor, still AUTHORIZING, dropped
+the loss and dispatched the attempt the sink had fenced (a second provider
+request; the call never marked moved; its subscribers waiting 20 s and
+more). Now the sink opens epoch 2 at the authorize and finds epoch 3 there:
+the authorize is refused `cluster_lost` and the call is marked moved, with
+one provider request. Red before the change (it timed out waiting for the
+move)."""
 
 from __future__ import annotations
 
@@ -70,8 +70,6 @@ def _take_and_open_as_host_b(nats: NatsCluster, call_id: str) -> int:
     return asyncio.run(main())
 
 
-@pytest.mark.xfail(strict=True, raises=TimeoutError, reason="E_LOST while AUTHORIZING is dropped: the supervisor "
-                   "dispatches the attempt its sink fenced (issue 30; see the module docstring)")
 def test_a_call_taken_while_its_attempt_is_authorized_is_not_run_here(
         daemon: tuple[DaemonProcess, Path], emu: EmulatorClient, nats: NatsCluster) -> None:
     proc, where = daemon
