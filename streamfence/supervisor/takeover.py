@@ -53,11 +53,14 @@ class Takeover:
         """This host took the call over at `owner.epoch`; `record`: the call's
         record in the cluster."""
         call_id = owner.call_id
+        if self._calls.has(call_id):  # a host that stood still won back a call it runs
+            log.info("cluster: call %s taken over at epoch %d runs here already; it goes on",
+                     call_id, owner.epoch)
+            return
         profile = self._config.providers.get(record.get("provider", ""))
-        if profile is None or self._calls.has(call_id):
+        if profile is None:
             log.error("cluster: call %s taken over names provider %r, which this host does "
-                      "not have (or it is known here); left as is", call_id,
-                      record.get("provider"))
+                      "not have; left as is", call_id, record.get("provider"))
             return
         if self._journal.is_finished(call_id) and not self._journal.is_moved(call_id):
             log.info("cluster: call %s taken up had ended here; its entry goes", call_id)
