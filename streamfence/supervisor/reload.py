@@ -117,7 +117,10 @@ def reload(current: DaemonConfig, parts: Parts, auth: ClientAuth) -> DaemonConfi
         parts.driver.takeover.use(config)
     if changes.log_level is not None:
         apply_log_level(config.log_level)
-    added, changed, _ = changes.tables.get("providers", ([], {}, []))
+    added, changed, removed = changes.tables.get("providers", ([], {}, []))
+    if config.http.listen is not None and (added or changed or removed):
+        log.info("reload: the HTTP gateway keeps the profiles and routes it started with "
+                 "until the daemon restarts (a restart of it would cut its open streams)")
     for name in (*added, *changed):
         env = config.providers[name].api_key_env
         if env and not os.environ.get(env):
