@@ -63,6 +63,7 @@ def test_the_unit_agrees_with_the_daemon() -> None:
     assert service["Type"] == "notify"
     assert service["ExecStart"].endswith(" serve --config /etc/streamfence/streamfence.toml")
     assert service["Restart"] == "on-failure" and _seconds(service["RestartSec"]) > 0
+    assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"  # SIGHUP: supervisor/reload.py
     # The state dir must be private, or the daemon refuses it (supervisor/statedir.py).
     assert service["StateDirectory"] == "streamfence"
     assert service["StateDirectoryMode"] == "0700"

@@ -65,6 +65,23 @@ def test_clients_are_cached_per_profile(monkeypatch: pytest.MonkeyPatch) -> None
         client.close()
 
 
+def test_a_profile_changed_under_its_name_gets_a_new_client(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reload may change a profile's settings (supervisor/reload.py): the
+    next attempt on it must not run on the client of the old ones."""
+    monkeypatch.setattr(registry, "_clients", {})
+    old = {"name": "moved", "kind": "openai", "base_url": "http://127.0.0.1:9/v1"}
+    new = dict(old, base_url="http://127.0.0.1:10/v1")
+    first = registry.client_for(old)
+    second = registry.client_for(new)
+    try:
+        assert second is not first and str(second.base_url) == "http://127.0.0.1:10/v1/"
+        assert registry.client_for(dict(new)) is second
+    finally:
+        first.close()
+        second.close()
+
+
 @pytest.mark.parametrize("msg", [SpawnWorker(3, 1), StopZygote()])
 def test_zygote_commands_round_trip(msg: Any) -> None:
     assert decode_zygote_command(encode_zygote(msg)) == msg

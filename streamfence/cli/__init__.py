@@ -1,5 +1,5 @@
-"""The `streamfence` command: init, emulator, serve, submit, cancel, result,
-status, keys, prune, check, demo, cluster.
+"""The `streamfence` command: init, emulator, serve, reload, stop, submit,
+cancel, result, status, keys, prune, check, demo, cluster.
 
 Client commands find the daemon and their identity without flags on the
 daemon's own machine: `--credentials`, else $STREAMFENCE_CREDENTIALS, else the
@@ -28,6 +28,7 @@ from streamfence.cli.common import (
     connect,
     load,
 )
+from streamfence.cli.control import reload, stop
 from streamfence.cli.init import emulator, init
 from streamfence.cli.keys import keys
 from streamfence.cli.prune import prune
@@ -50,7 +51,8 @@ def main() -> None:
 @config_option
 @click.option("--log-json", is_flag=True, default=False, help="Log JSON lines.")
 def serve(config_path: str | None, log_json: bool) -> None:
-    """Run the daemon in the foreground until SIGTERM/SIGINT."""
+    """Run the daemon in the foreground until SIGTERM/SIGINT (`streamfence stop`);
+    SIGHUP (`streamfence reload`) makes it read its config file again."""
     from streamfence.protocol import failpoints
     from streamfence.protocol.lifecycle import name_processes, set_process_title
     from streamfence.supervisor.daemon import Daemon
@@ -248,6 +250,8 @@ def demo(rounds: int, wires: tuple[str, ...], keep: bool) -> None:
     sys.exit(0 if ok else 1)
 
 
+main.add_command(reload)
+main.add_command(stop)
 main.add_command(cancel)
 main.add_command(result)
 main.add_command(init)

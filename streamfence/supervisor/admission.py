@@ -88,6 +88,10 @@ class Admission:
         self._byte_rate = SubmitRate(clock)  # request bytes per second, per identity
         self.accepting = True
 
+    def use(self, config: DaemonConfig) -> None:
+        """A reloaded config (supervisor/reload.py): its profiles for the next submit."""
+        self._config = config
+
     def admit(self, user: Identity, spec: CallSpec, size: int) -> Admitted | Duplicate | Refusal:
         """`size`: the submit frame's length, what the byte budgets count as the
         request's size (an honest upper bound of its encoding, at hand for free)."""

@@ -45,6 +45,10 @@ class ClientAuth:
                 keys.register(LOCAL_NAME, endpoint, replace=True)
                 log.info("created the admin credentials of this user: %s", local)
 
+    def use(self, identities: Mapping[str, Identity]) -> None:
+        """Reloaded identities (supervisor/reload.py): the next request's limits."""
+        self._identities = identities
+
     def secure(self, sock: zmq.Socket[bytes]) -> None:
         """Make the client socket (before bind) a CURVE server, if auth is on."""
         if self._zap is not None:

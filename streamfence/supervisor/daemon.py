@@ -17,7 +17,7 @@ Each piece of state has one owner (see `Parts`); the loop here only moves
 messages to their owner: each descriptor it polls has one handler, in one
 table (`_watch`, streamfence.supervisor.watched). Signal handlers only set a
 flag (streamfence.supervisor.stopsignals); the loop turns it into the same
-stop a client could ask for.
+stop a client could ask for, or a SIGHUP's reload (streamfence.supervisor.reload).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from streamfence.protocol.internal.workers import StopZygote
 from streamfence.protocol.keys import KeyStore
 from streamfence.protocol.messages import events_endpoint
 from streamfence.protocol.states import WorkerState
-from streamfence.supervisor import replies, statedir, storepair
+from streamfence.supervisor import reload, replies, statedir, storepair
 from streamfence.supervisor.auth import ClientAuth
 from streamfence.supervisor.connections import FrontConnections
 from streamfence.supervisor.gatewaychild import GatewayChild, GatewayEntry
@@ -237,7 +237,7 @@ class Daemon:
     def _watch(self, p: Parts) -> None:
         """The descriptor -> handler table, in the order a turn serves them."""
         w = self._watched
-        w.slot("wake", self._signals.clear, self._signals)
+        w.slot("wake", functools.partial(self._on_signal, p), self._signals)
         w.slot("front", functools.partial(self._drain_front, p), p.clients.socket)
         w.slot("request_files", p.front.acceptance.on_stored, p.journal.files.fileno())
         w.slot("journal_synced", p.journal.on_synced, p.journal.sync_fileno())
@@ -315,6 +315,12 @@ class Daemon:
         return max(0, math.ceil((nearest - now) * 1000))
 
     # ---- the handlers ----------------------------------------------------------
+    def _on_signal(self, p: Parts) -> None:
+        """A signal came: a stop is the flag `_turn` reads; a SIGHUP, a reload."""
+        self._signals.clear()
+        if self._signals.take_hangups():
+            self.config = reload.reload(self.config, p, self.auth)
+
     def _drain_front(self, p: Parts) -> None:
         # Bounded by time, not only by count: what this turn accepted is
         # committed and answered before the next requests are read (a burst

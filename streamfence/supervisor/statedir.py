@@ -138,6 +138,22 @@ def _written_holder(state_dir: Path) -> str | None:
         return None
 
 
+def lock_holder(state_dir: Path) -> str | None:
+    """The pid of the daemon holding `state_dir`'s lock (as StateLock finds
+    it; "unknown" if neither the kernel nor `daemon.lock` says), None if no
+    process holds it; the lock is only tried, never kept, and nothing written."""
+    fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+            raise
+        return _kernel_holder(fd) or _written_holder(state_dir) or "unknown"
+    finally:
+        os.close(fd)  # and with it the lock, if it was taken
+    return None
+
+
 class StateLock:
     """An exclusive flock on the state directory itself (opened O_DIRECTORY),
     held until `release` (or the process's death: the kernel drops it); the

@@ -1,33 +1,29 @@
-"""SIGTERM and SIGINT ask the daemon to stop. The handler only sets a flag
-(`requested`), which the loop turns into the same stop a client could ask
-for; the signal's byte on a socket pair the loop polls ends its poll at
-once (the loop may sleep for seconds).
+"""The signals the supervisor answers. SIGTERM and SIGINT ask the daemon to
+stop; SIGHUP asks it to read its config file again (supervisor/reload.py).
+The handlers only set a flag (`requested`) or count (`take_hangups`), which
+the loop turns into the same stop a client could ask for, or a reload; the
+signal's byte on a socket pair the loop polls ends its poll at once (the
+loop may sleep for seconds).
 
-SIGHUP does not stop it: reload is not supported yet, and a terminal that
-closes sends SIGHUP to the whole process group. The supervisor says so in
-one WARNING line per SIGHUP (from the loop, `clear`) and keeps running; its
-children ignore SIGHUP from their start. Until the loop runs (`hold_hangups`)
-the supervisor ignores it too, and the children it spawns meanwhile inherit that.
+A terminal that closes sends SIGHUP to the whole process group: the
+supervisor reloads (a config unchanged changes nothing) and its children
+ignore SIGHUP from their start. Until the loop runs (`hold_hangups`) the
+supervisor ignores it too, and the children it spawns meanwhile inherit
+that: a SIGHUP before the daemon is up reloads nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import signal
 import socket
 from typing import Any
 
-log = logging.getLogger("streamfence.supervisor")
-
-HANGUP_WARNING = ("SIGHUP: reload is not supported yet; restart the daemon to apply a new "
-                  "config. The daemon keeps running")
-
 
 class StopSignals:
-    """Owns the flag, the count of SIGHUPs not yet logged and, from `install`
-    to `uninstall`, the wakeup socket pair: `fileno` polled and `clear`ed by
-    the loop."""
+    """Owns the stop flag, the count of SIGHUPs the loop has not answered
+    and, from `install` to `uninstall`, the wakeup socket pair: `fileno`
+    polled and `clear`ed by the loop."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -38,7 +34,7 @@ class StopSignals:
         self.requested = True
 
     def _hangup(self, signum: int, frame: Any) -> None:
-        self._hangups += 1  # logged by the loop (`clear`), not in the handler
+        self._hangups += 1  # answered by the loop (`take_hangups`), not in the handler
 
     @staticmethod
     def hold_hangups() -> None:
@@ -58,14 +54,15 @@ class StopSignals:
         return self._wake[0].fileno()
 
     def clear(self) -> None:
-        """Read the signals' bytes (the flag says what they meant); say what
-        each SIGHUP since the last call did not do."""
+        """Read the signals' bytes (the flag and the count say what they meant)."""
         with contextlib.suppress(BlockingIOError):
             while self._wake[0].recv(512):
                 pass
+
+    def take_hangups(self) -> bool:
+        """Whether a SIGHUP came since the last call: several are one reload."""
         hangups, self._hangups = self._hangups, 0
-        for _ in range(hangups):
-            log.warning(HANGUP_WARNING)
+        return hangups > 0
 
     def uninstall(self) -> None:
         signal.set_wakeup_fd(-1)

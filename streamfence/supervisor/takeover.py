@@ -49,6 +49,10 @@ class Takeover:
         self._enqueue = enqueue
         self._release = release
 
+    def use(self, config: DaemonConfig) -> None:
+        """A reloaded config (supervisor/reload.py): its profiles for the next call taken."""
+        self._config = config
+
     def adopt(self, owner: Owner, record: dict[str, Any]) -> None:
         """This host took the call over at `owner.epoch`; `record`: the call's
         record in the cluster."""

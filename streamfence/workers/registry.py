@@ -1,8 +1,9 @@
 """The provider adapters by profile kind, and the one call a worker makes per attempt.
 
 `ADAPTERS` maps a profile's `kind` to its wire's `Adapter` (workers/adapter.py).
-`run_attempt(profile, request, out, settings)` builds (once per profile, for the
-life of the worker process) the profile's client and runs the attempt on it. It
+`run_attempt(profile, request, out, settings)` builds (once per profile and
+settings, for the life of the worker process: a reload may change a profile's
+settings under its name) the profile's client and runs the attempt on it. It
 never raises: whatever the adapter could not turn into an outcome itself (an
 unknown kind, a missing credential, an error opening the request) becomes
 `failed_outcome` of the adapter's classification, reported to `out.failed`.
@@ -24,7 +25,7 @@ from streamfence.workers.output import AttemptOutput
 ADAPTERS: Mapping[str, Adapter] = {
     a.kind: a for a in (openai_chat.ADAPTER, anthropic_messages.ADAPTER, bedrock_converse.ADAPTER)}
 
-_clients: dict[str, Any] = {}  # profile name -> client
+_clients: dict[str, tuple[Profile, Any]] = {}  # profile name -> (its settings, client)
 
 
 def adapter_for(profile: Profile) -> Adapter:
@@ -37,9 +38,11 @@ def adapter_for(profile: Profile) -> Adapter:
 
 def client_for(profile: Profile) -> Any:
     name = str(profile["name"])
-    client = _clients.get(name)
-    if client is None:
-        client = _clients[name] = adapter_for(profile).make_client(profile)
+    cached = _clients.get(name)
+    if cached is not None and cached[0] == profile:
+        return cached[1]
+    client = adapter_for(profile).make_client(profile)
+    _clients[name] = (profile, client)
     return client
 
 
