@@ -140,7 +140,8 @@ def test_sighup_while_calls_stream(daemon: DaemonProcess, emulator: EmulatorProc
         exc = _refused(client, "openai", request_for("openai", "capped-second"))
         assert exc.code == "too_many_calls" and "max_in_flight 1" in exc.message, exc
         client.cancel(first)
-        assert client.result(first, wait_s=20.0)["status"] == "cancelled"
+        cancelled = client.result(first, wait_s=20.0)
+        assert cancelled is not None and cancelled["status"] == "cancelled", cancelled
     assert emu.log("removed") == [] and emu.log("capped-second") == []
     assert not _lines(daemon, "ERROR", "")
 
@@ -154,8 +155,10 @@ def test_an_invalid_edit_keeps_the_running_config(daemon: DaemonProcess,
     profiles["late"] = dict(profile_for("openai", emulator), kind="openia")
     _config(daemon, profiles, "[identities.x]\nmax_in_flight = -1\n")
     os.kill(daemon.proc.pid, signal.SIGHUP)
-    errors = wait_until(lambda: (e := _lines(daemon, "ERROR", "reload refused")) and len(e) >= 2
-                        and e, 15.0, "both problems of the file")
+    def both() -> list[str] | None:
+        lines = _lines(daemon, "ERROR", "reload refused")
+        return lines if len(lines) >= 2 else None
+    errors = wait_until(both, 15.0, "both problems of the file")
     assert any("providers.late.kind" in e and "did you mean 'openai'" in e for e in errors), errors
     assert any("identities.x.max_in_flight" in e for e in errors), errors
     with daemon.client() as admin:  # the old config: no `late`, bedrock still there
