@@ -56,6 +56,7 @@ def test_the_sink_answers_stats_while_the_cluster_is_frozen(
         wait_until(lambda: client.status()["sink"].get("cluster_appends", 0) >= 4, 30,
                    "the calls' first runs in their logs")
         worker = next(w for w in client.status()["workers"] if w["call_id"] == other)
+        gone = psutil.Process(worker["pid"])  # before the cancel, which kills it at once
         for pid in nodes:
             os.kill(pid, signal.SIGSTOP)
         probes: list[tuple[float, bool, int]] = []
@@ -63,7 +64,6 @@ def test_the_sink_answers_stats_while_the_cluster_is_frozen(
             time.sleep(0.5)  # the freeze's first half second: appends now wait
             began = time.monotonic()
             client.cancel(other)
-            gone = psutil.Process(worker["pid"])
             killed_s = time.monotonic() - began
             try:
                 gone.wait(timeout=FREEZE_S / 2)
@@ -80,6 +80,9 @@ def test_the_sink_answers_stats_while_the_cluster_is_frozen(
         finally:
             for pid in nodes:
                 os.kill(pid, signal.SIGCONT)
+        # What its subscriber was sent: held while the cluster was frozen, then
+        # every event once, in order (the runs' events wait for their log).
+        events = list(client.events(call_id, timeout_s=60.0))
         result = client.result(call_id, wait_s=60.0)
         cancelled = client.result(other, wait_s=60.0)
     print(f"cancel -> fence -> kill of another call's worker while frozen: "
@@ -99,3 +102,8 @@ def test_the_sink_answers_stats_while_the_cluster_is_frozen(
     sent = emu.log("frozen")
     assert len(sent) == 1, f"the provider was asked {len(sent)} times"
     assert result["response"]["content"] == sent[0]["text"]
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1)), \
+        [e["seq"] for e in events]
+    assert events[-1]["op"] == "done" and sum(e["op"] == "done" for e in events) == 1
+    assert "".join(e["data"] for e in events if e["op"] == "delta" and e["kind"] == "text") \
+        == sent[0]["text"]
