@@ -85,14 +85,15 @@ from streamfence.protocol.client_async import AsyncClient, AsyncTextStream
 from streamfence.protocol.client_base import DEFAULT_ENDPOINT
 from streamfence.protocol.client_core import ClientCore
 from streamfence.protocol.client_effects import Flow, Send, Wait
+from streamfence.protocol.client_monitor import NoConnection
 from streamfence.protocol.client_router import BAD_REPLY, EVENTS_LOST, CallFailed, ClientError
 from streamfence.protocol.client_shell import ClientBase, TextFlow, shown_as
-from streamfence.protocol.client_sockets import close_sockets
+from streamfence.protocol.client_sockets import close_sockets, link_events, stop_watch, watch_link
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME
 from streamfence.protocol.credentials import Credentials, resolve
 
 __all__ = ["BAD_REPLY", "DEFAULT_ENDPOINT", "EVENTS_LOST", "AsyncClient", "AsyncTextStream",
-           "CallFailed", "Client", "ClientError", "TextStream"]
+           "CallFailed", "Client", "ClientError", "NoConnection", "TextStream"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -115,7 +116,7 @@ class Client(ClientBase):
                  context: zmq.Context[Any] | None = None,
                  max_frame: int = DEFAULT_MAX_FRAME) -> None:
         endpoint, creds = resolve(endpoint, credentials, DEFAULT_ENDPOINT)
-        super().__init__(endpoint, timeout_s, max_frame)
+        super().__init__(endpoint, timeout_s, max_frame, creds)
         ctx = context if context is not None else zmq.Context.instance()
         self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
         self._events: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
@@ -126,7 +127,10 @@ class Client(ClientBase):
         # watched before it connects: the first one must be counted.
         self._monitor = self._events.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self._poller.register(self._monitor, zmq.POLLIN)
+        self._link: zmq.Socket[bytes] | None = None  # the request socket's, until it is up
         try:
+            self._link = watch_link(ctx, self._sock, self._core.listener)
+            self._poller.register(self._link, zmq.POLLIN)
             for sock, where in ((self._sock, endpoint), (self._events, self._core.events_endpoint)):
                 sock.setsockopt(zmq.LINGER, 0)
                 if creds is not None:
@@ -135,7 +139,7 @@ class Client(ClientBase):
                 sock.connect(where)
                 self._poller.register(sock, zmq.POLLIN)
         except BaseException:
-            close_sockets(self._sock, self._events, self._monitor)
+            close_sockets(self._sock, self._events, self._monitor, self._link)
             raise
 
     def close(self) -> None:
@@ -147,10 +151,11 @@ class Client(ClientBase):
             self._busy = False  # closing from inside an operation (a signal handler, say)
             self._send_cancels()
             self._closed = True
+            self._unlink()
             linger_ms = self._core.closing()
             if linger_ms:
                 self._sock.close(linger=linger_ms)  # close_sockets then finds it closed
-            close_sockets(self._sock, self._events, self._monitor)
+            close_sockets(self._sock, self._events, self._monitor, None)
 
     def __enter__(self) -> Client:
         return self
@@ -257,6 +262,8 @@ class Client(ClientBase):
         wait_ms = max(0, math.ceil((deadline - monotonic()) * 1000))
         if not self._poller.poll(wait_ms):
             return
+        if self._link is not None:
+            self._read_link()
         while self._monitor.poll(0):
             self._monitor.recv_multipart()
             self._core.router.handshake()
@@ -276,6 +283,21 @@ class Client(ClientBase):
             if ack is not None:
                 with contextlib.suppress(zmq.Again):  # the next one carries the total
                     self._events.send(ack, zmq.NOBLOCK)
+
+    def _read_link(self) -> None:
+        """Tell the core what the request socket's monitor saw (client_monitor);
+        once the link is up, stop watching it."""
+        assert self._link is not None
+        for event, value in link_events(self._link):
+            self._core.link.saw(event, value)
+        if self._core.link.up:
+            self._unlink()
+
+    def _unlink(self) -> None:
+        if self._link is not None:
+            self._poller.unregister(self._link)
+            stop_watch(self._sock, self._link)
+            self._link = None
 
 
 class TextStream(TextFlow):
