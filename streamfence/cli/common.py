@@ -96,5 +96,5 @@ def _unreached(exc: NoConnection, found: Path | None, state_dir: str,
     of = config or f"the defaults: no --config, $STREAMFENCE_CONFIG or ./{DEFAULT_CONFIG}"
     return (f"the daemon at {exc.endpoint} takes only CURVE clients, and no credentials were "
             f"found: no --credentials, ${ENV_CREDENTIALS} is not set, and there is no "
-            f"{local_credentials_path(state_dir)} (the state dir of {of}); pass "
+            f"{local_credentials_path(os.path.abspath(state_dir))} (the state dir of {of}); pass "
             f"--credentials PATH, or --config with the daemon's config")

@@ -7,17 +7,22 @@ tells it at once what happens to the connection:
     EVENT_CONNECT_RETRIED without EVENT_CONNECTED before it
                                   nothing listens at the endpoint (every
                                   reconnect interval, ~0.1-0.2 s)
-    EVENT_HANDSHAKE_FAILED_AUTH   the daemon's ZAP refused the handshake:
-                                  value 400, a key it does not accept
-                                  (unregistered, revoked, rotated); 300, its
-                                  connection cap (protocol/keys.py)
+    EVENT_HANDSHAKE_FAILED_AUTH   the daemon's ZAP refused the handshake
+                                  (value 400): a key it does not accept
+                                  (unregistered, revoked, rotated), or its
+                                  connection cap (a ZAP 300, "try later",
+                                  would reach the client as nothing at all:
+                                  libzmq drops the connection silently)
     EVENT_HANDSHAKE_FAILED_PROTOCOL  CURVE on one side only (value
                                   ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH):
                                   no credentials for a CURVE daemon, or
                                   credentials for an `auth = "none"` one
     EVENT_HANDSHAKE_FAILED_NO_DETAIL  the daemon dropped the handshake: it
                                   does not hold the server key the credentials
-                                  name (they were made for another daemon)
+                                  name (they were made for another daemon).
+                                  Over ipc:// a mechanism mismatch shows so
+                                  once before the retry names it: only two
+                                  in a row count.
     EVENT_HANDSHAKE_SUCCEEDED     connected: the watch is over
 
 libzmq does not reconnect after a refused (AUTH, PROTOCOL) handshake, so
@@ -46,12 +51,10 @@ LINK_EVENTS: Final = (zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
                       | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                       | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 NO_DAEMON_AFTER_S = 0.5  # a request's wait with nothing listening before it fails
-ZAP_REFUSED, ZAP_BUSY = 400, 300  # the ZAP status codes libzmq passes on
 
 # The causes (`NoConnection.cause`).
 NO_DAEMON = "no_daemon"
 KEY_REFUSED = "key_refused"
-DAEMON_FULL = "daemon_full"
 NO_CREDENTIALS = "no_credentials"
 NOT_CURVE = "not_curve"
 WRONG_DAEMON = "wrong_daemon"
@@ -77,6 +80,7 @@ class LinkWatch:
         self.cause: str | None = None  # why it is not up (None: not known yet)
         self._detail = 0  # the failure event's value
         self._tcp = False  # connected since the last retry: something listens
+        self._dropped = 0  # handshakes dropped without detail in a row
 
     def saw(self, event: int, value: int) -> None:
         """One monitor event (its number and value)."""
@@ -90,12 +94,17 @@ class LinkWatch:
             if not self._tcp:
                 self.cause = NO_DAEMON
             self._tcp = False
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self._dropped += 1
+            if self._dropped >= 2:
+                self.cause, self._detail = self._refusal(event, value), value
         else:
+            self._dropped = 0
             self.cause, self._detail = self._refusal(event, value), value
 
     def _refusal(self, event: int, value: int) -> str:
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            return DAEMON_FULL if value == ZAP_BUSY else KEY_REFUSED
+            return KEY_REFUSED
         if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             return NO_CREDENTIALS if self.credentials is None else NOT_CURVE
         if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self.credentials is not None:
@@ -131,10 +140,8 @@ class LinkWatch:
             return (f"the daemon at {at} refused the credentials of {name}: their key is not "
                     f"registered with it (never, or revoked or rotated since); `streamfence "
                     f"keys list` on its host shows who is, `streamfence keys rotate "
-                    f"{creds.name if creds else 'NAME'}` makes new credentials{made_for}")
-        if cause == DAEMON_FULL:
-            return (f"the daemon at {at} refused the connection: it is at its connection cap "
-                    f"(max_connections) or out of descriptors; try again later")
+                    f"{creds.name if creds else 'NAME'}` makes new credentials; or it is at "
+                    f"its connection cap (max_connections){made_for}")
         if cause == NO_CREDENTIALS:
             return (f"the daemon at {at} takes only CURVE clients, and this client has no "
                     f"credentials: pass credentials=PATH to Client (--credentials PATH to the "
@@ -152,4 +159,7 @@ class LinkWatch:
                        f"{creds.name if creds else 'NAME'}` there makes new credentials")
             return (f"the daemon at {at} is not the one the credentials of {name} were made "
                     f"for: it does not hold their server_key ({why})")
-        return f"the handshake with the daemon at {at} failed (event value {self._detail:#x})"
+        if self._dropped:
+            return (f"the daemon at {at} drops the handshake of this client without a reason "
+                    f"(is it a streamfence daemon?)")
+        return f"the handshake with the daemon at {at} failed (ZMTP error {self._detail:#x})"

@@ -36,6 +36,7 @@ class ClientAuth:
         self._identities = identities
         self._zap = None
         if mode == "curve":
+            keys.log_changes = True  # this process logs the key changes (protocol/keys.py)
             self._zap = start_authenticator(context, keys)
             local = keys.credentials_path(LOCAL_NAME)
             if not local.exists():
