@@ -11,8 +11,15 @@ share between threads; an AsyncClient may be shared by tasks of one loop.
 Identity: a daemon with CURVE authentication (the default) hears a client
 only with registered credentials (docs/SECURITY.md): `Client(credentials=PATH)`
 uses a credentials file (and its endpoint unless one is given); without it,
-$STREAMFENCE_CREDENTIALS names one if set. An unregistered client gets no
-reply at all, so its requests time out.
+$STREAMFENCE_CREDENTIALS names one if set. The daemon refuses the handshake
+of an unregistered key (and gives no reply to one revoked after it
+connected).
+
+Until its first handshake the client watches its connection
+(`client_monitor`): a request then fails within a second with
+NoConnection, a TimeoutError naming why (no daemon at the endpoint, a
+refused key, no credentials for a CURVE daemon, credentials of another
+daemon).
 
 Requests and the replies the daemon sends (every reply echoes the request's
 `ref`, a fresh uuid4 hex per request, and is matched by it):
@@ -58,13 +65,14 @@ reads it). `submit` and `events()` never cancel (client_core's docstring).
 Every receive has a deadline: a missing reply raises TimeoutError naming the
 request, its ref and the endpoint. Errors: ClientError (the daemon's `error`
 reply, code and message as sent), CallFailed (stream_text on a call that
-ended failed or cancelled), TimeoutError.
+ended failed or cancelled), TimeoutError (NoConnection, sooner, when the
+client could not connect).
 
 Layout: the protocol logic is written once, without I/O, in `client_core`
 (each operation a flow of `client_effects`), `client_reader` (the events()
 policy), `client_shell` (stream_text, what both shells share), `client_base`
-(the messages built and the replies accepted) and `client_router` (routing
-what the daemon sends). This module and `client_async` are shells that run
+(the messages built and the replies accepted), `client_router` (routing
+what the daemon sends) and `client_monitor` (why it cannot connect). This module and `client_async` are shells that run
 those flows on a socket: the sync `Client` here (which re-exports the rest),
 `AsyncClient` there.
 """

@@ -24,6 +24,10 @@ the current operation ends, at the latest on close. A call of `submit` or
 read with `events()` is never cancelled by the client: its reader may be one
 of several, and its caller holds the id.
 
+A flow waiting for an answer asks `link` (client_monitor.LinkWatch, fed by
+the shell until the first handshake) whether one can come at all, and
+raises its NoConnection at once if not.
+
 Deadlines are `time.monotonic()` values, the only clock read here. What to
 send, which reply ops are valid, what to raise, when `events()` re-subscribes
 or probes and what `stream_text` yields are all decided here, in
