@@ -127,8 +127,11 @@ class ClientCore:
     def _wait(self, since: float, deadline: float, on: str | None = None) -> Wait:
         """The Wait of a flow waiting since `since` for an answer due by `deadline`;
         raises NoConnection at once if none can come (client_monitor.LinkWatch)."""
-        self.link.check(since, monotonic())
-        return Wait(self.link.wake_at(since, deadline), on)
+        link = self.link
+        if link.up:  # the usual case, after the first answer
+            return Wait(deadline, on)
+        link.check(since, monotonic())
+        return Wait(link.wake_at(since, deadline), on)
 
     def _no_reply(self, what: str, ref: str | None, timeout_s: float) -> TimeoutError:
         ref_text = f"ref {ref}" if ref is not None else "no ref"
