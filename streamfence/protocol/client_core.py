@@ -130,8 +130,9 @@ class ClientCore:
         link = self.link
         if link.up:  # the usual case, after the first answer
             return Wait(deadline, on)
-        link.check(since, monotonic())
-        return Wait(link.wake_at(since, deadline), on)
+        now = monotonic()
+        link.check(since, now)
+        return Wait(link.wake_at(since, deadline, now), on)
 
     def _no_reply(self, what: str, ref: str | None, timeout_s: float) -> TimeoutError:
         ref_text = f"ref {ref}" if ref is not None else "no ref"

@@ -19,10 +19,12 @@ tells it at once what happens to the connection:
                                   credentials for an `auth = "none"` one
     EVENT_HANDSHAKE_FAILED_NO_DETAIL  the daemon dropped the handshake: it
                                   does not hold the server key the credentials
-                                  name (they were made for another daemon).
-                                  Over ipc:// a mechanism mismatch shows so
-                                  once before the retry names it: only two
-                                  in a row count.
+                                  name (they were made for another daemon),
+                                  or, for a client without credentials, it
+                                  wants CURVE. Over ipc:// a mechanism
+                                  mismatch often shows so (a race of the
+                                  greetings) before a retry names it: only
+                                  DROPS_TO_TELL in a row count.
     EVENT_HANDSHAKE_SUCCEEDED     connected: the watch is over
 
 libzmq does not reconnect after a refused (AUTH, PROTOCOL) handshake, so
@@ -51,6 +53,7 @@ LINK_EVENTS: Final = (zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
                       | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                       | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 NO_DAEMON_AFTER_S = 0.5  # a request's wait with nothing listening before it fails
+DROPS_TO_TELL = 3  # handshakes dropped without detail in a row that are a verdict
 
 # The causes (`NoConnection.cause`).
 NO_DAEMON = "no_daemon"
@@ -96,7 +99,9 @@ class LinkWatch:
             self._tcp = False
         elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
             self._dropped += 1
-            if self._dropped >= 2:
+            # Without credentials, a drop is a CURVE daemon's (it takes any NULL client
+            # otherwise): two tell; with them, the mismatch may yet show (docstring).
+            if self._dropped >= (2 if self.credentials is None else DROPS_TO_TELL):
                 self.cause, self._detail = self._refusal(event, value), value
         else:
             self._dropped = 0
@@ -105,10 +110,11 @@ class LinkWatch:
     def _refusal(self, event: int, value: int) -> str:
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             return KEY_REFUSED
-        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        if (event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH):
             return NO_CREDENTIALS if self.credentials is None else NOT_CURVE
-        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self.credentials is not None:
-            return WRONG_DAEMON
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            return NO_CREDENTIALS if self.credentials is None else WRONG_DAEMON
         return HANDSHAKE_FAILED
 
     def check(self, since: float, now: float) -> None:
@@ -119,11 +125,12 @@ class LinkWatch:
             return
         raise NoConnection(self.cause, self.endpoint, self.explain())
 
-    def wake_at(self, since: float, deadline: float) -> float:
-        """When a wait begun at `since` must look again (`check`), at the latest."""
-        if self.up:
-            return deadline
-        return min(deadline, since + NO_DAEMON_AFTER_S)
+    def wake_at(self, since: float, deadline: float, now: float) -> float:
+        """When a wait begun at `since` must look again (`check`), at the latest: at
+        the end of the grace for a missing daemon; after it, a monitor event
+        wakes the wait (the shells watch the monitor)."""
+        grace_ends = since + NO_DAEMON_AFTER_S
+        return grace_ends if not self.up and now < grace_ends < deadline else deadline
 
     def explain(self) -> str:
         """The one-line message of the current cause."""
@@ -159,7 +166,4 @@ class LinkWatch:
                        f"{creds.name if creds else 'NAME'}` there makes new credentials")
             return (f"the daemon at {at} is not the one the credentials of {name} were made "
                     f"for: it does not hold their server_key ({why})")
-        if self._dropped:
-            return (f"the daemon at {at} drops the handshake of this client without a reason "
-                    f"(is it a streamfence daemon?)")
         return f"the handshake with the daemon at {at} failed (ZMTP error {self._detail:#x})"
