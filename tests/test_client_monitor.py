@@ -163,3 +163,23 @@ def test_a_daemon_at_its_connection_cap_says_so(context: zmq.Context[zmq.Socket[
         assert auth.refused_full == 1 and auth.refused == 0
     finally:
         auth.stop()
+
+
+def test_a_store_that_logs_changes_names_each_once(tmp_path: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    store = KeyStore(tmp_path / "keys", log_changes=True)
+    alice = store.register("alice", EP)
+    caplog.set_level("INFO", logger="streamfence.auth")
+    store.allow_list()
+    store.register("bob", EP)
+    store.allow_list()
+    store.register("alice", EP, replace=True)
+    store.revoke("bob")
+    store.allow_list()
+    store.allow_list()  # nothing new: nothing logged
+    assert [r.getMessage() for r in caplog.records] == [
+        "client keys: registered identities: alice",
+        "client keys: identity 'bob' added (applies from its next handshake and message)",
+        "client keys: identity 'alice' rotated (applies from its next handshake and message)",
+        "client keys: identity 'bob' revoked (applies from its next handshake and message)"]
+    assert alice.public_key.decode() not in caplog.text

@@ -163,7 +163,7 @@ class KeyStore:
     def _log_changes(self, before: Mapping[bytes, str], after: Mapping[bytes, str]) -> None:
         if not self._read_once:
             self._read_once = True
-            log.info("client keys: %d identities registered (%s)", len(after),
+            log.info("client keys: registered identities: %s",
                      ", ".join(sorted(after.values())) or "none")
             return
         for name, what in key_changes(before, after):
