@@ -6,6 +6,7 @@ and pyzmq's real ZAP authenticator."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from time import monotonic
@@ -13,7 +14,7 @@ from time import monotonic
 import pytest
 import zmq
 
-from streamfence.protocol.client import Client
+from streamfence.protocol.client import AsyncClient, Client
 from streamfence.protocol.client_monitor import (
     DROPS_TO_TELL,
     KEY_REFUSED,
@@ -27,6 +28,7 @@ from streamfence.protocol.client_monitor import (
 )
 from streamfence.protocol.credentials import Credentials
 from streamfence.protocol.keys import KeyStore, key_changes, make_curve_server, start_authenticator
+from tests.harness import wait_until
 
 EP = "tcp://127.0.0.1:7755"
 KEY = b"x" * 40
@@ -118,7 +120,7 @@ def test_key_changes_name_identities_never_keys() -> None:
     assert key_changes(after, after) == []
 
 
-# ---- real sockets: a daemon without CURVE, a daemon at its cap --------------------------
+# ---- real sockets: a daemon without CURVE, a daemon at its cap, a late request ----------
 
 @pytest.fixture
 def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
@@ -183,3 +185,32 @@ def test_a_store_that_logs_changes_names_each_once(tmp_path: Path,
         "client keys: identity 'alice' rotated (applies from its next handshake and message)",
         "client keys: identity 'bob' revoked (applies from its next handshake and message)"]
     assert alice.public_key.decode() not in caplog.text
+
+
+def test_a_request_made_after_the_refusal_fails_at_once_too(
+        context: zmq.Context[zmq.Socket[bytes]], tmp_path: Path) -> None:
+    """libzmq drops the queue of a refused connection: a send after that would
+    block for timeout_s (the sync client's SNDTIMEO; the async one retries)."""
+    store = KeyStore(tmp_path / "keys")
+    auth = start_authenticator(context, store)
+    try:
+        server = context.socket(zmq.ROUTER)
+        server.linger = 0
+        make_curve_server(server, store)
+        endpoint = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+        creds = store.register("alice", endpoint)
+        store.revoke("alice")
+        client = Client(endpoint, 10.0, credentials=creds, context=context)
+        wait_until(lambda: auth.refused >= 1, 10, "the daemon to refuse alice's handshake")
+        assert _status_failure(client).cause == KEY_REFUSED
+
+        async def main() -> None:
+            aclient = AsyncClient(endpoint, 10.0, credentials=creds, context=context)
+            wait_until(lambda: auth.refused >= 2, 10, "the daemon to refuse it again")
+            t0 = monotonic()
+            with aclient, pytest.raises(NoConnection) as caught:
+                await aclient.status()
+            assert caught.value.cause == KEY_REFUSED and monotonic() - t0 < 3.0
+        asyncio.run(main())
+    finally:
+        auth.stop()

@@ -93,7 +93,7 @@ from streamfence.protocol.client_async import AsyncClient, AsyncTextStream
 from streamfence.protocol.client_base import DEFAULT_ENDPOINT
 from streamfence.protocol.client_core import ClientCore
 from streamfence.protocol.client_effects import Flow, Send, Wait
-from streamfence.protocol.client_monitor import NoConnection
+from streamfence.protocol.client_monitor import NO_DAEMON_AFTER_S, NoConnection
 from streamfence.protocol.client_router import BAD_REPLY, EVENTS_LOST, CallFailed, ClientError
 from streamfence.protocol.client_shell import ClientBase, TextFlow, shown_as
 from streamfence.protocol.client_sockets import close_sockets, link_events, stop_watch, watch_link
@@ -258,10 +258,37 @@ class Client(ClientBase):
 
     def _send(self, effect: Send) -> None:
         self._check_open()
+        sock = self._events if effect.to_events else self._sock
+        if self._link is not None:
+            self._send_watching(sock, effect)
+            return
         try:
-            (self._events if effect.to_events else self._sock).send_multipart(effect.frames)
+            sock.send_multipart(effect.frames)  # blocks up to SNDTIMEO (timeout_s)
         except zmq.Again:
             raise self._core.send_failed(effect.what) from None
+
+    def _send_watching(self, sock: zmq.Socket[bytes], effect: Send) -> None:
+        """A send before the link is up. libzmq drops the queue of a connection whose
+        handshake was refused, and a blocking send would then wait timeout_s: so it
+        waits on the link's monitor too, and raises NoConnection once it tells."""
+        since = monotonic()
+        deadline = since + self.timeout_s
+        while True:
+            try:
+                sock.send_multipart(effect.frames, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            if self._link is None:  # up meanwhile: an ordinary send now
+                self._send(effect)
+                return
+            self._read_link()
+            now = monotonic()
+            self._core.link.check(since, now)
+            if now >= deadline:
+                raise self._core.send_failed(effect.what)
+            if self._link is not None:
+                zmq.select([self._link], [sock], [], min(deadline - now, NO_DAEMON_AFTER_S))
 
     def _pump(self, deadline: float) -> None:
         """Wait for frames until `deadline`; route those ready (events first, then

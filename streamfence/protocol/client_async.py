@@ -192,7 +192,10 @@ class AsyncClient(ClientBase):
                     sock.send_multipart(effect.frames, zmq.NOBLOCK)
                     break
                 except zmq.Again:  # the queue to the daemon is full: rare, so polled
-                    if monotonic() >= deadline:
+                    now = monotonic()
+                    # ... or gone with a refused handshake: the link says why (client_monitor)
+                    self._core.link.check(deadline - self.timeout_s, now)
+                    if now >= deadline:
                         raise self._core.send_failed(effect.what) from None
                 await asyncio.sleep(SEND_RETRY_S)
                 self._check_open()
