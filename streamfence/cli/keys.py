@@ -13,6 +13,7 @@ import click
 
 from streamfence.cli.common import config_option, load
 from streamfence.config.identities import Identity, identity_named
+from streamfence.protocol.credentials import LOCAL_NAME
 from streamfence.protocol.keys import KeyStore, KeyStoreError
 
 
@@ -98,11 +99,14 @@ def _check_not_last_admin(store: KeyStore, identities: Mapping[str, Identity], n
     names = store.names()
     admins = [n for n in names if identity_named(n, identities).is_admin]
     if name in names and admins == [name]:
+        local = name == LOCAL_NAME
+        cli = ", and the CLI on the daemon's host (it uses local's credentials) is refused"
         raise click.ClickException(
             f"{name} is the last admin identity: revoked, no identity sees every call or the "
-            f"whole `status`, and the CLI here (which uses {name}'s credentials) is refused. Make another admin first ([identities.OTHER] role = \"admin\", "
-            f"`streamfence keys new OTHER`), or pass --force (then `streamfence keys new "
-            f"{name}`, or a restart of the daemon for `local`, gives it a key again)")
+            f"whole `status`{cli if local else ''}. Make another admin first "
+            f"([identities.OTHER] role = \"admin\", `streamfence keys new OTHER`), or pass "
+            f"--force (then `streamfence keys new {name}`"
+            f"{', or a restart of the daemon,' if local else ''} gives it a key again)")
 
 
 @keys.command("list")

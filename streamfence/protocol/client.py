@@ -72,9 +72,9 @@ Layout: the protocol logic is written once, without I/O, in `client_core`
 (each operation a flow of `client_effects`), `client_reader` (the events()
 policy), `client_shell` (stream_text, what both shells share), `client_base`
 (the messages built and the replies accepted), `client_router` (routing
-what the daemon sends) and `client_monitor` (why it cannot connect). This module and `client_async` are shells that run
-those flows on a socket: the sync `Client` here (which re-exports the rest),
-`AsyncClient` there.
+what the daemon sends) and `client_monitor` (why it cannot connect). This
+module and `client_async` are shells that run those flows on a socket: the
+sync `Client` here (which re-exports the rest), `AsyncClient` there.
 """
 
 from __future__ import annotations
