@@ -14,7 +14,9 @@ from streamfence.config.environment import ENV_CONFIG
 from streamfence.config.model import ConfigError, DaemonConfig, load_config
 
 if TYPE_CHECKING:
-    from streamfence.protocol.client import Client
+    from pathlib import Path
+
+    from streamfence.protocol.client import Client, NoConnection
 
 F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_CONFIG = "streamfence.toml"
@@ -68,7 +70,7 @@ def client_options(f: F) -> F:
 def connect(endpoint: str | None, credentials: str | None, config_path: str | None,
             timeout_s: float = 10.0) -> Iterator[Client]:
     """A client of the daemon (see the module docstring); one-line errors."""
-    from streamfence.protocol.client import Client
+    from streamfence.protocol.client import Client, NoConnection
     from streamfence.protocol.credentials import CredentialsError, find_credentials
 
     cfg = load(config_path)
@@ -86,8 +88,26 @@ def connect(endpoint: str | None, credentials: str | None, config_path: str | No
     with client:
         try:
             yield client
-        except TimeoutError:
+        except NoConnection as exc:  # the cause, within a second
+            raise click.ClickException(_unreached(exc, found, cfg.state_dir, config_path)) \
+                from None
+        except TimeoutError as exc:  # connected, but no answer in time
             how = f"as {found}" if found else "without credentials"
-            raise click.ClickException(
-                f"no answer from a daemon at {client.endpoint} ({how}): is `streamfence serve` "
-                f"running there, and are these credentials registered with it?") from None
+            raise click.ClickException(f"{exc} ({how}): is the daemon overloaded, starting "
+                                       f"or stopping?") from None
+
+
+def _unreached(exc: NoConnection, found: Path | None, state_dir: str,
+               config_path: str | None) -> str:
+    """Why the CLI could not reach the daemon, and where it looked for credentials."""
+    from streamfence.protocol.client_monitor import NO_CREDENTIALS
+    from streamfence.protocol.credentials import ENV_CREDENTIALS, local_credentials_path
+
+    if exc.cause != NO_CREDENTIALS or found is not None:
+        return f"{exc}" + (f" [credentials: {found}]" if found is not None else "")
+    config = config_path_of(config_path)
+    of = config or f"the defaults: no --config, $STREAMFENCE_CONFIG or ./{DEFAULT_CONFIG}"
+    return (f"the daemon at {exc.endpoint} takes only CURVE clients, and no credentials were "
+            f"found: no --credentials, ${ENV_CREDENTIALS} is not set, and there is no "
+            f"{local_credentials_path(os.path.abspath(state_dir))} (the state dir of {of}); pass "
+            f"--credentials PATH, or --config with the daemon's config")

@@ -7,9 +7,13 @@ message, without a restart.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import click
 
 from streamfence.cli.common import config_option, load
+from streamfence.config.identities import Identity, identity_named
+from streamfence.protocol.credentials import LOCAL_NAME
 from streamfence.protocol.keys import KeyStore, KeyStoreError
 
 
@@ -72,15 +76,37 @@ def rotate(config_path: str | None, endpoint: str | None, name: str) -> None:
 
 @keys.command("revoke")
 @config_option
+@click.option("--force", is_flag=True,
+              help="Revoke the last admin identity too (the CLI is then locked out).")
 @click.argument("name")
-def revoke(config_path: str | None, name: str) -> None:
-    """Remove identity NAME's key: its clients are refused from the next message."""
+def revoke(config_path: str | None, force: bool, name: str) -> None:
+    """Remove identity NAME's key: its clients are refused from the next message.
+
+    The last admin identity (`local`, the CLI's own, unless the config makes
+    others admins) is kept unless --force: without one, nobody sees every call
+    or the whole `status`, and the CLI on the daemon's host is refused."""
     store, _ = _store(config_path)
+    if not force:
+        _check_not_last_admin(store, load(config_path).identities, name)
     try:
         store.revoke(name)
     except KeyStoreError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"{name}: revoked")
+
+
+def _check_not_last_admin(store: KeyStore, identities: Mapping[str, Identity], name: str) -> None:
+    names = store.names()
+    admins = [n for n in names if identity_named(n, identities).is_admin]
+    if name in names and admins == [name]:
+        local = name == LOCAL_NAME
+        cli = ", and the CLI on the daemon's host (it uses local's credentials) is refused"
+        raise click.ClickException(
+            f"{name} is the last admin identity: revoked, no identity sees every call or the "
+            f"whole `status`{cli if local else ''}. Make another admin first "
+            f"([identities.OTHER] role = \"admin\", `streamfence keys new OTHER`), or pass "
+            f"--force (then `streamfence keys new {name}`"
+            f"{', or a restart of the daemon,' if local else ''} gives it a key again)")
 
 
 @keys.command("list")

@@ -11,8 +11,15 @@ share between threads; an AsyncClient may be shared by tasks of one loop.
 Identity: a daemon with CURVE authentication (the default) hears a client
 only with registered credentials (docs/SECURITY.md): `Client(credentials=PATH)`
 uses a credentials file (and its endpoint unless one is given); without it,
-$STREAMFENCE_CREDENTIALS names one if set. An unregistered client gets no
-reply at all, so its requests time out.
+$STREAMFENCE_CREDENTIALS names one if set. The daemon refuses the handshake
+of an unregistered key (and gives no reply to one revoked after it
+connected).
+
+Until its first handshake the client watches its connection
+(`client_monitor`): a request then fails within a second with
+NoConnection, a TimeoutError naming why (no daemon at the endpoint, a
+refused key, no credentials for a CURVE daemon, credentials of another
+daemon).
 
 Requests and the replies the daemon sends (every reply echoes the request's
 `ref`, a fresh uuid4 hex per request, and is matched by it):
@@ -58,15 +65,16 @@ reads it). `submit` and `events()` never cancel (client_core's docstring).
 Every receive has a deadline: a missing reply raises TimeoutError naming the
 request, its ref and the endpoint. Errors: ClientError (the daemon's `error`
 reply, code and message as sent), CallFailed (stream_text on a call that
-ended failed or cancelled), TimeoutError.
+ended failed or cancelled), TimeoutError (NoConnection, sooner, when the
+client could not connect).
 
 Layout: the protocol logic is written once, without I/O, in `client_core`
 (each operation a flow of `client_effects`), `client_reader` (the events()
 policy), `client_shell` (stream_text, what both shells share), `client_base`
-(the messages built and the replies accepted) and `client_router` (routing
-what the daemon sends). This module and `client_async` are shells that run
-those flows on a socket: the sync `Client` here (which re-exports the rest),
-`AsyncClient` there.
+(the messages built and the replies accepted), `client_router` (routing
+what the daemon sends) and `client_monitor` (why it cannot connect). This
+module and `client_async` are shells that run those flows on a socket: the
+sync `Client` here (which re-exports the rest), `AsyncClient` there.
 """
 
 from __future__ import annotations
@@ -85,14 +93,15 @@ from streamfence.protocol.client_async import AsyncClient, AsyncTextStream
 from streamfence.protocol.client_base import DEFAULT_ENDPOINT
 from streamfence.protocol.client_core import ClientCore
 from streamfence.protocol.client_effects import Flow, Send, Wait
+from streamfence.protocol.client_monitor import NO_DAEMON_AFTER_S, NoConnection
 from streamfence.protocol.client_router import BAD_REPLY, EVENTS_LOST, CallFailed, ClientError
 from streamfence.protocol.client_shell import ClientBase, TextFlow, shown_as
-from streamfence.protocol.client_sockets import close_sockets
+from streamfence.protocol.client_sockets import close_sockets, link_events, stop_watch, watch_link
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME
 from streamfence.protocol.credentials import Credentials, resolve
 
 __all__ = ["BAD_REPLY", "DEFAULT_ENDPOINT", "EVENTS_LOST", "AsyncClient", "AsyncTextStream",
-           "CallFailed", "Client", "ClientError", "TextStream"]
+           "CallFailed", "Client", "ClientError", "NoConnection", "TextStream"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -115,7 +124,7 @@ class Client(ClientBase):
                  context: zmq.Context[Any] | None = None,
                  max_frame: int = DEFAULT_MAX_FRAME) -> None:
         endpoint, creds = resolve(endpoint, credentials, DEFAULT_ENDPOINT)
-        super().__init__(endpoint, timeout_s, max_frame)
+        super().__init__(endpoint, timeout_s, max_frame, creds)
         ctx = context if context is not None else zmq.Context.instance()
         self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
         self._events: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
@@ -126,7 +135,10 @@ class Client(ClientBase):
         # watched before it connects: the first one must be counted.
         self._monitor = self._events.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self._poller.register(self._monitor, zmq.POLLIN)
+        self._link: zmq.Socket[bytes] | None = None  # the request socket's, until it is up
         try:
+            self._link = watch_link(ctx, self._sock, self._core.listener)
+            self._poller.register(self._link, zmq.POLLIN)
             for sock, where in ((self._sock, endpoint), (self._events, self._core.events_endpoint)):
                 sock.setsockopt(zmq.LINGER, 0)
                 if creds is not None:
@@ -135,7 +147,7 @@ class Client(ClientBase):
                 sock.connect(where)
                 self._poller.register(sock, zmq.POLLIN)
         except BaseException:
-            close_sockets(self._sock, self._events, self._monitor)
+            close_sockets(self._sock, self._events, self._monitor, self._link)
             raise
 
     def close(self) -> None:
@@ -147,10 +159,11 @@ class Client(ClientBase):
             self._busy = False  # closing from inside an operation (a signal handler, say)
             self._send_cancels()
             self._closed = True
+            self._unlink()
             linger_ms = self._core.closing()
             if linger_ms:
                 self._sock.close(linger=linger_ms)  # close_sockets then finds it closed
-            close_sockets(self._sock, self._events, self._monitor)
+            close_sockets(self._sock, self._events, self._monitor, None)
 
     def __enter__(self) -> Client:
         return self
@@ -245,10 +258,37 @@ class Client(ClientBase):
 
     def _send(self, effect: Send) -> None:
         self._check_open()
+        sock = self._events if effect.to_events else self._sock
+        if self._link is not None:
+            self._send_watching(sock, effect)
+            return
         try:
-            (self._events if effect.to_events else self._sock).send_multipart(effect.frames)
+            sock.send_multipart(effect.frames)  # blocks up to SNDTIMEO (timeout_s)
         except zmq.Again:
             raise self._core.send_failed(effect.what) from None
+
+    def _send_watching(self, sock: zmq.Socket[bytes], effect: Send) -> None:
+        """A send before the link is up. libzmq drops the queue of a connection whose
+        handshake was refused, and a blocking send would then wait timeout_s: so it
+        waits on the link's monitor too, and raises NoConnection once it tells."""
+        since = monotonic()
+        deadline = since + self.timeout_s
+        while True:
+            try:
+                sock.send_multipart(effect.frames, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            if self._link is None:  # up meanwhile: an ordinary send now
+                self._send(effect)
+                return
+            self._read_link()
+            now = monotonic()
+            self._core.link.check(since, now)
+            if now >= deadline:
+                raise self._core.send_failed(effect.what)
+            if self._link is not None:
+                zmq.select([self._link], [sock], [], min(deadline - now, NO_DAEMON_AFTER_S))
 
     def _pump(self, deadline: float) -> None:
         """Wait for frames until `deadline`; route those ready (events first, then
@@ -257,6 +297,8 @@ class Client(ClientBase):
         wait_ms = max(0, math.ceil((deadline - monotonic()) * 1000))
         if not self._poller.poll(wait_ms):
             return
+        if self._link is not None:
+            self._read_link()
         while self._monitor.poll(0):
             self._monitor.recv_multipart()
             self._core.router.handshake()
@@ -276,6 +318,21 @@ class Client(ClientBase):
             if ack is not None:
                 with contextlib.suppress(zmq.Again):  # the next one carries the total
                     self._events.send(ack, zmq.NOBLOCK)
+
+    def _read_link(self) -> None:
+        """Tell the core what the request socket's monitor saw (client_monitor);
+        once the link is up, stop watching it."""
+        assert self._link is not None
+        for event, value in link_events(self._link):
+            self._core.link.saw(event, value)
+        if self._core.link.up:
+            self._unlink()
+
+    def _unlink(self) -> None:
+        if self._link is not None:
+            self._poller.unregister(self._link)
+            stop_watch(self._sock, self._link)
+            self._link = None
 
 
 class TextStream(TextFlow):

@@ -44,7 +44,7 @@ from streamfence.protocol.client_core import ClientCore
 from streamfence.protocol.client_effects import Flow, Send, Wait
 from streamfence.protocol.client_router import ANY, ClientError
 from streamfence.protocol.client_shell import ClientBase, TextFlow, shown_as
-from streamfence.protocol.client_sockets import close_sockets
+from streamfence.protocol.client_sockets import close_sockets, link_events, stop_watch, watch_link
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME
 from streamfence.protocol.credentials import Credentials, resolve
 
@@ -74,14 +74,16 @@ class AsyncClient(ClientBase):
                  context: zmq.Context[Any] | None = None,
                  max_frame: int = DEFAULT_MAX_FRAME) -> None:
         endpoint, creds = resolve(endpoint, credentials, DEFAULT_ENDPOINT)
-        super().__init__(endpoint, timeout_s, max_frame)
+        super().__init__(endpoint, timeout_s, max_frame, creds)
         ctx = context if context is not None else zmq.Context.instance()
         # Plain sockets even from a zmq.asyncio context: the loop watches them (module docstring).
         self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
         self._events: zmq.Socket[bytes] = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
         self._events.setsockopt(zmq.ROUTING_ID, self._core.listener.encode())
         self._monitor: zmq.Socket[bytes] = ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
+        self._link: zmq.Socket[bytes] | None = None  # the request socket's, until it is up
         try:
+            self._link = watch_link(ctx, self._sock, self._core.listener)
             # Each handshake of the events connection (a reconnect: resubscribe),
             # watched before it connects: the first one must be counted.
             where = f"inproc://streamfence-monitor-{self._core.listener}"
@@ -93,7 +95,7 @@ class AsyncClient(ClientBase):
                     creds.apply(sock)
                 sock.connect(where)
         except BaseException:
-            close_sockets(self._sock, self._events, self._monitor)
+            close_sockets(self._sock, self._events, self._monitor, self._link)
             raise
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching the sockets
         self._waiting: dict[str, list[asyncio.Future[None]]] = {}  # Wait.on (or ANY) -> flows
@@ -109,9 +111,10 @@ class AsyncClient(ClientBase):
             self._closed = True
             linger_ms = self._core.closing()
             self._unwatch()
+            self._unlink()
             if linger_ms:
                 self._sock.close(linger=linger_ms)  # close_sockets then finds it closed
-            close_sockets(self._sock, self._events, self._monitor)
+            close_sockets(self._sock, self._events, self._monitor, None)
             self._wake(None)  # the flows waiting find the client closed
 
     async def __aenter__(self) -> AsyncClient:
@@ -189,7 +192,10 @@ class AsyncClient(ClientBase):
                     sock.send_multipart(effect.frames, zmq.NOBLOCK)
                     break
                 except zmq.Again:  # the queue to the daemon is full: rare, so polled
-                    if monotonic() >= deadline:
+                    now = monotonic()
+                    # ... or gone with a refused handshake: the link says why (client_monitor)
+                    self._core.link.check(deadline - self.timeout_s, now)
+                    if now >= deadline:
                         raise self._core.send_failed(effect.what) from None
                 await asyncio.sleep(SEND_RETRY_S)
                 self._check_open()
@@ -251,6 +257,9 @@ class AsyncClient(ClientBase):
             # Not only what came before: until the monitor's state is read once, a
             # handshake reported to it raises no edge on its descriptor at all.
             loop.call_soon(self._handshakes)
+            if self._link is not None:
+                loop.add_reader(self._link.FD, self._read_link)
+                loop.call_soon(self._read_link)
             for sock in (self._events, self._sock):
                 loop.add_reader(sock.FD, self._readable, sock)
                 loop.call_soon(self._readable, sock)  # what came before anyone watched
@@ -260,8 +269,9 @@ class AsyncClient(ClientBase):
     def _unwatch(self) -> None:
         loop, self._loop = self._loop, None
         if loop is not None and not loop.is_closed():
-            for sock in (self._sock, self._events, self._monitor):
-                loop.remove_reader(sock.FD)
+            for sock in (self._sock, self._events, self._monitor, self._link):
+                if sock is not None:
+                    loop.remove_reader(sock.FD)
 
     def _recheck(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket[bytes]) -> None:
         """After an operation on `sock`: its descriptor's edge may be spent, so
@@ -310,6 +320,27 @@ class AsyncClient(ClientBase):
             shook = True
         if shook:
             self._wake(None)
+
+    def _read_link(self) -> None:
+        """The reader of the request socket's monitor: tell the core what it saw
+        (client_monitor) and wake every flow to look; once the link is up, stop
+        watching it."""
+        if self._closed or self._link is None:
+            return
+        seen = link_events(self._link)
+        for event, value in seen:
+            self._core.link.saw(event, value)
+        if self._core.link.up:
+            self._unlink()
+        if seen:
+            self._wake(None)
+
+    def _unlink(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(link.FD)
+            stop_watch(self._sock, link)
 
     def _wake(self, keys: set[str] | None, error: BaseException | None = None) -> None:
         """Wake the flows waiting on `keys` (None: all of them)."""

@@ -24,6 +24,10 @@ the current operation ends, at the latest on close. A call of `submit` or
 read with `events()` is never cancelled by the client: its reader may be one
 of several, and its caller holds the id.
 
+A flow waiting for an answer asks `link` (client_monitor.LinkWatch, fed by
+the shell until the first handshake) whether one can come at all, and
+raises its NoConnection at once if not.
+
 Deadlines are `time.monotonic()` values, the only clock read here. What to
 send, which reply ops are valid, what to raise, when `events()` re-subscribes
 or probes and what `stream_text` yields are all decided here, in
@@ -53,9 +57,11 @@ from streamfence.protocol.client_base import (
     submit_msg,
 )
 from streamfence.protocol.client_effects import Flow, Send, Wait
+from streamfence.protocol.client_monitor import LinkWatch
 from streamfence.protocol.client_reader import EventReader
 from streamfence.protocol.client_router import BAD_REPLY, LISTENING, ClientError, Router
 from streamfence.protocol.codec import encode
+from streamfence.protocol.credentials import Credentials
 from streamfence.protocol.messages import Op, events_endpoint
 
 log = logging.getLogger("streamfence.client")
@@ -64,10 +70,12 @@ log = logging.getLogger("streamfence.client")
 class ClientCore:
     """Settings, the Router, and the flow of every client operation."""
 
-    def __init__(self, endpoint: str, timeout_s: float, max_frame: int) -> None:
+    def __init__(self, endpoint: str, timeout_s: float, max_frame: int,
+                 credentials: Credentials | None = None) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.endpoint = endpoint
+        self.link = LinkWatch(endpoint, credentials)  # why no answer comes (client_monitor)
         self.events_endpoint = events_endpoint(endpoint)
         self.listener = new_ref()  # the events socket's routing id: a secret (uuid4 hex)
         self.timeout_s = float(timeout_s)
@@ -116,6 +124,16 @@ class ClientCore:
             self.to_cancel.popleft()
             self.router.cancel_sent(ref, call_id)
 
+    def _wait(self, since: float, deadline: float, on: str | None = None) -> Wait:
+        """The Wait of a flow waiting since `since` for an answer due by `deadline`;
+        raises NoConnection at once if none can come (client_monitor.LinkWatch)."""
+        link = self.link
+        if link.up:  # the usual case, after the first answer
+            return Wait(deadline, on)
+        now = monotonic()
+        link.check(since, now)
+        return Wait(link.wake_at(since, deadline, now), on)
+
     def _no_reply(self, what: str, ref: str | None, timeout_s: float) -> TimeoutError:
         ref_text = f"ref {ref}" if ref is not None else "no ref"
         return TimeoutError(f"no reply to {what} ({ref_text}) from {self.endpoint} "
@@ -128,7 +146,8 @@ class ClientCore:
         made again meanwhile (to a restarted sink: the one that heard it died
         before it answered), each time with timeout_s for the answer."""
         router = self.router
-        deadline = monotonic() + self.timeout_s
+        since = monotonic()
+        deadline = since + self.timeout_s
         while not router.listening:
             if router.listen_due():
                 router.listen_sent()
@@ -138,7 +157,7 @@ class ClientCore:
                 raise TimeoutError(f"no answer to listen from the events endpoint "
                                    f"{self.events_endpoint} within {self.timeout_s:g} s")
             else:
-                yield Wait(deadline, LISTENING)
+                yield self._wait(since, deadline, LISTENING)
 
     def _exchange(self, msg: dict[str, Any], what: str, timeout_s: float) -> Flow[dict[str, Any]]:
         """Send `msg` and return the reply that echoes its ref."""
@@ -146,11 +165,12 @@ class ClientCore:
         self.router.expect(ref)
         try:
             yield Send([encode(msg)], what)
-            deadline = monotonic() + timeout_s
+            since = monotonic()
+            deadline = since + timeout_s
             while (reply := self.router.take_reply(ref)) is None:
                 if monotonic() >= deadline:
                     raise self._no_reply(what, ref, timeout_s)
-                yield Wait(deadline, ref)
+                yield self._wait(since, deadline, ref)
             return reply
         finally:
             self.router.forget(ref)  # a reply arriving after this is discarded
@@ -177,11 +197,12 @@ class ClientCore:
         self.router.expect_raw()
         try:
             yield Send(parts, "a raw message")
-            deadline = monotonic() + timeout
+            since = monotonic()
+            deadline = since + timeout
             while (reply := self.router.take_unattributed()) is None:
                 if monotonic() >= deadline:
                     raise self._no_reply("a raw message", None, timeout)
-                yield Wait(deadline)
+                yield self._wait(since, deadline)
             return reply
         except BaseException:
             self.router.forget_raw()

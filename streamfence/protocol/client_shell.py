@@ -15,6 +15,7 @@ from streamfence.protocol.client_base import finished_ok, text_piece
 from streamfence.protocol.client_core import ClientCore
 from streamfence.protocol.client_effects import Flow
 from streamfence.protocol.client_reader import EventReader
+from streamfence.protocol.credentials import Credentials
 from streamfence.protocol.messages import Op
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -97,8 +98,9 @@ class TextFlow:
 class ClientBase:
     """What both shells share besides their transport: the core and its settings."""
 
-    def __init__(self, endpoint: str, timeout_s: float, max_frame: int) -> None:
-        self._core = ClientCore(endpoint, timeout_s, max_frame)
+    def __init__(self, endpoint: str, timeout_s: float, max_frame: int,
+                 credentials: Credentials | None) -> None:
+        self._core = ClientCore(endpoint, timeout_s, max_frame, credentials)
         self._closed = False
 
     @property

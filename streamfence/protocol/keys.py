@@ -24,6 +24,12 @@ accept a CURVE client only if its key is registered. The connection's User-Id
 is the client's public key (Z85); the supervisor maps it to the identity on
 every message through `identity_of`, so a revoked or rotated key stops at
 once, also on a connection made before.
+
+With `log_changes` (the supervisor's store: one process logs them), every
+change of the allow-list the store applies is logged, one line per identity
+(`key_changes`: added, rotated, revoked; names only, never a key), and a
+thread looks at the folder every KEY_WATCH_S, so a change is logged (and
+applied) within a second even when no client speaks.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _RACY_NS = 100_000_000
 REFUSED_LOG_EVERY_S = 10.0  # refused-handshake warnings, at most one this often
 SHARED_FILE = "cluster.identities"  # in clients/: not a `*.key`, so no identity's name
+KEY_WATCH_S = 1.0  # how often a store that logs its changes looks at clients/
 
 
 class KeyStoreError(Exception):
@@ -73,12 +80,14 @@ def _private_files(*paths: Path) -> None:
 class KeyStore:
     """Owns `<state_dir>/keys/`: the daemon's key pair and the client allow-list."""
 
-    def __init__(self, keys_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, keys_dir: str | os.PathLike[str], *, log_changes: bool = False) -> None:
         self.dir = Path(keys_dir)
         self.clients_dir = self.dir / "clients"
+        self.log_changes = log_changes  # module docstring
         self._lock = threading.Lock()  # the ZAP thread reads, the loop may reload
         self._seen_mtime_ns = -1
         self._by_key: dict[bytes, str] = {}
+        self._read_once = False  # the allow-list was read: later reads are changes
 
     # ---- the daemon's pair ------------------------------------------------------
 
@@ -154,9 +163,21 @@ class KeyStore:
                 return self._by_key
             if mtime != self._seen_mtime_ns:
                 racy = 0 <= time.time_ns() - mtime < _RACY_NS
-                self._by_key = self._read_allow_list()
+                before, self._by_key = self._by_key, self._read_allow_list()
                 self._seen_mtime_ns = -1 if racy else mtime
+                if self.log_changes:
+                    self._log_changes(before, self._by_key)
             return self._by_key
+
+    def _log_changes(self, before: Mapping[bytes, str], after: Mapping[bytes, str]) -> None:
+        if not self._read_once:
+            self._read_once = True
+            log.info("client keys: registered identities: %s",
+                     ", ".join(sorted(after.values())) or "none")
+            return
+        for name, what in key_changes(before, after):
+            log.info("client keys: identity %r %s (applies from its next handshake and "
+                     "message)", name, what)
 
     def _read_allow_list(self) -> dict[bytes, str]:
         return {**self._read_shared(), **self.local_keys()}  # this host's own first
@@ -216,6 +237,35 @@ def valid_key(key: object) -> bool:
     return True
 
 
+def key_changes(before: Mapping[bytes, str], after: Mapping[bytes, str]) -> list[tuple[str, str]]:
+    """(name, "added" | "rotated" | "revoked") for each identity whose key differs
+    between two allow-lists (key -> name), by name."""
+    old = {name: key for key, name in before.items()}
+    new = {name: key for key, name in after.items()}
+    changes = []
+    for name in sorted(old.keys() | new.keys()):
+        if name not in old:
+            changes.append((name, "added"))
+        elif name not in new:
+            changes.append((name, "revoked"))
+        elif old[name] != new[name]:
+            changes.append((name, "rotated"))
+    return changes
+
+
+class _KeyWatch(threading.Thread):
+    """Looks at a store's allow-list every KEY_WATCH_S (module docstring)."""
+
+    def __init__(self, store: KeyStore) -> None:
+        super().__init__(name="streamfence-key-watch", daemon=True)
+        self._store = store
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.wait(KEY_WATCH_S):
+            self._store.allow_list()
+
+
 class _Authenticator(ThreadAuthenticator):
     def __init__(self, context: zmq.Context[zmq.Socket[bytes]], store: KeyStore) -> None:
         super().__init__(context, log=logging.getLogger("streamfence.auth.zap"))
@@ -227,6 +277,21 @@ class _Authenticator(ThreadAuthenticator):
         self.refused_full = 0
         self._refused_logged = 0  # `refused` when the last warning was written
         self._refused_log_at = -REFUSED_LOG_EVERY_S
+        self._watch: _KeyWatch | None = None
+
+    def start(self) -> None:
+        super().start()
+        if self._store.log_changes:
+            self._store.allow_list()  # the first read: logged now, not at the first look
+            self._watch = _KeyWatch(self._store)
+            self._watch.start()
+
+    def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.stopping.set()
+            self._watch.join()
+            self._watch = None
+        super().stop()
 
     # pyzmq calls this with the Z85 key: the credentials-provider protocol.
     def callback(self, domain: str, key: bytes) -> bool:

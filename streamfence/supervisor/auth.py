@@ -39,6 +39,7 @@ class ClientAuth:
             # The other hosts' keys are known from the cluster only, never from a
             # previous run's file (cluster mode: supervisor/shared_keys.py).
             keys.forget_shared()
+            keys.log_changes = True  # this process logs the key changes (protocol/keys.py)
             self._zap = start_authenticator(context, keys)
             local = keys.credentials_path(LOCAL_NAME)
             if not local.exists():
