@@ -5,6 +5,11 @@ children, one daemon for the whole module (at DEBUG, for the SDKs' records):
 - every record a worker emits, the SDK's and httpx2's own included, carries
   the call's session_id, call_id and attempt; httpx2's per-request lines are
   DEBUG; a record of no call has none of those fields;
+- every line of a call, the supervisor's and its worker's, names the
+  identity that submitted it, the call, its provider and its model as JSON
+  keys; its last line has its status and finish_reason as keys;
+- each submit has one access line (`streamfence.front.access`), accepted,
+  duplicate or refused with its code;
 - a failed call logs exactly one ERROR, with the traceback of its last
   attempt's unexpected exception if one ended it; each failed attempt logs
   one WARNING without a traceback; a call that failed an attempt and then
@@ -20,6 +25,7 @@ from typing import Any
 import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient
+from streamfence.protocol.client import ClientError
 from tests.harness import DaemonProcess, wait_until
 from tests.wires import DaemonFactory
 
@@ -147,6 +153,63 @@ def test_a_retried_then_completed_call_logs_no_error(daemon: DaemonProcess,
     assert len(warnings) == 1 and warnings[0]["attempt"] == 1, warnings
     assert "stream failed before delivery: Error code: 503 - busy" in warnings[0]["message"]
     assert not [r for r in records if "traceback" in r], records
+
+
+def _access_lines(daemon: DaemonProcess, count: int, **match: Any) -> list[dict[str, Any]]:
+    """The access lines whose keys have the values `match` has, once there are `count`."""
+    def found() -> list[dict[str, Any]] | None:
+        lines = [r for r in daemon.log_records() if r["logger"] == "streamfence.front.access"
+                 and all(r.get(k) == v for k, v in match.items())]
+        return lines if len(lines) >= count else None
+
+    lines = wait_until(found, 10, f"{count} access line(s) with {match}")
+    assert lines is not None
+    return lines
+
+
+def test_each_submit_has_one_access_line(daemon: DaemonProcess) -> None:
+    request = {"model": "gpt-emu#access", "messages": HELLO}
+    with daemon.client() as client:
+        call_id = client.submit("emu", request, session_id="sess-access",
+                                idempotency_key="access-1", subscribe=False)
+        again = client.submit("emu", request, session_id="sess-access",
+                              idempotency_key="access-1", subscribe=False)
+        with pytest.raises(ClientError) as refused:
+            client.submit("nowhere", {"model": "gpt-x", "messages": HELLO}, subscribe=False)
+        assert client.result(call_id, wait_s=30.0) is not None
+    assert again == call_id and refused.value.code == "unknown_provider"
+    accepted, duplicate = _access_lines(daemon, 2, call_id=call_id)
+    assert accepted["message"] == "submit accepted provider=emu model=gpt-emu#access", accepted
+    assert duplicate["message"] == ("submit accepted (duplicate) provider=emu "
+                                    "model=gpt-emu#access"), duplicate
+    for line, outcome in ((accepted, "accepted"), (duplicate, "duplicate")):
+        assert line["level"] == "INFO" and line["outcome"] == outcome, line
+        assert (line["identity"], line["session_id"], line["provider"], line["model"]) == \
+            ("local", "sess-access", "emu", "gpt-emu#access"), line
+        assert "code" not in line and "attempt" not in line, line
+    [line] = _access_lines(daemon, 1, provider="nowhere")
+    assert line["message"].startswith("submit refused code=unknown_provider provider=nowhere "
+                                      "model=gpt-x: "), line
+    assert (line["level"], line["outcome"], line["code"], line["identity"]) == \
+        ("INFO", "refused", "unknown_provider", "local"), line
+    assert "call_id" not in line, line
+
+
+def test_every_line_of_a_call_names_its_identity_call_provider_and_model(
+        daemon: DaemonProcess) -> None:
+    call_id, done = _run(daemon, "emu", {"model": "gpt-emu#fields", "messages": HELLO})
+    assert done["status"] == "completed", done
+    records = _all_logged(daemon, call_id, 1)
+    assert {r["process_name"] for r in records} >= {"MainProcess"} and \
+        any(str(r["process_name"]).startswith("worker-") for r in records), records
+    for record in records:
+        assert (record["identity"], record["provider"], record["model"]) == \
+            ("local", "emu", "gpt-emu#fields"), record
+    last = next(r for r in records if r["message"].startswith("call completed"))
+    assert (last["status"], last["finish_reason"], last["attempt"]) == \
+        ("completed", "stop", 1), last
+    ended = next(r for r in records if r["message"].startswith("attempt ended"))
+    assert ended["finish_reason"] == "stop", ended
 
 
 def _title(pid: int) -> str:

@@ -2,17 +2,27 @@
 process applies, and the handler that ships a child process's records
 (workers, sink, gateway) to the daemon's one log.
 
-Every record of every process carries `session_id`, `call_id` and `attempt`
+Every record of every process carries the call context, CONTEXT_FIELDS:
+`identity` (who submitted the call), `session_id`, `call_id`, `attempt`
 (origin document 000: the one line that explains a failed stream must name
-its session); each is None when unset (a record of no call, a call without
-a session), and the daemon's log leaves an unset one out. A worker runs one
-attempt at a time, so the context is simply process-global: it holds for
-records from any thread and any library (the openai SDK's, httpx2's), which
-a thread-local or contextvar would not.
+its session and its caller), `provider` (the profile) and `model` (as the
+request names it); each is None when unset (a record of no call, a call
+without a session), and the daemon's log leaves an unset one out. A worker
+runs one attempt at a time, so the context is simply process-global: it
+holds for records from any thread and any library (the openai SDK's,
+httpx2's), which a thread-local or contextvar would not. The supervisor's
+records of a call carry its context as `extra` (supervisor/livecalls.py
+`call_context`).
 
 A record may also carry `fields` (`extra={"fields": {...}}`): a map of
 structured values that JSON logs write as keys of their own (the text log
-has them in the message already); the gateway's access lines do.
+has them in the message already): a call's `status` and `finish_reason`,
+a refusal's `code`, the gateway's access lines' HTTP fields.
+
+Each record keeps the time it was created in its own process (`created`,
+shipped as it is): the daemon's log prints that time, so lines of
+different processes, which reach the log through different pipes, may
+come out of order but each says when it happened.
 
 httpx2 logs every request at INFO (`HTTP Request: POST … "HTTP/1.1 200
 OK"`): the warm-ups' requests to a stub on a random local port, and one per
@@ -32,21 +42,30 @@ import zmq
 
 from streamfence.protocol.internal import L_RECORD
 
-CONTEXT_FIELDS = ("session_id", "call_id", "attempt")
-_context: dict[str, Any] = {"session_id": None, "call_id": None, "attempt": None}
+CONTEXT_FIELDS = ("identity", "session_id", "call_id", "attempt", "provider", "model")
+_context: dict[str, Any] = dict.fromkeys(CONTEXT_FIELDS)
 
 # Libraries whose INFO records are DEBUG in the daemon's log (see the module docstring).
 DEMOTED_LOGGERS = ("httpx2",)
 
 
-def set_context(session_id: str | None, call_id: str | None, attempt: int | None) -> None:
-    _context["session_id"] = session_id or None
-    _context["call_id"] = call_id or None
-    _context["attempt"] = attempt or None
+def set_context(session_id: str | None, call_id: str | None, attempt: int | None,
+                identity: str | None = None, provider: str | None = None,
+                model: str | None = None) -> None:
+    """This process's call context (a worker's attempt); "" and 0 are unset."""
+    _context.update(identity=identity or None, session_id=session_id or None,
+                    call_id=call_id or None, attempt=attempt or None,
+                    provider=provider or None, model=model or None)
 
 
 def clear_context() -> None:
-    set_context(None, None, None)
+    _context.update(dict.fromkeys(CONTEXT_FIELDS))
+
+
+def request_model(request: dict[str, Any]) -> str | None:
+    """The model a request names, for log lines (Bedrock names it `modelId`)."""
+    model = request.get("model") or request.get("modelId")
+    return model if isinstance(model, str) else None
 
 
 class _InfoIsDebug(logging.Filter):

@@ -13,7 +13,8 @@ durable:
 
 A call whose journal write meets a storage fault was never accepted: it and
 the turn's other new calls are refused with the fault's code
-(`refuse_unstored`).
+(`refuse_unstored`). Each answer, `accepted` or refused, is the submit's
+access line (supervisor/access.py).
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from streamfence.cluster.records import call_record
 from streamfence.config.identities import Identity
 from streamfence.protocol.errors import ErrorCode
 from streamfence.protocol.failpoints import ARMED, failpoint
 from streamfence.protocol.messages import Submit, Subscribe, accepted_msg
+from streamfence.supervisor.access import Submitter, log_submit
 from streamfence.supervisor.admission import Admitted
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.calls import Call
@@ -43,8 +45,19 @@ if TYPE_CHECKING:  # cluster mode only: it brings nats
 
 log = logging.getLogger("streamfence.front")
 
-# routing id, reply, then subscribe (for whom: the submitter)
-Accept = tuple[bytes, dict[str, Any], tuple[Identity, Subscribe] | None]
+
+
+class Accept(NamedTuple):
+    """An `accepted` reply waiting to go: to whom (the routing id), the reply,
+    the subscribe to make once it went (for whom: the submitter), and the
+    submit's fields for its access line."""
+
+    routing: bytes
+    reply: dict[str, Any]
+    then_subscribe: tuple[Identity, Subscribe] | None
+    who: Submitter
+
+
 Refuse = Callable[[bytes, str | None, ErrorCode, str], None]  # identity, ref, code, message
 
 
@@ -87,8 +100,8 @@ class Acceptance:
                          call_id: str) -> None:
         """The same call again: its id, once the call itself is accepted.
         Subscribed after `accepted` goes out, so the replay follows the reply."""
-        reply = (identity, accepted_msg(req.ref, call_id, duplicate=True),
-                 _subscription(user, req, call_id))
+        reply = Accept(identity, accepted_msg(req.ref, call_id, duplicate=True),
+                       _subscription(user, req, call_id), Submitter.of(user.name, req.call))
         if call_id in self._staged:
             self._staged[call_id].append(reply)
         else:
@@ -105,8 +118,10 @@ class Acceptance:
                                         spec.session_id, spec.provider, spec.request,
                                         spec.options.to_map(), frame, admitted.overrides)
         fault = self._journal.fault
+        who = Submitter.of(user.name, spec)
         if fault is not None:  # its own write found the fault: it and the turn's new calls
             self.refuse_unstored()
+            log_submit(who, None, fault.code, fault.message)  # no call: nothing was stored
             self._refuse(identity, req.ref, fault.code, fault.message)
             return
         if spec.idempotency_key is not None:
@@ -124,7 +139,8 @@ class Acceptance:
                                                  spec.options.to_map(), spec.session_id,
                                                  spec.idempotency_key)
         self._driver.enqueue(call, staged=staged or self._cluster is not None)
-        reply = (identity, accepted_msg(req.ref, call_id), _subscription(user, req, call_id))
+        reply = Accept(identity, accepted_msg(req.ref, call_id),
+                       _subscription(user, req, call_id), who)
         if staged:
             self._staged[call_id] = [reply]
         else:
@@ -148,10 +164,9 @@ class Acceptance:
                 self._driver.drop(call_id)
             code = ErrorCode.STORAGE_FULL if error.errno == errno.ENOSPC \
                 else ErrorCode.STORAGE_ERROR
-            for identity, msg, _ in replies:
-                self._refuse(identity, msg["ref"], code,
-                             f"the daemon could not store the request ({error.strerror}); "
-                             f"it was not accepted")
+            for reply in replies:
+                self._refuse_reply(reply, code, f"the daemon could not store the request "
+                                                f"({error.strerror}); it was not accepted")
 
     def refuse_unstored(self) -> None:
         """Calls whose journal writes failed with a storage fault were never
@@ -163,18 +178,16 @@ class Acceptance:
                 self._driver.drop(call_id)
             code, message = (fault.code, fault.message) if fault is not None else \
                 (ErrorCode.STORAGE_ERROR, "the journal could not store the call")
-            for identity, msg, _ in self._unanswered.pop(call_id, []) + \
-                    self._staged.pop(call_id, []):
-                self._refuse(identity, msg["ref"], code, message)
+            for reply in self._unanswered.pop(call_id, []) + self._staged.pop(call_id, []):
+                self._refuse_reply(reply, code, message)
 
     def abandon_staged(self) -> None:
         """At shutdown: calls whose request file is not durable were never
         accepted (the journal forgets them at the next start); say so."""
         for replies in (*self._staged.values(), *self._unanswered.values()):
-            for identity, msg, _ in replies:
-                self._refuse(identity, msg["ref"], ErrorCode.SHUTTING_DOWN,
-                             "the daemon stopped before the request was stored; it was not "
-                             "accepted")
+            for reply in replies:
+                self._refuse_reply(reply, ErrorCode.SHUTTING_DOWN, "the daemon stopped "
+                                   "before the request was stored; it was not accepted")
         self._staged.clear()
         self._unanswered.clear()
 
@@ -209,12 +222,19 @@ class Acceptance:
                 self._answer(replies)
 
     def _answer(self, replies: list[Accept]) -> None:
-        for identity, msg, then_subscribe in replies:
-            if not msg.get("duplicate"):
+        for identity, msg, then_subscribe, who in replies:
+            duplicate = bool(msg.get("duplicate"))
+            if not duplicate:
                 self._counters["calls_accepted"] += 1
             self._clients.send(identity, msg)
+            log_submit(who, msg["call_id"], duplicate=duplicate)
             if then_subscribe is not None:
                 self._subscribe(identity, *then_subscribe)
+
+    def _refuse_reply(self, reply: Accept, code: ErrorCode, message: str) -> None:
+        """Refuse the submit whose `accepted` reply this was, with its access line."""
+        log_submit(reply.who, reply.reply["call_id"], code, message)
+        self._refuse(reply.routing, reply.reply["ref"], code, message)
 
     def _replicated(self, call_id: str, error: str | None) -> None:
         """Cluster mode: the cluster stored the call (it runs, and is answered
@@ -229,9 +249,9 @@ class Acceptance:
         if live:
             self._driver.drop(call_id)
         self._journal.finish_call(call_id, "refused")
-        for identity, msg, _ in replies:
-            self._refuse(identity, msg["ref"], ErrorCode.CLUSTER_UNAVAILABLE,
-                         f"the cluster did not store the call ({error}); it was not accepted")
+        for reply in replies:
+            self._refuse_reply(reply, ErrorCode.CLUSTER_UNAVAILABLE, f"the cluster did not "
+                               f"store the call ({error}); it was not accepted")
 
 
 def _subscription(user: Identity, req: Submit, call_id: str) -> tuple[Identity, Subscribe] | None:

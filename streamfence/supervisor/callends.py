@@ -85,17 +85,19 @@ def _log_end(call: Call, status: str) -> None:
     traceback of its last attempt's unexpected exception if one ended it:
     each attempt's failure was one WARNING line without one (its worker's,
     or the fence's), and a call that failed attempts but then completed
-    logs no ERROR (ARCHITECTURE §4.9)."""
-    error = call.finishing.error if call.finishing is not None else None
+    logs no ERROR (ARCHITECTURE §4.9). JSON logs have its status, its
+    finish_reason and its error's code as keys."""
+    finishing = call.finishing
+    error = finishing.error if finishing is not None else None
     said = f": {error['code']}: {error['message']}" if error else ""
+    context = call_context(call, status=status, code=error["code"] if error else None,
+                           finish_reason=finishing.meta.finish_reason if finishing else None)
     if status == CallStatus.FAILED:
         log_with_traceback(log, logging.ERROR, call.traceback,
                            "call failed after %d attempt(s)%s", call.attempts, said,
-                           context=call_context(call))
+                           context=context)
     elif call.traceback is not None:  # partial: text, then an unexpected exception
         log_with_traceback(log, logging.WARNING, call.traceback, "call %s after %d "
-                           "attempt(s)%s", status, call.attempts, said,
-                           context=call_context(call))
+                           "attempt(s)%s", status, call.attempts, said, context=context)
     else:
-        log.info("call %s after %d attempt(s)%s", status, call.attempts, said,
-                 extra=call_context(call))
+        log.info("call %s after %d attempt(s)%s", status, call.attempts, said, extra=context)

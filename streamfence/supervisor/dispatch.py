@@ -27,4 +27,4 @@ def run_attempt(call: Call, fallbacks: Fallbacks) -> RunAttempt:
         final_ack_timeout_s=FINAL_ACK_TIMEOUT_S, notice=call.notice)
     request = call.spec.request if call.request_file is None else call.request_overrides
     return RunAttempt(call.token, call.call_id, call.epoch, call.spec.session_id,
-                      call.profile.to_map(), request, settings, call.request_file)
+                      call.profile.to_map(), request, settings, call.request_file, call.owner)

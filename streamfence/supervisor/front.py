@@ -38,6 +38,7 @@ from streamfence.protocol.messages import (
 )
 from streamfence.sink.transcript import stored_done
 from streamfence.supervisor.acceptance import Acceptance
+from streamfence.supervisor.access import Submitter, log_submit
 from streamfence.supervisor.admission import (
     EARLY_CHECK_BYTES,
     Admission,
@@ -127,7 +128,8 @@ class Front:
         body = frames[1]
         if len(body) >= EARLY_CHECK_BYTES:
             ref, refusal = self.admission.refuse_unread(user, body)
-            if refusal is not None:
+            if refusal is not None:  # a submit, refused before it is read
+                log_submit(Submitter(user.name), None, refusal.code, refusal.message)
                 self._refused(identity, ref, refusal)
                 return
         obj: Any = None
@@ -135,6 +137,8 @@ class Front:
             obj = decode_untrusted(body, self._config.max_frame_bytes)
             request = parse_request(obj)
         except ProtocolError as exc:
+            if isinstance(obj, dict) and obj.get("op") == "submit":
+                log_submit(Submitter(user.name), None, exc.code, exc.message)
             self._error(identity, ref_of(obj), exc.code, exc.message)
             return
         try:
@@ -265,6 +269,7 @@ class Front:
         elif isinstance(verdict, Duplicate):
             self.acceptance.accept_duplicate(identity, user, req, verdict.call_id)
         else:
+            log_submit(Submitter.of(user.name, req.call), None, verdict.code, verdict.message)
             self._refused(identity, req.ref, verdict)
 
     def _subscribe(self, identity: bytes, user: Identity, req: Subscribe,

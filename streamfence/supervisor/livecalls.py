@@ -14,13 +14,24 @@ from collections.abc import Iterator
 from typing import Any
 
 from streamfence.protocol.codec import encode
+from streamfence.protocol.logs import request_model
 from streamfence.protocol.states import CallState
 from streamfence.supervisor.calls import BUSY_STATES, Call
 
 
-def call_context(call: Call) -> dict[str, Any]:
-    """A call's fields for its log lines (`extra=`)."""
-    return {"session_id": call.spec.session_id, "call_id": call.call_id, "attempt": call.epoch}
+def call_context(call: Call, **fields: Any) -> dict[str, Any]:
+    """A call's fields for its log lines (`extra=`): who submitted it, its
+    session, id and attempt, its provider profile and model (protocol/logs.py
+    CONTEXT_FIELDS); `fields`: the line's own (a status, a finish_reason),
+    keys of their own in JSON logs."""
+    context: dict[str, Any] = {
+        "identity": call.owner, "session_id": call.spec.session_id, "call_id": call.call_id,
+        "attempt": call.epoch, "provider": call.profile.name,
+        "model": request_model(call.spec.request)}
+    fields = {key: value for key, value in fields.items() if value is not None}
+    if fields:
+        context["fields"] = fields
+    return context
 
 
 class LiveCalls:

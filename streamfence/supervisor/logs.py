@@ -1,9 +1,18 @@
 """The daemon's one log stream: its own records and every child's, plain text
-or JSON lines. A record's session_id, call_id and attempt appear only when
-set: `session=… call=… attempt=…` before the message in text, keys in JSON
-(a line of no call has none of them). A record's `fields` (protocol/logs.py)
-are keys of their own in JSON, after the ones above, which they never
-replace.
+or JSON lines, on stderr or in a file rotated by size (`log_file`). A
+record's call context (protocol/logs.py CONTEXT_FIELDS) appears only when
+set: `identity=… session=… call=… attempt=…` before the message in text
+(the provider and the model are in the messages that are about them), keys
+in JSON (a line of no call has none of them). A record's `fields`
+(protocol/logs.py) are keys of their own in JSON, after the ones above,
+which they never replace.
+
+Every line's time is its record's own `created`, stamped in the process
+that logged it. A batch of child records read at once is written in the
+order they were created; records that reach the supervisor by different
+paths (its own, the zygote's pipe, the log socket) are written as they
+arrive, so lines of different processes may still come a few milliseconds
+out of order: sort on the time (JSON `ts`) to read them in order.
 
 Clients choose some of what is logged (a session id, a model name), so the
 text format escapes it: one record is one line, whatever a client sent. In
@@ -30,7 +39,9 @@ from streamfence.protocol.logs import CONTEXT_FIELDS, ContextFilter, set_level
 
 TEXT_FORMAT = ("%(asctime)s %(levelname)-7s %(processName)s[%(process)d] %(name)s"
                "%(context)s: %(message)s")
-_LABELS = {"session_id": "session", "call_id": "call", "attempt": "attempt"}
+# The context fields the text format shows, with their labels, in this order.
+_LABELS = {"identity": "identity", "session_id": "session", "call_id": "call",
+           "attempt": "attempt"}
 
 
 def context_of(record: logging.LogRecord) -> dict[str, Any]:
@@ -68,8 +79,9 @@ class TextFormatter(logging.Formatter):
         super().__init__(TEXT_FORMAT)
 
     def format(self, record: logging.LogRecord) -> str:
-        record.context = "".join(f" {_LABELS[key]}={_context_value(value)}"
-                                 for key, value in context_of(record).items())
+        record.context = "".join(f" {label}={_context_value(value)}"
+                                 for key, label in _LABELS.items()
+                                 if (value := getattr(record, key, None)))
         return super().format(record)
 
     def formatMessage(self, record: logging.LogRecord) -> str:
@@ -118,19 +130,33 @@ def log_with_traceback(logger: logging.Logger, level: int, traceback: str | None
 
 
 def emit_child_record(fields: dict[str, Any]) -> None:
-    """Re-emit a record that a child process sent, through our handlers."""
+    """Re-emit a record that a child process sent, through our handlers, at
+    the time the child created it."""
     record = logging.makeLogRecord(fields)
     record.args = None
+    # makeLogRecord stamped now and then took the child's `created`: its
+    # milliseconds (the text format's ",mmm") must be the child's too.
+    record.msecs = int((record.created - int(record.created)) * 1000) + 0.0
     logging.getLogger(record.name).handle(record)
 
 
 def drain_child_logs(logs: zmq.Socket[bytes]) -> None:
-    """Re-emit every record the children sent that waits on `logs` (PULL)."""
+    """Re-emit every record the children sent that waits on `logs` (PULL),
+    in the order they were created (the children's pipes interleave)."""
+    batch: list[dict[str, Any]] = []
     while True:
         try:
             frame = logs.recv(zmq.NOBLOCK)
         except zmq.Again:
-            return
+            break
         msg = msgpack.unpackb(frame, raw=False)
-        if msg and msg[0] == L_RECORD:
-            emit_child_record(msg[1])
+        if msg and msg[0] == L_RECORD and isinstance(msg[1], dict):
+            batch.append(msg[1])
+    batch.sort(key=_created)
+    for fields in batch:
+        emit_child_record(fields)
+
+
+def _created(fields: dict[str, Any]) -> float:
+    created = fields.get("created")
+    return float(created) if isinstance(created, int | float) else 0.0

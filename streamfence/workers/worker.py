@@ -55,7 +55,7 @@ from streamfence.protocol.internal.workers import (
     worker_hello_frame,
 )
 from streamfence.protocol.lifecycle import ExitCode, set_process_title
-from streamfence.protocol.logs import clear_context, route_logs_to, set_context
+from streamfence.protocol.logs import clear_context, request_model, route_logs_to, set_context
 from streamfence.protocol.messages import DeltaKind, submitted_request, visible_chars
 from streamfence.workers.errors import UNEXPECTED_CODES, traceback_text
 from streamfence.workers.liveness import LivenessTable
@@ -236,7 +236,7 @@ def _failed(outcome: AttemptOutcome, error: AttemptError, out: SinkOutput) -> At
     dropped connection: the line says it all) is logged here at DEBUG only."""
     log.warning("stream failed %s: %s (%s, %s)",
                 "after visible text" if out.visible else "before delivery", error.described,
-                error.error_class.value, error.code)
+                error.error_class.value, error.code, extra={"fields": {"code": error.code}})
     exc = out.exc
     if exc is None:
         return outcome
@@ -249,7 +249,6 @@ def _failed(outcome: AttemptOutcome, error: AttemptError, out: SinkOutput) -> At
 
 def _run_one(run: RunAttempt, sink: SinkChannel, live: LivenessTable, slot: int) -> bool:
     settings = run.settings
-    set_context(run.session_id, run.call_id, run.attempt)
     live.begin(slot, run.token)
     out = SinkOutput(sink, run.call_id, run.attempt, run.token, live, slot)
     started = time.monotonic_ns()
@@ -257,8 +256,9 @@ def _run_one(run: RunAttempt, sink: SinkChannel, live: LivenessTable, slot: int)
     if run.request_file is not None:  # a large request: its submit frame, as stored
         with open(run.request_file, "rb") as f:
             request = submitted_request(f.read(), run.request)
-    log.info("attempt started: provider=%s model=%s", run.profile.get("name"),
-             request.get("model") or request.get("modelId"))  # Bedrock names it modelId
+    provider, model = run.profile.get("name"), request_model(request)
+    set_context(run.session_id, run.call_id, run.attempt, run.owner, provider, model)
+    log.info("attempt started: provider=%s model=%s", provider, model)
     if settings.notice:
         out.delta(NOTICE, settings.notice)
     outcome = run_attempt(run.profile, request, out, settings)
@@ -280,7 +280,8 @@ def _run_one(run: RunAttempt, sink: SinkChannel, live: LivenessTable, slot: int)
         duration_ms=(time.monotonic_ns() - started) / 1e6))
     accepted = out.finish(outcome_to_wire(outcome), settings.final_ack_timeout_s)
     log.info("attempt ended: finish_reason=%s deltas=%d final_accepted=%s",
-             outcome.finish_reason, out.seq, accepted)
+             outcome.finish_reason, out.seq, accepted,
+             extra={"fields": {"finish_reason": outcome.finish_reason}})
     return accepted
 
 

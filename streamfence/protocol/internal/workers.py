@@ -4,10 +4,11 @@ with the zygote (a pipe). Each message has one builder and one parser.
 
 Supervisor -> worker ("workers"):
     [W_RUN, token, call_id, attempt, session_id, profile, request, settings,
-     request_file]   `encode_run(RunAttempt)` / `parse_run`
+     request_file, owner]   `encode_run(RunAttempt)` / `parse_run`
         profile: the provider profile as a map; settings: `AttemptSettings`'
         values in field order; request_file: a stored submit frame to read the
-        request from, or nil.
+        request from, or nil; owner: the identity that submitted the call
+        (for the worker's log lines).
 Worker -> supervisor (`parse_from_worker` parses both):
     [W_HELLO, worker_id, pid]                      `worker_hello_frame`
     [W_IDLE, worker_id, token, final_accepted]     `idle_frame`
@@ -60,6 +61,7 @@ class RunAttempt:
     request: dict[str, Any]
     settings: AttemptSettings
     request_file: str | None = None
+    owner: str = ""  # the identity that submitted the call (its log lines name it)
 
 
 _SETTINGS = tuple(f.name for f in fields(AttemptSettings))
@@ -71,7 +73,8 @@ def encode_run(run: RunAttempt) -> bytes:
     s = run.settings
     packed: bytes = msgpack.packb(
         [W_RUN, run.token, run.call_id, run.attempt, run.session_id, run.profile, run.request,
-         [getattr(s, name) for name in _SETTINGS], run.request_file], use_bin_type=True)
+         [getattr(s, name) for name in _SETTINGS], run.request_file, run.owner],
+        use_bin_type=True)
     return packed
 
 
@@ -86,16 +89,16 @@ def parse_run(frame: bytes) -> RunAttempt:
     """A W_RUN frame (from the daemon's own supervisor: its fields are not
     checked one by one); anything else raises BadFrame."""
     msg = _unpack(frame)
-    if not (type(msg) is list and len(msg) == 9 and type(msg[0]) is int and msg[0] == W_RUN
+    if not (type(msg) is list and len(msg) == 10 and type(msg[0]) is int and msg[0] == W_RUN
             and type(msg[7]) is list):
-        raise BadFrame(f"not a W_RUN array of 9 elements: {str(msg)[:100]}")
-    _, token, call_id, attempt, session_id, profile, request, settings, request_file = msg
+        raise BadFrame(f"not a W_RUN array of 10 elements: {str(msg)[:100]}")
+    _, token, call_id, attempt, session_id, profile, request, settings, request_file, owner = msg
     try:
         run_settings = AttemptSettings(*settings)
     except TypeError as exc:
         raise BadFrame(f"W_RUN's settings: {exc}") from None
     return RunAttempt(token, call_id, attempt, session_id, profile, request, run_settings,
-                      request_file)
+                      request_file, owner)
 
 
 # ---- W_HELLO, W_IDLE (worker -> supervisor) -----------------------------------
