@@ -14,8 +14,11 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import msgpack
 import pytest
+import zmq
 
+from streamfence.protocol.internal import L_RECORD
 from streamfence.protocol.internal.outcome import (
     AttemptError,
     AttemptOutcome,
@@ -25,9 +28,16 @@ from streamfence.protocol.internal.outcome import (
     outcome_to_wire,
 )
 from streamfence.protocol.logs import DEMOTED_LOGGERS, set_level
-from streamfence.supervisor.logs import JsonFormatter, TextFormatter, log_with_traceback
+from streamfence.supervisor.logs import (
+    JsonFormatter,
+    TextFormatter,
+    drain_child_logs,
+    emit_child_record,
+    log_with_traceback,
+)
 from streamfence.workers import worker
 from streamfence.workers.errors import TRACEBACK_LIMIT, classify, traceback_text
+from tests.harness import wait_until
 
 
 class _Recorder(logging.Handler):
@@ -67,6 +77,53 @@ def test_json_lines_leave_unset_context_out() -> None:
     some = json.loads(JsonFormatter().format(_record(session_id=None, call_id="c1",
                                                      attempt=3)))
     assert (some["call_id"], some["attempt"]) == ("c1", 3) and "session_id" not in some
+
+
+def test_a_call_line_names_its_identity_in_text_and_every_field_in_json() -> None:
+    context = {"identity": "alice", "session_id": "s1", "call_id": "c1", "attempt": 2,
+               "provider": "openai", "model": "gpt-4o",
+               "fields": {"status": "completed", "finish_reason": "stop"}}
+    line = TextFormatter().format(_record(**context))
+    assert line.endswith(" streamfence.x identity=alice session=s1 call=c1 attempt=2: hello"), \
+        line
+    record = json.loads(JsonFormatter().format(_record(**context)))
+    expected = {k: v for k, v in context.items() if k != "fields"}
+    expected.update(status="completed", finish_reason="stop")
+    assert {k: record.get(k) for k in expected} == expected, record
+    assert "fields" not in record
+
+
+def test_a_child_record_is_printed_at_the_time_the_child_created_it() -> None:
+    created = 1_700_000_000.25
+    seen: list[logging.LogRecord] = []
+    logger = logging.getLogger("tests.operator_logs.child")
+    logger.propagate, logger.handlers[:] = False, [_Recorder(seen)]
+    emit_child_record({"name": logger.name, "levelno": logging.INFO, "levelname": "INFO",
+                       "msg": "from a worker", "created": created})
+    stamp = TextFormatter().formatTime(seen[0])
+    assert seen[0].created == created and stamp.endswith(",250"), stamp
+
+
+def test_a_batch_of_child_records_is_written_in_the_order_they_were_created() -> None:
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    seen: list[logging.LogRecord] = []
+    logger = logging.getLogger("tests.operator_logs.batch")
+    logger.propagate, logger.handlers[:] = False, [_Recorder(seen)]
+    try:
+        pull.bind("inproc://logs")
+        push.connect("inproc://logs")
+        for name, created in (("b", 2.0), ("c", 3.0), ("a", 1.0)):
+            push.send(msgpack.packb([L_RECORD, {"name": logger.name, "levelno": logging.INFO,
+                                                "levelname": "INFO", "msg": name,
+                                                "created": created}]))
+        wait_until(lambda: pull.poll(0) != 0, 5, "the records on the socket")
+        drain_child_logs(pull)
+    finally:
+        pull.close(0)
+        push.close(0)
+        ctx.term()
+    assert [r.getMessage() for r in seen] == ["a", "b", "c"]
 
 
 @pytest.fixture
