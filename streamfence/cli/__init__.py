@@ -68,7 +68,13 @@ def serve(config_path: str | None, log_json: bool) -> None:
     cfg = load(config_path)
     name_processes(cfg.endpoint)
     set_process_title("supervisor")
-    setup_logging(cfg.log_level, log_json or cfg.log_json)
+    try:
+        setup_logging(cfg.log_level, log_json or cfg.log_json, log_file=cfg.log_file,
+                      max_bytes=cfg.log_file_max_bytes, backups=cfg.log_file_backups)
+    except OSError as exc:
+        raise click.ClickException(f"{config_path_of(config_path) or '<defaults>'}: "
+                                   f"daemon.log_file: cannot open {cfg.log_file}: "
+                                   f"{exc.strerror}") from None
     path = config_path_of(config_path)
     gateway: GatewayEntry | None = None
     if cfg.http.listen is not None:  # aiohttp and uvloop load only for a gateway

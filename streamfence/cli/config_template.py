@@ -60,6 +60,12 @@ DAEMON_DOCS: dict[str, str] = {
     "stop_grace_s": "On SIGTERM or Ctrl-C, running attempts may finish this long.",
     "log_level": "DEBUG, INFO, WARNING, ERROR or CRITICAL.",
     "log_json": "JSON lines instead of text (also `serve --log-json`).",
+    "log_file": "Write the log to this file instead of stderr (\"\": stderr, which systemd "
+                "sends to the journal). A relative path is relative to the directory `serve` "
+                "runs in.",
+    "log_file_max_bytes": "Past this size the log file is renamed FILE.1 (FILE.1 to FILE.2, "
+                          "...) and a new one begun. 0: never.",
+    "log_file_backups": "Renamed log files kept (at least 1); the oldest goes.",
     "auth": "\"curve\": CURVE encryption, only registered keys are heard (docs/SECURITY.md). "
             "\"none\": no authentication, for ipc:// or loopback only.",
     "retention_days": "Finished calls are removed after this many days (0.5: 12 hours). "

@@ -131,6 +131,11 @@ class DaemonConfig:
     stop_grace_s: float = 30.0
     log_level: str = "INFO"
     log_json: bool = False
+    # The log's file instead of stderr ("": stderr); a new file once it holds
+    # log_file_max_bytes (0: never), keeping log_file_backups old ones.
+    log_file: str = ""
+    log_file_max_bytes: int = 50 * 1024 * 1024
+    log_file_backups: int = 5
     auth: str = "curve"  # "curve" (CURVE + ZAP) or "none" (ipc:// or loopback only)
     retention_days: float = 0.0  # finished calls older than this are pruned; 0: keep
     providers: dict[str, ProviderProfile] = field(default_factory=dict)
@@ -164,8 +169,10 @@ _DAEMON_TYPES: dict[str, tuple[type, ...]] = {
     "max_connections": (int,),
     "backoff_base_s": (int, float), "backoff_max_s": (int, float), "breaker_threshold": (int,),
     "breaker_cooldown_s": (int, float), "stop_grace_s": (int, float), "log_level": (str,),
-    "log_json": (bool,), "auth": (str,), "retention_days": (int, float),
+    "log_json": (bool,), "log_file": (str,), "log_file_max_bytes": (int,),
+    "log_file_backups": (int,), "auth": (str,), "retention_days": (int, float),
 }
+_AT_LEAST_ONE = ("workers_max", "workers_spare", "log_file_backups")  # 0 is not a value
 DAEMON_KEYS = tuple(_DAEMON_TYPES)  # the [daemon] table's keys
 ENV_PREFIX = "STREAMFENCE_"  # ENV_PREFIX + KEY.upper() overrides a [daemon] key
 AUTH_MODES = ("curve", "none")
@@ -252,7 +259,7 @@ def _parse_daemon(table: dict[str, Any], source: str, problems: list[str]) -> di
     if daemon.get("auth", AUTH_MODES[0]) not in AUTH_MODES:
         problems.append(f"{source}: daemon.auth: must be one of {', '.join(AUTH_MODES)}, "
                         f"got {daemon.pop('auth')!r}")
-    for key in ("workers_max", "workers_spare"):
+    for key in _AT_LEAST_ONE:
         if daemon.get(key) == 0:
             problems.append(f"{source}: daemon.{key}: must be >= 1")
             del daemon[key]
@@ -343,7 +350,7 @@ def env_overrides(env: dict[str, str], problems: list[str]) -> dict[str, Any]:
         elif isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
             problems.append(f"{where}: must not be negative")
             value = None
-        elif key in ("workers_max", "workers_spare") and value == 0:
+        elif key in _AT_LEAST_ONE and value == 0:
             problems.append(f"{where}: must be >= 1")
             value = None
         if value is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import sys
 from typing import Any
 
@@ -107,8 +108,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-def setup_logging(level: str, json_lines: bool, stream: Any = None) -> None:
-    handler = logging.StreamHandler(stream or sys.stderr)
+def setup_logging(level: str, json_lines: bool, stream: Any = None, log_file: str = "",
+                  max_bytes: int = 0, backups: int = 0) -> None:
+    """The daemon's one handler: `log_file` if set (a new file once it holds
+    `max_bytes`, keeping `backups` old ones: FILE.1 the newest), else
+    `stream` (stderr)."""
+    handler: logging.Handler
+    if log_file:
+        handler = logging.handlers.RotatingFileHandler(
+            log_file, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
+    else:
+        handler = logging.StreamHandler(stream or sys.stderr)
     handler.addFilter(ContextFilter())
     handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
     root = logging.getLogger()
