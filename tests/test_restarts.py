@@ -162,3 +162,20 @@ def test_a_child_not_yet_ready_is_said_so() -> None:
     assert not policy.serving
     decision = policy.died(KILLED)
     assert isinstance(decision, Restart) and decision.delay_s == FIRST_DELAY_S
+
+
+def test_a_child_that_dies_while_the_daemon_stops_is_no_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A stop signal sent to the whole process group stops the children too
+    (the zygote dies of SIGTERM, the sink exits 0): said at INFO, still
+    restarted (the sink stores the drained calls' ends)."""
+    caplog.set_level(logging.INFO, "streamfence.supervisor")
+    clock = Clock()
+    deaths = (("zygote", -signal.SIGTERM, "-15 (signal SIGTERM)"), ("sink", 0, "0 (OK)"))
+    for name, code, _ in deaths:
+        policy = RestartPolicy(name, clock)
+        _served(policy, clock, 2.0)
+        assert isinstance(policy.died(code, stopping=True), Restart)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", f"the {name} exited with {said} after 2.0s while the daemon stops; "
+                 "restarting it in 0.1s") for name, _, said in deaths]

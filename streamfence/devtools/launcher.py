@@ -68,9 +68,12 @@ class DaemonProcess:
     def __init__(self, state_dir: Path, providers: dict[str, dict[str, Any]],
                  daemon: dict[str, Any] | None = None, env: dict[str, str] | None = None,
                  log_json: bool = True, cwd: Path | None = None,
-                 tables: dict[str, dict[str, Any]] | None = None) -> None:
+                 tables: dict[str, dict[str, Any]] | None = None,
+                 new_session: bool = False) -> None:
         """`tables`: more tables of the config (say `{"http": {...}}`); a dict
-        value in one is written as its subtable."""
+        value in one is written as its subtable. `new_session`: the daemon
+        leads a process group of its own (as a shell's job does), for a test
+        that signals the whole group."""
         self.state_dir = state_dir
         self._cwd = cwd  # the daemon's working directory (default: ours)
         # ipc paths must be short: keep the front socket in a short temp dir.
@@ -101,6 +104,7 @@ class DaemonProcess:
         self.log_path = state_dir / "daemon.log"
         self._env = env
         self._log_json = log_json
+        self._new_session = new_session
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_file: Any = None
         self.descendants: set[int] = set()
@@ -121,7 +125,8 @@ class DaemonProcess:
              *(["--log-json"] if self._log_json else [])],
             # No parent-death signal here: it fires when the *thread* that
             # started the daemon exits (a chaos restarter thread, say).
-            stdout=self._log_file, stderr=self._log_file, env=env, cwd=self._cwd)
+            stdout=self._log_file, stderr=self._log_file, env=env, cwd=self._cwd,
+            start_new_session=self._new_session)
         if "auth" not in self._settings or self._settings["auth"] == "curve":
             def credentials_written() -> bool:
                 self._check_alive()

@@ -405,7 +405,7 @@ class Daemon:
     def _restart_later(self, policy: RestartPolicy, returncode: int | None) -> bool:
         """Whether the dead child is started again (its policy logged when);
         if not, the daemon gives up."""
-        decision = policy.died(returncode)
+        decision = policy.died(returncode, stopping=self._signals.requested)
         if isinstance(decision, GiveUp):
             log.critical("%s; stopping (the journal keeps every accepted call for the next "
                          "start)", decision.reason)

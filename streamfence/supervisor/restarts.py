@@ -24,7 +24,11 @@ restarts:
   operator, the OOM killer), which says nothing of whether it can start;
 - each restart is logged once, with its delay; once the delay has reached
   its cap, at most one line per LOG_EVERY_S (with the restarts not logged
-  since), so a child that keeps dying cannot flood the log.
+  since), so a child that keeps dying cannot flood the log. The line is an
+  ERROR, but INFO when the daemon is stopping: a stop signal sent to the
+  whole process group (`kill -TERM -PGID`) stops the children with it, which
+  is no failure (a child restarted then serves the drain: the sink stores
+  the running calls' ends).
 
 No I/O but logging; the clock is passed in.
 """
@@ -113,9 +117,10 @@ class RestartPolicy:
         self._ready = True
         self._start_failures = 0
 
-    def died(self, returncode: int | None) -> Restart | GiveUp:
-        """The child died with `returncode` (None: unknown). Logs the decision
-        (the give-up is the caller's to log, with whatever it adds)."""
+    def died(self, returncode: int | None, stopping: bool = False) -> Restart | GiveUp:
+        """The child died with `returncode` (None: unknown); `stopping`: while
+        the daemon stops. Logs the decision (the give-up is the caller's to
+        log, with whatever it adds)."""
         now = self._clock()
         code = -signal.SIGKILL if returncode is None else returncode
         if code in self._fatal:
@@ -133,14 +138,16 @@ class RestartPolicy:
         if capped and now - self._logged_at < LOG_EVERY_S:
             self._unlogged += 1
         else:
-            self._log_restart(code, now)
+            self._log_restart(code, now, stopping)
         return Restart(self._due, self._delay)
 
-    def _log_restart(self, code: int, now: float) -> None:
+    def _log_restart(self, code: int, now: float, stopping: bool) -> None:
         more = f"; {self._unlogged} more restart(s) since the last line" if self._unlogged else ""
-        log.error("the %s exited with %s after %.1fs%s; restarting it in %.1fs%s", self.name,
-                  exit_text(code), now - self._started_at,
-                  "" if self._ready else ", before it was ready", self._delay, more)
+        log.log(logging.INFO if stopping else logging.ERROR,
+                "the %s exited with %s after %.1fs%s%s; restarting it in %.1fs%s", self.name,
+                exit_text(code), now - self._started_at,
+                "" if self._ready else ", before it was ready",
+                " while the daemon stops" if stopping else "", self._delay, more)
         self._logged_at, self._unlogged = now, 0
 
 
