@@ -38,13 +38,13 @@ from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.calls import Call
 from streamfence.supervisor.clients import Clients
 from streamfence.supervisor.journal import Journal
+from streamfence.supervisor.livecalls import call_context
 from streamfence.supervisor.timeouts import attempt_timeouts
 
 if TYPE_CHECKING:  # cluster mode only: it brings nats
     from streamfence.supervisor.clusterlink import ClusterLink
 
 log = logging.getLogger("streamfence.front")
-
 
 
 class Accept(NamedTuple):
@@ -158,8 +158,10 @@ class Acceptance:
                     self._driver.release(call_id)
                 self._wait_commit(call_id, replies)
                 continue
+            call = self._driver.calls.get(call_id)
             log.error("the request of call %s could not be stored (%s); it is refused",
-                      call_id, error)
+                      call_id, error,
+                      extra=call_context(call) if call is not None else {"call_id": call_id})
             if live:
                 self._driver.drop(call_id)
             code = ErrorCode.STORAGE_FULL if error.errno == errno.ENOSPC \

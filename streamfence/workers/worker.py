@@ -281,7 +281,8 @@ def _run_one(run: RunAttempt, sink: SinkChannel, live: LivenessTable, slot: int)
     accepted = out.finish(outcome_to_wire(outcome), settings.final_ack_timeout_s)
     log.info("attempt ended: finish_reason=%s deltas=%d final_accepted=%s",
              outcome.finish_reason, out.seq, accepted,
-             extra={"fields": {"finish_reason": outcome.finish_reason}})
+             extra={"fields": {"finish_reason": outcome.finish_reason}}
+             if outcome.finish_reason else None)
     return accepted
 
 
