@@ -121,7 +121,7 @@ class Acceptance:
         who = Submitter.of(user.name, spec)
         if fault is not None:  # its own write found the fault: it and the turn's new calls
             self.refuse_unstored()
-            log_submit(who, None, fault.code, fault.message)  # no call: nothing was stored
+            log_submit(who, None, fault.code)  # no call: nothing was stored
             self._refuse(identity, req.ref, fault.code, fault.message)
             return
         if spec.idempotency_key is not None:
@@ -235,7 +235,7 @@ class Acceptance:
 
     def _refuse_reply(self, reply: Accept, code: ErrorCode, message: str) -> None:
         """Refuse the submit whose `accepted` reply this was, with its access line."""
-        log_submit(reply.who, reply.reply["call_id"], code, message)
+        log_submit(reply.who, reply.reply["call_id"], code)
         self._refuse(reply.routing, reply.reply["ref"], code, message)
 
     def _replicated(self, call_id: str, error: str | None) -> None:

@@ -5,9 +5,11 @@ logger `streamfence.front.access`, once it is answered (as the gateway's
 - `submit accepted provider=P model=M` when its `accepted` reply goes (the
   call is durable), `submit accepted (duplicate) …` for an idempotency key
   seen before;
-- `submit refused code=CODE provider=P model=M: MESSAGE` for every refusal:
-  at admission (a rate, a limit, an unknown provider, a stopping daemon), a
-  malformed submit, or a call the daemon could not store.
+- `submit refused code=CODE provider=P model=M` for every refusal: at
+  admission (a rate, a limit, an unknown provider, a stopping daemon), a
+  malformed submit, or a call the daemon could not store. The error's
+  message went to the client; the log has it once where it is the
+  daemon's own (a storage fault's ERROR line), never once per submit.
 
 Each line carries the submitter's `identity`, the `session_id`, the
 `call_id` (once there is one), the `provider` and the `model` as its
@@ -44,7 +46,7 @@ class Submitter:
 
 
 def log_submit(who: Submitter, call_id: str | None, code: ErrorCode | None = None,
-               message: str = "", duplicate: bool = False) -> None:
+               duplicate: bool = False) -> None:
     """The access line of one submit: accepted (`code` None) or refused."""
     if not log.isEnabledFor(logging.INFO):
         return
@@ -56,8 +58,8 @@ def log_submit(who: Submitter, call_id: str | None, code: ErrorCode | None = Non
              "attempt": None, "provider": who.provider, "model": who.model, "fields": fields}
     provider, model = who.provider or "-", who.model or "-"
     if code is not None:
-        log.info("submit refused code=%s provider=%s model=%s: %s", code.value, provider,
-                 model, message, extra=extra)
+        log.info("submit refused code=%s provider=%s model=%s", code.value, provider, model,
+                 extra=extra)
     else:
         log.info("submit accepted%s provider=%s model=%s", " (duplicate)" if duplicate else "",
                  provider, model, extra=extra)

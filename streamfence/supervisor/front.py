@@ -129,7 +129,7 @@ class Front:
         if len(body) >= EARLY_CHECK_BYTES:
             ref, refusal = self.admission.refuse_unread(user, body)
             if refusal is not None:  # a submit, refused before it is read
-                log_submit(Submitter(user.name), None, refusal.code, refusal.message)
+                log_submit(Submitter(user.name), None, refusal.code)
                 self._refused(identity, ref, refusal)
                 return
         obj: Any = None
@@ -138,7 +138,7 @@ class Front:
             request = parse_request(obj)
         except ProtocolError as exc:
             if isinstance(obj, dict) and obj.get("op") == "submit":
-                log_submit(Submitter(user.name), None, exc.code, exc.message)
+                log_submit(Submitter(user.name), None, exc.code)
             self._error(identity, ref_of(obj), exc.code, exc.message)
             return
         try:
@@ -269,7 +269,7 @@ class Front:
         elif isinstance(verdict, Duplicate):
             self.acceptance.accept_duplicate(identity, user, req, verdict.call_id)
         else:
-            log_submit(Submitter.of(user.name, req.call), None, verdict.code, verdict.message)
+            log_submit(Submitter.of(user.name, req.call), None, verdict.code)
             self._refused(identity, req.ref, verdict)
 
     def _subscribe(self, identity: bytes, user: Identity, req: Subscribe,
