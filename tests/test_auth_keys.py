@@ -104,6 +104,18 @@ def test_files_are_private_and_credentials_round_trip(store: KeyStore, tmp_path:
         load_credentials(store.credentials_path("carol"))
 
 
+@pytest.mark.parametrize("bad", ["~" * 40, "," * 40, "0" * 39 + "_"])
+def test_a_key_that_is_not_z85_is_a_credentials_error(store: KeyStore, bad: str) -> None:
+    """Not a KeyError from the decoder: a character outside Z85's alphabet."""
+    path = store.credentials_path("dave")
+    store.register("dave", "tcp://127.0.0.1:1")
+    text = path.read_text()
+    secret = load_credentials(path).secret_key.decode()
+    path.write_text(text.replace(secret, bad))
+    with pytest.raises(CredentialsError, match="secret_key is not Z85"):
+        load_credentials(path)
+
+
 def test_names_are_checked_and_not_replaced_by_accident(store: KeyStore) -> None:
     with pytest.raises(KeyStoreError, match="identity name"):
         store.register('x"; evil', "tcp://127.0.0.1:1")

@@ -59,7 +59,7 @@ def _z85_key(data: dict[str, object], key: str, path: Path) -> bytes:
         raise CredentialsError(f"{path}: {key} must be a 40-character Z85 key")
     try:
         z85.decode(value)
-    except ValueError:
+    except (ValueError, KeyError):  # KeyError: a character outside Z85's alphabet
         raise CredentialsError(f"{path}: {key} is not Z85") from None
     return value.encode("ascii")
 
