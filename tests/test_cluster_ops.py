@@ -160,6 +160,14 @@ def test_init_writes_a_cluster_hosts_config(tmp_path: Path) -> None:
     out = runner.invoke(main, ["init", str(tmp_path / "c"), "--cluster-host", "host c"])
     assert out.exit_code == 1 and "cluster.host: this host's name" in out.output, out.output
     assert not (tmp_path / "c").exists()
+    # Two problems: each on its own line, as `serve` prints them.
+    out = runner.invoke(main, ["init", str(tmp_path / "d"), "--cluster-host", "host d",
+                               "--endpoint", "not-an-endpoint"])
+    lines = [line for line in out.output.splitlines() if line.startswith("Error: ")]
+    assert out.exit_code == 1 and len(lines) == 2, out.output
+    assert any("cluster.host" in line for line in lines), lines
+    assert any("endpoint" in line for line in lines), lines
+    assert not (tmp_path / "d").exists()
 
 
 # ---- status shows the cluster ---------------------------------------------------------------

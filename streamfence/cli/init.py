@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 
 import click
 
-from streamfence.cli.common import DEFAULT_CONFIG
+from streamfence.cli.common import DEFAULT_CONFIG, InvalidConfig
 from streamfence.config.model import ConfigError, parse_config
 
 
@@ -57,7 +57,7 @@ def init(directory: Path, emulator_url: str | None, force: bool, endpoint: str |
     try:  # what `serve` would refuse (a bad --endpoint or host name), refused now
         parse_config(tomllib.loads(text), str(path))
     except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise InvalidConfig(exc) from None
     try:
         directory.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
