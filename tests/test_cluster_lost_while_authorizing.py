@@ -88,3 +88,65 @@ def test_a_call_taken_while_its_attempt_is_authorized_is_not_run_here(
                    "this host to see the call moved to host b")
     assert len(emu.log("taken")) == 1, \
         f"this host ran the attempt its sink fenced: {len(emu.log('taken'))} provider requests"
+
+
+OPEN = "cluster.before_epoch_append"
+
+
+@pytest.fixture
+def paused_open(tmp_path: Path, emulator: EmulatorProcess, nats: NatsCluster
+                ) -> Iterator[tuple[DaemonProcess, Path]]:
+    """A cluster host whose sink stands still 3 s before its first epoch append."""
+    where = tmp_path / "failpoints"
+    where.mkdir()
+    proc = DaemonProcess(tmp_path / "state", {"emu": profile_for("openai", emulator)},
+                         env={failpoints.ENV: f"{OPEN}=pause(3s)@1",
+                              failpoints.DIR_ENV: str(where)},
+                         tables={"cluster": {"urls": nats.urls, "host": HOST, "replicas": 3}})
+    proc.start()
+    try:
+        yield proc, where
+    finally:
+        proc.cleanup()
+        assert not proc.survivors, f"processes outlived the daemon: {proc.survivors}"
+
+
+def test_a_first_attempt_whose_epoch_open_is_refused_is_fenced_and_moved(
+        paused_open: tuple[DaemonProcess, Path], emu: EmulatorClient, nats: NatsCluster) -> None:
+    """A call's first attempt starts with its epoch's open in flight
+    (sink/replica.py `authorize`); if another host opens a later epoch first,
+    the open is refused: the attempt is fenced (E_LOST), its worker killed, the
+    call marked moved, and nothing it sent is in the log."""
+    proc, where = paused_open
+    emu.script("first", [{"fault": "ok", "chunks": 60, "chunk_delay_s": 0.05}])
+    request: dict[str, Any] = {"model": "gpt-emu#first",
+                               "messages": [{"role": "user", "content": "hi"}]}
+    with proc.client(timeout_s=20.0) as client:
+        call_id = client.submit("emu", request, subscribe=False)
+        wait_until(lambda: (where / f"fired.{OPEN}").exists(), 20,
+                   "the sink to stand still before the first attempt's epoch append")
+
+        async def take_and_open() -> None:
+            ledger = await Ledger.connect(ClusterSettings(tuple(nats.urls), "host-b"))
+            try:
+                seen = await ledger.owner(call_id)
+                assert seen is not None and (seen.host, seen.epoch) == (HOST, 1), seen
+                held = await ledger.take(call_id, seen)
+                assert held is not None
+                await ledger.open_epoch(held)
+            finally:
+                await ledger.close()
+        asyncio.run(take_and_open())  # within the 3 s pause
+        wait_until(lambda: client.status()["counters"].get("calls_moved", 0) == 1, 15,
+                   "this host to see the call moved to host b")
+        wait_until(lambda: not [w for w in client.status()["workers"]
+                                if w["call_id"] == call_id], 10, "the attempt's worker gone")
+
+    async def log_of() -> list[Any]:
+        ledger = await Ledger.connect(ClusterSettings(tuple(nats.urls), "reader"))
+        try:
+            return await ledger.read(call_id)
+        finally:
+            await ledger.close()
+    hosts = [(r.kind, r.epoch, r.host) for r in asyncio.run(log_of())]
+    assert all(host == "host-b" for _, _, host in hosts), hosts

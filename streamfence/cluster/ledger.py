@@ -325,10 +325,13 @@ class Ledger:
         host): from then on no earlier owner can append, and the log's epochs
         never go down. Raises Fenced if a later owner took the call."""
         async def after_the_last_record() -> Ownership:
-            current = await self.owner(own.call_id)  # a take after ours: refused early
+            # Both read at once (one round trip, not two): the owner entry, so that
+            # a take after ours is refused early, and the log's last record, which
+            # the append below is conditional on (the fence: the entry is a hint).
+            current, last = await asyncio.gather(self.owner(own.call_id),
+                                                 self.last_record(own.call_id))
             if current is None or current.epoch != own.epoch or current.host != own.owner.host:
                 raise Fenced(own, f"the call's owner is now {current}")
-            last = await self.last_record(own.call_id)
             if last is not None and (last.epoch > own.epoch or (
                     last.epoch == own.epoch and last.host != own.owner.host)):
                 raise Fenced(replace(own, log_seq=last.seq),

@@ -148,9 +148,14 @@ class LogQueue:
     def open(self, call_id: str, attempt: int, read_before: bool,
              then: Callable[[list[Row] | str], object]) -> None:
         """`attempt`'s epoch opened in the call's log (ClusterLog.open_soon), asked
-        until the cluster answers: `then(the rows before it, or why not)`."""
+        until the cluster answers: `then(the rows before it, or why not)`. Runs
+        of the call queued meanwhile wait for it; refused, they go (`_drop`)."""
+        def opened(result: list[Row] | str) -> object:
+            if isinstance(result, str):
+                self._drop(call_id, self._waiting[call_id])
+            return then(result)
         self.ask(call_id, lambda answer: self._cluster.open_soon(call_id, attempt, read_before,
-                                                                  answer), then)
+                                                                  answer), opened)
 
     def take(self) -> None:
         """The commit's hook (Commits.replicate): the runs the store buffered
@@ -221,12 +226,17 @@ class LogQueue:
         if result is None:
             self._answered += rows  # stored, and counted in `stored`, at `settle`
         else:  # refused: the call is another host's; nothing queued is stored or sent
-            self.bytes -= sum(len(r[6]) for r in waiting.queued)
-            waiting.queued = []
-            waiting.stored = waiting.queued_in - sum(1 for r in self._answered if r[0] == call_id)
-            waiting.items = deque(i for i in waiting.items if not isinstance(i[1], tuple))
+            self._drop(call_id, waiting)
             self._on_lost(call_id)
         self._settled.add(call_id)
+
+    def _drop(self, call_id: str, waiting: _Waiting) -> None:
+        """The call's log is another host's: its queued runs and their events go
+        (never stored, never sent); its steps run on, seeing the call lost."""
+        self.bytes -= sum(len(r[6]) for r in waiting.queued)
+        waiting.queued = []
+        waiting.stored = waiting.queued_in - sum(1 for r in self._answered if r[0] == call_id)
+        waiting.items = deque(i for i in waiting.items if not isinstance(i[1], tuple))
 
     def _send(self, call_id: str, again: bool = False) -> None:
         """The call's queued runs, appended (one append in flight per call)."""

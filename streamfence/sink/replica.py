@@ -100,8 +100,22 @@ class Replica:
                   then: Callable[[Authorize | str], None]) -> None:
         """The log first: `op.attempt`'s epoch opened in the call's log, once
         every run of the call before it is stored, without waiting; then
-        `then(the op to carry out, or why not)`."""
+        `then(the op to carry out, or why not)`.
+
+        A call's first attempt (this host accepted it, and took it from epoch 0
+        a moment ago) is carried out at once, its epoch's open in flight: its
+        runs, their events and its final wait for the open, and a refused open
+        fences the attempt (E_LOST), as a refused append does. So a call's
+        first token does not wait for the open's round trips; a later
+        attempt (a retry, a takeover: where another host may be taking the
+        call) starts only once its epoch is open, so that no provider request
+        is made for a call whose log is another host's."""
         read = not self.cluster.holds(op.call_id) and op.attempt > 1
+        if op.attempt == 1 and not self.queue.waits(op.call_id):
+            self.queue.open(op.call_id, op.attempt, False,
+                            lambda rows: self.moved(op.call_id) if isinstance(rows, str) else None)
+            then(op)
+            return
 
         def opened(rows: list[Row] | str) -> None:
             if isinstance(rows, str):
