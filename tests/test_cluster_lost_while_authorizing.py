@@ -150,3 +150,27 @@ def test_a_first_attempt_whose_epoch_open_is_refused_is_fenced_and_moved(
             await ledger.close()
     hosts = [(r.kind, r.epoch, r.host) for r in asyncio.run(log_of())]
     assert all(host == "host-b" for _, _, host in hosts), hosts
+
+
+def test_a_first_attempt_streams_while_its_epoch_open_is_slow(
+        paused_open: tuple[DaemonProcess, Path], emu: EmulatorClient) -> None:
+    """The sink stands still 3 s in the first attempt's epoch open while its
+    worker streams: the runs wait for the open, then are logged, stored and
+    sent in order; the call completes here with its exact text (it was
+    taken for lost: runs of a call whose open was in flight looked like a
+    call this sink never opened)."""
+    proc, where = paused_open
+    emu.script("slowopen", [{"fault": "ok", "chunks": 30, "chunk_delay_s": 0.02}])
+    request: dict[str, Any] = {"model": "gpt-emu#slowopen",
+                               "messages": [{"role": "user", "content": "hi"}]}
+    with proc.client(timeout_s=20.0) as client:
+        call_id = client.submit("emu", request)
+        events = list(client.events(call_id, timeout_s=30.0))
+        moved = client.status()["counters"].get("calls_moved", 0)
+    assert (where / f"fired.{OPEN}").exists(), "the open never stood still"
+    sent = emu.log("slowopen")
+    assert moved == 0 and len(sent) == 1, (moved, len(sent))
+    assert events[-1]["op"] == "done" and events[-1]["status"] == "completed", events[-1]
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    assert "".join(e["data"] for e in events if e["op"] == "delta" and e["kind"] == "text") \
+        == sent[0]["text"]

@@ -171,13 +171,15 @@ class LogQueue:
             by_call.setdefault(row[0], []).append(row)
         lives = self._calls.lives
         owner = {id(lives[c].subs): c for c in by_call if c in lives}
-        lost = [c for c in by_call if not self._cluster.holds(c)]
+        waiting = self._waiting
+        lost = [c for c in by_call  # (a call whose open is in flight: its runs wait for it)
+                if not self._cluster.holds(c) and not (c in waiting and waiting[c].opening)]
         for call_id in lost:
             del by_call[call_id]
         for call_id, runs in by_call.items():
-            waiting = self._waiting.setdefault(call_id, _Waiting())
-            waiting.queued += runs
-            waiting.queued_in += len(runs)
+            entry = waiting.setdefault(call_id, _Waiting())
+            entry.queued += runs
+            entry.queued_in += len(runs)
             self.bytes += sum(len(r[6]) for r in runs)
         now: list[Event] = []
         for subs, event in outbox:
