@@ -129,6 +129,16 @@ def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     ctx.destroy(linger=0)
 
 
+@pytest.fixture
+def router(context: zmq.Context[zmq.Socket[bytes]]) -> Iterator[zmq.Socket[bytes]]:
+    """A daemon's side: held here and closed at teardown (a socket a test
+    leaves to the garbage collector warns in whichever test comes next)."""
+    sock = context.socket(zmq.ROUTER)
+    sock.linger = 0
+    yield sock
+    sock.close()
+
+
 def _status_failure(client: Client) -> NoConnection:
     t0 = monotonic()
     with client, pytest.raises(NoConnection) as caught:
@@ -140,22 +150,21 @@ def _status_failure(client: Client) -> NoConnection:
 
 
 def test_credentials_for_a_daemon_without_curve(context: zmq.Context[zmq.Socket[bytes]],
+                                                router: zmq.Socket[bytes],
                                                 tmp_path: Path) -> None:
-    plain = context.socket(zmq.ROUTER)
-    plain.linger = 0
-    endpoint = f"tcp://127.0.0.1:{plain.bind_to_random_port('tcp://127.0.0.1')}"
+    endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
     creds = KeyStore(tmp_path / "keys").register("alice", endpoint)
     exc = _status_failure(Client(endpoint, 10.0, credentials=creds, context=context))
     assert exc.cause == NOT_CURVE and "connect without them" in str(exc)
 
 
 def test_a_daemon_at_its_connection_cap_says_so(context: zmq.Context[zmq.Socket[bytes]],
+                                                router: zmq.Socket[bytes],
                                                 tmp_path: Path) -> None:
     store = KeyStore(tmp_path / "keys")
     auth = start_authenticator(context, store)
     try:
-        server = context.socket(zmq.ROUTER)
-        server.linger = 0
+        server = router
         make_curve_server(server, store)
         endpoint = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
         creds = store.register("alice", endpoint)
@@ -188,14 +197,14 @@ def test_a_store_that_logs_changes_names_each_once(tmp_path: Path,
 
 
 def test_a_request_made_after_the_refusal_fails_at_once_too(
-        context: zmq.Context[zmq.Socket[bytes]], tmp_path: Path) -> None:
+        context: zmq.Context[zmq.Socket[bytes]], router: zmq.Socket[bytes],
+        tmp_path: Path) -> None:
     """libzmq drops the queue of a refused connection: a send after that would
     block for timeout_s (the sync client's SNDTIMEO; the async one retries)."""
     store = KeyStore(tmp_path / "keys")
     auth = start_authenticator(context, store)
     try:
-        server = context.socket(zmq.ROUTER)
-        server.linger = 0
+        server = router
         make_curve_server(server, store)
         endpoint = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
         creds = store.register("alice", endpoint)

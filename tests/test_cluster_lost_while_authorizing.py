@@ -37,15 +37,14 @@ HOST = "host-a"
 PAUSE = "supervisor.before_authorize"
 
 
-@pytest.fixture
-def daemon(tmp_path: Path, emulator: EmulatorProcess, nats: NatsCluster
-           ) -> Iterator[tuple[DaemonProcess, Path]]:
-    """A cluster host whose supervisor stands still 3 s before its 2nd authorize."""
+def _armed_host(tmp_path: Path, emulator: EmulatorProcess, nats: NatsCluster, armed: str
+                ) -> Iterator[tuple[DaemonProcess, Path]]:
+    """A cluster host with one failpoint armed (`armed`), and the directory
+    where the failpoints record what fired."""
     where = tmp_path / "failpoints"
     where.mkdir()
     proc = DaemonProcess(tmp_path / "state", {"emu": profile_for("openai", emulator)},
-                         env={failpoints.ENV: f"{PAUSE}=pause(3s)@2",
-                              failpoints.DIR_ENV: str(where)},
+                         env={failpoints.ENV: armed, failpoints.DIR_ENV: str(where)},
                          tables={"cluster": {"urls": nats.urls, "host": HOST, "replicas": 3}})
     proc.start()
     try:
@@ -53,6 +52,13 @@ def daemon(tmp_path: Path, emulator: EmulatorProcess, nats: NatsCluster
     finally:
         proc.cleanup()
         assert not proc.survivors, f"processes outlived the daemon: {proc.survivors}"
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, emulator: EmulatorProcess, nats: NatsCluster
+           ) -> Iterator[tuple[DaemonProcess, Path]]:
+    """A cluster host whose supervisor stands still 3 s before its 2nd authorize."""
+    yield from _armed_host(tmp_path, emulator, nats, f"{PAUSE}=pause(3s)@2")
 
 
 def _take_and_open_as_host_b(nats: NatsCluster, call_id: str) -> int:
@@ -97,18 +103,7 @@ OPEN = "cluster.before_epoch_append"
 def paused_open(tmp_path: Path, emulator: EmulatorProcess, nats: NatsCluster
                 ) -> Iterator[tuple[DaemonProcess, Path]]:
     """A cluster host whose sink stands still 3 s before its first epoch append."""
-    where = tmp_path / "failpoints"
-    where.mkdir()
-    proc = DaemonProcess(tmp_path / "state", {"emu": profile_for("openai", emulator)},
-                         env={failpoints.ENV: f"{OPEN}=pause(3s)@1",
-                              failpoints.DIR_ENV: str(where)},
-                         tables={"cluster": {"urls": nats.urls, "host": HOST, "replicas": 3}})
-    proc.start()
-    try:
-        yield proc, where
-    finally:
-        proc.cleanup()
-        assert not proc.survivors, f"processes outlived the daemon: {proc.survivors}"
+    yield from _armed_host(tmp_path, emulator, nats, f"{OPEN}=pause(3s)@1")
 
 
 def test_a_first_attempt_whose_epoch_open_is_refused_is_fenced_and_moved(

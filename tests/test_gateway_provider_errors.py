@@ -103,13 +103,16 @@ def test_openai_sdk_sees_the_providers_error(gateway: Gateway, emu: EmulatorClie
     step = {"fault": "status", "status": status, "message": message, "error_type": etype,
             **({"error_code": code} if code else {})}
     emu.script("err", [step, step])
-    direct = openai.OpenAI(base_url=gateway.emulator_url + "/v1", api_key="sk-emu",
-                           max_retries=0)
-    via = openai.OpenAI(base_url=gateway.url + "/v1", api_key=gateway.key, max_retries=0)
-    want = _raised(lambda: direct.chat.completions.create(
-        model="gpt-emu#err", messages=QUESTION, stream=stream))
-    got = _raised(lambda: via.chat.completions.create(
-        model="oa/gpt-emu#err", messages=QUESTION, stream=stream))
+    # Closed after use: an SDK client left to the garbage collector leaves its
+    # sockets' ResourceWarning in whichever test comes next.
+    with openai.OpenAI(base_url=gateway.emulator_url + "/v1", api_key="sk-emu",
+                       max_retries=0) as direct, \
+            openai.OpenAI(base_url=gateway.url + "/v1", api_key=gateway.key,
+                          max_retries=0) as via:
+        want = _raised(lambda: direct.chat.completions.create(
+            model="gpt-emu#err", messages=QUESTION, stream=stream))
+        got = _raised(lambda: via.chat.completions.create(
+            model="oa/gpt-emu#err", messages=QUESTION, stream=stream))
     assert type(got) is type(want), (got, want)
     assert (got.status_code, got.type, got.code, got.param) == \
         (want.status_code, want.type, want.code, want.param) == (status, etype, code, None)
@@ -137,13 +140,14 @@ def test_anthropic_sdk_sees_the_providers_error(gateway: Gateway, emu: EmulatorC
                                                 stream: bool) -> None:
     step = {"fault": "status", "status": status, "message": message, "error_type": etype}
     emu.script("err", [step, step])
-    direct = anthropic.Anthropic(base_url=gateway.emulator_url, api_key="sk-emu",
-                                 max_retries=0)
-    via = anthropic.Anthropic(base_url=gateway.url, api_key=gateway.key, max_retries=0)
-    want = _raised(lambda: direct.messages.create(
-        model="claude-emu#err", max_tokens=100, messages=QUESTION, stream=stream))
-    got = _raised(lambda: via.messages.create(
-        model="an/claude-emu#err", max_tokens=100, messages=QUESTION, stream=stream))
+    with anthropic.Anthropic(base_url=gateway.emulator_url, api_key="sk-emu",
+                             max_retries=0) as direct, \
+            anthropic.Anthropic(base_url=gateway.url, api_key=gateway.key,
+                                max_retries=0) as via:
+        want = _raised(lambda: direct.messages.create(
+            model="claude-emu#err", max_tokens=100, messages=QUESTION, stream=stream))
+        got = _raised(lambda: via.messages.create(
+            model="an/claude-emu#err", max_tokens=100, messages=QUESTION, stream=stream))
     assert type(got) is type(want), (got, want)
     assert (got.status_code, got.type, got.api_message, got.error_code) == \
         (want.status_code, want.type, want.api_message, want.error_code) == \
