@@ -185,6 +185,7 @@ def _sse_ids(url: str, key: str, headers: dict[str, str], limit: int | None = No
                 ids.append(int(line[4:]))
                 if len(ids) == limit:
                     break
+        reply.close()  # it holds the socket too: closed here, not by the garbage collector
         return ids
     finally:
         conn.close()

@@ -94,9 +94,9 @@ def test_a_call_has_one_access_line_with_its_fields(gateway: Gateway, emu: Emula
 
 
 def test_a_refused_request_is_logged_without_identity_or_call(gateway: Gateway) -> None:
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=gateway.url + "/v1", api_key="sf-local." + "0" * 64,
-                      max_retries=0).models.list()
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="sf-local." + "0" * 64,
+                       max_retries=0) as client, pytest.raises(openai.AuthenticationError):
+        client.models.list()  # closed after: not left to the garbage collector
     [line] = gateway.access_lines(1, "a refused /v1/models", path="/v1/models", status=401)
     assert line["identity"] is None and "call_id" not in line, line
     assert " 401 identity=- " in line["message"], line
@@ -112,6 +112,7 @@ def test_a_client_gone_mid_stream_is_logged_499(gateway: Gateway, emu: EmulatorC
     assert reply.status == 200
     call_id = reply.getheader(CALL_HEADER)
     assert reply.readline().startswith(b"id: ")  # the answer is streaming
+    reply.close()  # the response holds the socket too: both closed, none left to the GC
     conn.close()
     [line] = gateway.access_lines(1, "the abandoned stream", call_id=call_id)
     assert (line["status"], line["identity"]) == (access.CLIENT_CLOSED, "local"), line
