@@ -61,7 +61,8 @@ def test_the_sink_answers_stats_while_the_cluster_is_frozen(
             os.kill(pid, signal.SIGSTOP)
         probes: list[tuple[float, bool, int]] = []
         try:
-            time.sleep(0.5)  # the freeze's first half second: appends now wait
+            wait_until(lambda: client.status()["sink"].get("cluster_waiting_rows", 0) > 0,
+                       10, "the calls' runs to wait for the frozen cluster")
             began = time.monotonic()
             client.cancel(other)
             killed_s = time.monotonic() - began

@@ -68,9 +68,8 @@ class _Waiting:
     opening: bool = False
     queued_in: int = 0  # rows queued so far
     stored: int = 0  # ... of which stored
-    retry_at: float = math.inf
-    redo: Step | None = None  # the append or open to try again at `retry_at`
     tries: int = 0
+    steps: int = 0  # of `items`, the steps (the rest are events)
 
     def idle(self) -> bool:
         return not (self.queued or self.flying is not None or self.items or self.opening
@@ -91,6 +90,9 @@ class LogQueue:
         # Runs the cluster stored, for the next `settle`; calls whose items may move then.
         self._answered: list[Row] = []
         self._settled: set[str] = set()
+        # The appends and opens the cluster did not answer: when to try each again.
+        # Only these, not every call waiting: the loop asks `due` every turn.
+        self._redo: dict[str, tuple[float, Step]] = {}
         self.bytes = 0  # of the rows queued and flying
         self.retries = 0  # appends and opens tried again
         self._failing_since: float | None = None
@@ -109,8 +111,7 @@ class LogQueue:
         """A step of the call waits (an open, a parked op): the call's next control
         op waits behind it, in order."""
         waiting = self._waiting.get(call_id)
-        return waiting is not None and (waiting.opening or any(
-            not isinstance(item, tuple) for _, item in waiting.items))
+        return waiting is not None and (waiting.opening or waiting.steps > 0)
 
     def after_stored(self, call_id: str, step: Step) -> None:
         """`step()` once every run of the call accepted so far is stored and every
@@ -120,6 +121,7 @@ class LogQueue:
             step()
             return
         waiting.items.append((waiting.queued_in, step))
+        waiting.steps += 1
         self._move(call_id)
 
     def ask(self, call_id: str, start: Callable[[Callable[[Any], None]], None],
@@ -266,6 +268,7 @@ class LogQueue:
             if events:
                 self._commits.deliver(events)
                 events = []
+            waiting.steps -= 1
             item()  # may queue runs, open an epoch, park more steps
         if events:
             self._commits.deliver(events)
@@ -279,8 +282,7 @@ class LogQueue:
                 redo: Step) -> None:
         waiting.tries += 1
         wait_s = min(RETRY_FIRST_S * 2 ** (waiting.tries - 1), RETRY_MAX_S)
-        waiting.retry_at = time.monotonic() + wait_s
-        waiting.redo = redo
+        self._redo[call_id] = (time.monotonic() + wait_s, redo)
         now = time.monotonic()
         if self._failing_since is None:
             self._failing_since = self._reminded = now
@@ -302,13 +304,13 @@ class LogQueue:
 
     def due(self) -> float:
         """When the next try again is due (monotonic; inf: none)."""
-        return min((w.retry_at for w in self._waiting.values()), default=math.inf)
+        return min((at for at, _ in self._redo.values()), default=math.inf)
 
     def retry(self) -> None:
         now = time.monotonic()
-        for waiting in list(self._waiting.values()):
-            if waiting.retry_at <= now and waiting.redo is not None:
-                redo, waiting.redo, waiting.retry_at = waiting.redo, None, math.inf
+        for call_id, (at, redo) in list(self._redo.items()):
+            if at <= now:
+                del self._redo[call_id]
                 self.retries += 1
                 redo()
 
@@ -333,6 +335,5 @@ class LogQueue:
         return {"cluster_waiting_calls": sum(1 for w in waiting if w.queued or w.flying),
                 "cluster_waiting_rows": sum(len(w.queued) + len(w.flying or ()) for w in waiting),
                 "cluster_waiting_bytes": self.bytes,
-                "cluster_parked_steps": sum(1 for w in waiting for _, i in w.items
-                                            if not isinstance(i, tuple)),
+                "cluster_parked_steps": sum(w.steps for w in waiting),
                 "cluster_append_retries": self.retries}
