@@ -35,9 +35,10 @@ from streamfence.workers.worker import SinkOutput
 
 
 def test_every_wire_has_one_adapter() -> None:
-    assert sorted(registry.ADAPTERS) == sorted(WIRES)
-    for kind, adapter in registry.ADAPTERS.items():
-        assert adapter.kind == kind
+    assert sorted(registry.ADAPTER_MODULES) == sorted(WIRES)
+    for kind in WIRES:
+        assert registry.adapter_of(kind).kind == kind
+        assert kind in registry.imported_kinds()
 
 
 @pytest.mark.parametrize(("profile", "exc_type", "code"), [

@@ -3,8 +3,10 @@ workers: starting it, the commands it is sent over its pipe (kept while it
 is down, for the next one), and the events it sends back (its log records,
 its readiness, each worker spawned and exited).
 
-A zygote that dies takes its workers with it; the daemon restarts it with
-back-off (`restarts`), and the workers' attempts end as killed.
+It is told the configured profiles' kinds, the only SDKs it imports and
+warms (workers/warmup.py). A zygote that dies takes its workers with it;
+the daemon restarts it with back-off (`restarts`), and the workers'
+attempts end as killed.
 """
 
 from __future__ import annotations
@@ -33,9 +35,14 @@ from streamfence.supervisor.restarts import RestartPolicy
 log = logging.getLogger("streamfence.supervisor")
 
 
+def configured_kinds(config: DaemonConfig) -> tuple[str, ...]:
+    """The kinds of the profiles `config` has: the SDKs a zygote imports and warms."""
+    return tuple(sorted({profile.kind for profile in config.providers.values()}))
+
+
 class ZygoteChild:
-    """Owns the zygote process, its pipe, whether it said it is ready, the
-    commands asked while it is down, and its restart policy."""
+    """Owns the zygote process, its pipe, the commands asked while it is
+    down, and its restart policy."""
 
     def __init__(self, mp: Any, config: DaemonConfig, runtime_dir: str) -> None:
         self._mp = mp
@@ -43,7 +50,6 @@ class ZygoteChild:
         self._runtime_dir = runtime_dir
         self.process: Any = None
         self._conn: Any = None
-        self.ready = False
         self.restarts = RestartPolicy("zygote", time.monotonic)
         self._backlog: list[ZygoteCommand] = []  # asked while the zygote is down
 
@@ -54,12 +60,18 @@ class ZygoteChild:
         self.process = self._mp.Process(
             target=zygote_main, name="zygote",
             args=(child_conn, self._runtime_dir, self._config.workers_max,
-                  logging.getLevelName(self._config.log_level), os.getpid()))
+                  logging.getLevelName(self._config.log_level), os.getpid(),
+                  configured_kinds(self._config)))
         self.process.start()
         self.restarts.started()
         child_conn.close()
         self._conn = parent_conn
-        self.ready = False
+
+    def reconfigure(self, config: DaemonConfig) -> None:
+        """A reload's config: the next zygote (a restart) warms its kinds and
+        logs at its level; the running one keeps its own (its workers import
+        a new kind on its first attempt: workers/registry.py)."""
+        self._config = config
 
     def fileno(self) -> int:
         """Its pipe's end: readable when it sent something, or died."""
@@ -96,7 +108,6 @@ class ZygoteChild:
             if isinstance(event, ZygoteLog):
                 emit_child_record(event.fields)
             elif isinstance(event, ZygoteReady):
-                self.ready = True
                 self.restarts.ready()
             elif isinstance(event, WorkerSpawned):
                 pool.on_spawned(event.worker_id, event.pid)

@@ -25,9 +25,10 @@ Rules (docs/ARCHITECTURE.md §4.3):
   prompt does not fit the context window.
 - final: every other 4xx, and anything we do not recognise (a bug must not
   turn into a retry loop).
-Optional SDKs (anthropic, botocore, urllib3, anyio) are looked up in
+The SDKs (openai, anthropic, botocore, urllib3, anyio) are looked up in
 sys.modules, never imported: an instance of their exception implies the module
-is already loaded.
+is already loaded, and a worker imports only the SDKs of its profiles' kinds
+(workers/registry.py).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from dataclasses import replace
 from typing import Any
 
 import httpx2
-import openai
 
 from streamfence.protocol.internal.outcome import AttemptError, ErrorClass
 from streamfence.workers.error_text import (
@@ -268,13 +268,14 @@ def _describe(exc: BaseException) -> str:
     """`Type: message`, plus the cause the SDKs hide behind "Connection error."."""
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     cause = exc.__cause__ or exc.__context__
-    if cause is not None and isinstance(exc, (openai.APIConnectionError, *_anthropic_conn())):
+    if cause is not None and isinstance(exc, _sdk_types("APIConnectionError")):
         text += f" ({type(cause).__name__}: {cause})"
     return text
 
 
-def _anthropic_conn() -> tuple[type[BaseException], ...]:
-    return _types("anthropic", "APIConnectionError")
+def _sdk_types(name: str) -> tuple[type[BaseException], ...]:
+    """The exception type `name` of the openai and anthropic SDKs loaded."""
+    return _types("openai", name) + _types("anthropic", name)
 
 
 def _transport_code(exc: BaseException) -> str | None:
@@ -285,12 +286,12 @@ def _transport_code(exc: BaseException) -> str | None:
         return "read_timeout"
     if isinstance(exc, httpx2.TimeoutException):
         return "timeout"
-    if isinstance(exc, (openai.APITimeoutError, *_types("anthropic", "APITimeoutError"))):
+    if isinstance(exc, _sdk_types("APITimeoutError")):
         return "timeout"
     if isinstance(exc, _types("botocore.exceptions", "ReadTimeoutError", "ConnectTimeoutError")
                   + _types("urllib3.exceptions", "TimeoutError")):
         return "read_timeout" if "Read" in type(exc).__name__ else "connect_timeout"
-    if isinstance(exc, (openai.APIConnectionError, *_anthropic_conn())):
+    if isinstance(exc, _sdk_types("APIConnectionError")):
         cause = exc.__cause__ or exc.__context__
         return "connect_error" if isinstance(cause, httpx2.ConnectError) else "connection_error"
     if isinstance(exc, httpx2.ConnectError | ConnectionRefusedError):
@@ -377,7 +378,7 @@ def _classify(exc: BaseException, extra: tuple[str, ...]) -> AttemptError:
     code = _transport_code(exc)
     if code is not None:
         return attempt_error(ErrorClass.TRANSIENT, code, text, extra_secrets=extra)
-    if isinstance(exc, (openai.APIError, *_types("anthropic", "APIError"))):
+    if isinstance(exc, _sdk_types("APIError")):
         # An SSE error event the SDK raised without a status (e.g. OpenRouter's
         # {"error": {"message": "Network connection lost."}}).
         body = getattr(exc, "body", None)

@@ -3,12 +3,15 @@ provider served by a thread of this process on 127.0.0.1, so that lazy
 imports, caches and (after a fork) copy-on-write pages are paid before a real
 call needs them.
 
-- `warm_up`, in the zygote before it freezes its heap: imports everything,
-  one attempt per SSE wire, and loads botocore's service model; a failure
-  stops the zygote (its workers would be cold and slow).
+- `warm_up(kinds)`, in the zygote before it freezes its heap: imports the
+  adapters (and SDKs) of the configured kinds only, one attempt per
+  configured SSE wire, and for bedrock loads botocore's service model; a
+  failure stops the zygote (its workers would be cold and slow). A kind not
+  configured costs nothing here; a worker imports it on its first attempt
+  of that kind (workers/registry.py), so a reload that adds one still serves.
 - `warm_worker_in_background`, in a new spare after its hello
-  (workers/worker.py): one attempt per SSE wire again, best effort, on a
-  lowest-priority thread. Measured (10 forks each,
+  (workers/worker.py): one attempt per SSE wire the zygote warmed, best
+  effort, on a lowest-priority thread. Measured (10 forks each,
   alternated, docs/PERFORMANCE.md): a new worker's first real attempt
   13.6 -> 5.4 ms to the request, for ~20 ms of CPU.
 """
@@ -20,15 +23,19 @@ import logging
 import os
 import re
 import socket
+import sys
 import threading
+from collections.abc import Collection
 from typing import Any
 
 from streamfence.protocol.internal.outcome import AttemptOutcome
 from streamfence.protocol.internal.workers import AttemptSettings
+from streamfence.workers.registry import imported_kinds
 
 log = logging.getLogger("streamfence.warmup")
 
 WARM_TIMEOUT_S = 5.0
+_SDKS = ("openai", "anthropic", "botocore")  # the wires' SDKs, as sys.modules names them
 _HELLO = {"role": "user", "content": "hi"}
 # (kind, path under the stub's base URL, request): the SSE wires.
 _WIRES: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -95,21 +102,22 @@ def _serve_stub(server: socket.socket, count: int) -> None:
         _answer(server, count)
 
 
-def _run_wires() -> str:
-    """One attempt per SSE wire against a fresh stub; returns the stub's base URL
-    (closed by then). RuntimeError if an attempt did not succeed."""
+def _run_wires(kinds: Collection[str]) -> str:
+    """One attempt per SSE wire of `kinds` against a fresh stub; returns the
+    stub's base URL (closed by then). RuntimeError if an attempt did not succeed."""
     from streamfence.workers.output import RecordingOutput
-    from streamfence.workers.registry import ADAPTERS
+    from streamfence.workers.registry import adapter_of
 
+    wires = [wire for wire in _WIRES if wire[0] in kinds]
     server = socket.create_server(("127.0.0.1", 0))
     server.settimeout(WARM_TIMEOUT_S)
-    thread = threading.Thread(target=_serve_stub, args=(server, len(_WIRES)), daemon=True)
+    thread = threading.Thread(target=_serve_stub, args=(server, len(wires)), daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{server.getsockname()[1]}"
     settings = AttemptSettings(connect_timeout_s=WARM_TIMEOUT_S, read_timeout_s=WARM_TIMEOUT_S)
     try:
-        for kind, path, request in _WIRES:
-            adapter = ADAPTERS[kind]
+        for kind, path, request in wires:
+            adapter = adapter_of(kind)
             client = adapter.make_client({"name": "warm", "kind": kind, "api_key_env": None,
                                           "base_url": base + path})
             try:
@@ -127,19 +135,31 @@ def _run_wires() -> str:
     return base
 
 
-def warm_up() -> None:
-    """In the zygote: import everything and run each SDK's streaming path once."""
-    import boto3  # noqa: F401  (imported for its pages, used by workers)
-    import zmq  # noqa: F401
+def warm_up(kinds: Collection[str]) -> None:
+    """In the zygote: import the adapters of `kinds` (the configured profiles'
+    kinds) and run each one's streaming path once; nothing of another kind."""
+    import zmq  # noqa: F401  (every worker's; imported here for the shared pages)
 
     from streamfence.workers.adapter import shared_ssl_context
-    from streamfence.workers.registry import ADAPTERS
+    from streamfence.workers.registry import adapter_of
 
+    for kind in kinds:
+        adapter_of(kind)  # ValueError for a kind no adapter speaks: the config refuses it first
+    if not kinds:
+        return
     shared_ssl_context()
-    base = _run_wires()
-    # Loads botocore's service model (the costly part) once, for every fork.
-    ADAPTERS["bedrock"].make_client({"name": "warm", "kind": "bedrock", "endpoint_url": base,
-                                     "region": "us-east-1", "aws_credentials": "dummy"})
+    base = _run_wires(kinds)
+    if "bedrock" in kinds:
+        # Loads botocore's service model (the costly part) once, for every fork.
+        adapter_of("bedrock").make_client({"name": "warm", "kind": "bedrock",
+                                           "endpoint_url": base, "region": "us-east-1",
+                                           "aws_credentials": "dummy"})
+
+
+def loaded_sdks() -> list[str]:
+    """The provider SDKs this process has imported (what the zygote's "ready"
+    line shows, so that a test can tell an unconfigured SDK stayed out)."""
+    return [name for name in _SDKS if name in sys.modules]
 
 
 def warm_worker_in_background() -> threading.Thread:
@@ -152,7 +172,7 @@ def warm_worker_in_background() -> threading.Thread:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
-            _run_wires()
+            _run_wires(imported_kinds())  # the zygote's kinds: this worker imports no other
         except Exception as exc:  # an optimization must not stop a worker
             log.debug("worker warm-up failed: %s", exc)
 

@@ -1,11 +1,15 @@
 """The zygote: a warmed template process that forks workers.
 
-Why: importing openai + anthropic + boto3 + httpx2 + zmq costs ~2 s and
-~110 MiB per process; a spawned worker pays it all, a forked one shares it.
-The zygote pays once: it imports everything, builds the shared SSL context,
-runs the SDK streaming path once against a stub on 127.0.0.1 (so lazy imports
+Why: importing a provider SDK costs ~0.5-2 s and up to ~110 MiB per process
+(openai + anthropic + botocore together ~2 s); a spawned worker pays it all,
+a forked one shares it. The zygote pays once, for the kinds of the profiles
+configured when it starts only (workers/warmup.py `warm_up`): it imports
+their adapters and SDKs, builds the shared SSL context, runs each configured
+SSE wire's streaming path once against a stub on 127.0.0.1 (so lazy imports
 and caches are hot), then `gc.collect(); gc.freeze()` so the children's
 garbage collector never touches (and so never copies) the inherited pages.
+A kind a reload adds later is imported by each worker on its first attempt
+of that kind (workers/registry.py); the next zygote (a restart) warms it.
 
 Then it collapses its heap into transparent huge pages (MADV_COLLAPSE, Linux
 6.1+, best effort): a fork copies one page-table entry per 2 MiB instead of
@@ -57,7 +61,7 @@ from streamfence.protocol.internal.workers import (
 )
 from streamfence.protocol.lifecycle import ExitCode, die_with_parent, set_process_title
 from streamfence.protocol.logs import set_level
-from streamfence.workers.warmup import warm_up
+from streamfence.workers.warmup import loaded_sdks, warm_up
 from streamfence.workers.worker import worker_main
 
 log = logging.getLogger("streamfence.zygote")
@@ -85,8 +89,9 @@ class _PipeLogHandler(logging.Handler):
 
 
 def zygote_main(conn: Any, runtime_dir: str, slots: int, log_level: int,
-                parent_pid: int) -> None:
-    """Entry point (started with the spawn method by the supervisor)."""
+                parent_pid: int, kinds: tuple[str, ...]) -> None:
+    """Entry point (started with the spawn method by the supervisor); `kinds`:
+    the configured profiles' kinds, the only SDKs it imports and warms."""
     if not die_with_parent(parent_pid):
         os._exit(ExitCode.PARENT_GONE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
@@ -96,15 +101,15 @@ def zygote_main(conn: Any, runtime_dir: str, slots: int, log_level: int,
     set_level(log_level)
     started = time.monotonic()
     try:
-        warm_up()
+        warm_up(kinds)
     except Exception:
         log.exception("zygote warm-up failed")
         os._exit(ExitCode.BOOT_FAILED)
     gc.collect()
     gc.freeze()
     collapsed = collapse_to_huge_pages()
-    log.info("zygote ready in %.2fs (%d MiB in huge pages)", time.monotonic() - started,
-             collapsed >> 20)
+    log.info("zygote ready in %.2fs (%d MiB in huge pages; SDKs loaded: %s)",
+             time.monotonic() - started, collapsed >> 20, ", ".join(loaded_sdks()) or "none")
     conn.send_bytes(encode_zygote(ZygoteReady(os.getpid())))
     _serve(conn, runtime_dir, slots, log_level)
 
