@@ -42,7 +42,7 @@ from streamfence.protocol.internal.workers import StopZygote
 from streamfence.protocol.keys import KeyStore
 from streamfence.protocol.messages import events_endpoint
 from streamfence.protocol.states import WorkerState
-from streamfence.supervisor import reload, replies, statedir, storepair
+from streamfence.supervisor import reload, replies
 from streamfence.supervisor.auth import ClientAuth
 from streamfence.supervisor.connections import FrontConnections
 from streamfence.supervisor.gatewaychild import GatewayChild, GatewayEntry
@@ -50,10 +50,10 @@ from streamfence.supervisor.logs import drain_child_logs
 from streamfence.supervisor.notify import Notifier
 from streamfence.supervisor.parts import Parts, Sockets, build_parts
 from streamfence.supervisor.restarts import GiveUp, RestartPolicy
-from streamfence.supervisor.runtimedir import RuntimeDir, bound_paths, claim_sockets
 from streamfence.supervisor.sinkchild import SinkChild
 from streamfence.supervisor.startup import (
     StartupError,
+    claim_state_dir,
     connect_cluster,
     open_stores,
     raise_fd_limit,
@@ -95,26 +95,8 @@ class Daemon:
             self.events_endpoint = events_endpoint(config.endpoint)
         except ValueError as exc:
             raise StartupError(f"daemon.endpoint: {exc}") from None
-        try:
-            state_dir = statedir.prepare(config.state_dir)
-            self._lock = statedir.StateLock(state_dir)
-        except statedir.StateDirError as exc:
-            raise StartupError(str(exc)) from None
-        try:
-            statedir.make_private(state_dir)
-            # Before anything is written: a live daemon's sockets refuse the start.
-            self._runtime = RuntimeDir(config.runtime_dir(), config.state_dir)
-            claim_sockets(bound_paths(self._runtime.path, config.endpoint,
-                                       self.events_endpoint), str(state_dir))
-        except statedir.StateDirError as exc:
-            self._lock.release()
-            raise StartupError(str(exc)) from None
-        try:
-            self._pairing = storepair.check(state_dir, cluster=self.config.cluster.enabled)
-        except storepair.StoreError as exc:
-            self._runtime.remove()
-            self._lock.release()
-            raise StartupError(str(exc)) from None
+        state_dir, self._lock, self._runtime, self._pairing = claim_state_dir(
+            config, self.events_endpoint)
         self._state_dir = state_dir
         self.keys = KeyStore(state_dir / "keys")
         self.runtime_dir = self._runtime.path
@@ -195,6 +177,9 @@ class Daemon:
         cfg = self.config
         journal, recovered = open_stores(cfg, self._state_dir, self._pairing,
                                          self.transcript_path)
+        # The zygote first: its imports and warm-up are the longest path to a call
+        # that can run and need nothing below (its pipe keeps what it sends).
+        self._zygote.start()
         live = LivenessTable(self.endpoints.liveness_file, cfg.workers_max, create=True)
         sockets = self._bind_sockets()
         cluster = connect_cluster(cfg)
@@ -205,7 +190,6 @@ class Daemon:
                             self._sink.stats, self._pids, self._connection_counts,
                             self.transcript_path)
         self._sink.start(parts.sink)
-        self._zygote.start()
         for call in recovered:
             parts.driver.enqueue(call)
         parts.pool.maintain()
@@ -270,6 +254,8 @@ class Daemon:
             handler()
             if self._gave_up:
                 return False
+        if not self._ready_logged:
+            self._check_ready(p)
         now = time.monotonic()
         self._restart_due(p, now)
         p.driver.on_timers(now)
@@ -320,6 +306,7 @@ class Daemon:
         self._signals.clear()
         if self._signals.take_hangups():
             self.config = reload.reload(self.config, p, self.auth)
+            self._zygote.reconfigure(self.config)
 
     def _drain_front(self, p: Parts) -> None:
         # Bounded by time, not only by count: what this turn accepted is
@@ -341,12 +328,18 @@ class Daemon:
             # The body as a view: a large one refused unread is never copied.
             p.front.handle([frames[0].bytes, *(f.buffer for f in frames[1:])], user)
 
-    def _drain_workers(self, p: Parts) -> None:
-        if p.pool.drain() and not self._ready_logged and self._zygote.ready:
+    def _check_ready(self, p: Parts) -> None:
+        """Once, when a call can run: a worker said hello and the sink (which
+        authorizes each attempt) answered; the other spares may still be warming."""
+        if (p.pool.count(WorkerState.IDLE, WorkerState.RESERVED, WorkerState.BUSY)
+                and self._sink.restarts.serving):
             self._ready_logged = True
             log.info("ready: endpoint=%s, warm workers=%d", self.config.endpoint,
                      p.pool.count(WorkerState.IDLE))
             self._notify.ready(f"serving on {self.config.endpoint}")
+
+    def _drain_workers(self, p: Parts) -> None:
+        p.pool.drain()
         # Runs whose worker went idle without an accepted final (pool.drain found them).
         while p.pool.unaccepted:
             p.driver.on_final_unaccepted(*p.pool.unaccepted.pop())

@@ -1,6 +1,7 @@
 """What the supervisor checks and opens before its loop starts, each step
-refusing a start it cannot make in one line (`StartupError`): the stores
-(the journal, and this start's stamp in both files), the cluster link, the
+refusing a start it cannot make in one line (`StartupError`): the state dir
+(its lock, the runtime dir, a live daemon's sockets, the stores' pairing),
+the stores (the journal, and this start's stamp in both files), the cluster link, the
 open-files limit; and what it warns about: the providers' credentials named
 in the config, STREAMFENCE_* variables it does not read.
 """
@@ -17,10 +18,11 @@ from typing import TYPE_CHECKING
 from streamfence.cluster.settings import ClusterSettings
 from streamfence.config.environment import unknown_variables
 from streamfence.config.model import DaemonConfig
-from streamfence.supervisor import storepair
+from streamfence.supervisor import statedir, storepair
 from streamfence.supervisor.calls import Call
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.recovery import recover_calls
+from streamfence.supervisor.runtimedir import RuntimeDir, bound_paths, claim_sockets
 
 if TYPE_CHECKING:  # cluster mode only: it brings nats
     from streamfence.supervisor.clusterlink import ClusterLink
@@ -30,6 +32,33 @@ log = logging.getLogger("streamfence.supervisor")
 
 class StartupError(Exception):
     pass
+
+
+def claim_state_dir(config: DaemonConfig, events_endpoint: str
+                    ) -> tuple[Path, statedir.StateLock, RuntimeDir, storepair.Pairing]:
+    """The state dir made ready and locked, the runtime dir, and the stores'
+    pairing checked; what was taken is let go if a later step refuses."""
+    try:
+        state_dir = statedir.prepare(config.state_dir)
+        lock = statedir.StateLock(state_dir)
+    except statedir.StateDirError as exc:
+        raise StartupError(str(exc)) from None
+    try:
+        statedir.make_private(state_dir)
+        # Before anything is written: a live daemon's sockets refuse the start.
+        runtime = RuntimeDir(config.runtime_dir(), config.state_dir)
+        claim_sockets(bound_paths(runtime.path, config.endpoint, events_endpoint),
+                      str(state_dir))
+    except statedir.StateDirError as exc:
+        lock.release()
+        raise StartupError(str(exc)) from None
+    try:
+        pairing = storepair.check(state_dir, cluster=config.cluster.enabled)
+    except storepair.StoreError as exc:
+        runtime.remove()
+        lock.release()
+        raise StartupError(str(exc)) from None
+    return state_dir, lock, runtime, pairing
 
 
 def open_stores(config: DaemonConfig, state_dir: Path, pairing: storepair.Pairing,
