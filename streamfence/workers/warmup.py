@@ -3,9 +3,9 @@ provider served by a thread of this process on 127.0.0.1, so that lazy
 imports, caches and (after a fork) copy-on-write pages are paid before a real
 call needs them.
 
-- `warm_up(kinds)`, in the zygote before it freezes its heap: imports the
-  adapters (and SDKs) of the configured kinds only, one attempt per
-  configured SSE wire, and for bedrock loads botocore's service model; a
+- `import_wires(kinds)` then `warm_up(kinds)`, in the zygote before it
+  freezes its heap: imports the adapters (and SDKs) of the configured kinds
+  only, builds the shared SSL context, one attempt per configured SSE wire, and for bedrock loads botocore's service model; a
   failure stops the zygote (its workers would be cold and slow). A kind not
   configured costs nothing here; a worker imports it on its first attempt
   of that kind (workers/registry.py), so a reload that adds one still serves.
@@ -135,16 +135,21 @@ def _run_wires(kinds: Collection[str]) -> str:
     return base
 
 
-def warm_up(kinds: Collection[str]) -> None:
-    """In the zygote: import the adapters of `kinds` (the configured profiles'
-    kinds) and run each one's streaming path once; nothing of another kind."""
-    import zmq  # noqa: F401  (every worker's; imported here for the shared pages)
-
-    from streamfence.workers.adapter import shared_ssl_context
+def import_wires(kinds: Collection[str]) -> None:
+    """In the zygote: import the adapters (and SDKs) of `kinds`, the configured
+    profiles' kinds; nothing of another kind."""
     from streamfence.workers.registry import adapter_of
 
     for kind in kinds:
         adapter_of(kind)  # ValueError for a kind no adapter speaks: the config refuses it first
+
+
+def warm_up(kinds: Collection[str]) -> None:
+    """In the zygote, after `import_wires(kinds)`: the shared SSL context, and
+    each kind's streaming path run once."""
+    from streamfence.workers.adapter import shared_ssl_context
+    from streamfence.workers.registry import adapter_of
+
     if not kinds:
         return
     shared_ssl_context()
