@@ -7,7 +7,8 @@ startup.py measures it):
   zygote of a daemon with one openai profile only openai (its "zygote ready"
   line names the SDKs its process has loaded);
 - a profile of a kind added by a reload (SIGHUP) still serves: its worker
-  imports the SDK on the first attempt of that kind;
+  imports the SDK on the first attempt of that kind; a zygote started after
+  the reload warms it;
 - READY=1 reaches the service manager when a call can run: a call sent the
   moment it arrives runs to its end.
 """
@@ -63,10 +64,14 @@ def test_the_command_line_status_and_keys_import_no_sdk(argv: list[str],
     assert _sdks_after(code, cwd=tmp_path) == []
 
 
+def _zygote_lines(proc: DaemonProcess) -> list[str]:
+    return [str(r["message"]) for r in proc.log_records()
+            if str(r.get("message", "")).startswith("zygote ready in")]
+
+
 def _zygote_sdks(proc: DaemonProcess) -> list[str]:
     """The SDKs the zygote's "ready" line says its process loaded (the last line)."""
-    lines = [str(r["message"]) for r in proc.log_records()
-             if str(r.get("message", "")).startswith("zygote ready in")]
+    lines = _zygote_lines(proc)
     assert lines, "no zygote ready line in the log"
     return lines[-1].rsplit("SDKs loaded: ", 1)[1].rstrip(")").split(", ")
 
@@ -101,6 +106,10 @@ def test_one_openai_profile_warms_openai_only_and_a_reload_adds_a_kind(
             after = client.status()
         assert after["processes"]["zygote"] == zygote  # no restart was needed
         assert after["counters"].get("zygote_restarts", 0) == 0
+        # A zygote started after the reload (here, after a kill) warms every kind.
+        os.kill(zygote, signal.SIGKILL)
+        wait_until(lambda: len(_zygote_lines(proc)) == 2, 60.0, "a second zygote's ready line")
+        assert _zygote_sdks(proc) == ["openai", "anthropic", "botocore"]
     finally:
         proc.cleanup()
     assert not proc.survivors, proc.survivors
