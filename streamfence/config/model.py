@@ -115,7 +115,10 @@ class DaemonConfig:
     state_dir: str = "./streamfence-state"
     max_frame_bytes: int = 16 * 1024 * 1024
     workers_max: int = 64
-    workers_spare: int = 32  # ready for a burst of 32 at an idle daemon (~9 MiB each)
+    workers_spare: int = 2  # warm idle workers beyond the load's recent peak (~11 MiB each)
+    # Spare forks wait (at most 1 s) while attempts start: a burst's first
+    # requests get the cores (supervisor/pool.py).
+    workers_refill_waits: bool = True
     queue_max: int = 10_000
     # Client connections at once (curve: past it, new handshakes are refused
     # at ZAP; a connection that never finishes its handshake is closed by
@@ -165,7 +168,7 @@ class DaemonConfig:
 
 _DAEMON_TYPES: dict[str, tuple[type, ...]] = {
     "endpoint": (str,), "state_dir": (str,), "max_frame_bytes": (int,), "workers_max": (int,),
-    "workers_spare": (int,), "queue_max": (int,), "in_flight_bytes_max": (int,),
+    "workers_spare": (int,), "workers_refill_waits": (bool,), "queue_max": (int,), "in_flight_bytes_max": (int,),
     "max_connections": (int,),
     "backoff_base_s": (int, float), "backoff_max_s": (int, float), "breaker_threshold": (int,),
     "breaker_cooldown_s": (int, float), "stop_grace_s": (int, float), "log_level": (str,),

@@ -68,7 +68,8 @@ def build_parts(cfg: DaemonConfig, journal: Journal, live: LivenessTable,
     clock = time.monotonic
     counters: Counter[str] = Counter()
     pool = Pool(to_zygote, workers_sock, live, slots=cfg.workers_max,
-                spare=cfg.workers_spare, max_workers=cfg.workers_max)
+                spare=cfg.workers_spare, max_workers=cfg.workers_max,
+                refill_waits=cfg.workers_refill_waits)
     clients = Clients(front_sock, counters)
     sink = SinkLink(sink_sock, clock)
     breakers = Breakers(cfg.breaker_threshold, cfg.breaker_cooldown_s, clock)
