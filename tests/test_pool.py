@@ -1,7 +1,7 @@
 """The worker pool's policy, with a fake clock and fake sockets: every fork a
-target needs asked for at once (or, with `refill_waits`, the spares only
+target needs asked for at once (or, with `refill_wait_s`, the spares only
 once the starting attempts have their first chunk, or after
-REFILL_WAIT_MAX_S), spares that follow the recent peak of the load
+REFILL_WAIT_S), spares that follow the recent peak of the load
 and decay back to `spare`, retirement of the idle surplus (only once idle for
 a while), the bounds (`max_workers`, the liveness slots), which idle worker an
 attempt gets, and a replacement forked at the kill of a fenced attempt's
@@ -25,7 +25,7 @@ from streamfence.protocol.internal.workers import (
     ZygoteCommand,
 )
 from streamfence.protocol.states import WorkerState
-from streamfence.supervisor.pool import REFILL_WAIT_MAX_S, Pool, Worker
+from streamfence.supervisor.pool import REFILL_WAIT_S, Pool, Worker
 from streamfence.workers.liveness import LivenessTable
 from tests.fakes import Clock
 
@@ -46,14 +46,14 @@ class FakeSocket:
 
 class Harness:
     def __init__(self, tmp_path: Path, spare: int = 2, max_workers: int = 16,
-                 slots: int | None = None, refill_waits: bool = False) -> None:
+                 slots: int | None = None, refill_wait_s: float = 0.0) -> None:
         self.clock = Clock()
         self.spawns: list[ZygoteCommand] = []
         self.live = LivenessTable(str(tmp_path / "live.bin"), slots or max_workers, create=True)
         self.pool = Pool(self.spawns.append, FakeSocket(), self.live,  # type: ignore[arg-type]
                          slots=slots or max_workers, spare=spare, max_workers=max_workers,
                          clock=self.clock, peak_half_life_s=HALF_LIFE_S,
-                         retire_after_s=RETIRE_AFTER_S, refill_waits=refill_waits)
+                         retire_after_s=RETIRE_AFTER_S, refill_wait_s=refill_wait_s)
         self.token = 0
 
     def up(self) -> list[Worker]:
@@ -308,7 +308,7 @@ def _warm(spawns: list[ZygoteCommand]) -> list[bool]:
 
 
 def test_spares_wait_until_the_starting_attempts_have_their_first_chunk(tmp_path: Path) -> None:
-    h = Harness(tmp_path, refill_waits=True)
+    h = Harness(tmp_path, refill_wait_s=REFILL_WAIT_S)
     h.pool.maintain()
     assert _warm(h.spawns) == [True, True], "an idle pool forks its spares at once"
     h.up()
@@ -318,7 +318,7 @@ def test_spares_wait_until_the_starting_attempts_have_their_first_chunk(tmp_path
         "the waiting calls' forks go at once, the spares wait"
     assert h.pool.refills_deferred == 1
     due = h.pool.next_due()
-    assert due is not None and due < h.clock.now + REFILL_WAIT_MAX_S
+    assert due is not None and due < h.clock.now + REFILL_WAIT_S
     cold = h.up()
     busy += h.run(3)
     h.pool.maintain(demand=0)
@@ -333,13 +333,13 @@ def test_spares_wait_until_the_starting_attempts_have_their_first_chunk(tmp_path
 
 
 def test_spares_wait_at_most_refill_wait_max(tmp_path: Path) -> None:
-    h = Harness(tmp_path, refill_waits=True)
+    h = Harness(tmp_path, refill_wait_s=REFILL_WAIT_S)
     h.pool.maintain()
     h.up()
     h.run(1)  # its first chunk never comes (a reasoning model thinking)
     h.pool.maintain(demand=0)
     assert len(h.spawns) == 2
-    h.clock.now += REFILL_WAIT_MAX_S
+    h.clock.now += REFILL_WAIT_S
     h.pool.maintain(demand=0)
     assert _warm(h.spawns) == [True, True, True]
     h.live.close()
@@ -347,7 +347,7 @@ def test_spares_wait_at_most_refill_wait_max(tmp_path: Path) -> None:
 
 def test_a_fenced_attempts_replacement_waits_for_the_retrys_first_chunk(
         tmp_path: Path) -> None:
-    h = Harness(tmp_path, refill_waits=True)
+    h = Harness(tmp_path, refill_wait_s=REFILL_WAIT_S)
     h.pool.maintain()
     h.up()
     (worker,) = h.run(1)

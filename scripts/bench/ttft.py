@@ -16,10 +16,21 @@ rotated order):
                 client socket, the events of all read by one loop; TTFT = the
                 call's submit -> its first text delta.
 
-Each burst meets an idle daemon: a fresh one per burst (`workers_spare` at
-its default, 32; `workers_max` large enough for the burst), which has served
-one call (so its supervisor and sink paths are not cold) and then settled
-(no call, the same idle workers for 0.5 s). Reported per burst: p50 and p90
+- `sf-old-pool` (burst 32 only, the baseline of issue 32's pool change) the
+                daemon with the pool of before: `workers_spare` 32 and the
+                spares forked at once (`workers_refill_wait_s` 0).
+
+Each burst meets an idle daemon: a fresh one per burst (the pool's keys at
+their defaults, unless the variant says otherwise; `workers_max` large enough
+for the burst), which has served one call (so its supervisor and sink paths
+are not cold) and then settled (no call, the same idle workers for 0.5 s).
+
+And one burst of 32 on a daemon idle LONG_IDLE_S (10 minutes: its pool has
+shrunk to its floor): `LongIdle` starts it (and serves it one call) when the
+bench starts (`__main__`, before the first section), the section bursts it
+at its end (waiting out what is left of the 10 minutes if the other sections
+were quicker); one sample of 32 calls, beside the SDK's burst-32 figures of
+the same section. Reported per burst: p50 and p90
 of the TTFTs of all calls of all rounds, the added p50 (streamfence − SDK,
 ms) and the ratio of p90s, per-round ranges, and where streamfence's time
 went: submit -> attempt scheduled (the journal's `started`), scheduled ->
@@ -28,12 +39,13 @@ subscriber; plus the forks the burst caused. For bursts of 32 and more, the
 same burst again REPEAT_AFTER_S after the first one ended (the pool keeps
 the workers of a recent peak): TTFT when the workers exist.
 
-Targets (issue "The data path at a model's pace"): added p50 ≤ 5 ms and
-p90 ≤ 1.25× the SDK's, at bursts of 1 and 32.
+Targets (issue 32): added p50 ≤ 5 ms and p90 ≤ 1.25× the SDK's, at bursts
+of 1 and 32, on a daemon idle 5 s and on one idle 10 minutes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -68,6 +80,10 @@ from streamfence.protocol.client_base import new_ref
 DaemonFactory = Callable[..., AbstractContextManager[DaemonProcess]]
 
 VARIANTS = ("openai-sdk", "streamfence")
+OLD_POOL = "sf-old-pool"
+OLD_POOL_BURSTS = (32,)
+OLD_POOL_SETTINGS = {"workers_spare": 32, "workers_refill_wait_s": 0.0}
+LONG_IDLE_S = 600.0
 PROMPT = [{"role": "user", "content": "Write a short paragraph."}]
 DELAY_S = 0.02
 ADDED_P50_TARGET_S = 0.005
@@ -232,10 +248,10 @@ def _pool_counts(proc: DaemonProcess) -> dict[str, int]:
 
 
 def _sf_run(emu: EmulatorProcess, n: int, chunks: int, text: str,
-            start: DaemonFactory = daemon) -> dict[str, Any]:
+            start: DaemonFactory = daemon, pool: dict[str, Any] | None = None) -> dict[str, Any]:
     control = emu.client()
     settings = {"workers_max": max(64, n + 16), "queue_max": 10 * n + 100,
-                "workers_spare": DEFAULT_SPARE}
+                "workers_spare": DEFAULT_SPARE, **(pool or {})}
     with start(providers_for(emu, stale_timeout_s=120.0), settings,
                ready_timeout=180.0) as proc:
         # One call first: the daemon has served before (an idle daemon, not a cold one).
@@ -292,48 +308,142 @@ def _check(variant: str, res: dict[str, Any], text: str) -> list[float]:
     return sorted(c.first - c.t0 for c in calls)
 
 
+# ---- a daemon idle 10 minutes --------------------------------------------------------
+
+class LongIdle:
+    """A daemon (and its own emulator) started when the bench starts, served
+    one call, then left idle until `burst`: its pool at its floor."""
+
+    def __init__(self, idle_s: float = LONG_IDLE_S) -> None:
+        self.idle_s = idle_s
+        self._stack = contextlib.ExitStack()
+        self.emu = self._stack.enter_context(emulator())
+        self.proc = self._stack.enter_context(daemon(
+            providers_for(self.emu, stale_timeout_s=120.0),
+            {"workers_max": 64, "queue_max": 1000, "workers_spare": DEFAULT_SPARE},
+            ready_timeout=180.0))
+        _sf_burst(self.proc, _script(self.emu.client(), 1, 4, realistic_text(4)))
+        self.idle_since = time.monotonic()
+
+    def burst(self, n: int, chunks: int, text: str) -> dict[str, Any]:
+        """Wait out the rest of `idle_s`, then one burst of `n` (as `_sf_run`)."""
+        left = self.idle_since + self.idle_s - time.monotonic()
+        if left > 0:
+            log(f"  ttft: the long-idle daemon is idle {self.idle_s - left:.0f} s; "
+                f"waiting {left:.0f} s more")
+            time.sleep(left)
+        control = self.emu.client()
+        before = _pool_counts(self.proc)
+        since = int(control.health()["requests"])
+        calls = _script(control, n, chunks, text)
+        _sf_burst(self.proc, calls)
+        after = _pool_counts(self.proc)
+        started = dict(self.proc.journal_rows("SELECT call_id, started FROM attempts "
+                                              "WHERE attempt = 1"))
+        at_emu = {r["key"]: r["started"] for r in control.log(since=since)}
+        parts = [(started[c.call_id] - c.w0, at_emu[c.key] - started[c.call_id],
+                  c.wfirst - at_emu[c.key])
+                 for c in calls if c.first and c.call_id in started and c.key in at_emu]
+        return {"calls": calls, "parts": parts, "idle_before": before["workers"],
+                "forks": after["spawned_total"] - before["spawned_total"],
+                "workers_after": after["workers"], "idle_s": time.monotonic() - self.idle_since}
+
+    def close(self) -> None:
+        self._stack.close()
+
+
 # ---- the section ----------------------------------------------------------------
 
-def run(quick: bool, rounds: int, bursts: list[tuple[int, int]] | None = None) -> Section:
+def _variants(n: int) -> tuple[str, ...]:
+    return (*VARIANTS, OLD_POOL) if n in OLD_POOL_BURSTS else VARIANTS
+
+
+def run(quick: bool, rounds: int, bursts: list[tuple[int, int]] | None = None,
+        long_idle: LongIdle | None = None) -> Section:
     """`bursts`: (calls, chunks) per burst (default 1 × 50, 32 × 50, 200 × 10;
-    quick: 1 × 20, 32 × 20)."""
+    quick: 1 × 20, 32 × 20). `long_idle`: the daemon idle 10 minutes, burst
+    with 32 calls at the end (closed here)."""
     sec = Section("ttft", "7 TTFT of a burst")
     if bursts is None:
         bursts = [(1, 20), (32, 20)] if quick else [(1, 50), (32, 50), (200, 10)]
     sec.params = {"rounds": rounds, "bursts (calls × chunks)": ", ".join(
         f"{n} × {c}" for n, c in bursts), "chunk_delay_s": DELAY_S,
-        "daemon": "fresh per burst, one call served, settled; workers_spare default "
-                  f"({DEFAULT_SPARE})",
+        "daemon": "fresh per burst, one call served, settled; the pool's keys at their "
+                  f"defaults (workers_spare {DEFAULT_SPARE}); {OLD_POOL}: "
+                  + ", ".join(f"{k} {v}" for k, v in OLD_POOL_SETTINGS.items()),
         "RLIMIT_NOFILE": raise_fd_limit()}
     results: dict[int, dict[str, list[dict[str, Any]]]] = {
-        n: {v: [] for v in VARIANTS} for n, _ in bursts}
-    with emulator() as emu:
-        sdk = openai.OpenAI(base_url=emu.openai_base_url, api_key="bench", max_retries=0,
-                            http_client=httpx2.Client(
-                                trust_env=False, timeout=60.0,
-                                limits=openai.DEFAULT_CONNECTION_LIMITS))
-        try:
-            for r in range(rounds):
-                for n, chunks in bursts:
-                    text = realistic_text(chunks)
-                    for variant in rotated(VARIANTS, r):
-                        if variant == "streamfence":
-                            res = _sf_run(emu, n, chunks, text)
-                        else:
-                            res = _sdk_run(emu, sdk, n, chunks, text)
-                        res["ttft"] = _check(variant, res, text)
-                        if res.get("again"):
-                            res["ttft_again"] = _check(variant, {"calls": res["again"]}, text)
-                        results[n][variant].append(res)
-                    log(f"  ttft round {r + 1}/{rounds}, burst {n}: " + ", ".join(
-                        f"{v} p50 {percentile(results[n][v][-1]['ttft'], 50) * 1e3:.1f} / "
-                        f"p90 {percentile(results[n][v][-1]['ttft'], 90) * 1e3:.1f} ms"
-                        for v in VARIANTS))
-        finally:
-            sdk.close()
-    for n, chunks in bursts:
-        _report(sec, n, chunks, results[n])
+        n: {v: [] for v in _variants(n)} for n, _ in bursts}
+    try:
+        with emulator() as emu:
+            sdk = openai.OpenAI(base_url=emu.openai_base_url, api_key="bench", max_retries=0,
+                                http_client=httpx2.Client(
+                                    trust_env=False, timeout=60.0,
+                                    limits=openai.DEFAULT_CONNECTION_LIMITS))
+            try:
+                for r in range(rounds):
+                    for n, chunks in bursts:
+                        _round(emu, sdk, n, chunks, r, results[n])
+                        log(f"  ttft round {r + 1}/{rounds}, burst {n}: " + ", ".join(
+                            f"{v} p50 {percentile(results[n][v][-1]['ttft'], 50) * 1e3:.1f} / "
+                            f"p90 {percentile(results[n][v][-1]['ttft'], 90) * 1e3:.1f} ms"
+                            for v in _variants(n)))
+            finally:
+                sdk.close()
+        for n, chunks in bursts:
+            _report(sec, n, chunks, results[n])
+        if long_idle is not None:
+            n, chunks = next(((n, c) for n, c in bursts if n == 32), (32, 20))
+            text = realistic_text(chunks)
+            res = long_idle.burst(n, chunks, text)
+            res["ttft"] = _check("streamfence (idle 10 min)", res, text)
+            _report_long_idle(sec, n, res, results.get(n, {}).get("openai-sdk", []))
+    finally:
+        if long_idle is not None:
+            long_idle.close()
     return sec
+
+
+def _round(emu: EmulatorProcess, sdk: openai.OpenAI, n: int, chunks: int, r: int,
+           results: dict[str, list[dict[str, Any]]]) -> None:
+    text = realistic_text(chunks)
+    for variant in rotated(_variants(n), r):
+        if variant == "openai-sdk":
+            res = _sdk_run(emu, sdk, n, chunks, text)
+        else:
+            res = _sf_run(emu, n, chunks, text,
+                          pool=OLD_POOL_SETTINGS if variant == OLD_POOL else None)
+        res["ttft"] = _check(variant, res, text)
+        if res.get("again"):
+            res["ttft_again"] = _check(variant, {"calls": res["again"]}, text)
+        results[variant].append(res)
+
+
+def _report_long_idle(sec: Section, n: int, res: dict[str, Any],
+                      sdk: list[dict[str, Any]]) -> None:
+    ttft = res["ttft"]
+    p50, p90 = percentile(ttft, 50), percentile(ttft, 90)
+    sec.row(f"burst {n} on a daemon idle {res['idle_s'] / 60:.0f} min: streamfence",
+            f"p50 {_ms(p50)} ms, p90 {_ms(p90)} ms")
+    if not sdk:
+        return
+    pooled = sorted(t for r in sdk for t in r["ttft"])
+    added = p50 - percentile(pooled, 50)
+    ratio = p90 / percentile(pooled, 90)
+    sec.row(f"burst {n}, idle {res['idle_s'] / 60:.0f} min: added p50 (streamfence − SDK)",
+            f"{added * 1e3:+.1f} ms", f"≤ {ADDED_P50_TARGET_S * 1e3:.0f} ms", "",
+            added <= ADDED_P50_TARGET_S)
+    sec.row(f"burst {n}, idle {res['idle_s'] / 60:.0f} min: p90 streamfence ÷ SDK",
+            f"{ratio:.2f}", f"≤ {P90_RATIO_TARGET}", "", ratio <= P90_RATIO_TARGET)
+    split = ", ".join(
+        f"{name} p50 {_ms(median([x[i] for x in res['parts']]))} ms"
+        for i, name in enumerate(("submit → attempt scheduled",
+                                  "scheduled → request at the emulator",
+                                  "request → first delta at the subscriber")))
+    sec.note(f"- burst {n} on the daemon idle {res['idle_s']:.0f} s (one sample of {n} calls, "
+             f"against the SDK's burst {n} of this section): workers before "
+             f"{res['idle_before']}, forks during the burst {res['forks']}, workers after "
+             f"{res['workers_after']}. split: {split}.")
 
 
 def _ms(seconds: float) -> str:
@@ -341,11 +451,15 @@ def _ms(seconds: float) -> str:
 
 
 def _report(sec: Section, n: int, chunks: int, res: dict[str, list[dict[str, Any]]]) -> None:
-    pooled = {v: sorted(t for r in res[v] for t in r["ttft"]) for v in VARIANTS}
-    p = {v: (percentile(pooled[v], 50), percentile(pooled[v], 90)) for v in VARIANTS}
-    for v in VARIANTS:
+    pooled = {v: sorted(t for r in res[v] for t in r["ttft"]) for v in res}
+    p = {v: (percentile(pooled[v], 50), percentile(pooled[v], 90)) for v in res}
+    for v in res:
         sec.row(f"burst {n} ({chunks} chunks @ {1 / DELAY_S:.0f}/s): {v}",
                 f"p50 {_ms(p[v][0])} ms, p90 {_ms(p[v][1])} ms")
+    if OLD_POOL in res:
+        sec.row(f"burst {n}, baseline {OLD_POOL}: added p50, p90 ÷ SDK",
+                f"{(p[OLD_POOL][0] - p['openai-sdk'][0]) * 1e3:+.1f} ms, "
+                f"{p[OLD_POOL][1] / p['openai-sdk'][1]:.2f}", "", "the pool before issue 32")
     added = p["streamfence"][0] - p["openai-sdk"][0]
     ratio = p["streamfence"][1] / p["openai-sdk"][1]
     targeted = n in TARGET_BURSTS
@@ -386,3 +500,9 @@ def _report(sec: Section, n: int, chunks: int, res: dict[str, list[dict[str, Any
              f" ms. streamfence split: {split}. SDK split: {sdk_split}. Idle workers before "
              f"each burst: {sorted({r['idle_before'] for r in sf})}; forks during the burst: "
              f"{[r['forks'] for r in sf]}; workers after: {[r['workers_after'] for r in sf]}.")
+    if OLD_POOL in res:
+        old = res[OLD_POOL]
+        sec.note(f"- burst {n}, {OLD_POOL}: scheduled → request at the emulator p50 "
+                 f"{_ms(median([x[1] for r in old for x in r['parts']]))} ms; idle workers "
+                 f"before: {sorted({r['idle_before'] for r in old})}; forks during the burst: "
+                 f"{[r['forks'] for r in old]}.")

@@ -47,8 +47,11 @@ DAEMON_DOCS: dict[str, str] = {
     "workers_spare": "Warm idle workers kept beyond the load's recent peak (about 11 MiB "
                      "each, no CPU): a retry or the next call never waits for a fork. After "
                      "a burst the pool keeps its workers, halving every 30 s back to this.",
-    "workers_refill_waits": "Spare forks wait (at most 1 s) while attempts are starting, so "
-                            "a burst's first requests get the cores; false: forked at once.",
+    "workers_refill_wait_s": "Spare forks wait, at most this long, while attempts are "
+                             "starting, so a burst's first requests get the cores. 0: forked "
+                             "at once.",
+    "workers_peak_half_life_s": "After a burst the pool keeps its workers, their number above "
+                                "workers_spare halving every this many seconds.",
     "queue_max": "Queued calls before a submit is refused with `overloaded`.",
     "in_flight_bytes_max": "Bytes of the requests of all calls not yet done; `overloaded` "
                            "beyond. 0: no limit.",

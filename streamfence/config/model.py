@@ -116,9 +116,12 @@ class DaemonConfig:
     max_frame_bytes: int = 16 * 1024 * 1024
     workers_max: int = 64
     workers_spare: int = 2  # warm idle workers beyond the load's recent peak (~11 MiB each)
-    # Spare forks wait (at most 1 s) while attempts start: a burst's first
-    # requests get the cores (supervisor/pool.py).
-    workers_refill_waits: bool = True
+    # Spare forks wait (at most this long) while attempts start: a burst's
+    # first requests get the cores (supervisor/pool.py). 0: forked at once.
+    workers_refill_wait_s: float = 1.0
+    # After a burst the pool keeps its workers, their number above
+    # workers_spare halving every this many seconds.
+    workers_peak_half_life_s: float = 30.0
     queue_max: int = 10_000
     # Client connections at once (curve: past it, new handshakes are refused
     # at ZAP; a connection that never finishes its handshake is closed by
@@ -168,7 +171,8 @@ class DaemonConfig:
 
 _DAEMON_TYPES: dict[str, tuple[type, ...]] = {
     "endpoint": (str,), "state_dir": (str,), "max_frame_bytes": (int,), "workers_max": (int,),
-    "workers_spare": (int,), "workers_refill_waits": (bool,), "queue_max": (int,), "in_flight_bytes_max": (int,),
+    "workers_spare": (int,), "workers_refill_wait_s": (int, float),
+    "workers_peak_half_life_s": (int, float), "queue_max": (int,), "in_flight_bytes_max": (int,),
     "max_connections": (int,),
     "backoff_base_s": (int, float), "backoff_max_s": (int, float), "breaker_threshold": (int,),
     "breaker_cooldown_s": (int, float), "stop_grace_s": (int, float), "log_level": (str,),

@@ -7,7 +7,7 @@ replaces it in the background. Every worker has a liveness slot
 
 How many workers it keeps (`Pool.target`): the recent peak of the load
 (attempts running or authorizing, plus the calls queued for a worker), decaying
-with a half-life of PEAK_HALF_LIFE_S, plus `spare` ready workers so that a
+with a half-life of `peak_half_life_s` (`workers_peak_half_life_s`, 30 s), plus `spare` ready workers so that a
 retry and the next call never wait for a fork (`workers_spare`, default 2: a
 warmed idle worker costs ~11 MiB USS and no CPU, so an idle daemon stays
 small). A burst larger than the spares waits for its forks (each new worker
@@ -15,17 +15,17 @@ costs ~5 ms of CPU to fork and start, and its first attempt ~4 ms more than
 a used worker's); the same burst again finds them: after a burst of 64 the
 pool keeps 64 + spare workers (within `max_workers`), 32 + spare 30 s later,
 and `spare` after a few minutes. Idle workers above the target are retired
-(SIGKILL) once idle for RETIRE_AFTER_S (so a dip of the load, such as a
+(SIGKILL) once idle for RETIRE_AFTER_S or the half-life if shorter (so a dip of the load, such as a
 retry's backoff, does not retire the worker the retry will want), the
 longest idle first: an idle daemon goes back to `spare` processes. Bounded
 by `max_workers` (and the liveness slots) throughout.
 
 Which forks go when: a call that waits for a worker gets its fork at once
 (cold: no warm-up, it runs the call). The spares that refill the pool yield
-to the calls that are starting (`refill_waits`, `workers_refill_waits`): while
-an attempt is authorizing, awaits its first chunk, or was just fenced (its
-call retries), or calls wait for forks, they are not forked, for at most
-REFILL_WAIT_MAX_S; two cores are better spent on a burst's first requests
+to the calls that are starting: while an attempt is authorizing, awaits its
+first chunk, or was just fenced (its call retries), or calls wait for forks,
+they are not forked, for at most `refill_wait_s` (`workers_refill_wait_s`,
+default 1 s; 0: forked at once); two cores are better spent on a burst's first requests
 than on the workers the next burst may want.
 """
 
@@ -64,7 +64,7 @@ log = logging.getLogger("streamfence.pool")
 PEAK_HALF_LIFE_S = 30.0
 RETIRE_AFTER_S = 10.0
 RETIRE_CHECK_S = 1.0  # how often a pool above its floor looks for workers to retire
-REFILL_WAIT_MAX_S = 1.0  # spare forks wait for starting attempts at most this long
+REFILL_WAIT_S = 1.0  # spare forks wait for starting attempts at most this long
 REFILL_POLL_S = 0.01  # how often a waiting refill looks at the starting attempts' first chunks
 
 
@@ -148,7 +148,8 @@ class Pool:
                  workers_sock: zmq.Socket[bytes], live: LivenessTable, slots: int,
                  spare: int, max_workers: int, clock: Callable[[], float] = time.monotonic,
                  peak_half_life_s: float = PEAK_HALF_LIFE_S,
-                 retire_after_s: float = RETIRE_AFTER_S, refill_waits: bool = True) -> None:
+                 retire_after_s: float = RETIRE_AFTER_S,
+                 refill_wait_s: float = REFILL_WAIT_S) -> None:
         self._send = send_to_zygote
         self.socket = workers_sock
         self._live = live
@@ -163,13 +164,13 @@ class Pool:
         self._idle_used: dict[int, Worker] = {}
         self._clock = clock
         self._half_life_s = peak_half_life_s
-        self._retire_after_s = retire_after_s
+        self._retire_after_s = min(retire_after_s, peak_half_life_s)
         self._peak = 0.0  # the load's peak, decayed to `_peak_at`
         self._peak_at = clock()
         self._demand = 0  # calls queued for a worker, as last told
         self._maintained_at = 0.0
         self._fenced: set[int] = set()  # killed by `kill`, not yet reaped: their calls retry
-        self._refill_waits = refill_waits
+        self._refill_wait_s = refill_wait_s
         self._unstarted: set[int] = set()  # busy, no first chunk seen yet
         self._refill_since: float | None = None  # spare forks waiting since then
         # (call, token) of runs whose worker went idle without its final
@@ -237,7 +238,7 @@ class Pool:
 
     def maintain(self, demand: int | None = None) -> None:
         """Fork what the target lacks: at once for the calls waiting, the spares
-        once no attempt is starting (`_refill_waits`); retire the idle workers
+        once no attempt is starting (`_spares_wait`); retire the idle workers
         above it that have been idle for `retire_after_s` (the longest idle
         first, new ones before used ones). `demand`: the calls queued for a
         worker (None: as last given)."""
@@ -271,15 +272,15 @@ class Pool:
     def _spares_wait(self, now: float) -> bool:
         """Whether spare forks wait: some attempt is starting (reserved, busy
         without a first chunk, fenced and not reaped: its call retries) or calls
-        wait for forks, and they have not waited REFILL_WAIT_MAX_S yet."""
-        if not (self._refill_waits and self._starting()):
+        wait for forks, and they have not waited `refill_wait_s` yet."""
+        if not (self._refill_wait_s > 0 and self._starting()):
             self._refill_since = None
             return False
         if self._refill_since is None:
             self._refill_since = now
             self.refills_deferred += 1
             log.debug("spare forks wait: attempts are starting")
-        if now - self._refill_since < REFILL_WAIT_MAX_S:
+        if now - self._refill_since < self._refill_wait_s:
             return True
         self._refill_since = None
         return False
@@ -301,7 +302,7 @@ class Pool:
         decays (to retire an idle worker); else never."""
         if self._refill_since is not None:
             return min(self._maintained_at + REFILL_POLL_S,
-                       self._refill_since + REFILL_WAIT_MAX_S)
+                       self._refill_since + self._refill_wait_s)
         if not (self._idle_new or self._idle_used):
             return None
         have = self.count(WorkerState.SPAWNING, WorkerState.IDLE, WorkerState.RESERVED,
