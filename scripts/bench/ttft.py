@@ -18,7 +18,9 @@ rotated order):
 
 - `sf-old-pool` (burst 32 only, the baseline of issue 32's pool change) the
                 daemon with the pool of before: `workers_spare` 32 and the
-                spares forked at once (`workers_refill_wait_s` 0).
+                spares forked at once (`workers_refill_wait_s` 0);
+- `sf-32-spares` (burst 32 only) `workers_spare` 32, the refill waiting
+                (the default): what the wait alone changes.
 
 Each burst meets an idle daemon: a fresh one per burst (the pool's keys at
 their defaults, unless the variant says otherwise; `workers_max` large enough
@@ -81,8 +83,12 @@ DaemonFactory = Callable[..., AbstractContextManager[DaemonProcess]]
 
 VARIANTS = ("openai-sdk", "streamfence")
 OLD_POOL = "sf-old-pool"
+SPARES_32 = "sf-32-spares"
 OLD_POOL_BURSTS = (32,)
-OLD_POOL_SETTINGS = {"workers_spare": 32, "workers_refill_wait_s": 0.0}
+POOLS: dict[str, dict[str, Any]] = {  # the variants' pool keys beyond the defaults
+    OLD_POOL: {"workers_spare": 32, "workers_refill_wait_s": 0.0},
+    SPARES_32: {"workers_spare": 32},
+}
 LONG_IDLE_S = 600.0
 PROMPT = [{"role": "user", "content": "Write a short paragraph."}]
 DELAY_S = 0.02
@@ -355,7 +361,7 @@ class LongIdle:
 # ---- the section ----------------------------------------------------------------
 
 def _variants(n: int) -> tuple[str, ...]:
-    return (*VARIANTS, OLD_POOL) if n in OLD_POOL_BURSTS else VARIANTS
+    return (*VARIANTS, SPARES_32, OLD_POOL) if n in OLD_POOL_BURSTS else VARIANTS
 
 
 def run(quick: bool, rounds: int, bursts: list[tuple[int, int]] | None = None,
@@ -369,8 +375,9 @@ def run(quick: bool, rounds: int, bursts: list[tuple[int, int]] | None = None,
     sec.params = {"rounds": rounds, "bursts (calls × chunks)": ", ".join(
         f"{n} × {c}" for n, c in bursts), "chunk_delay_s": DELAY_S,
         "daemon": "fresh per burst, one call served, settled; the pool's keys at their "
-                  f"defaults (workers_spare {DEFAULT_SPARE}); {OLD_POOL}: "
-                  + ", ".join(f"{k} {v}" for k, v in OLD_POOL_SETTINGS.items()),
+                  f"defaults (workers_spare {DEFAULT_SPARE}); " + "; ".join(
+                      f"{name}: " + ", ".join(f"{k} {v}" for k, v in pool.items())
+                      for name, pool in POOLS.items()),
         "RLIMIT_NOFILE": raise_fd_limit()}
     results: dict[int, dict[str, list[dict[str, Any]]]] = {
         n: {v: [] for v in _variants(n)} for n, _ in bursts}
@@ -411,8 +418,7 @@ def _round(emu: EmulatorProcess, sdk: openai.OpenAI, n: int, chunks: int, r: int
         if variant == "openai-sdk":
             res = _sdk_run(emu, sdk, n, chunks, text)
         else:
-            res = _sf_run(emu, n, chunks, text,
-                          pool=OLD_POOL_SETTINGS if variant == OLD_POOL else None)
+            res = _sf_run(emu, n, chunks, text, pool=POOLS.get(variant))
         res["ttft"] = _check(variant, res, text)
         if res.get("again"):
             res["ttft_again"] = _check(variant, {"calls": res["again"]}, text)
@@ -456,10 +462,12 @@ def _report(sec: Section, n: int, chunks: int, res: dict[str, list[dict[str, Any
     for v in res:
         sec.row(f"burst {n} ({chunks} chunks @ {1 / DELAY_S:.0f}/s): {v}",
                 f"p50 {_ms(p[v][0])} ms, p90 {_ms(p[v][1])} ms")
-    if OLD_POOL in res:
-        sec.row(f"burst {n}, baseline {OLD_POOL}: added p50, p90 ÷ SDK",
-                f"{(p[OLD_POOL][0] - p['openai-sdk'][0]) * 1e3:+.1f} ms, "
-                f"{p[OLD_POOL][1] / p['openai-sdk'][1]:.2f}", "", "the pool before issue 32")
+    for v, what in ((SPARES_32, "32 spares, their refill waiting"),
+                    (OLD_POOL, "baseline: the pool before issue 32")):
+        if v in res:
+            sec.row(f"burst {n}, {v}: added p50, p90 ÷ SDK",
+                    f"{(p[v][0] - p['openai-sdk'][0]) * 1e3:+.1f} ms, "
+                    f"{p[v][1] / p['openai-sdk'][1]:.2f}", "", what)
     added = p["streamfence"][0] - p["openai-sdk"][0]
     ratio = p["streamfence"][1] / p["openai-sdk"][1]
     targeted = n in TARGET_BURSTS
@@ -500,9 +508,9 @@ def _report(sec: Section, n: int, chunks: int, res: dict[str, list[dict[str, Any
              f" ms. streamfence split: {split}. SDK split: {sdk_split}. Idle workers before "
              f"each burst: {sorted({r['idle_before'] for r in sf})}; forks during the burst: "
              f"{[r['forks'] for r in sf]}; workers after: {[r['workers_after'] for r in sf]}.")
-    if OLD_POOL in res:
-        old = res[OLD_POOL]
-        sec.note(f"- burst {n}, {OLD_POOL}: scheduled → request at the emulator p50 "
-                 f"{_ms(median([x[1] for r in old for x in r['parts']]))} ms; idle workers "
-                 f"before: {sorted({r['idle_before'] for r in old})}; forks during the burst: "
-                 f"{[r['forks'] for r in old]}.")
+    for v in (SPARES_32, OLD_POOL):
+        if v in res:
+            sec.note(f"- burst {n}, {v}: scheduled → request at the emulator p50 "
+                     f"{_ms(median([x[1] for r in res[v] for x in r['parts']]))} ms; idle "
+                     f"workers before: {sorted({r['idle_before'] for r in res[v]})}; forks "
+                     f"during the burst: {[r['forks'] for r in res[v]]}.")
