@@ -61,6 +61,19 @@ def _status_at(client: Client) -> tuple[dict[str, Any], float]:
     return status, (t0 + time.time()) / 2
 
 
+def _settled_workers(client: Client) -> set[int]:
+    """The workers' ids once the pool holds the call's worker and its spares,
+    none spawning (spares that waited for the first chunk are forked right
+    after it): the replacement is a later one."""
+    for _ in range(20):
+        status = client.status()
+        workers = status["workers"]
+        if len(workers) > status["pool"]["spare"] and not any(
+                w["state"] == "spawning" for w in workers):
+            break
+    return {w["worker_id"] for w in workers}
+
+
 def _one(proc: DaemonProcess, emu_url: str, client: Client, emu: Any) -> dict[str, float]:
     key = f"fo-{uuid.uuid4().hex[:10]}"
     emu.script(key, [{"fault": "stall", "after": 3, "chunks": 20, "stall_s": 10.0},
@@ -71,7 +84,7 @@ def _one(proc: DaemonProcess, emu_url: str, client: Client, emu: Any) -> dict[st
     done: dict[str, Any] = {}
     for event in client.events(call_id, timeout_s=30.0):
         if before is None and event["op"] == "delta":
-            before = {w["worker_id"] for w in client.status()["workers"]}
+            before = _settled_workers(client)
         if event["op"] == "done":
             done = event
     if done.get("status") != "completed" or done.get("attempts") != 2:

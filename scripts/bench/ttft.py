@@ -90,6 +90,7 @@ POOLS: dict[str, dict[str, Any]] = {  # the variants' pool keys beyond the defau
     SPARES_32: {"workers_spare": 32},
 }
 LONG_IDLE_S = 600.0
+LONG_IDLE_BURST = 32
 PROMPT = [{"role": "user", "content": "Write a short paragraph."}]
 DELAY_S = 0.02
 ADDED_P50_TARGET_S = 0.005
@@ -400,7 +401,8 @@ def run(quick: bool, rounds: int, bursts: list[tuple[int, int]] | None = None,
         for n, chunks in bursts:
             _report(sec, n, chunks, results[n])
         if long_idle is not None:
-            n, chunks = next(((n, c) for n, c in bursts if n == 32), (32, 20))
+            n = LONG_IDLE_BURST
+            chunks = dict(bursts).get(n, 20)
             text = realistic_text(chunks)
             res = long_idle.burst(n, chunks, text)
             res["ttft"] = _check("streamfence (idle 10 min)", res, text)

@@ -6,27 +6,25 @@ replaces it in the background. Every worker has a liveness slot
 (workers/liveness.py), reused only after its previous holder was reaped.
 
 How many workers it keeps (`Pool.target`): the recent peak of the load
-(attempts running or authorizing, plus the calls queued for a worker), decaying
-with a half-life of `peak_half_life_s` (`workers_peak_half_life_s`, 30 s), plus `spare` ready workers so that a
-retry and the next call never wait for a fork (`workers_spare`, default 2: a
-warmed idle worker costs ~11 MiB USS and no CPU, so an idle daemon stays
-small). A burst larger than the spares waits for its forks (each new worker
-costs ~5 ms of CPU to fork and start, and its first attempt ~4 ms more than
-a used worker's); the same burst again finds them: after a burst of 64 the
-pool keeps 64 + spare workers (within `max_workers`), 32 + spare 30 s later,
-and `spare` after a few minutes. Idle workers above the target are retired
-(SIGKILL) once idle for RETIRE_AFTER_S or the half-life if shorter (so a dip of the load, such as a
-retry's backoff, does not retire the worker the retry will want), the
-longest idle first: an idle daemon goes back to `spare` processes. Bounded
-by `max_workers` (and the liveness slots) throughout.
+(attempts running or authorizing, plus the calls queued for a worker),
+decaying with a half-life of `peak_half_life_s` (`workers_peak_half_life_s`,
+30 s), plus `spare` ready workers, so that a retry and the next call never
+wait for a fork (`workers_spare`, default 2: a warmed idle worker costs
+~11 MiB USS, so an idle daemon stays small). A burst larger than the spares
+waits for its forks; the same burst again finds them: after a burst of 64
+the pool keeps 64 + spare workers (within `max_workers`), 32 + spare a
+half-life later, `spare` after a few minutes. Idle workers above the target
+are retired (SIGKILL), the longest idle first, once idle for RETIRE_AFTER_S
+(or the half-life if shorter: a dip of the load, such as a retry's backoff,
+does not retire the worker the retry will want). Bounded by `max_workers`
+(and the liveness slots) throughout.
 
 Which forks go when: a call that waits for a worker gets its fork at once
-(cold: no warm-up, it runs the call). The spares that refill the pool yield
-to the calls that are starting: while an attempt is authorizing, awaits its
-first chunk, or was just fenced (its call retries), or calls wait for forks,
-they are not forked, for at most `refill_wait_s` (`workers_refill_wait_s`,
-default 1 s; 0: forked at once); two cores are better spent on a burst's first requests
-than on the workers the next burst may want.
+(cold: it runs the call, no warm-up). The spares wait while attempts start
+(one is authorizing, awaits its first chunk, or was fenced and its call
+retries; or calls wait for forks), at most `refill_wait_s`
+(`workers_refill_wait_s`, 1 s; 0: at once): the two cores go to a burst's
+first requests, not to the workers a next burst may want.
 """
 
 from __future__ import annotations
@@ -177,9 +175,7 @@ class Pool:
         # accepted; the daemon hands them to the AttemptDriver after `drain`.
         self.unaccepted: list[tuple[str, int]] = []
         self._next_id = 1
-        self.spawned_total = 0
-        self.killed_total = 0
-        self.retired_total = 0
+        self.spawned_total = self.killed_total = self.retired_total = 0
         self.refills_deferred = 0  # times spare forks waited for starting attempts
 
     # ---- bookkeeping -------------------------------------------------------
@@ -252,13 +248,11 @@ class Pool:
             room = min(want - have, self.max_workers - self.live(), len(self._free_slots))
             # Forks for calls already waiting go first and start cold; the rest
             # are spares, which warm up after their hello (workers/warmup.py).
-            waiting = max(0, self._demand - self.count(WorkerState.IDLE, WorkerState.SPAWNING))
-            for _ in range(min(room, waiting)):
-                self._spawn(warm=False)
-            spares = room - min(room, waiting)
-            if spares and not self._spares_wait(now):
-                for _ in range(spares):
-                    self._spawn(warm=True)
+            cold = min(room, max(0, self._demand - self.count(WorkerState.IDLE,
+                                                              WorkerState.SPAWNING)))
+            spares = room - cold
+            for i in range(cold + (0 if spares and self._spares_wait(now) else spares)):
+                self._spawn(warm=i >= cold)
             return
         self._refill_since = None
         if have > want and (self._idle_new or self._idle_used):
@@ -280,12 +274,11 @@ class Pool:
             self._refill_since = now
             self.refills_deferred += 1
             log.debug("spare forks wait: attempts are starting")
-        if now - self._refill_since < self._refill_wait_s:
-            return True
-        self._refill_since = None
-        return False
+        waits = now - self._refill_since < self._refill_wait_s
+        self._refill_since = self._refill_since if waits else None
+        return waits
 
-    def _starting(self) -> bool:
+    def _starting(self) -> bool:  # see _spares_wait
         if self._demand or self._fenced or self.count(WorkerState.RESERVED):
             return True
         for worker_id in list(self._unstarted):
