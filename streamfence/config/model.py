@@ -180,6 +180,7 @@ _DAEMON_TYPES: dict[str, tuple[type, ...]] = {
     "log_file_backups": (int,), "auth": (str,), "retention_days": (int, float),
 }
 _AT_LEAST_ONE = ("workers_max", "workers_spare", "log_file_backups")  # 0 is not a value
+_ABOVE_ZERO = ("workers_peak_half_life_s",)  # a half-life of 0 divides by it
 DAEMON_KEYS = tuple(_DAEMON_TYPES)  # the [daemon] table's keys
 ENV_PREFIX = "STREAMFENCE_"  # ENV_PREFIX + KEY.upper() overrides a [daemon] key
 AUTH_MODES = ("curve", "none")
@@ -270,6 +271,10 @@ def _parse_daemon(table: dict[str, Any], source: str, problems: list[str]) -> di
         if daemon.get(key) == 0:
             problems.append(f"{source}: daemon.{key}: must be >= 1")
             del daemon[key]
+    for key in _ABOVE_ZERO:
+        if daemon.get(key) == 0:
+            problems.append(f"{source}: daemon.{key}: must be > 0")
+            del daemon[key]
     return daemon
 
 
@@ -359,6 +364,9 @@ def env_overrides(env: dict[str, str], problems: list[str]) -> dict[str, Any]:
             value = None
         elif key in _AT_LEAST_ONE and value == 0:
             problems.append(f"{where}: must be >= 1")
+            value = None
+        elif key in _ABOVE_ZERO and value == 0:
+            problems.append(f"{where}: must be > 0")
             value = None
         if value is not None:
             changes[key] = value
