@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.bench import capacity, footprint, report, ttft
+from scripts.bench import capacity, footprint, long_idle, report, ttft
 
 
 @pytest.mark.slow
@@ -21,8 +21,8 @@ def test_ttft_section_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ttft, "POOLS", {
         ttft.OLD_POOL: {"workers_spare": 4, "workers_refill_wait_s": 0.0},
         ttft.SPARES_32: {"workers_spare": 4}})
-    monkeypatch.setattr(ttft, "LONG_IDLE_BURST", 4)
-    sec = ttft.run(True, 1, bursts=[(1, 3), (4, 3)], long_idle=ttft.LongIdle(0.5))
+    monkeypatch.setattr(long_idle, "LONG_IDLE_BURST", 4)
+    sec = ttft.run(True, 1, bursts=[(1, 3), (4, 3)], long_idle=long_idle.LongIdle(0.5))
     items = [row.item for row in sec.rows]
     assert "burst 1: added p50 (streamfence − SDK)" in items
     assert "burst 4: p90 streamfence ÷ SDK" in items

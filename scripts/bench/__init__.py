@@ -34,9 +34,10 @@ Sections (one module each; each returns a `common.Section`):
 - `footprint` 11. the idle daemon's whole process tree (USS, PSS, by role) at
                the default pool settings beside the old policy (32 spares).
 
-`load` holds the process entry points shared by sections 2, 3 and 5
-(producers impersonating workers, the ceiling server, a standalone sink);
-`report` renders the table and writes docs/PERFORMANCE.md.
+`long_idle` holds section 7's daemon left idle 10 minutes (started before
+the first section). `load` holds the process entry points shared by
+sections 2, 3 and 5 (producers impersonating workers, the ceiling server, a
+standalone sink); `report` renders the table and writes docs/PERFORMANCE.md.
 
 Nothing here is imported by the product, and this package imports nothing
 heavy at import time: producer processes are spawned with `scripts.bench.load`

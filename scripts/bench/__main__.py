@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         0.0 if args.quick else 600.0)
     long_idle = None
     if "ttft" in names and long_idle_s > 0:
-        from scripts.bench.ttft import LongIdle
+        from scripts.bench.long_idle import LongIdle
 
         long_idle = LongIdle(long_idle_s)
     for name in names:

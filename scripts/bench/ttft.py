@@ -27,12 +27,9 @@ their defaults, unless the variant says otherwise; `workers_max` large enough
 for the burst), which has served one call (so its supervisor and sink paths
 are not cold) and then settled (no call, the same idle workers for 0.5 s).
 
-And one burst of 32 on a daemon idle LONG_IDLE_S (10 minutes: its pool has
-shrunk to its floor): `LongIdle` starts it (and serves it one call) when the
-bench starts (`__main__`, before the first section), the section bursts it
-at its end (waiting out what is left of the 10 minutes if the other sections
-were quicker); one sample of 32 calls, beside the SDK's burst-32 figures of
-the same section. Reported per burst: p50 and p90
+And one burst of 32 on a daemon idle 10 minutes (its pool shrunk to its
+floor): scripts/bench/long_idle.py, whose daemon `__main__` starts before the
+first section, bursts it at the end of this section. Reported per burst: p50 and p90
 of the TTFTs of all calls of all rounds, the added p50 (streamfence − SDK,
 ms) and the ratio of p90s, per-round ranges, and where streamfence's time
 went: submit -> attempt scheduled (the journal's `started`), scheduled ->
@@ -47,7 +44,6 @@ of 1 and 32, on a daemon idle 5 s and on one idle 10 minutes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
@@ -55,7 +51,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx2
 import openai
@@ -79,6 +75,9 @@ from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProces
 from streamfence.devtools.launcher import DaemonProcess
 from streamfence.protocol.client_base import new_ref
 
+if TYPE_CHECKING:
+    from scripts.bench.long_idle import LongIdle
+
 DaemonFactory = Callable[..., AbstractContextManager[DaemonProcess]]
 
 VARIANTS = ("openai-sdk", "streamfence")
@@ -89,8 +88,6 @@ POOLS: dict[str, dict[str, Any]] = {  # the variants' pool keys beyond the defau
     OLD_POOL: {"workers_spare": 32, "workers_refill_wait_s": 0.0},
     SPARES_32: {"workers_spare": 32},
 }
-LONG_IDLE_S = 600.0
-LONG_IDLE_BURST = 32
 PROMPT = [{"role": "user", "content": "Write a short paragraph."}]
 DELAY_S = 0.02
 ADDED_P50_TARGET_S = 0.005
@@ -315,50 +312,6 @@ def _check(variant: str, res: dict[str, Any], text: str) -> list[float]:
     return sorted(c.first - c.t0 for c in calls)
 
 
-# ---- a daemon idle 10 minutes --------------------------------------------------------
-
-class LongIdle:
-    """A daemon (and its own emulator) started when the bench starts, served
-    one call, then left idle until `burst`: its pool at its floor."""
-
-    def __init__(self, idle_s: float = LONG_IDLE_S) -> None:
-        self.idle_s = idle_s
-        self._stack = contextlib.ExitStack()
-        self.emu = self._stack.enter_context(emulator())
-        self.proc = self._stack.enter_context(daemon(
-            providers_for(self.emu, stale_timeout_s=120.0),
-            {"workers_max": 64, "queue_max": 1000, "workers_spare": DEFAULT_SPARE},
-            ready_timeout=180.0))
-        _sf_burst(self.proc, _script(self.emu.client(), 1, 4, realistic_text(4)))
-        self.idle_since = time.monotonic()
-
-    def burst(self, n: int, chunks: int, text: str) -> dict[str, Any]:
-        """Wait out the rest of `idle_s`, then one burst of `n` (as `_sf_run`)."""
-        left = self.idle_since + self.idle_s - time.monotonic()
-        if left > 0:
-            log(f"  ttft: the long-idle daemon is idle {self.idle_s - left:.0f} s; "
-                f"waiting {left:.0f} s more")
-            time.sleep(left)
-        control = self.emu.client()
-        before = _pool_counts(self.proc)
-        since = int(control.health()["requests"])
-        calls = _script(control, n, chunks, text)
-        _sf_burst(self.proc, calls)
-        after = _pool_counts(self.proc)
-        started = dict(self.proc.journal_rows("SELECT call_id, started FROM attempts "
-                                              "WHERE attempt = 1"))
-        at_emu = {r["key"]: r["started"] for r in control.log(since=since)}
-        parts = [(started[c.call_id] - c.w0, at_emu[c.key] - started[c.call_id],
-                  c.wfirst - at_emu[c.key])
-                 for c in calls if c.first and c.call_id in started and c.key in at_emu]
-        return {"calls": calls, "parts": parts, "idle_before": before["workers"],
-                "forks": after["spawned_total"] - before["spawned_total"],
-                "workers_after": after["workers"], "idle_s": time.monotonic() - self.idle_since}
-
-    def close(self) -> None:
-        self._stack.close()
-
-
 # ---- the section ----------------------------------------------------------------
 
 def _variants(n: int) -> tuple[str, ...]:
@@ -401,12 +354,7 @@ def run(quick: bool, rounds: int, bursts: list[tuple[int, int]] | None = None,
         for n, chunks in bursts:
             _report(sec, n, chunks, results[n])
         if long_idle is not None:
-            n = LONG_IDLE_BURST
-            chunks = dict(bursts).get(n, 20)
-            text = realistic_text(chunks)
-            res = long_idle.burst(n, chunks, text)
-            res["ttft"] = _check("streamfence (idle 10 min)", res, text)
-            _report_long_idle(sec, n, res, results.get(n, {}).get("openai-sdk", []))
+            long_idle.run(sec, dict(bursts), results)
     finally:
         if long_idle is not None:
             long_idle.close()
@@ -425,33 +373,6 @@ def _round(emu: EmulatorProcess, sdk: openai.OpenAI, n: int, chunks: int, r: int
         if res.get("again"):
             res["ttft_again"] = _check(variant, {"calls": res["again"]}, text)
         results[variant].append(res)
-
-
-def _report_long_idle(sec: Section, n: int, res: dict[str, Any],
-                      sdk: list[dict[str, Any]]) -> None:
-    ttft = res["ttft"]
-    p50, p90 = percentile(ttft, 50), percentile(ttft, 90)
-    sec.row(f"burst {n} on a daemon idle {res['idle_s'] / 60:.0f} min: streamfence",
-            f"p50 {_ms(p50)} ms, p90 {_ms(p90)} ms")
-    if not sdk:
-        return
-    pooled = sorted(t for r in sdk for t in r["ttft"])
-    added = p50 - percentile(pooled, 50)
-    ratio = p90 / percentile(pooled, 90)
-    sec.row(f"burst {n}, idle {res['idle_s'] / 60:.0f} min: added p50 (streamfence − SDK)",
-            f"{added * 1e3:+.1f} ms", f"≤ {ADDED_P50_TARGET_S * 1e3:.0f} ms", "",
-            added <= ADDED_P50_TARGET_S)
-    sec.row(f"burst {n}, idle {res['idle_s'] / 60:.0f} min: p90 streamfence ÷ SDK",
-            f"{ratio:.2f}", f"≤ {P90_RATIO_TARGET}", "", ratio <= P90_RATIO_TARGET)
-    split = ", ".join(
-        f"{name} p50 {_ms(median([x[i] for x in res['parts']]))} ms"
-        for i, name in enumerate(("submit → attempt scheduled",
-                                  "scheduled → request at the emulator",
-                                  "request → first delta at the subscriber")))
-    sec.note(f"- burst {n} on the daemon idle {res['idle_s']:.0f} s (one sample of {n} calls, "
-             f"against the SDK's burst {n} of this section): workers before "
-             f"{res['idle_before']}, forks during the burst {res['forks']}, workers after "
-             f"{res['workers_after']}. split: {split}.")
 
 
 def _ms(seconds: float) -> str:
