@@ -207,3 +207,10 @@ def test_the_status_header() -> None:
         dict(reply, config_path=None)))
     assert status_header({"identity": "alice", "role": "client", "calls": {}}) is None
     assert [uptime_text(s) for s in (7.25, 306, 93784)] == ["7.2s", "5m 06s", "1d 02h 03m"]
+
+
+def test_the_pools_half_life_must_be_above_zero(tmp_path: Path) -> None:
+    text = "[daemon]\nworkers_peak_half_life_s = 0\nworkers_refill_wait_s = 0\n"
+    assert _problems(text, tmp_path) == ["daemon.workers_peak_half_life_s: must be > 0"]
+    assert _problems("", tmp_path, {"STREAMFENCE_WORKERS_PEAK_HALF_LIFE_S": "0"}) == [
+        "environment STREAMFENCE_WORKERS_PEAK_HALF_LIFE_S: must be > 0"]

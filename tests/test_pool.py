@@ -1,5 +1,7 @@
 """The worker pool's policy, with a fake clock and fake sockets: every fork a
-target needs asked for at once, spares that follow the recent peak of the load
+target needs asked for at once (or, with `refill_wait_s`, the spares only
+once the starting attempts have their first chunk, or after
+REFILL_WAIT_S), spares that follow the recent peak of the load
 and decay back to `spare`, retirement of the idle surplus (only once idle for
 a while), the bounds (`max_workers`, the liveness slots), which idle worker an
 attempt gets, and a replacement forked at the kill of a fenced attempt's
@@ -23,7 +25,7 @@ from streamfence.protocol.internal.workers import (
     ZygoteCommand,
 )
 from streamfence.protocol.states import WorkerState
-from streamfence.supervisor.pool import Pool, Worker
+from streamfence.supervisor.pool import REFILL_WAIT_S, Pool, Worker
 from streamfence.workers.liveness import LivenessTable
 from tests.fakes import Clock
 
@@ -44,14 +46,14 @@ class FakeSocket:
 
 class Harness:
     def __init__(self, tmp_path: Path, spare: int = 2, max_workers: int = 16,
-                 slots: int | None = None) -> None:
+                 slots: int | None = None, refill_wait_s: float = 0.0) -> None:
         self.clock = Clock()
         self.spawns: list[ZygoteCommand] = []
         self.live = LivenessTable(str(tmp_path / "live.bin"), slots or max_workers, create=True)
         self.pool = Pool(self.spawns.append, FakeSocket(), self.live,  # type: ignore[arg-type]
                          slots=slots or max_workers, spare=spare, max_workers=max_workers,
                          clock=self.clock, peak_half_life_s=HALF_LIFE_S,
-                         retire_after_s=RETIRE_AFTER_S)
+                         retire_after_s=RETIRE_AFTER_S, refill_wait_s=refill_wait_s)
         self.token = 0
 
     def up(self) -> list[Worker]:
@@ -77,6 +79,12 @@ class Harness:
             assert self.pool.dispatch(worker, run)
             busy.append(worker)
         return busy
+
+    def first_chunk(self, workers: list[Worker]) -> None:
+        """Each worker's attempt got its first chunk (as the worker writes its row)."""
+        for worker in workers:
+            self.live.begin(worker.slot, worker.token)
+            self.live.touch(worker.slot, 10)
 
     def idle(self, workers: list[Worker]) -> None:
         for worker in workers:
@@ -293,3 +301,69 @@ def test_status_counts_and_snapshot(h: Harness) -> None:
     assert h.pool.count(WorkerState.BUSY) == 1 and h.pool.count(WorkerState.IDLE) == 2
     snap: list[dict[str, Any]] = h.pool.snapshot()
     assert [w["state"] for w in snap] == ["busy", "idle", "idle"]
+
+
+def _warm(spawns: list[ZygoteCommand]) -> list[bool]:
+    return [c.warm for c in spawns if isinstance(c, SpawnWorker)]
+
+
+def test_spares_wait_until_the_starting_attempts_have_their_first_chunk(tmp_path: Path) -> None:
+    h = Harness(tmp_path, refill_wait_s=REFILL_WAIT_S)
+    h.pool.maintain()
+    assert _warm(h.spawns) == [True, True], "an idle pool forks its spares at once"
+    h.up()
+    busy = h.run(2)  # a burst of 5: two calls take the spares, three wait
+    h.pool.maintain(demand=3)
+    assert _warm(h.spawns) == [True, True, False, False, False], \
+        "the waiting calls' forks go at once, the spares wait"
+    assert h.pool.refills_deferred == 1
+    due = h.pool.next_due()
+    assert due is not None and due < h.clock.now + REFILL_WAIT_S
+    cold = h.up()
+    busy += h.run(3)
+    h.pool.maintain(demand=0)
+    h.first_chunk(busy[:4])
+    h.pool.maintain(demand=0)
+    assert len(h.spawns) == 5, "one attempt still waits for its first chunk"
+    h.first_chunk(busy[4:])
+    h.pool.maintain(demand=0)
+    assert _warm(h.spawns)[5:] == [True, True] and len(cold) == 3
+    assert h.pool.next_due() is None or h.pool.next_due() >= h.clock.now + 1.0  # type: ignore[operator]
+    h.live.close()
+
+
+def test_spares_wait_at_most_refill_wait_max(tmp_path: Path) -> None:
+    h = Harness(tmp_path, refill_wait_s=REFILL_WAIT_S)
+    h.pool.maintain()
+    h.up()
+    h.run(1)  # its first chunk never comes (a reasoning model thinking)
+    h.pool.maintain(demand=0)
+    assert len(h.spawns) == 2
+    h.clock.now += REFILL_WAIT_S
+    h.pool.maintain(demand=0)
+    assert _warm(h.spawns) == [True, True, True]
+    h.live.close()
+
+
+def test_a_fenced_attempts_replacement_waits_for_the_retrys_first_chunk(
+        tmp_path: Path) -> None:
+    h = Harness(tmp_path, refill_wait_s=REFILL_WAIT_S)
+    h.pool.maintain()
+    h.up()
+    (worker,) = h.run(1)
+    h.first_chunk([worker])
+    h.pool.maintain(demand=0)
+    h.up()
+    h.clock.now += 100 * HALF_LIFE_S
+    forks = len(h.spawns)
+    h.pool.kill(worker)  # fenced: its call retries on a spare
+    h.pool.maintain(demand=0)
+    assert len(h.spawns) == forks, "no fork while the killed worker's call is to retry"
+    h.exited([worker])
+    (retry,) = h.run(1)
+    h.pool.maintain(demand=0)
+    assert len(h.spawns) == forks, "nor while the retry awaits its first chunk"
+    h.first_chunk([retry])
+    h.pool.maintain(demand=0)
+    assert len(h.spawns) > forks
+    h.live.close()

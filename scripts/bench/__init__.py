@@ -19,8 +19,9 @@ Sections (one module each; each returns a `common.Section`):
                CPU, memory per worker, file descriptors.
 - `startup`    6. daemon start to ready; a warm pool of N workers ready.
 - `ttft`       7. time to first token of bursts of 1, 32 and 200 calls at an
-               idle daemon, beside the bare openai SDK in threads (and a repeat
-               burst while the workers are still there).
+               idle daemon, beside the bare openai SDK in threads and the pool
+               of before issue 32 (and a repeat burst while the workers are
+               still there; a burst of 32 on a daemon idle 10 minutes).
 - `capacity`   8. the most concurrent paced streams served with stretch ≤ 1.1,
                streamfence vs the bare SDK in threads.
 - `gateway`    9. the HTTP gateway: the openai SDK through it vs the same SDK
@@ -30,10 +31,13 @@ Sections (one module each; each returns a `common.Section`):
 - `cluster`   10. cluster mode (one host on a 3-node NATS cluster) vs single-host
                mode: TTFT and CPU per delta at 1 and 32 paced streams, deltas/s
                through the sink at 32 unpaced streams, as ratios.
+- `footprint` 11. the idle daemon's whole process tree (USS, PSS, by role) at
+               the default pool settings beside the old policy (32 spares).
 
-`load` holds the process entry points shared by sections 2, 3 and 5
-(producers impersonating workers, the ceiling server, a standalone sink);
-`report` renders the table and writes docs/PERFORMANCE.md.
+`long_idle` holds section 7's daemon left idle 10 minutes (started before
+the first section). `load` holds the process entry points shared by
+sections 2, 3 and 5 (producers impersonating workers, the ceiling server, a
+standalone sink); `report` renders the table and writes docs/PERFORMANCE.md.
 
 Nothing here is imported by the product, and this package imports nothing
 heavy at import time: producer processes are spawned with `scripts.bench.load`

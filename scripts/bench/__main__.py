@@ -1,6 +1,8 @@
 """`python -m scripts.bench [--quick] [--only NAME ...] [--write-docs]`.
 
-Runs the sections (see scripts/bench/__init__.py) in order, prints the table
+Runs the sections (see scripts/bench/__init__.py) in order (with `ttft`, a
+daemon for its burst on a daemon idle 10 minutes is started first and left
+idle while the other sections run: `--long-idle-s`), prints the table
 of results beside their targets and the reference figures of docs/ARCHITECTURE.md §6, and with
 `--write-docs` puts it into docs/PERFORMANCE.md with the command, the date,
 the machine and the parameters. A section that fails is reported as such
@@ -21,7 +23,7 @@ from pathlib import Path
 from scripts.bench import common, report
 
 SECTIONS = ("cpu", "throughput", "latency", "failover", "scale", "startup", "ttft", "capacity",
-            "gateway", "cluster")
+            "gateway", "cluster", "footprint")
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "PERFORMANCE.md"
 
 
@@ -46,6 +48,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--levels", type=int, nargs="+", default=None,
                    help="scale: concurrent streams per level (default 50 200 500; 20 quick)")
     p.add_argument("--seed", type=int, default=1234, help="scale: seed of the stream paces")
+    p.add_argument("--long-idle-s", type=float, default=None,
+                   help="ttft: the burst on a daemon idle this long, started before the "
+                        "first section (default 600; 0 with --quick: none)")
     return p.parse_args(argv)
 
 
@@ -57,12 +62,21 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     sections: list[common.Section] = []
     failed = False
+    long_idle_s = args.long_idle_s if args.long_idle_s is not None else (
+        0.0 if args.quick else 600.0)
+    long_idle = None
+    if "ttft" in names and long_idle_s > 0:
+        from scripts.bench.long_idle import LongIdle
+
+        long_idle = LongIdle(long_idle_s)
     for name in names:
         common.log(f"[bench] {name} ...")
         t = time.monotonic()
         try:
             if name == "scale":
                 sec = _runner(name)(args.quick, rounds, args.levels, args.seed)
+            elif name == "ttft":
+                sec = _runner(name)(args.quick, rounds, long_idle=long_idle)
             else:
                 sec = _runner(name)(args.quick, rounds)
         except Exception as exc:
@@ -73,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         sec.seconds = time.monotonic() - t
         common.log(f"[bench] {name} done in {sec.seconds:.0f} s")
         sections.append(sec)
+    if long_idle is not None:
+        long_idle.close()  # ttft closed it, unless it did not run
     meta = {"command": command.strip(), "seconds": time.monotonic() - started,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": common.machine(), "rounds": rounds, "seed": args.seed}

@@ -16,10 +16,20 @@ rotated order):
                 client socket, the events of all read by one loop; TTFT = the
                 call's submit -> its first text delta.
 
-Each burst meets an idle daemon: a fresh one per burst (`workers_spare` at
-its default, 32; `workers_max` large enough for the burst), which has served
-one call (so its supervisor and sink paths are not cold) and then settled
-(no call, the same idle workers for 0.5 s). Reported per burst: p50 and p90
+- `sf-old-pool` (burst 32 only, the baseline of issue 32's pool change) the
+                daemon with the pool of before: `workers_spare` 32 and the
+                spares forked at once (`workers_refill_wait_s` 0);
+- `sf-32-spares` (burst 32 only) `workers_spare` 32, the refill waiting
+                (the default): what the wait alone changes.
+
+Each burst meets an idle daemon: a fresh one per burst (the pool's keys at
+their defaults, unless the variant says otherwise; `workers_max` large enough
+for the burst), which has served one call (so its supervisor and sink paths
+are not cold) and then settled (no call, the same idle workers for 0.5 s).
+
+And one burst of 32 on a daemon idle 10 minutes (its pool shrunk to its
+floor): scripts/bench/long_idle.py, whose daemon `__main__` starts before the
+first section, bursts it at the end of this section. Reported per burst: p50 and p90
 of the TTFTs of all calls of all rounds, the added p50 (streamfence − SDK,
 ms) and the ratio of p90s, per-round ranges, and where streamfence's time
 went: submit -> attempt scheduled (the journal's `started`), scheduled ->
@@ -28,8 +38,8 @@ subscriber; plus the forks the burst caused. For bursts of 32 and more, the
 same burst again REPEAT_AFTER_S after the first one ended (the pool keeps
 the workers of a recent peak): TTFT when the workers exist.
 
-Targets (issue "The data path at a model's pace"): added p50 ≤ 5 ms and
-p90 ≤ 1.25× the SDK's, at bursts of 1 and 32.
+Targets (issue 32): added p50 ≤ 5 ms and p90 ≤ 1.25× the SDK's, at bursts
+of 1 and 32, on a daemon idle 5 s and on one idle 10 minutes.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx2
 import openai
@@ -65,9 +75,19 @@ from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProces
 from streamfence.devtools.launcher import DaemonProcess
 from streamfence.protocol.client_base import new_ref
 
+if TYPE_CHECKING:
+    from scripts.bench.long_idle import LongIdle
+
 DaemonFactory = Callable[..., AbstractContextManager[DaemonProcess]]
 
 VARIANTS = ("openai-sdk", "streamfence")
+OLD_POOL = "sf-old-pool"
+SPARES_32 = "sf-32-spares"
+OLD_POOL_BURSTS = (32,)
+POOLS: dict[str, dict[str, Any]] = {  # the variants' pool keys beyond the defaults
+    OLD_POOL: {"workers_spare": 32, "workers_refill_wait_s": 0.0},
+    SPARES_32: {"workers_spare": 32},
+}
 PROMPT = [{"role": "user", "content": "Write a short paragraph."}]
 DELAY_S = 0.02
 ADDED_P50_TARGET_S = 0.005
@@ -232,10 +252,10 @@ def _pool_counts(proc: DaemonProcess) -> dict[str, int]:
 
 
 def _sf_run(emu: EmulatorProcess, n: int, chunks: int, text: str,
-            start: DaemonFactory = daemon) -> dict[str, Any]:
+            start: DaemonFactory = daemon, pool: dict[str, Any] | None = None) -> dict[str, Any]:
     control = emu.client()
     settings = {"workers_max": max(64, n + 16), "queue_max": 10 * n + 100,
-                "workers_spare": DEFAULT_SPARE}
+                "workers_spare": DEFAULT_SPARE, **(pool or {})}
     with start(providers_for(emu, stale_timeout_s=120.0), settings,
                ready_timeout=180.0) as proc:
         # One call first: the daemon has served before (an idle daemon, not a cold one).
@@ -294,46 +314,65 @@ def _check(variant: str, res: dict[str, Any], text: str) -> list[float]:
 
 # ---- the section ----------------------------------------------------------------
 
-def run(quick: bool, rounds: int, bursts: list[tuple[int, int]] | None = None) -> Section:
+def _variants(n: int) -> tuple[str, ...]:
+    return (*VARIANTS, SPARES_32, OLD_POOL) if n in OLD_POOL_BURSTS else VARIANTS
+
+
+def run(quick: bool, rounds: int, bursts: list[tuple[int, int]] | None = None,
+        long_idle: LongIdle | None = None) -> Section:
     """`bursts`: (calls, chunks) per burst (default 1 × 50, 32 × 50, 200 × 10;
-    quick: 1 × 20, 32 × 20)."""
+    quick: 1 × 20, 32 × 20). `long_idle`: the daemon idle 10 minutes, burst
+    with 32 calls at the end (closed here)."""
     sec = Section("ttft", "7 TTFT of a burst")
     if bursts is None:
         bursts = [(1, 20), (32, 20)] if quick else [(1, 50), (32, 50), (200, 10)]
     sec.params = {"rounds": rounds, "bursts (calls × chunks)": ", ".join(
         f"{n} × {c}" for n, c in bursts), "chunk_delay_s": DELAY_S,
-        "daemon": "fresh per burst, one call served, settled; workers_spare default "
-                  f"({DEFAULT_SPARE})",
+        "daemon": "fresh per burst, one call served, settled; the pool's keys at their "
+                  f"defaults (workers_spare {DEFAULT_SPARE}); " + "; ".join(
+                      f"{name}: " + ", ".join(f"{k} {v}" for k, v in pool.items())
+                      for name, pool in POOLS.items()),
         "RLIMIT_NOFILE": raise_fd_limit()}
     results: dict[int, dict[str, list[dict[str, Any]]]] = {
-        n: {v: [] for v in VARIANTS} for n, _ in bursts}
-    with emulator() as emu:
-        sdk = openai.OpenAI(base_url=emu.openai_base_url, api_key="bench", max_retries=0,
-                            http_client=httpx2.Client(
-                                trust_env=False, timeout=60.0,
-                                limits=openai.DEFAULT_CONNECTION_LIMITS))
-        try:
-            for r in range(rounds):
-                for n, chunks in bursts:
-                    text = realistic_text(chunks)
-                    for variant in rotated(VARIANTS, r):
-                        if variant == "streamfence":
-                            res = _sf_run(emu, n, chunks, text)
-                        else:
-                            res = _sdk_run(emu, sdk, n, chunks, text)
-                        res["ttft"] = _check(variant, res, text)
-                        if res.get("again"):
-                            res["ttft_again"] = _check(variant, {"calls": res["again"]}, text)
-                        results[n][variant].append(res)
-                    log(f"  ttft round {r + 1}/{rounds}, burst {n}: " + ", ".join(
-                        f"{v} p50 {percentile(results[n][v][-1]['ttft'], 50) * 1e3:.1f} / "
-                        f"p90 {percentile(results[n][v][-1]['ttft'], 90) * 1e3:.1f} ms"
-                        for v in VARIANTS))
-        finally:
-            sdk.close()
-    for n, chunks in bursts:
-        _report(sec, n, chunks, results[n])
+        n: {v: [] for v in _variants(n)} for n, _ in bursts}
+    try:
+        with emulator() as emu:
+            sdk = openai.OpenAI(base_url=emu.openai_base_url, api_key="bench", max_retries=0,
+                                http_client=httpx2.Client(
+                                    trust_env=False, timeout=60.0,
+                                    limits=openai.DEFAULT_CONNECTION_LIMITS))
+            try:
+                for r in range(rounds):
+                    for n, chunks in bursts:
+                        _round(emu, sdk, n, chunks, r, results[n])
+                        log(f"  ttft round {r + 1}/{rounds}, burst {n}: " + ", ".join(
+                            f"{v} p50 {percentile(results[n][v][-1]['ttft'], 50) * 1e3:.1f} / "
+                            f"p90 {percentile(results[n][v][-1]['ttft'], 90) * 1e3:.1f} ms"
+                            for v in _variants(n)))
+            finally:
+                sdk.close()
+        for n, chunks in bursts:
+            _report(sec, n, chunks, results[n])
+        if long_idle is not None:
+            long_idle.run(sec, dict(bursts), results)
+    finally:
+        if long_idle is not None:
+            long_idle.close()
     return sec
+
+
+def _round(emu: EmulatorProcess, sdk: openai.OpenAI, n: int, chunks: int, r: int,
+           results: dict[str, list[dict[str, Any]]]) -> None:
+    text = realistic_text(chunks)
+    for variant in rotated(_variants(n), r):
+        if variant == "openai-sdk":
+            res = _sdk_run(emu, sdk, n, chunks, text)
+        else:
+            res = _sf_run(emu, n, chunks, text, pool=POOLS.get(variant))
+        res["ttft"] = _check(variant, res, text)
+        if res.get("again"):
+            res["ttft_again"] = _check(variant, {"calls": res["again"]}, text)
+        results[variant].append(res)
 
 
 def _ms(seconds: float) -> str:
@@ -341,11 +380,17 @@ def _ms(seconds: float) -> str:
 
 
 def _report(sec: Section, n: int, chunks: int, res: dict[str, list[dict[str, Any]]]) -> None:
-    pooled = {v: sorted(t for r in res[v] for t in r["ttft"]) for v in VARIANTS}
-    p = {v: (percentile(pooled[v], 50), percentile(pooled[v], 90)) for v in VARIANTS}
-    for v in VARIANTS:
+    pooled = {v: sorted(t for r in res[v] for t in r["ttft"]) for v in res}
+    p = {v: (percentile(pooled[v], 50), percentile(pooled[v], 90)) for v in res}
+    for v in res:
         sec.row(f"burst {n} ({chunks} chunks @ {1 / DELAY_S:.0f}/s): {v}",
                 f"p50 {_ms(p[v][0])} ms, p90 {_ms(p[v][1])} ms")
+    for v, what in ((SPARES_32, "32 spares, their refill waiting"),
+                    (OLD_POOL, "baseline: the pool before issue 32")):
+        if v in res:
+            sec.row(f"burst {n}, {v}: added p50, p90 ÷ SDK",
+                    f"{(p[v][0] - p['openai-sdk'][0]) * 1e3:+.1f} ms, "
+                    f"{p[v][1] / p['openai-sdk'][1]:.2f}", "", what)
     added = p["streamfence"][0] - p["openai-sdk"][0]
     ratio = p["streamfence"][1] / p["openai-sdk"][1]
     targeted = n in TARGET_BURSTS
@@ -386,3 +431,9 @@ def _report(sec: Section, n: int, chunks: int, res: dict[str, list[dict[str, Any
              f" ms. streamfence split: {split}. SDK split: {sdk_split}. Idle workers before "
              f"each burst: {sorted({r['idle_before'] for r in sf})}; forks during the burst: "
              f"{[r['forks'] for r in sf]}; workers after: {[r['workers_after'] for r in sf]}.")
+    for v in (SPARES_32, OLD_POOL):
+        if v in res:
+            sec.note(f"- burst {n}, {v}: scheduled → request at the emulator p50 "
+                     f"{_ms(median([x[1] for r in res[v] for x in r['parts']]))} ms; idle "
+                     f"workers before: {sorted({r['idle_before'] for r in res[v]})}; forks "
+                     f"during the burst: {[r['forks'] for r in res[v]]}.")

@@ -44,8 +44,14 @@ DAEMON_DOCS: dict[str, str] = {
                  "to the directory `serve` runs in.",
     "max_frame_bytes": "Larger client frames are refused with `too_large`.",
     "workers_max": "Worker processes at most (one per running attempt).",
-    "workers_spare": "Warm idle workers kept beyond the busy ones (about 9 MiB each, no CPU): "
-                     "a burst of this many calls starts at once.",
+    "workers_spare": "Warm idle workers kept beyond the load's recent peak (about 11 MiB "
+                     "each, no CPU): a retry or the next call never waits for a fork. After "
+                     "a burst the pool keeps its workers, halving every 30 s back to this.",
+    "workers_refill_wait_s": "Spare forks wait, at most this long, while attempts are "
+                             "starting, so a burst's first requests get the cores. 0: forked "
+                             "at once.",
+    "workers_peak_half_life_s": "After a burst the pool keeps its workers, their number above "
+                                "workers_spare halving every this many seconds.",
     "queue_max": "Queued calls before a submit is refused with `overloaded`.",
     "in_flight_bytes_max": "Bytes of the requests of all calls not yet done; `overloaded` "
                            "beyond. 0: no limit.",

@@ -115,7 +115,13 @@ class DaemonConfig:
     state_dir: str = "./streamfence-state"
     max_frame_bytes: int = 16 * 1024 * 1024
     workers_max: int = 64
-    workers_spare: int = 32  # ready for a burst of 32 at an idle daemon (~9 MiB each)
+    workers_spare: int = 2  # warm idle workers beyond the load's recent peak (~11 MiB each)
+    # Spare forks wait (at most this long) while attempts start: a burst's
+    # first requests get the cores (supervisor/pool.py). 0: forked at once.
+    workers_refill_wait_s: float = 1.0
+    # After a burst the pool keeps its workers, their number above
+    # workers_spare halving every this many seconds.
+    workers_peak_half_life_s: float = 30.0
     queue_max: int = 10_000
     # Client connections at once (curve: past it, new handshakes are refused
     # at ZAP; a connection that never finishes its handshake is closed by
@@ -165,7 +171,8 @@ class DaemonConfig:
 
 _DAEMON_TYPES: dict[str, tuple[type, ...]] = {
     "endpoint": (str,), "state_dir": (str,), "max_frame_bytes": (int,), "workers_max": (int,),
-    "workers_spare": (int,), "queue_max": (int,), "in_flight_bytes_max": (int,),
+    "workers_spare": (int,), "workers_refill_wait_s": (int, float),
+    "workers_peak_half_life_s": (int, float), "queue_max": (int,), "in_flight_bytes_max": (int,),
     "max_connections": (int,),
     "backoff_base_s": (int, float), "backoff_max_s": (int, float), "breaker_threshold": (int,),
     "breaker_cooldown_s": (int, float), "stop_grace_s": (int, float), "log_level": (str,),
@@ -173,6 +180,7 @@ _DAEMON_TYPES: dict[str, tuple[type, ...]] = {
     "log_file_backups": (int,), "auth": (str,), "retention_days": (int, float),
 }
 _AT_LEAST_ONE = ("workers_max", "workers_spare", "log_file_backups")  # 0 is not a value
+_ABOVE_ZERO = ("workers_peak_half_life_s",)  # a half-life of 0 divides by it
 DAEMON_KEYS = tuple(_DAEMON_TYPES)  # the [daemon] table's keys
 ENV_PREFIX = "STREAMFENCE_"  # ENV_PREFIX + KEY.upper() overrides a [daemon] key
 AUTH_MODES = ("curve", "none")
@@ -263,6 +271,10 @@ def _parse_daemon(table: dict[str, Any], source: str, problems: list[str]) -> di
         if daemon.get(key) == 0:
             problems.append(f"{source}: daemon.{key}: must be >= 1")
             del daemon[key]
+    for key in _ABOVE_ZERO:
+        if daemon.get(key) == 0:
+            problems.append(f"{source}: daemon.{key}: must be > 0")
+            del daemon[key]
     return daemon
 
 
@@ -352,6 +364,9 @@ def env_overrides(env: dict[str, str], problems: list[str]) -> dict[str, Any]:
             value = None
         elif key in _AT_LEAST_ONE and value == 0:
             problems.append(f"{where}: must be >= 1")
+            value = None
+        elif key in _ABOVE_ZERO and value == 0:
+            problems.append(f"{where}: must be > 0")
             value = None
         if value is not None:
             changes[key] = value

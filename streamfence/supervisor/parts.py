@@ -68,7 +68,9 @@ def build_parts(cfg: DaemonConfig, journal: Journal, live: LivenessTable,
     clock = time.monotonic
     counters: Counter[str] = Counter()
     pool = Pool(to_zygote, workers_sock, live, slots=cfg.workers_max,
-                spare=cfg.workers_spare, max_workers=cfg.workers_max)
+                spare=cfg.workers_spare, max_workers=cfg.workers_max,
+                refill_wait_s=cfg.workers_refill_wait_s,
+                peak_half_life_s=cfg.workers_peak_half_life_s)
     clients = Clients(front_sock, counters)
     sink = SinkLink(sink_sock, clock)
     breakers = Breakers(cfg.breaker_threshold, cfg.breaker_cooldown_s, clock)

@@ -6,20 +6,25 @@ replaces it in the background. Every worker has a liveness slot
 (workers/liveness.py), reused only after its previous holder was reaped.
 
 How many workers it keeps (`Pool.target`): the recent peak of the load
-(attempts running or authorizing, plus the calls queued for a worker), decaying
-with a half-life of PEAK_HALF_LIFE_S, plus `spare` ready workers so that a
-retry never waits for a fork and a burst of up to `spare` calls at an idle
-daemon finds its workers ready (`workers_spare`, default 32: an idle worker
-costs ~9 MiB and no CPU). A new worker costs ~20 ms of CPU (fork, start-up,
-its first attempt's first-use costs), so a burst larger than the spares
+(attempts running or authorizing, plus the calls queued for a worker),
+decaying with a half-life of `peak_half_life_s` (`workers_peak_half_life_s`,
+30 s), plus `spare` ready workers, so that a retry and the next call never
+wait for a fork (`workers_spare`, default 2: a warmed idle worker costs
+~11 MiB USS, so an idle daemon stays small). A burst larger than the spares
 waits for its forks; the same burst again finds them: after a burst of 64
-the pool keeps 64 + spare workers (within `max_workers`), 32 + spare 30 s
-later, and `spare` after a few minutes. Idle workers above the target are retired
-(SIGKILL) once idle for RETIRE_AFTER_S (so a dip of the load, such as a retry's
-backoff, does not retire the worker the retry will want), the longest idle
-first: an idle daemon goes back to `spare` processes. All forks a target needs
-are asked for at once. Bounded by `max_workers` (and the liveness slots)
-throughout.
+the pool keeps 64 + spare workers (within `max_workers`), 32 + spare a
+half-life later, `spare` after a few minutes. Idle workers above the target
+are retired (SIGKILL), the longest idle first, once idle for RETIRE_AFTER_S
+(or the half-life if shorter: a dip of the load, such as a retry's backoff,
+does not retire the worker the retry will want). Bounded by `max_workers`
+(and the liveness slots) throughout.
+
+Which forks go when: a call that waits for a worker gets its fork at once
+(cold: it runs the call, no warm-up). The spares wait while attempts start
+(one is authorizing, awaits its first chunk, or was fenced and its call
+retries; or calls wait for forks), at most `refill_wait_s`
+(`workers_refill_wait_s`, 1 s; 0: at once): the two cores go to a burst's
+first requests, not to the workers a next burst may want.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ log = logging.getLogger("streamfence.pool")
 PEAK_HALF_LIFE_S = 30.0
 RETIRE_AFTER_S = 10.0
 RETIRE_CHECK_S = 1.0  # how often a pool above its floor looks for workers to retire
+REFILL_WAIT_S = 1.0  # spare forks wait for starting attempts at most this long
+REFILL_POLL_S = 0.01  # how often a waiting refill looks at the starting attempts' first chunks
 
 
 class WorkerEvent(Enum):
@@ -139,7 +146,8 @@ class Pool:
                  workers_sock: zmq.Socket[bytes], live: LivenessTable, slots: int,
                  spare: int, max_workers: int, clock: Callable[[], float] = time.monotonic,
                  peak_half_life_s: float = PEAK_HALF_LIFE_S,
-                 retire_after_s: float = RETIRE_AFTER_S) -> None:
+                 retire_after_s: float = RETIRE_AFTER_S,
+                 refill_wait_s: float = REFILL_WAIT_S) -> None:
         self._send = send_to_zygote
         self.socket = workers_sock
         self._live = live
@@ -154,19 +162,21 @@ class Pool:
         self._idle_used: dict[int, Worker] = {}
         self._clock = clock
         self._half_life_s = peak_half_life_s
-        self._retire_after_s = retire_after_s
+        self._retire_after_s = min(retire_after_s, peak_half_life_s)
         self._peak = 0.0  # the load's peak, decayed to `_peak_at`
         self._peak_at = clock()
         self._demand = 0  # calls queued for a worker, as last told
         self._maintained_at = 0.0
         self._fenced: set[int] = set()  # killed by `kill`, not yet reaped: their calls retry
+        self._refill_wait_s = refill_wait_s
+        self._unstarted: set[int] = set()  # busy, no first chunk seen yet
+        self._refill_since: float | None = None  # spare forks waiting since then
         # (call, token) of runs whose worker went idle without its final
         # accepted; the daemon hands them to the AttemptDriver after `drain`.
         self.unaccepted: list[tuple[str, int]] = []
         self._next_id = 1
-        self.spawned_total = 0
-        self.killed_total = 0
-        self.retired_total = 0
+        self.spawned_total = self.killed_total = self.retired_total = 0
+        self.refills_deferred = 0  # times spare forks waited for starting attempts
 
     # ---- bookkeeping -------------------------------------------------------
     def get(self, worker_id: int | None) -> Worker | None:
@@ -194,6 +204,8 @@ class Pool:
         if worker.state is not before:
             self._states[before] -= 1
             self._states[worker.state] += 1
+            if before is WorkerState.BUSY:
+                self._unstarted.discard(worker.worker_id)
             if before is WorkerState.IDLE:
                 del (self._idle_used if worker.runs else self._idle_new)[worker.worker_id]
             if worker.state is WorkerState.IDLE:
@@ -221,13 +233,14 @@ class Pool:
         return min(self.max_workers, math.floor(self._peak + 0.5) + self.spare)
 
     def maintain(self, demand: int | None = None) -> None:
-        """Fork, all at once, what the target lacks; retire the idle workers above
-        it that have been idle for `retire_after_s` (the longest idle first, new
-        ones before used ones). `demand`: the calls queued for a worker (None: as
-        last given)."""
+        """Fork what the target lacks: at once for the calls waiting, the spares
+        once no attempt is starting (`_spares_wait`); retire the idle workers
+        above it that have been idle for `retire_after_s` (the longest idle
+        first, new ones before used ones). `demand`: the calls queued for a
+        worker (None: as last given)."""
         if demand is not None:
             self._demand = demand
-        self._maintained_at = self._clock()
+        now = self._maintained_at = self._clock()
         want = self.target()
         have = self.count(WorkerState.SPAWNING, WorkerState.IDLE, WorkerState.RESERVED,
                           WorkerState.BUSY)
@@ -235,21 +248,54 @@ class Pool:
             room = min(want - have, self.max_workers - self.live(), len(self._free_slots))
             # Forks for calls already waiting go first and start cold; the rest
             # are spares, which warm up after their hello (workers/warmup.py).
-            waiting = max(0, self._demand - self.count(WorkerState.IDLE, WorkerState.SPAWNING))
-            for i in range(room):
-                self._spawn(warm=i >= waiting)
-        elif have > want and (self._idle_new or self._idle_used):
-            since = self._clock() - self._retire_after_s
+            cold = min(room, max(0, self._demand - self.count(WorkerState.IDLE,
+                                                              WorkerState.SPAWNING)))
+            spares = room - cold
+            for i in range(cold + (0 if spares and self._spares_wait(now) else spares)):
+                self._spawn(warm=i >= cold)
+            return
+        self._refill_since = None
+        if have > want and (self._idle_new or self._idle_used):
+            since = now - self._retire_after_s
             old = itertools.chain.from_iterable(  # each ordered by idle_at
                 itertools.takewhile(lambda w: w.idle_at <= since, ws.values())
                 for ws in (self._idle_new, self._idle_used))
             for worker in list(itertools.islice(old, have - want)):
                 self._retire(worker, want)
 
+    def _spares_wait(self, now: float) -> bool:
+        """Whether spare forks wait: some attempt is starting (reserved, busy
+        without a first chunk, fenced and not reaped: its call retries) or calls
+        wait for forks, and they have not waited `refill_wait_s` yet."""
+        if not (self._refill_wait_s > 0 and self._starting()):
+            self._refill_since = None
+            return False
+        if self._refill_since is None:
+            self._refill_since = now
+            self.refills_deferred += 1
+            log.debug("spare forks wait: attempts are starting")
+        waits = now - self._refill_since < self._refill_wait_s
+        self._refill_since = self._refill_since if waits else None
+        return waits
+
+    def _starting(self) -> bool:  # see _spares_wait
+        if self._demand or self._fenced or self.count(WorkerState.RESERVED):
+            return True
+        for worker_id in list(self._unstarted):
+            worker = self.workers[worker_id]
+            token, _, chunks, _ = self._live.read(worker.slot)
+            if token == worker.token and (chunks or self._live.stream_over(worker.slot)):
+                self._unstarted.discard(worker_id)
+        return bool(self._unstarted)
+
     def next_due(self) -> float | None:
-        """When `maintain` may next retire an idle worker (monotonic seconds):
-        while the pool holds more than its floor (`spare` plus the load now),
-        about once a second as the peak decays; else never."""
+        """When `maintain` has something to do (monotonic seconds): while spare
+        forks wait, every REFILL_POLL_S; while the pool holds more than its
+        floor (`spare` plus the load now), about once a second as the peak
+        decays (to retire an idle worker); else never."""
+        if self._refill_since is not None:
+            return min(self._maintained_at + REFILL_POLL_S,
+                       self._refill_since + self._refill_wait_s)
         if not (self._idle_new or self._idle_used):
             return None
         have = self.count(WorkerState.SPAWNING, WorkerState.IDLE, WorkerState.RESERVED,
@@ -369,6 +415,7 @@ class Pool:
         being killed: the attempt never started."""
         self._to(worker, WorkerEvent.RUN)
         worker.runs += 1
+        self._unstarted.add(worker.worker_id)
         try:
             self.socket.send_multipart([worker.identity, encode_run(run)])
         except zmq.ZMQError as exc:

@@ -299,7 +299,7 @@ def worker_main(worker_id: int, slot: int, runtime_dir: str, slots: int,
     logs.linger = 1000
     logs.sndhwm = 10_000
     logs.connect(ep.logs)
-    route_logs_to(logs, log_level, f"worker-{worker_id}")
+    route_logs_to(logs, log_level, f"worker-{worker_id}", forked=True)  # the zygote's level
     ctl = ctx.socket(zmq.DEALER)
     ctl.linger = 0
     ctl.setsockopt(zmq.IDENTITY, b"w%d" % worker_id)
