@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import psutil
 import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient
@@ -244,3 +245,16 @@ def test_process_titles(daemon: DaemonProcess, emu: EmulatorClient) -> None:
         for w in client.status()["workers"]:
             if w["state"] == "idle":
                 assert _title(w["pid"]) == f"streamfence[{name}]: worker {w['worker_id']} (idle)"
+
+
+def test_every_process_of_the_tree_has_a_title(daemon: DaemonProcess) -> None:
+    """No helper process hides in the tree (multiprocess's resource tracker
+    was one: ~10 MiB of an idle daemon's footprint, and nothing used it)."""
+    with daemon.client() as client:
+        supervisor = client.status()["processes"]["supervisor"]
+    name = daemon.endpoint.split("://", 1)[-1]
+    tree = psutil.Process(supervisor).children(recursive=True)
+    assert tree, "the supervisor has no children"
+    untitled = {p.pid: _title(p.pid) for p in tree
+                if not _title(p.pid).startswith(f"streamfence[{name}]: ")}
+    assert not untitled, f"processes without a streamfence title: {untitled}"

@@ -32,7 +32,6 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
-import multiprocess
 import zmq
 
 from streamfence.config.model import DaemonConfig
@@ -57,6 +56,7 @@ from streamfence.supervisor.startup import (
     connect_cluster,
     open_stores,
     raise_fd_limit,
+    spawn_context,
     warn_about_environment,
 )
 from streamfence.supervisor.stopsignals import StopSignals
@@ -102,7 +102,7 @@ class Daemon:
         self.runtime_dir = self._runtime.path
         self.endpoints = Endpoints(self.runtime_dir)
         self.transcript_path = os.path.abspath(os.path.join(config.state_dir, "transcript.db"))
-        self._mp = multiprocess.get_context("spawn")
+        self._mp = spawn_context()
         self._signals = StopSignals()
         self._gave_up = False  # a child cannot start again: the daemon stops (exit 1)
         self._drain_until: float | None = None  # stopping: the running attempts' grace

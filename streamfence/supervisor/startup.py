@@ -13,7 +13,7 @@ import os
 import resource
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from streamfence.cluster.settings import ClusterSettings
 from streamfence.config.environment import unknown_variables
@@ -32,6 +32,22 @@ log = logging.getLogger("streamfence.supervisor")
 
 class StartupError(Exception):
     pass
+
+
+def spawn_context() -> Any:
+    """multiprocess's spawn context, without its resource tracker: a child
+    process (~10 MiB USS, a tenth of an idle daemon's) that tracks named
+    semaphores and shared memory, of which the daemon's children use none
+    (they share pipes, sockets and an mmap'd file). Its pipe is /dev/null
+    here: its liveness probe succeeds, so none is started, and a child that
+    inherits the fd writes there."""
+    import multiprocess
+    from multiprocess import resource_tracker
+
+    tracker = resource_tracker._resource_tracker  # private: there is no public switch
+    if tracker._fd is None:
+        tracker._fd = os.open(os.devnull, os.O_WRONLY)
+    return multiprocess.get_context("spawn")
 
 
 def claim_state_dir(config: DaemonConfig, events_endpoint: str
