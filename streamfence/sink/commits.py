@@ -9,8 +9,9 @@
   commit at `COMMIT_EVERY` events, `COMMIT_AFTER_S` after the first pending
   one, or when the input runs dry (at most once per `IDLE_COMMIT_GAP_S`:
   tiny commits churn the WAL);
-- `outbox`: accepted events waiting, with their call's listeners, for the
-  commit that stores them.
+- `outbox`: runs of accepted events waiting, with their call's listeners,
+  for the commit that stores them (one entry per call per commit, made by
+  `flush_pending`).
 
 Durable before visible: every event is handed to its listeners after the
 commit that stores it, and every ack or reply after the commit covering
@@ -41,8 +42,9 @@ IDLE_COMMIT_GAP_S = 0.0002  # ... or when the input runs dry, at most once per t
 
 class Commits:
     """Owns the commit schedule, the dirty calls, the outbox and the delta
-    latency histogram. The hot path (sink/intake.py) appends to `dirty` and
-    `outbox` through bound appends: both are only ever cleared in place."""
+    latency histogram. The hot path (sink/intake.py) appends to `dirty`
+    through a bound append: it is only ever cleared in place, as `outbox` is
+    (cluster mode's `replicate` rewrites it in place)."""
 
     def __init__(self, store: TranscriptStore, calls: Calls, listeners: Listeners) -> None:
         self.store = store
@@ -52,7 +54,7 @@ class Commits:
         self.pending_events = 0
         self.commit_due: float | None = None
         self.last_commit = 0.0
-        self.outbox: Outbox = []  # events waiting for their commit, with their listeners
+        self.outbox: Outbox = []  # runs waiting for their commit, with their listeners
         # Cluster mode: the calls' logs take the commit's rows first, and a step that
         # must follow a call's stored rows waits for them (sink/log_queue.py).
         self.replicate: Callable[[], None] | None = None
@@ -62,10 +64,17 @@ class Commits:
         self.delta_latency = Histogram(DELTA_LATENCY_BUCKETS)
 
     def flush_pending(self) -> None:
+        """Each dirty call's pending events to the store as one run, and the
+        run, whole, to the outbox when the call has listeners (sent after the
+        commit): per call, not per delta."""
+        add_run, outbox_append = self.store.add_run, self.outbox.append
         for live in self.dirty:
-            if live.pending:
-                self.store.add_run(live.call_id, live.pending_seq, live.attempt, live.pending)
-                live.content.stored(live.pending)  # the answer held in memory is bounded
+            pending = live.pending
+            if pending:
+                add_run(live.call_id, live.pending_seq, live.attempt, pending)
+                live.content.stored(pending)  # the answer held in memory is bounded
+                if live.subs:
+                    outbox_append((live.subs, pending))
                 live.pending = []
         self.dirty.clear()
 
@@ -91,7 +100,7 @@ class Commits:
         self.last_commit = time.monotonic()
         if self.outbox:
             self.deliver(self.outbox)
-            self.outbox.clear()  # in place: the hot path holds a bound append
+            self.outbox.clear()
         if since is not None:
             self.delta_latency.observe(time.monotonic() - since)
         return True
@@ -107,7 +116,7 @@ class Commits:
     def send_event(self, subs: set[bytes], event: bytes) -> None:
         """One event (a reset, a done) to a call's listeners, after its commit."""
         if subs:
-            cuts = self._listeners.deliver([(subs, event)])
+            cuts = self._listeners.deliver([(subs, [event])])
             if cuts:
                 self._cut_off(cuts)
 
