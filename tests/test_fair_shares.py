@@ -318,7 +318,7 @@ def test_one_identitys_backlog_stops_at_its_share_and_leaves_the_others_room(
         alice = connect("alice-listener-0001")
         assert subs.subscribe(alice, "a", ListenerOwner("alice"), always) is None
         event = b"\xa1x" * (MIB // 2)  # a 1 MiB "event"
-        cuts = subs.deliver([(set(rogues), event)] * 4)  # 4 MiB to each: 48 MiB wanted
+        cuts = subs.deliver([(set(rogues), [event])] * 4)  # 4 MiB to each: 48 MiB wanted
         # The rogue's listeners hold its share, passed by at most one frame each.
         held = subs.outstanding
         assert IDENTITY_BYTES - MIB < held <= IDENTITY_BYTES + len(rogues) * MIB, held
@@ -327,7 +327,7 @@ def test_one_identitys_backlog_stops_at_its_share_and_leaves_the_others_room(
         # Alice's listener is not behind the rogue's backlog: a whole window
         # fits (but for the `listening` reply it has not acked).
         assert subs.room(alice) >= 4 * MIB - 64
-        assert subs.deliver([({alice}, event)] * 3) == []
+        assert subs.deliver([({alice}, [event])] * 3) == []
     finally:
         for sock in socks:
             sock.close()

@@ -246,7 +246,7 @@ def test_the_events_socket_cuts_a_connection_whose_key_left_the_allow_list(
         assert msgpack.unpackb(bob.recv())["code"] == "key_revoked"
         clock.now += REVOKE_CHECK_S
         assert subs.tick() == []
-        assert subs.deliver([({b"alice-listener-0001"}, msgpack.packb({"seq": 1}))]) == []
+        assert subs.deliver([({b"alice-listener-0001"}, [msgpack.packb({"seq": 1})])]) == []
         assert alice.poll(5000) and msgpack.unpackb(alice.recv()) == {"seq": 1}
     finally:
         for sock in socks:

@@ -768,6 +768,35 @@ def test_the_events_of_one_commit_reach_a_listener_as_one_batch(sink: SinkUnderT
         reader.close()
 
 
+def test_the_runs_of_several_calls_in_one_commit_reach_their_listener_in_order(
+        sink: SinkUnderTest) -> None:
+    """Two calls' deltas interleaved while the sink is stopped: one commit holds
+    a run of each; the listener following both gets every event once, each
+    call's in seq order, in a few frames, each the stored event's bytes."""
+    calls, sup = ["run-a", "run-b"], sink.sup
+    for call in calls:
+        sup.ok(C_AUTHORIZE, call, 1, False)
+    worker = sink.worker()
+    os.kill(sink.proc.pid, signal.SIGSTOP)
+    try:
+        for seq in range(1, 101):
+            for call in calls:
+                worker.send(delta(call, 1, seq, f"{call}{seq},"))
+    finally:
+        os.kill(sink.proc.pid, signal.SIGCONT)
+    frames_before = sink.listener.frames
+    got = {call: [sink.listener.next(call, f"{call} delta #{i + 1}") for i in range(100)]
+           for call in calls}
+    assert sink.listener.frames - frames_before <= 10, "one frame per commit, not per run"
+    reader = TranscriptReader(sink.db_path)
+    try:
+        for call in calls:
+            assert [e["seq"] for _, e in got[call]] == list(range(1, 101))
+            assert [raw for raw, _ in got[call]] == reader.events_after(call, 0)
+    finally:
+        reader.close()
+
+
 BAD_EVENTS_IN: list[tuple[list[bytes], str]] = [
     ([encode({"v": 1, "op": "subscribe", "call_id": "c"})], "unknown_op"),
     ([b"\xc1 not msgpack"], "bad_frame"),

@@ -89,6 +89,20 @@ def test_uncommitted_rows_are_invisible_to_readers(store: TranscriptStore) -> No
     assert len(read_events_after(store.path, "c", 0)) == 1
 
 
+def test_a_commit_of_one_run_is_its_own_transaction(store: TranscriptStore) -> None:
+    """At a model's pace a commit holds one run: one INSERT in autocommit, no
+    BEGIN/COMMIT. Nothing is left open, and the next commit works as any."""
+    store.add_run("c", 1, 1, deltas("c", 1, 1, ["a"]))
+    assert store.commit() == 1
+    assert not store._conn.in_transaction
+    assert len(read_events_after(store.path, "c", 0)) == 1
+    store.add_run("c", 2, 1, deltas("c", 1, 2, ["b", "c"]))
+    store.set_epoch("c", 1)
+    assert store.commit() == 1
+    assert len(read_events_after(store.path, "c", 0)) == 3
+    assert max_epochs(store.path) == {"c": 1}
+
+
 def test_epochs_only_grow_and_done_is_recorded(store: TranscriptStore) -> None:
     store.set_epoch("c", 3)
     store.set_epoch("c", 2)

@@ -21,10 +21,15 @@ rotated order each round:
 
 Both include the sink's durability rule: an event goes out only after the
 commit that stored it. The first 5 % of each run is discarded as warm-up.
+
+With `SF_BENCH_BASE=TREE` in the environment, `base` is the `sink` path
+with the sink of that source tree (a checkout of the commit to compare
+with), in the same rotation: an A/B in one run.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 import uuid
@@ -152,10 +157,18 @@ def run(quick: bool, rounds: int) -> Section:
     sec = Section("latency", "3 latency")
     seconds = 0.5 if quick else 3.0
     sec.params = {"rounds": rounds, "rate": RATE, "seconds per run": seconds}
-    results: dict[str, list[tuple[float, float, float, int]]] = {v: [] for v in VARIANTS}
+    base_tree = os.environ.get("SF_BENCH_BASE")
+    variants = (*VARIANTS, "base") if base_tree else VARIANTS
+    if base_tree:
+        sec.params["base tree"] = base_tree
+    results: dict[str, list[tuple[float, float, float, int]]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory(prefix="sfbench-") as rt, emulator() as emu, \
             daemon(providers_for(emu, stale_timeout_s=600.0), {"workers_spare": 2}) as proc:
         sink = SinkUnderTest(rt)
+        base = None
+        if base_tree:
+            os.mkdir(os.path.join(rt, "base"))
+            base = SinkUnderTest(os.path.join(rt, "base"), tree=base_tree)
         producers = Producers(1, rt)
         daemon_sink_in = sink_in_endpoint(proc)
         hop: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
@@ -164,21 +177,22 @@ def run(quick: bool, rounds: int) -> Section:
         hop.bind(hop_endpoint)
         try:
             for r in range(rounds):
-                for variant in rotated(VARIANTS, r):
+                for variant in rotated(variants, r):
                     samples: list[int] = []
                     if variant == "hop":
                         drain = _hop_into(samples)
                         producers.run([["paced", hop_endpoint, "hop", 1, 1, RATE, seconds, PAD]],
                                       {hop: drain})
                         _settle({hop: drain})
-                    elif variant == "sink":
+                    elif variant in ("sink", "base"):
+                        one = base if variant == "base" and base is not None else sink
                         call = f"lat-{uuid.uuid4().hex[:12]}"
-                        sink.authorize([call])
-                        sink.on_event = _stamps_into(samples)
-                        producers.run([["paced", sink.endpoints.sink_stream, call, 1, 1, RATE,
-                                        seconds, PAD]], {sink.sock: sink.drain})
-                        _settle({sink.sock: sink.drain})
-                        sink.on_event = None
+                        one.authorize([call])
+                        one.on_event = _stamps_into(samples)
+                        producers.run([["paced", one.endpoints.sink_stream, call, 1, 1, RATE,
+                                        seconds, PAD]], {one.sock: one.drain})
+                        _settle({one.sock: one.drain})
+                        one.on_event = None
                     else:
                         stalled = StalledCall(proc, emu)
                         try:
@@ -200,6 +214,8 @@ def run(quick: bool, rounds: int) -> Section:
             hop.close(linger=0)
             producers.close()
             sink.close()
+            if base is not None:
+                base.close()
     _report(sec, results)
     return sec
 
@@ -218,6 +234,7 @@ def _settle(extra: dict[zmq.Socket[bytes], Any], seconds: float = 0.15) -> None:
 def _report(sec: Section, results: dict[str, list[tuple[float, float, float, int]]]) -> None:
     names = {"hop": "worker → one ZeroMQ ipc hop (the machine's floor)",
              "sink": "worker → a lone sink → a listener",
+             "base": f"the same, the sink of {sec.params.get('base tree')}",
              "daemon": "worker → the daemon's sink → subscriber"}
     for variant, runs in results.items():
         p50 = median([x[0] for x in runs])

@@ -339,24 +339,39 @@ def _events_in(frame: bytes) -> int:
     return 1
 
 
+def _run_sink_of(tree: str, *args: Any) -> None:
+    """A sink process running the streamfence of another source tree (an A/B
+    baseline): what this process imported of ours is forgotten first."""
+    import sys
+
+    for name in [m for m in sys.modules if m == "streamfence" or m.startswith("streamfence.")]:
+        del sys.modules[name]
+    sys.path.insert(0, tree)
+    from streamfence.sink.process import run_sink
+
+    run_sink(*args)
+
+
 class SinkUnderTest:
     """The real sink process (`streamfence.sink.process.run_sink`, spawned as the daemon does,
     with a secret control identity), a control link that plays the
     supervisor (authorize and subscribe, stats), and one listener on the
     sink's events socket that every authorized call's events go to (counted,
-    or handed to `on_event`)."""
+    or handed to `on_event`). With `tree`, the sink of that source tree
+    (a baseline measured beside this tree's)."""
 
-    def __init__(self, runtime_dir: str, log_level: str = "WARNING") -> None:
+    def __init__(self, runtime_dir: str, log_level: str = "WARNING",
+                 tree: str | None = None) -> None:
         from streamfence.sink.process import run_sink
 
         self.endpoints = Endpoints(runtime_dir)
         identity = b"bench-" + secrets.token_hex(8).encode()
+        args = (runtime_dir, os.path.join(runtime_dir, "transcript.db"),
+                events_endpoint("ipc://" + os.path.join(runtime_dir, "front")), None,
+                log_level, identity)
         self.proc = multiprocess.get_context("spawn").Process(
-            target=run_sink, name="sink",
-            args=(runtime_dir, os.path.join(runtime_dir, "transcript.db"),
-                  events_endpoint("ipc://" + os.path.join(runtime_dir, "front")), None,
-                  log_level, identity),
-            daemon=True)
+            target=run_sink if tree is None else _run_sink_of, name="sink",
+            args=args if tree is None else (tree, *args), daemon=True)
         self.proc.start()
         _wait_path(self.endpoints.sink_ctl[len("ipc://"):], self.proc)
         _wait_path(self.endpoints.sink_in[len("ipc://"):], self.proc)

@@ -17,10 +17,16 @@ Targets, in rotated order each round:
 With 1 producer (1 call) and 8 producers (1 call each), plus `sink 8x32`:
 8 producers interleaving 32 calls each (256 streams, so a group commit holds
 many calls' runs). On 2 cores, 8 producers compete with the sink for CPU.
+
+With `SF_BENCH_BASE=TREE` in the environment, `base` runs each sink variant
+with the sink of that source tree too (a checkout of the commit to compare
+with), in the same rotation, and the notes give this tree's sink ÷ base per
+round: an A/B in one run.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -28,7 +34,7 @@ from typing import Any
 
 import zmq
 
-from scripts.bench.common import Section, fmt_rate, log, median, rotated
+from scripts.bench.common import Section, fmt_rate, log, median, rotated, thread_cpu_seconds
 from scripts.bench.load import Producers, SinkUnderTest, ceiling
 
 DATA = "tok, "  # a token's worth of text
@@ -49,14 +55,27 @@ def run(quick: bool, rounds: int) -> Section:
     shapes = {"1p": (1, 1), "8p": (8, 1), "8x32": (8, 32)}
     variants = ["ceil-nodb 1p", "ceil-db 1p", "sink 1p", "ceil-nodb 8p", "ceil-db 8p",
                 "sink 8p", "sink 8x32"]
+    base_tree = os.environ.get("SF_BENCH_BASE")
+    if base_tree:
+        variants += ["base 1p", "base 8p", "base 8x32"]
+        sec.params["base tree"] = base_tree
     results: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}  # the sink's CPU s per delta
     with tempfile.TemporaryDirectory(prefix="sfbench-") as rt, \
             ceiling(rt, "ceil-nodb", with_db=False) as nodb, \
             ceiling(rt, "ceil-db", with_db=True) as withdb:
         sink = SinkUnderTest(rt)
+        base = None
+        if base_tree:
+            os.mkdir(os.path.join(rt, "base"))
+            base = SinkUnderTest(os.path.join(rt, "base"), tree=base_tree)
         producers = Producers(8, rt)
         try:
             targets = {"ceil-nodb": nodb, "ceil-db": withdb, "sink": sink.endpoints.sink_stream}
+            sinks = {"sink": sink}
+            if base is not None:
+                targets["base"] = base.endpoints.sink_stream
+                sinks["base"] = base
             for r in range(-1, rounds):  # round -1 warms up (discarded)
                 for variant in rotated(variants, max(r, 0)):
                     target, shape = variant.split()
@@ -67,13 +86,17 @@ def run(quick: bool, rounds: int) -> Section:
                     jobs = []
                     for _ in range(n_prod):
                         calls = [f"tp-{uuid.uuid4().hex[:12]}" for _ in range(n_calls)]
-                        if target == "sink":
-                            sink.authorize(calls)
+                        if target in sinks:
+                            sinks[target].authorize(calls)
                         jobs.append(["blast", targets[target], calls, 1, per_call, DATA])
                     extra: dict[zmq.Socket[bytes], Callable[[zmq.Socket[bytes]], None]] | None = \
-                        {sink.sock: sink.drain} if target == "sink" else None
+                        {sinks[target].sock: sinks[target].drain} if target in sinks else None
+                    pid = sinks[target].pid if target in sinks else 0
+                    cpu0 = sum(thread_cpu_seconds(pid).values()) if pid else 0.0
                     done = producers.run(jobs, extra)
                     n = per_call * n_prod * n_calls
+                    if pid and r >= 0:
+                        cpu[variant].append((sum(thread_cpu_seconds(pid).values()) - cpu0) / n)
                     rate, acked = _rate(done, n)
                     if acked != n_prod * n_calls:
                         raise RuntimeError(f"{variant}: {acked} of {n_prod * n_calls} finals "
@@ -87,15 +110,20 @@ def run(quick: bool, rounds: int) -> Section:
         finally:
             producers.close()
             sink.close()
-    _report(sec, results, stats)
+            if base is not None:
+                base.close()
+    _report(sec, results, cpu, stats)
     return sec
 
 
-def _report(sec: Section, results: dict[str, list[float]], stats: dict[str, Any]) -> None:
+def _report(sec: Section, results: dict[str, list[float]], cpu: dict[str, list[float]],
+            stats: dict[str, Any]) -> None:
     ref = {"ceil-nodb": "ref: ~570k–790k/s (with fence check)",
            "ceil-db": "ref: ~320k–370k/s", "sink": "ref: ~320k–370k/s (group commit)"}
     for variant, rates in results.items():
         target, shape = variant.split()
+        if target == "base":
+            continue  # in the notes, as ratios
         label = {"1p": "1 producer", "8p": "8 producers", "8x32": "8 producers × 32 calls"}[shape]
         name = {"ceil-nodb": "ceiling: ZMQ + msgpack", "ceil-db": "ceiling: + SQLite group commit",
                 "sink": "sink: fenced + persisted"}[target]
@@ -111,5 +139,15 @@ def _report(sec: Section, results: dict[str, list[float]], stats: dict[str, Any]
         sec.note(f"- sink ÷ ceiling (ZMQ + msgpack + SQLite), {shape}: median of per-round "
                  f"ratios {median(ratios):.2f}; per-round sink rates: "
                  + ", ".join(f"{x / 1e3:.0f}k" for x in results[f"sink {shape}"]))
+    sec.note("- the sink's CPU per delta (all its threads, schedstat), median: " + ", ".join(
+        f"{v} {median(c) * 1e6:.2f} µs" for v, c in cpu.items() if c))
+    for shape in [x for x in ("1p", "8p", "8x32") if f"base {x}" in results]:
+        ratios = [s / b for s, b in zip(results[f"sink {shape}"], results[f"base {shape}"],
+                                        strict=True)]
+        cpus = [s / b for s, b in zip(cpu[f"sink {shape}"], cpu[f"base {shape}"], strict=True)]
+        sec.note(f"- sink ÷ base ({sec.params['base tree']}), {shape}: deltas/s, median of "
+                 f"per-round ratios {median(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)})"
+                 f"; CPU per delta {median(cpus):.2f} ({', '.join(f'{r:.2f}' for r in cpus)}); "
+                 f"base rates: " + ", ".join(f"{x / 1e3:.0f}k" for x in results[f"base {shape}"]))
     sec.note(f"- sink counters after the runs: accepted {stats.get('accepted')}, dropped "
              f"{stats.get('dropped')}, rows {stats.get('db_rows')}, commits {stats.get('commits')}")

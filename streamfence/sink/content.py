@@ -100,8 +100,11 @@ class Content:
     def visible_chars(self) -> int:
         """What a user has seen of this attempt (`protocol.messages.visible_chars`,
         per accepted delta): the supervisor's "visible text delivered" test."""
-        return (sum(visible_chars(TEXT, d) for d in self.text)
-                + sum(visible_chars(REFUSAL, d) for d in self.refusal) + self.omitted_visible)
+        # Text and refusal deltas are str (sink/intake.py checks): each counts
+        # len(d.strip()), as visible_chars says, without a call per delta.
+        strip = str.strip
+        return (sum(map(len, map(strip, self.text))) + sum(map(len, map(strip, self.refusal)))
+                + self.omitted_visible)
 
     def tool_fragments(self) -> int:
         return len(self.tools)

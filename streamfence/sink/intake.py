@@ -8,8 +8,9 @@ takes the same messages as ZeroMQ frames, for tests and tools
 Per delta (`_take`): the fence check (`FenceTable.check`); on ACCEPT the
 call's next public seq, the public delta event built from pre-encoded
 pieces, queued for the store (`LiveCall.pending`, the call listed in
-`Commits.dirty`), the content accumulated and, if the call has listeners,
-the event queued for them after its commit (`Commits.outbox`). `_take` is
+`Commits.dirty`) and the content accumulated. Nothing per delta for the
+listeners: the commit hands each call's run to them whole
+(`Commits.flush_pending`). `_take` is
 one flat loop on purpose: an integer tag test, a dict lookup in the fence,
 list appends and pre-encoded byte pieces, every bound method a local.
 Refused deltas and bad frames are counted (sink/counters.py), never fatal;
@@ -56,12 +57,11 @@ class WorkerIntake:
         self._streams = streams
         self._state = state
         # What the hot path works on, bound once: each stays the same object for
-        # the process (`dirty` and `outbox` are only ever changed in place).
+        # the process (`dirty` is only ever changed in place).
         self._commits, self._counters = state.commits, state.counters
         self._check = state.calls.fence.check
         self._lives = state.calls.lives
         self._dirty_append = state.commits.dirty.append
-        self._outbox_append = state.commits.outbox.append
         self._pack = msgpack.Packer(use_bin_type=True, datetime=False).pack
 
     def _out_of_line(self, msg: Any, reply: Callable[[bytes], bool]) -> None:
@@ -97,7 +97,6 @@ class WorkerIntake:
         pack = self._pack
         tails = KIND_TAIL
         dirty_append = self._dirty_append
-        outbox_append = self._outbox_append
         n = 0
         try:
             for msg in msgs:
@@ -140,9 +139,6 @@ class WorkerIntake:
                 pending.append(event)
                 live.add[kind](data)
                 n += 1
-                subs = live.subs
-                if subs:
-                    outbox_append((subs, event))  # sent after its commit
         finally:
             commits.pending_events += n
             counters.accepted += n

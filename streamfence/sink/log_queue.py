@@ -54,7 +54,7 @@ RETRY_MAX_S = 1.0
 REMIND_EVERY_S = 10.0  # a lasting outage is logged again this often
 
 Step = Callable[[], None]
-Event = tuple[set[bytes], bytes]  # listeners, encoded event
+Event = tuple[set[bytes], list[bytes]]  # listeners, a run of encoded events
 
 
 @dataclass(slots=True)

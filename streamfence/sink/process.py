@@ -17,9 +17,8 @@ owns the sockets, the signals and the loop. The sink:
   (sink/replays.py); in cluster mode, the followed calls' records
   (sink/replica.py);
 - commits (sink/commits.py) when `COMMIT_EVERY` events are pending,
-  `COMMIT_AFTER_S` after the first, or when the input runs dry (at most once
-  per `IDLE_COMMIT_GAP_S`); what a commit stores is sent after it (durable
-  before visible);
+  `COMMIT_AFTER_S` after the first, or as soon as the input runs dry; what
+  a commit stores is sent after it (durable before visible);
 - prunes one retention batch when `Retention.due` has come
   (sink/retention.py);
 - waits out storage faults (a full disk, an I/O error, a lock held past the
@@ -75,7 +74,7 @@ from streamfence.protocol.lifecycle import (
     set_process_title,
 )
 from streamfence.protocol.logs import route_logs_to
-from streamfence.sink.commits import COMMIT_AFTER_S, COMMIT_EVERY, IDLE_COMMIT_GAP_S
+from streamfence.sink.commits import COMMIT_AFTER_S, COMMIT_EVERY
 from streamfence.sink.intake import WorkerIntake
 from streamfence.sink.peer import SupervisorPeer
 from streamfence.sink.routers import resync, router, send
@@ -161,7 +160,6 @@ class Sink:
         state, intake, subscribers = self.state, self.intake, self.subscribers
         commits, retention, replays, replica = (state.commits, state.retention, state.replays,
                                                 state.replica)
-        idle = True  # the input ran dry in the last drain
         replaying = False  # a replay could take more at the end of the last turn
         cluster_fd = -1  # cluster mode: the cluster answered, followed calls' records came
         reading = True  # the workers' input is read (cluster mode: room for its runs)
@@ -173,7 +171,7 @@ class Sink:
                 reading = not reading  # past the bound the workers' input waits
                 poller.register(streams_fd, zmq.POLLIN if reading else 0)
                 poller.register(self.sin, zmq.POLLIN if reading else 0)
-            ready = dict(poller.poll(self._timeout(idle, replaying)))
+            ready = dict(poller.poll(self._timeout(replaying)))
             if wake_fd in ready:  # plain fds come back as their fileno
                 self._drain_signals()
             if self.ctl in ready or self._held:
@@ -194,8 +192,7 @@ class Sink:
                 now = time.monotonic()
                 if commits.commit_due is None:
                     commits.commit_due = now + COMMIT_AFTER_S
-                if (commits.pending_events >= COMMIT_EVERY or now >= commits.commit_due
-                        or (idle and now >= commits.last_commit + IDLE_COMMIT_GAP_S)):
+                if idle or commits.pending_events >= COMMIT_EVERY or now >= commits.commit_due:
                     commits.commit()
             if retention.due is not None and time.monotonic() >= retention.due:
                 retention.prune()
@@ -203,7 +200,7 @@ class Sink:
             if time.monotonic() >= subscribers.due:  # pings, revoked keys' listeners
                 replays.drop(subscribers.tick())
 
-    def _timeout(self, idle: bool, replaying: bool) -> int:
+    def _timeout(self, replaying: bool) -> int:
         """How long the next poll may wait (ms): until the next thing due."""
         commits, subscribers = self.state.commits, self.subscribers
         if replaying or self._held:
@@ -212,10 +209,8 @@ class Sink:
             timeout = max(0, int((subscribers.due - time.monotonic()) * 1000) + 1)
         else:
             timeout = IDLE_POLL_MS
-        if commits.commit_due is not None:
-            due = min(commits.commit_due, commits.last_commit + IDLE_COMMIT_GAP_S) \
-                if idle else commits.commit_due
-            timeout = min(timeout, max(0, int((due - time.monotonic()) * 1000) + 1))
+        if commits.commit_due is not None:  # (pending, not idle: the input has more)
+            timeout = min(timeout, max(0, int((commits.commit_due - time.monotonic()) * 1000) + 1))
         prune_due = self.state.retention.due
         if self.state.replica is not None:  # the cluster's tries again
             prune_due = min(prune_due or math.inf, self.state.replica.queue.due())

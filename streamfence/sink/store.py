@@ -4,7 +4,7 @@ sink/transcript.py's; the store writes that format and reads through it.
 
 Checkpoints: the writer connection has auto-checkpoint off; a `Checkpointer`
 thread (sink/checkpoints.py) with its own connection runs PASSIVE
-checkpoints every 0.25 s.
+checkpoints, at most one a second.
 
 Commit policy (driven by the sink loop): deltas are group-committed (1000
 events, the input running dry, or 5 ms) and their events are published only
@@ -289,6 +289,11 @@ class TranscriptStore:
         def write() -> None:
             if conn.in_transaction:  # an earlier try's ROLLBACK failed
                 conn.execute("ROLLBACK")
+            if len(rows) == 1 and not (epochs or done):
+                # A model's pace: one run. One statement is its own transaction
+                # (autocommit): BEGIN and COMMIT would be two more per delta.
+                conn.execute(_INSERT_EVENTS, rows[0])
+                return
             conn.execute("BEGIN")
             try:
                 if rows:

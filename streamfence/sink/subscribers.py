@@ -98,7 +98,7 @@ _REVOKED = encode(error_msg(None, ErrorCode.KEY_REVOKED,
                             "the key of this connection was revoked or rotated: nothing more "
                             "is sent on it; connect again with valid credentials"))
 
-Outbox = list[tuple[set[bytes], bytes]]  # (the call's listeners, one event) after its commit
+Outbox = list[tuple[set[bytes], list[bytes]]]  # (a call's listeners, its run) after its commit
 Cuts = list[tuple[bytes, list[bytes]]]  # (listener, the events it was not sent, in order)
 
 
@@ -214,24 +214,20 @@ class Subscribers:
         return self.shares.drop(listener)
 
     def deliver(self, outbox: Outbox) -> Cuts:
-        """The events of one commit, to their calls' listeners: one frame per
-        listener (a batch when it has several). Returns the listeners that had
-        no room, with the events they were not sent (to be cut off)."""
+        """The runs of one commit, to their calls' listeners: one frame per
+        listener (a batch when it has several events). Returns the listeners
+        that had no room, with the events they were not sent (to be cut off)."""
         cuts: Cuts = []
-        if len(outbox) == 1:  # a model's pace: one event per commit
-            subs, event = outbox[0]
-            for listener in subs:
-                if self._frame(listener, event, 1, live=True) is False:
-                    cuts.append((listener, [event]))
-            return cuts
-        by_listener: dict[bytes, list[bytes]] = {}
-        for subs, event in outbox:
-            for listener in subs:
-                got = by_listener.get(listener)
-                if got is None:
-                    by_listener[listener] = [event]
-                else:
-                    got.append(event)
+        if len(outbox) == 1:  # one call's run (at a model's pace: one event)
+            by_listener = dict.fromkeys(outbox[0][0], outbox[0][1])
+        else:
+            by_listener = {}
+            for subs, events in outbox:  # per call run, never per event
+                for listener in subs:
+                    got = by_listener.get(listener)
+                    if got is None:
+                        by_listener[listener] = got = []
+                    got += events
         for listener, events in by_listener.items():
             n = self._events(listener, events, live=True)
             if 0 <= n < len(events):
@@ -258,13 +254,15 @@ class Subscribers:
         if total == 1:
             sent = self._frame(listener, events[0], 1, live)
             return -1 if sent is None else int(sent)
+        whole = sum(map(len, events)) if total <= BATCH_MAX else BATCH_BYTES + 1
         start = 0
         while start < total:
             room = self.room(listener)
             if room <= 0:
                 return start
             limit = min(room, BATCH_BYTES)
-            end, size = start, 0
+            # All in one frame, the common case, is seen without a loop per event.
+            end, size = (total, whole) if start == 0 and whole <= limit else (start, 0)
             while end < total and end - start < BATCH_MAX and size < limit:
                 size += len(events[end])
                 end += 1
