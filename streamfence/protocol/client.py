@@ -328,14 +328,13 @@ class Client(ClientBase):
 
     @staticmethod
     def _drain(sock: zmq.Socket[bytes], route: Callable[[list[bytes]], bool]) -> bool:
-        """Route what `sock` holds; True (and stop) at a reply someone awaits."""
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return False
-            if route(frames):
+        """Route what `sock` holds; True (and stop) at a reply someone awaits.
+        Its state is looked at before each receive: a zmq.Again per pass costs
+        more than the look."""
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator, arg-type]
+            if route(sock.recv_multipart(zmq.NOBLOCK)):
                 return True
+        return False
 
     def _read_link(self) -> None:
         """Tell the core what the request socket's monitor saw (client_monitor);
