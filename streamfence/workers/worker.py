@@ -6,7 +6,8 @@ Duties:
 2. Stamp the attempt on every log record (streamfence.protocol.logs), run the attempt
    through its profile's adapter (workers/registry.py), and push each delta to the
    sink as (call, attempt, seq, kind, data) with seq contiguous from 1, over
-   one stream connection (workers/sink_channel.py).
+   one stream connection (workers/sink_channel.py); the deltas of one
+   provider read in one write, before the next read (`SinkOutput.reads`).
 3. Touch the liveness row on every real chunk (streamfence.workers.liveness).
 4. Send T_FINAL with the last seq and the outcome, and count the attempt done
    only when the sink acknowledges it (a stream's end proves nothing; a PUSH
