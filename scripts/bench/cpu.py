@@ -19,13 +19,18 @@ Three shapes: `burst` (no delay: the emulator writes 64 KiB batches), `paced`
 (N such streams at once: the SDK loop in N threads of this process, against N
 calls submitted to the daemon; openai pair only). The emulator's own CPU is
 measured around every run and reported, never summed. µs/delta is CPU seconds /
-chunks; c/a is the median of the per-round ratios sf-openai / openai-sdk. The
-daemon keeps N + 2 warm workers; every variant runs once unmeasured first.
+chunks; c/a is the median of the per-round ratios sf-openai / openai-sdk,
+against issue 32's targets (≤ 1.2 at one paced stream, ≤ 1.0 otherwise).
+Beside the CPU, the notes count how often each process's threads were put
+on a CPU per delta (schedstat: wake-ups, plus preemptions when loaded), the
+figure a paced stream's cost follows. The daemon keeps N + 2 warm workers;
+every variant runs once unmeasured first.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -49,6 +54,7 @@ from scripts.bench.common import (
     providers_for,
     realistic_text,
     rotated,
+    tree,
     wait_idle,
 )
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
@@ -175,6 +181,8 @@ class Runner:
         emu_meter = CpuMeter([self.emu_pid])
         status = self.sf.status() if in_daemon else None
         gc.collect()
+        pids = [*tree(self.daemon_pid), os.getpid()] if in_daemon else [os.getpid()]
+        slices0 = _timeslices(pids)
         daemon_meter.start()
         emu_meter.start()
         own0 = time.process_time()
@@ -186,18 +194,44 @@ class Runner:
             time.sleep(0.03)  # the worker's last steps (W_IDLE, its log line) after the done
         daemon_meter.stop()
         emu_meter.stop()
+        slices1 = _timeslices(pids)
         for one in got:
             if one != text:
                 raise RuntimeError(f"{variant}: received {len(one)} chars, scripted {len(text)}")
         by_role: dict[str, float] = {"client": own_s}
+        roles = {os.getpid(): "client"}
         if in_daemon and status is not None:
-            roles = daemon_roles(status)
+            roles.update(daemon_roles(status))
             roles[self.daemon_pid] = "supervisor"
             for pid, used in daemon_meter.used.items():
                 role = roles.get(pid, "other")
                 by_role[role] = by_role.get(role, 0.0) + used
+        wakeups: dict[str, int] = {}
+        for pid, n in slices1.items():
+            role = roles.get(pid, "other")
+            wakeups[role] = wakeups.get(role, 0) + n - slices0.get(pid, 0)
         return {"cpu": sum(by_role.values()), "by_role": by_role, "wall": wall_s,
-                "emu": emu_meter.total()}
+                "emu": emu_meter.total(), "wakeups": wakeups}
+
+
+def _timeslices(pids: list[int]) -> dict[int, int]:
+    """Times each process's threads were put on a CPU (the third figure of
+    /proc/PID/task/TID/schedstat), summed by process: at a model's pace one
+    per wake-up, plus the preemptions of a loaded machine. A thread that
+    ended meanwhile is not seen."""
+    out: dict[int, int] = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    out[pid] = out.get(pid, 0) + int(f.read().split()[2])
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
 
 
 def _idle_rate(runner: Runner, seconds: float) -> float:
@@ -267,7 +301,8 @@ def _report(sec: Section, pace: str, deltas: int, delay: float,
         ratio = median([c["cpu"] / a["cpu"] for c, a in
                         zip(results[ours], results[theirs], strict=True)])
         if ours == "sf-openai":
-            sec.row(f"{name} ({pace})", f"{ratio:.2f}", "≤ 1.0", "", ratio <= 1.0)
+            target = 1.2 if pace == "paced" else 1.0  # issue 32: 1 paced stream / many / burst
+            sec.row(f"{name} ({pace})", f"{ratio:.2f}", f"≤ {target}", "", ratio <= target)
         else:
             sec.row(f"{name} ({pace})", f"{ratio:.2f}")
     every = [r for v in results for r in results[v]]
@@ -280,7 +315,15 @@ def _report(sec: Section, pace: str, deltas: int, delay: float,
     for role in roles:
         value = median([r["by_role"].get(role, 0.0) for r in results["sf-openai"]]) / deltas
         parts.append(f"{role} {value * 1e6:.1f}")
+    wakes = ", ".join(
+        f"{role} {median([r['wakeups'].get(role, 0) for r in results['sf-openai']]) / deltas:.2f}"
+        for role in sorted({k for r in results["sf-openai"] for k in r["wakeups"]}))
+    # The SDK's threads of a paced ×N run have ended before they are read: not counted.
+    sdk_wakes = (f"{median([r['wakeups'].get('client', 0) for r in results['openai-sdk']]) / deltas:.2f}"
+                 if "×" not in pace else "not counted")
     wall = median([r["wall"] for r in results["sf-openai"]])
     sec.note(f"- sf-openai, {label}: µs/delta by process (medians): {', '.join(parts)}; "
              f"wall {wall:.2f} s per run; the idle daemon burns {idle * 1e3:.1f} ms CPU/s "
-             f"(= {idle * wall / deltas * 1e6:.1f} µs/delta of this run's wall time).")
+             f"(= {idle * wall / deltas * 1e6:.1f} µs/delta of this run's wall time); "
+             f"threads put on a CPU per delta (wake-ups and preemptions, medians): {wakes} "
+             f"(openai-sdk: {sdk_wakes}).")

@@ -272,7 +272,7 @@ def stream_messages(client: anthropic.Anthropic, request: dict[str, Any], out: A
     chunk, feed, loads = out.chunk, asm.feed, orjson.loads
     try:
         with no_sdk_retries(client).messages.with_streaming_response.create(**kwargs) as resp:
-            events = sse_events(resp.http_response)
+            events = sse_events(resp.http_response, out)
             if events is None:  # a whole message
                 body = resp.http_response.read()
                 chunk(len(body))

@@ -144,14 +144,17 @@ def raised_here(exc: BaseException, module_file: str) -> bool:
     return tb is not None and tb.tb_frame.f_code.co_filename in (module_file, __file__)
 
 
-def sse_events(http: httpx2.Response) -> Iterator[tuple[bytes | None, bytes | None]] | None:
-    """The body's SSE events; None when it is one JSON document (stream=True ignored)."""
+def sse_events(http: httpx2.Response, out: AttemptOutput
+               ) -> Iterator[tuple[bytes | None, bytes | None]] | None:
+    """The body's SSE events, its reads passed through `out.reads`; None when it
+    is one JSON document (stream=True ignored)."""
     ctype = http.headers.get("content-type", "")
     if "json" in ctype and "event-stream" not in ctype:
         return None
     # iter_raw skips httpx2's decoder and re-chunker layers (~10% of the per-read cost).
     encoding = http.headers.get("content-encoding", "identity").lower()
-    return iter_sse_events(http.iter_raw() if encoding in ("", "identity") else http.iter_bytes())
+    return iter_sse_events(out.reads(http.iter_raw() if encoding in ("", "identity")
+                                     else http.iter_bytes()))
 
 
 def json_body(body: bytes, what: str) -> dict[str, Any]:

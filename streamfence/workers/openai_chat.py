@@ -282,7 +282,7 @@ def stream_chat(client: openai.OpenAI, request: dict[str, Any], out: AttemptOutp
     chunk, feed, loads = out.chunk, asm.feed, orjson.loads
     try:
         with no_sdk_retries(client).chat.completions.with_streaming_response.create(**kwargs) as resp:
-            events = sse_events(resp.http_response)
+            events = sse_events(resp.http_response, out)
             if events is None:  # a whole completion
                 body = resp.http_response.read()
                 chunk(len(body))

@@ -12,7 +12,10 @@ next piece of `arguments` (the receiver appends). So a receiver only ever
 assigns or appends; all provider quirks are the adapter's business. When an
 exception ends the attempt, the adapter reports it once with `failed(exc)` (the
 worker keeps where it was raised, for the log: ARCHITECTURE §4.9) and returns
-the outcome it classified it into.
+the outcome it classified it into. An adapter that reads its provider's body
+itself passes the raw reads through `reads(...)`: the output may then hold
+the deltas parsed from one read and write them together, before the next
+read blocks (never later: a delta is never held while the provider is quiet).
 
 The worker implements this and pushes to the sink; RecordingOutput keeps
 everything in memory (tests, and the zygote's warm-up).
@@ -20,6 +23,7 @@ everything in memory (tests, and the zygote's warm-up).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 from streamfence.protocol.messages import DeltaKind, visible_chars
@@ -43,6 +47,9 @@ class AttemptOutput(Protocol):
     def failed(self, exc: BaseException) -> None:
         """`exc` ended the attempt (its outcome carries the classified error)."""
 
+    def reads(self, reads: Iterable[bytes]) -> Iterator[bytes]:
+        """The provider's raw body reads, passed through (module docstring)."""
+
 
 class RecordingOutput:
     """An AttemptOutput that records everything, with the sink's assembly rules."""
@@ -62,6 +69,9 @@ class RecordingOutput:
 
     def failed(self, exc: BaseException) -> None:
         self.exc = exc
+
+    def reads(self, reads: Iterable[bytes]) -> Iterator[bytes]:
+        return iter(reads)
 
     def joined(self, kind: str) -> str:
         return "".join(d for k, d in self.deltas if k == kind)

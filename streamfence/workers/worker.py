@@ -6,7 +6,8 @@ Duties:
 2. Stamp the attempt on every log record (streamfence.protocol.logs), run the attempt
    through its profile's adapter (workers/registry.py), and push each delta to the
    sink as (call, attempt, seq, kind, data) with seq contiguous from 1, over
-   one stream connection (workers/sink_channel.py).
+   one stream connection (workers/sink_channel.py); the deltas of one
+   provider read in one write, before the next read (`SinkOutput.reads`).
 3. Touch the liveness row on every real chunk (streamfence.workers.liveness).
 4. Send T_FINAL with the last seq and the outcome, and count the attempt done
    only when the sink acknowledges it (a stream's end proves nothing; a PUSH
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -84,11 +86,18 @@ class SinkOutput:
     it can go on at the restarted one the same way: T_HELLO first on the new
     connection, then the deltas after the seq the answer names. Answered 0,
     or with the deltas not kept, it is `over`: it writes nothing more and
-    the supervisor ends it."""
+    the supervisor ends it.
 
-    __slots__ = ("_call_id", "_chan", "_first_wait_s", "_kept", "_kept_bytes", "_live",
-                 "_rebinding", "_send", "_slot", "_token", "attempt", "exc", "first_chunk_ns",
-                 "over", "seq", "visible")
+    Within `reads` (the provider's body reads, passed through) the deltas
+    parsed from one read are held and written in one piece when the adapter
+    asks for the next read, before it blocks: one write and one wake-up of
+    the sink per read rather than per delta, and no delta waits for the
+    provider (a delta after an idle gap goes out as soon as its read is
+    parsed; docs/PERFORMANCE.md, issue 32: wake-ups)."""
+
+    __slots__ = ("_call_id", "_chan", "_first_wait_s", "_held", "_holding", "_kept",
+                 "_kept_bytes", "_live", "_rebinding", "_send", "_slot", "_token", "attempt",
+                 "exc", "first_chunk_ns", "over", "seq", "visible")
 
     def __init__(self, sink: SinkChannel, call_id: str, attempt: int, token: int,
                  live: LivenessTable, slot: int) -> None:
@@ -106,6 +115,8 @@ class SinkOutput:
         self.visible = False  # any visible text yet (the failure line says so)
         self.first_chunk_ns = 0
         self.exc: BaseException | None = None
+        self._holding = False  # inside `reads`: frames wait in _held for the read's end
+        self._held: list[bytes] = []
         sink.lost = False  # what broke before this attempt concerns no one
         # The start hello: its answer is in long before the provider's first
         # chunk, so the first delta rarely waits (and never past _first_wait_s).
@@ -133,10 +144,33 @@ class SinkOutput:
             wait_s, self._first_wait_s = self._first_wait_s, 0.0
             self._go_on(wait_s)  # held: sent once the sink answers the hello
             return
+        if self._holding:
+            self._held.append(frame)
+            return
         self._send(frame)
 
     def failed(self, exc: BaseException) -> None:
         self.exc = exc
+
+    def reads(self, reads: Iterable[bytes]) -> Iterator[bytes]:
+        """The provider's reads; what each one's deltas wrote goes out in one
+        piece before the next read (class docstring)."""
+        self._holding = True
+        try:
+            for data in reads:
+                yield data
+                self._write_held()
+        finally:
+            self._holding = False
+            self._write_held()
+
+    def _write_held(self) -> None:
+        held = self._held
+        if held:
+            # Frames held only while the connection was fine (delta()); if it
+            # broke since, the deltas go again from _kept after the hello.
+            self._send(held[0] if len(held) == 1 else b"".join(held))
+            held.clear()
 
     def _go_on(self, wait_s: float = 0.0) -> None:
         """While a hello is out (or after a lost connection: say hello again),
@@ -192,6 +226,8 @@ class SinkOutput:
         False if the sink refused it or the attempt is over; no ack within
         `timeout_s`: exit with ExitCode.SINK_UNREACHABLE."""
         deadline = time.monotonic() + timeout_s
+        self._holding = False  # an adapter that stopped reading early left its reads open
+        self._write_held()
         while True:
             self._go_on(max(0.0, deadline - time.monotonic()))
             if self.over:

@@ -2,7 +2,7 @@
 
 A worker writes to the sink's AF_UNIX stream socket "sink.stream" msgpack
 arrays back to back (msgpack is its own framing; workers/sink_channel.py,
-sink/streams.py); "sink.in" takes the same messages one ZeroMQ frame each
+sink/streams.py), the deltas of one provider read in one write; "sink.in" takes the same messages one ZeroMQ frame each
 (tests, tools). Each message has one builder (`*_frame`) and one parser
 (`parse_*`); a parser takes the decoded array (`codec.untrusted_unpacker` or
 `codec.decode_untrusted`: it comes from another process) and raises only
