@@ -39,16 +39,25 @@ proxy) plus this process's own (the client side), each also shown apart,
 divided by the deltas delivered (medians over rounds). The emulator's CPU
 is measured and never summed.
 
+Unpaced (issue 32): one stream of UNPACED_CHUNKS chunks the emulator writes
+with no delay, read by each variant: deltas per second to the one client,
+request -> its last delta (the whole stream as the app sees it), per round
+as a ratio to `sdk-direct` in the same round.
+
 Targets (issue 15): the gateway adds ≤ 5 ms to the median TTFT and costs
 ≤ 1.3× the CPU per delta of the ZeroMQ path. What the gateway adds is
 `sse-gateway` against `zmq-client` (client side included on both): the
-verdicts are computed there. Also reported, without a verdict, what an app
-sees when it moves its SDK from the provider to the daemon (sdk-gateway −
-sdk-direct: the whole daemon path, the journal's commit before `accepted`,
-the worker and the sink's commit before an event goes out, not the
-gateway's alone) and the SDK variants' CPU ratios (the openai SDK's own
-parse is ~3x the ZeroMQ client's, and an app pays it against the provider
-too). Reported, never asserted.
+verdicts are computed there. Issue 32 adds the app's view, against the bare
+SDK in the same run: `sdk-gateway` CPU per delta ÷ `sdk-direct`'s ≤ 2.0 at
+one stream and ≤ 1.5 at 32 (medians of per-round ratios; the daemon's whole
+tree counts: worker, sink, supervisor and gateway), the burst of 32's TTFT
+p50 ÷ `sdk-direct`'s ≤ 1.25, unpaced deltas/s ÷ `sdk-direct`'s ≥ 0.9
+(`zmq-client` ≥ 1.0), and the burst's added TTFT of the gateway (above) ≤ 5
+ms; LiteLLM's ratios are printed beside them. `sdk-gateway` − `sdk-direct`
+is the whole daemon path (the journal's commit before `accepted`, the
+worker and the sink's commit before an event goes out), not the gateway's
+alone; the openai SDK's own parse is ~3x the ZeroMQ client's, and an app
+pays it against the provider too. Reported, never asserted.
 """
 
 from __future__ import annotations
@@ -103,6 +112,11 @@ DELAY_S = 0.02
 CHUNKS = 50
 ADDED_P50_TARGET_S = 0.005
 CPU_RATIO_TARGET = 1.3
+UNPACED = "unpaced"  # a level: one stream of UNPACED_CHUNKS chunks with no delay
+UNPACED_CHUNKS = 2000
+SDK_CPU_TARGET = {1: 2.0, 32: 1.5}  # issue 32: sdk-gateway ÷ sdk-direct, CPU per delta
+SDK_BURST_TTFT_TARGET = 1.25  # issue 32: sdk-gateway ÷ sdk-direct, TTFT p50 at 32
+UNPACED_TARGET = {"sdk-gateway": 0.9, "zmq-client": 1.0}  # issue 32: ÷ sdk-direct, deltas/s
 LITELLM_ENV = "SF_BENCH_LITELLM"
 
 
@@ -336,12 +350,12 @@ class Bench:
         if self.litellm is not None:
             self.litellm.close()
 
-    def _calls(self, n: int, chunks: int, text: str, prefix: str) -> list[Call]:
+    def _calls(self, n: int, chunks: int, text: str, prefix: str, delay: float) -> list[Call]:
         calls = []
         for _ in range(n):
             key = f"gw-{uuid.uuid4().hex[:10]}"
             self.control.script(key, [{"fault": "ok", "chunks": chunks,
-                                       "chunk_delay_s": DELAY_S, "text": text}])
+                                       "chunk_delay_s": delay, "text": text}])
             calls.append(Call(prefix + f"emu-model#{key}", key))
         return calls
 
@@ -363,11 +377,11 @@ class Bench:
         raw = self.raw
         return "", lambda calls: zmq_streams(raw, calls), self.daemon_pid
 
-    def run(self, variant: str, streams: int, reps: int, chunks: int,
-            text: str) -> dict[str, Any]:
+    def run(self, variant: str, streams: int, reps: int, chunks: int, text: str,
+            delay: float = DELAY_S) -> dict[str, Any]:
         """`reps` batches of `streams` concurrent calls, one batch after the other."""
         prefix, fn, middle_pid = self._runner(variant)
-        batches = [self._calls(streams, chunks, text, prefix) for _ in range(reps)]
+        batches = [self._calls(streams, chunks, text, prefix, delay) for _ in range(reps)]
         through_daemon = middle_pid == self.daemon_pid
         roles = daemon_roles(self.status.status()) if through_daemon else {}
         roles[self.daemon_pid] = "supervisor"
@@ -400,6 +414,7 @@ class Bench:
                 by_role[role] = by_role.get(role, 0.0) + used
         deltas = sum(c.pieces for c in calls)
         return {"ttft": [c.first - c.t0 for c in calls],
+                "rate": [c.pieces / (c.last - c.t0) for c in calls],
                 "to_emu": [at_emu[c.key] - c.w0 for c in calls if c.key in at_emu],
                 "from_emu": [c.wfirst - at_emu[c.key] for c in calls if c.key in at_emu],
                 "middle": middle.total(), "client": own, "deltas": deltas, "wall": wall,
@@ -421,6 +436,7 @@ def run(quick: bool, rounds: int) -> Section:
                   "LiteLLM": f"{exe} ({how})" if exe else "not run",
                   "RLIMIT_NOFILE": raise_fd_limit()}
     text = realistic_text(CHUNKS)
+    fast_text = _unpaced_text(UNPACED_CHUNKS)
     spare = max(LEVELS) + 2
     gw_port = _free_port()
     with emulator() as emu, _daemon(emu, gw_port, spare) as proc, \
@@ -438,8 +454,8 @@ def run(quick: bool, rounds: int) -> Section:
                 exe, how = None, f"{exe} did not start: {exc}"[:400]
                 sec.params["LiteLLM"] = "not run"
         variants = BASE_VARIANTS + ((LITELLM,) if lite is not None else ())
-        results: dict[int, dict[str, list[dict[str, Any]]]] = {
-            n: {v: [] for v in variants} for n in LEVELS}
+        results: dict[int | str, dict[str, list[dict[str, Any]]]] = {
+            n: {v: [] for v in variants} for n in (*LEVELS, UNPACED)}
         wait_idle(proc, spare)
         bench = Bench(emu, proc, f"http://127.0.0.1:{gw_port}", lite, lite_url, lite_key)
         try:
@@ -457,13 +473,28 @@ def run(quick: bool, rounds: int) -> Section:
                         f"{v} p50 {percentile(sorted(results[n][v][-1]['ttft']), 50) * 1e3:.1f}"
                         f" ms, {_per_delta(results[n][v][-1]) * 1e6:.0f} µs/delta"
                         for v in variants))
+                for v in rotated(variants, r):
+                    results[UNPACED][v].append(bench.run(v, 1, 1, UNPACED_CHUNKS, fast_text,
+                                                         delay=0.0))
+                    bench.settle()
+                log(f"  gateway round {r + 1}/{rounds}, unpaced: " + ", ".join(
+                    f"{v} {results[UNPACED][v][-1]['rate'][0]:,.0f} deltas/s" for v in variants))
         finally:
             bench.close()
     if not exe:
         sec.row("sdk-litellm (LiteLLM's proxy)", f"not run: {how}")
     for n in LEVELS:
         _report(sec, n, reps, variants, results[n])
+    _report_unpaced(sec, variants, results[UNPACED])
     return sec
+
+
+def _unpaced_text(chunks: int) -> str:
+    """`chunks` pieces of 5 characters, no two in a row alike: LiteLLM's proxy fails
+    a stream that repeats a chunk ~100 times (realistic_text pads with dots)."""
+    words = ("the  ", "model", " says", " hé  ", "llo, ", " worl", "d —  ", " and ", " then",
+             " 日本  ", " tex ", "t.   ", " ok  ")
+    return "".join(words[i % len(words)] for i in range(chunks))
 
 
 def _per_delta(res: dict[str, Any]) -> float:
@@ -472,6 +503,63 @@ def _per_delta(res: dict[str, Any]) -> float:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
+
+
+def _vs_direct(res: dict[str, list[dict[str, Any]]], variant: str,
+               measure: Callable[[dict[str, Any]], float]) -> float:
+    """The median over rounds of `measure` of `variant` ÷ of sdk-direct, per round."""
+    return median([measure(v) / measure(d) for v, d in
+                   zip(res[variant], res["sdk-direct"], strict=True)])
+
+
+def _beside(variants: tuple[str, ...], value: Callable[[str], float]) -> str:
+    return f" (LiteLLM {value(LITELLM):.2f})" if LITELLM in variants else ""
+
+
+def _report_sdk(sec: Section, n: int, variants: tuple[str, ...],
+                res: dict[str, list[dict[str, Any]]]) -> None:
+    """Issue 32's rows: the openai SDK through the gateway against the bare SDK."""
+    label = f"{n} stream{'s' if n > 1 else ''}"
+
+    def cpu(v: str) -> float:
+        return _vs_direct(res, v, _per_delta)
+
+    ratio, target = cpu("sdk-gateway"), SDK_CPU_TARGET[n]
+    sec.row(f"{label}: CPU/delta sdk-gateway ÷ sdk-direct (issue 32: the daemon's whole "
+            "tree and the SDK, against the SDK alone)", f"{ratio:.2f}{_beside(variants, cpu)}",
+            f"≤ {target}", "", ratio <= target)
+    if n < max(LEVELS):
+        return
+
+    def ttft(v: str) -> float:
+        return _vs_direct(res, v, lambda r: percentile(sorted(r["ttft"]), 50))
+
+    ratio = ttft("sdk-gateway")
+    sec.row(f"{label}: TTFT p50 sdk-gateway ÷ sdk-direct (issue 32; per-round ratios' "
+            "median)", f"{ratio:.2f}{_beside(variants, ttft)}", f"≤ {SDK_BURST_TTFT_TARGET}",
+            "", ratio <= SDK_BURST_TTFT_TARGET)
+
+
+def _report_unpaced(sec: Section, variants: tuple[str, ...],
+                    res: dict[str, list[dict[str, Any]]]) -> None:
+    """Issue 32: deltas/s of one unpaced stream to one client, ÷ the bare SDK's."""
+    def rate(v: str) -> float:
+        return _vs_direct(res, v, lambda r: float(r["rate"][0]))
+
+    label = f"unpaced, 1 stream × {UNPACED_CHUNKS} chunks"
+    sec.row(f"{label}: deltas/s (request → last delta) " + " / ".join(variants),
+            " / ".join(f"{median([r['rate'][0] for r in res[v]]):,.0f}" for v in variants))
+    for v, target in UNPACED_TARGET.items():
+        ratio = rate(v)
+        sec.row(f"{label}: deltas/s {v} ÷ sdk-direct (issue 32)",
+                f"{ratio:.2f}{_beside(variants, rate) if v == 'sdk-gateway' else ''}",
+                f"≥ {target}", "", ratio >= target)
+    per_round = "; ".join(f"{v} " + ", ".join(f"{r['rate'][0]:,.0f}" for r in res[v])
+                          for v in variants)
+    cpu = ", ".join(f"{v} {median([_per_delta(r) for r in res[v]]) * 1e6:.0f}"
+                    for v in variants)
+    sec.note(f"- unpaced, 1 stream × {UNPACED_CHUNKS} chunks: per-round deltas/s: "
+             f"{per_round}. CPU µs/delta (medians; between + client): {cpu}.")
 
 
 def _report(sec: Section, n: int, reps: int, variants: tuple[str, ...],
@@ -490,7 +578,7 @@ def _report(sec: Section, n: int, reps: int, variants: tuple[str, ...],
                 f"CPU {total * 1e6:,.0f} µs/delta (between {cpu(v, 'middle') * 1e6:,.0f} + "
                 f"client {cpu(v, 'client') * 1e6:,.0f})")
     hop = p50["sse-gateway"] - p50["zmq-client"]
-    sec.row(f"{label}: added p50 TTFT by the gateway, sse-gateway − zmq-client",
+    sec.row(f"{label}: added p50 TTFT by the gateway, sse-gateway − zmq-client (issues 15, 32)",
             f"{hop * 1e3:+.1f} ms", f"≤ {ADDED_P50_TARGET_S * 1e3:.0f} ms", "",
             hop <= ADDED_P50_TARGET_S)
     ratio = median([_per_delta(g) / _per_delta(z) for g, z in
@@ -510,6 +598,7 @@ def _report(sec: Section, n: int, reps: int, variants: tuple[str, ...],
         sec.row(f"{label}: CPU/delta sdk-gateway ÷ sdk-litellm", f"{lite:.2f}")
         sec.row(f"{label}: p50 TTFT sdk-gateway − sdk-litellm",
                 f"{(p50['sdk-gateway'] - p50[LITELLM]) * 1e3:+.1f} ms")
+    _report_sdk(sec, n, variants, res)
 
     def rng(v: str) -> str:
         vals = [percentile(sorted(r["ttft"]), 50) * 1e3 for r in res[v]]
