@@ -293,11 +293,19 @@ class Gateway:
         """The SSE response, prepared (its head goes out with the first frames)."""
         if resume and ARMED:
             failpoint("gateway.replay_to_live")
-        response = web.StreamResponse(headers={
+        response = _SseResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             CALL_HEADER: call_id})
         await response.prepare(request)
         return response
+
+
+class _SseResponse(web.StreamResponse):
+    """A StreamResponse whose head waits for its first write (aiohttp's Response
+    does so; a StreamResponse sends it at prepare): the first frames are ready
+    when it is prepared, so head and frames leave in one send."""
+
+    _send_headers_immediately = False
 
 
 _TEXTS = {"text": "content", "reasoning": "reasoning", "refusal": "refusal"}
