@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import subprocess
 import time
 import urllib.request
@@ -212,6 +213,47 @@ def test_a_reconnect_with_last_event_id_gets_exactly_the_rest(gateway: Gateway,
     assert ids == sorted(set(ids)), ids  # no repeat
     sent = emu.log("resume")
     assert len(sent) == 1 and _content(first) + _content(rest) == sent[0]["text"]
+
+
+def _http_chunks(gateway: Gateway, key: str, headers: dict[str, str]) -> list[bytes]:
+    """A streaming POST on a raw socket: the body's chunks of the chunked
+    encoding as they were framed (each one write of the gateway), to the end."""
+    body = json.dumps({"model": f"oa/gpt-emu#{key}", "messages": QUESTION,
+                       "stream": True}).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in {
+        "Host": "gateway", "Authorization": f"Bearer {gateway.key}",
+        "Content-Type": "application/json", "Content-Length": str(len(body)),
+        **headers}.items())
+    with socket.create_connection(("127.0.0.1", int(gateway.url.rsplit(":", 1)[1])),
+                                  timeout=30.0) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\n{head}\r\n".encode() + body)
+        reply = sock.makefile("rb")
+        assert b" 200 " in reply.readline()
+        while reply.readline() not in (b"\r\n", b""):
+            pass
+        chunks = []
+        while size := int(reply.readline().split(b";")[0], 16):
+            chunks.append(reply.read(size))
+            assert reply.read(2) == b"\r\n"
+    return chunks
+
+
+def test_events_that_came_together_go_out_in_one_write(gateway: Gateway,
+                                                       emu: EmulatorClient) -> None:
+    """Issue 32: a call read again from seq 1 (its Idempotency-Key again, the
+    call ended) comes from the daemon in a few messages, and the gateway
+    writes each batch of events at once (one HTTP chunk, one read for the
+    client), the done's frames with the response's end: the same frames
+    as the live stream, in far fewer chunks than frames."""
+    emu.script("batched", [{"fault": "ok", "chunks": 40}])
+    headers = {"Idempotency-Key": "batched-1"}
+    live = _http_chunks(gateway, "batched", headers)
+    again = _http_chunks(gateway, "batched", headers)
+    frames, live_frames = _frames(b"".join(again)), _frames(b"".join(live))
+    assert [seq for seq, _ in frames] == [seq for seq, _ in live_frames]
+    assert frames[-1][1] == "[DONE]"
+    assert _content(frames) == _content(live_frames) == emu.log("batched")[0]["text"]
+    assert len(again) < len(frames) / 4, (len(again), len(frames))
 
 
 def test_a_client_that_goes_away_cancels_its_call(gateway: Gateway,

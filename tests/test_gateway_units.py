@@ -1,5 +1,6 @@
 """The gateway's pure parts: the `[http]` table, routing a model to a
-profile, and the HTTP keys derived from an identity's credentials."""
+profile, the HTTP keys derived from an identity's credentials, and the
+OpenAI chunks' prebuilt bytes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from streamfence.config.model import ConfigError, HttpConfig, parse_config
+from streamfence.gateway import openai_chat
 from streamfence.gateway.keys import HttpKeys, http_key
 from streamfence.gateway.routes import NoRoute, Route, models, route
 from streamfence.protocol.keys import KeyStore
@@ -65,3 +67,17 @@ def test_an_http_key_names_its_identity_and_follows_its_credentials(tmp_path: Pa
     assert keys.identify(key) is None and keys.identify(http_key(rotated)) == rotated
     store.revoke("alice")
     assert keys.identify(http_key(rotated)) is None
+
+
+@pytest.mark.parametrize("usage", [False, True])
+def test_prebuilt_chunks_are_the_encoded_chunks(usage: bool) -> None:
+    """Issue 32: a text or refusal piece after the first goes out as prebuilt
+    bytes around the piece's JSON; they are exactly the chunk `_chunk` encodes."""
+    pieces = [("text", "  "), ("text", 'hé "llo"\n'), ("text", " 日本\u2028"), ("refusal", "no")]
+    fast = openai_chat.ChatCompletionStream("c1", 'gpt "x"/é', usage, 1700000000)
+    slow = openai_chat.ChatCompletionStream("c1", 'gpt "x"/é', usage, 1700000000)
+    for seq, (kind, piece) in enumerate(pieces, 1):
+        got = fast.feed({"op": "delta", "seq": seq, "attempt": 1, "kind": kind, "data": piece})
+        field = {"text": "content", "refusal": "refusal"}[kind]
+        want = b"".join(slow._chunk(seq, {field: p}) for _, p in slow._gate.admit(kind, piece))
+        assert got == want, (got, want)

@@ -27,7 +27,7 @@ Sections (one module each; each returns a `common.Section`):
 - `gateway`    9. the HTTP gateway: the openai SDK through it vs the same SDK
                straight at the emulator vs the ZeroMQ client (and LiteLLM's
                proxy, when installed), 1 and 32 paced streams: TTFT and CPU
-               per delta, as ratios.
+               per delta, and one unpaced stream's deltas/s, as ratios.
 - `cluster`   10. cluster mode (one host on a 3-node NATS cluster) vs single-host
                mode: TTFT and CPU per delta at 1 and 32 paced streams, deltas/s
                through the sink at 32 unpaced streams, as ratios.

@@ -253,22 +253,27 @@ class Gateway:
         it may come back for the rest)."""
         response: web.StreamResponse | None = None
         try:
-            async for event in client.events(call_id):
-                if not renderer.started and event["op"] == "done" \
-                        and event.get("status") in ENDED:
-                    # Nothing sent yet: the HTTP error the provider would have answered.
-                    return _ended(wire, event)
-                frame = renderer.feed(event)
-                if frame and event["seq"] > resume:
+            # The events that came together go out in one write (one send, one
+            # read for the HTTP client), the done's with the response's end.
+            async for batch in client.event_batches(call_id):
+                frames: list[bytes] = []
+                done = False
+                for event in batch:
+                    done = event["op"] == "done"
+                    if done and not renderer.started and event.get("status") in ENDED:
+                        # Nothing sent yet: the HTTP error the provider would have answered.
+                        return _ended(wire, event)
+                    frame = renderer.feed(event)
+                    if frame and event["seq"] > resume:
+                        frames.append(frame)
+                    if done:
+                        break
+                if frames:
                     if response is None:
-                        if resume and ARMED:
-                            failpoint("gateway.replay_to_live")
-                        response = web.StreamResponse(headers={
-                            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                            CALL_HEADER: call_id})
-                        await response.prepare(request)
-                    await response.write(frame)
-                if event["op"] == "done":
+                        response = await self._start(request, call_id, resume)
+                    data = frames[0] if len(frames) == 1 else b"".join(frames)
+                    await (response.write_eof(data) if done else response.write(data))
+                if done:
                     break
         except (asyncio.CancelledError, ConnectionResetError):
             # The HTTP client went away: the call stops (its provider stream with it).
@@ -280,8 +285,27 @@ class Gateway:
             raise
         if response is None:
             return _ended(wire, None)
-        await response.write_eof()
+        await response.write_eof()  # no-op when the done's frames ended it
         return response
+
+    @staticmethod
+    async def _start(request: web.Request, call_id: str, resume: int) -> web.StreamResponse:
+        """The SSE response, prepared (its head goes out with the first frames)."""
+        if resume and ARMED:
+            failpoint("gateway.replay_to_live")
+        response = _SseResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            CALL_HEADER: call_id})
+        await response.prepare(request)
+        return response
+
+
+class _SseResponse(web.StreamResponse):
+    """A StreamResponse whose head waits for its first write (aiohttp's Response
+    does so; a StreamResponse sends it at prepare): the first frames are ready
+    when it is prepared, so head and frames leave in one send."""
+
+    _send_headers_immediately = False
 
 
 _TEXTS = {"text": "content", "reasoning": "reasoning", "refusal": "refusal"}

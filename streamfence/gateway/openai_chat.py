@@ -46,6 +46,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import orjson
+
 from streamfence.gateway import http_errors
 from streamfence.gateway.sse import RESTARTED, AttemptGate, SecondAnswer, StreamState, frame
 
@@ -91,8 +93,8 @@ def tool_call_id(call_id: str, index: int, given: Any) -> str:
 class ChatCompletionStream:
     """One streamed chat completion; see the module docstring."""
 
-    __slots__ = ("_base", "_call_id", "_gate", "_include_usage", "_role_sent", "started",
-                 "state")
+    __slots__ = ("_base", "_call_id", "_gate", "_heads", "_include_usage", "_role_sent",
+                 "_tail", "started", "state")
 
     def __init__(self, call_id: str, model: str, include_usage: bool,
                  created: int | None = None) -> None:
@@ -101,6 +103,12 @@ class ChatCompletionStream:
                       "created": int(time.time()) if created is None else created,
                       "model": model}
         self._include_usage = include_usage
+        # A text or refusal piece's chunk after the first is these bytes around the
+        # piece's JSON (what `_chunk` would encode, built once: the per-delta path).
+        head = b"data: " + orjson.dumps(self._base)[:-1] + b',"choices":[{"index":0,"delta":{'
+        self._heads = {kind: head + orjson.dumps(field) + b":" for kind, field in _FIELDS.items()}
+        self._tail = (b'},"logprobs":null,"finish_reason":null}]'
+                      + (b',"usage":null}' if include_usage else b"}") + b"\n\n")
         self._gate = AttemptGate()
         self._role_sent = False
         self.started = False
@@ -135,8 +143,12 @@ class ChatCompletionStream:
         kind, data = event.get("kind"), event.get("data")
         if kind not in _FIELDS or not isinstance(data, str):
             return b""  # reasoning, notice: not on this wire; tool calls: at the done
-        return b"".join(self._chunk(seq, {_FIELDS[k]: piece})
-                        for k, piece in self._gate.admit(str(kind), data))
+        pieces = self._gate.admit(str(kind), data)
+        if not self._role_sent:
+            return b"".join(self._chunk(seq, {_FIELDS[k]: piece}) for k, piece in pieces)
+        heads, tail = self._heads, self._tail
+        return b"".join(b"id: %d\n%s%s%s" % (seq, heads[k], orjson.dumps(piece), tail)
+                        for k, piece in pieces)
 
     def _done(self, seq: int, done: dict[str, Any]) -> bytes:
         status = done.get("status")

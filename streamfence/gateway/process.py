@@ -10,6 +10,7 @@ stops, with the reason), 0 on SIGTERM, after its open streams are closed.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -68,6 +69,10 @@ async def _serve(config: DaemonConfig) -> int:
         await runner.cleanup()
         return ExitCode.CANNOT_BIND
     log.info("gateway: serving http://%s/v1 (OpenAI and Anthropic wires)", config.http.listen)
+    # What start-up made lives as long as the process: out of the collector's
+    # way, or its first young-generation passes walk ~46k objects (12 ms under
+    # load) in the middle of a burst (PERFORMANCE.md, "Issue 32: the gateway").
+    gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)

@@ -149,6 +149,17 @@ class AsyncClient(ClientBase):
         while (event := events.take() or await self._call(events.wait())) is not None:
             yield event
 
+    async def event_batches(self, call_id: str, *, timeout_s: float | None = None
+                            ) -> AsyncIterator[list[dict[str, Any]]]:
+        """As events(), but each step yields every event buffered by then (those
+        that came together), in order: the gateway writes them in one send."""
+        events = self._core.events(call_id, timeout_s)
+        while (event := events.take() or await self._call(events.wait())) is not None:
+            batch = [event]
+            while (event := events.take()) is not None:
+                batch.append(event)
+            yield batch
+
     def stream_text(self, provider: str, request: Mapping[str, Any], *, markers: bool = False,
                     timeout_s: float | None = None, detach: bool = False,
                     **submit_kw: Any) -> AsyncTextStream:
