@@ -319,11 +319,26 @@ class Ledger:
             return None
         return decode(int(msg.seq or 0), msg.data)
 
-    async def open_epoch(self, own: Ownership) -> Ownership:
+    async def open_epoch(self, own: Ownership, known: bool = False) -> Ownership:
         """Append this owner's epoch record right after the log's last record, if
         that record is not of a later epoch (nor of this epoch and another
         host): from then on no earlier owner can append, and the log's epochs
-        never go down. Raises Fenced if a later owner took the call."""
+        never go down. Raises Fenced if a later owner took the call.
+
+        With `known`, the caller knows where the log ends, `own.log_seq`: 0 for
+        a call whose log it never opened (a new call's is empty), else its own
+        last record, of an earlier epoch of this host. The epoch record is
+        then appended conditional on that at once (one round trip, not two):
+        if it still ends there, nothing is above this epoch; if not, the log
+        is read and judged as without `known`."""
+        if known:
+            if ARMED:
+                failpoint("cluster.before_epoch_append")
+            try:
+                return await self._append(own, EPOCH, None, counted=False)
+            except Fenced:
+                pass  # the log moved on from there: judged from its last record
+
         async def after_the_last_record() -> Ownership:
             # Both read at once (one round trip, not two): the owner entry, so that
             # a take after ours is refused early, and the log's last record, which
@@ -353,7 +368,8 @@ class Ledger:
         Raises Fenced when the engine refuses (module docstring)."""
         return await self._append(own, EVENTS, body)
 
-    async def _append(self, own: Ownership, kind: int, body: Any) -> Ownership:
+    async def _append(self, own: Ownership, kind: int, body: Any, counted: bool = True
+                      ) -> Ownership:
         record = msgpack.packb([kind, own.epoch, own.owner.host, body])
         # The id makes a retry of an append whose answer was lost (a node died
         # meanwhile) the same append: JetStream answers it as a duplicate. Its
@@ -366,9 +382,9 @@ class Ledger:
         except BadRequestError as exc:
             if exc.err_code not in (WRONG_LAST_SEQUENCE, IN_FLIGHT):
                 raise
-            self.refused += 1
+            self.refused += counted
             raise Fenced(own, f"{exc.description} (JetStream error {exc.err_code})") from None
-        return replace(own, log_seq=int(ack.seq))
+        return Ownership(own.owner, int(ack.seq))
 
     async def follow(self, call_id: str, after: int,
                      deliver: Callable[[Record], None]
