@@ -48,6 +48,7 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     KeyValueConfig,
+    PubAck,
     StorageType,
     StreamConfig,
 )
@@ -330,14 +331,20 @@ class Ledger:
         last record, of an earlier epoch of this host. The epoch record is
         then appended conditional on that at once (one round trip, not two):
         if it still ends there, nothing is above this epoch; if not, the log
-        is read and judged as without `known`."""
+        is read and judged as without `known`, and so if the record was
+        stored before (a duplicate: an earlier process's open at the same
+        place, after which the log may have moved on)."""
         if known:
             if ARMED:
                 failpoint("cluster.before_epoch_append")
             try:
-                return await self._append(own, EPOCH, None, counted=False)
-            except Fenced:
-                pass  # the log moved on from there: judged from its last record
+                ack = await self._publish(own, EPOCH, None)
+            except BadRequestError as exc:
+                if exc.err_code not in (WRONG_LAST_SEQUENCE, IN_FLIGHT):
+                    raise
+            else:
+                if not ack.duplicate:
+                    return Ownership(own.owner, int(ack.seq))
 
         async def after_the_last_record() -> Ownership:
             # Both read at once (one round trip, not two): the owner entry, so that
@@ -368,23 +375,26 @@ class Ledger:
         Raises Fenced when the engine refuses (module docstring)."""
         return await self._append(own, EVENTS, body)
 
-    async def _append(self, own: Ownership, kind: int, body: Any, counted: bool = True
-                      ) -> Ownership:
+    async def _append(self, own: Ownership, kind: int, body: Any) -> Ownership:
+        try:
+            ack = await self._publish(own, kind, body)
+        except BadRequestError as exc:
+            if exc.err_code not in (WRONG_LAST_SEQUENCE, IN_FLIGHT):
+                raise
+            self.refused += 1
+            raise Fenced(own, f"{exc.description} (JetStream error {exc.err_code})") from None
+        return Ownership(own.owner, int(ack.seq))
+
+    async def _publish(self, own: Ownership, kind: int, body: Any) -> PubAck:
+        """The record, conditional on `own.log_seq`; JetStream's answer."""
         record = msgpack.packb([kind, own.epoch, own.owner.host, body])
         # The id makes a retry of an append whose answer was lost (a node died
         # meanwhile) the same append: JetStream answers it as a duplicate. Its
         # content is in it: another record at that position is not a retry.
         headers = {EXPECTED_LAST_SUBJECT_SEQ: str(own.log_seq),
                    MSG_ID: f"{own.call_id}.{own.epoch}.{own.log_seq}.{zlib.crc32(record):x}"}
-        try:
-            ack = await retry_async(APPEND_IN_FLIGHT, lambda: self._stored(lambda: self._js.publish(
-                EVENTS_SUBJECT + own.call_id, record, headers=headers)))
-        except BadRequestError as exc:
-            if exc.err_code not in (WRONG_LAST_SEQUENCE, IN_FLIGHT):
-                raise
-            self.refused += counted
-            raise Fenced(own, f"{exc.description} (JetStream error {exc.err_code})") from None
-        return Ownership(own.owner, int(ack.seq))
+        return await retry_async(APPEND_IN_FLIGHT, lambda: self._stored(lambda: self._js.publish(
+            EVENTS_SUBJECT + own.call_id, record, headers=headers)))
 
     async def follow(self, call_id: str, after: int,
                      deliver: Callable[[Record], None]
