@@ -288,11 +288,11 @@ def test_a_forwarded_cancel_reaches_its_host_and_one_naming_no_call_is_unknown(
         def handle(call_id: str, reply_to: str) -> None:
             asked.append(call_id)
             asyncio.get_running_loop().create_task(
-                a.answer_cancel(reply_to, {"op": "cancelling", "call_id": call_id}))
-        await a.serve_cancels(handle)
+                a.cancels.answer(reply_to, {"op": "cancelling", "call_id": call_id}))
+        await a.cancels.serve(handle)
         # B's node learns of A's subscription through the cluster's routes: until
         # then a request finds no responder (a cancel gets cluster_unavailable).
-        answer = await _until(lambda: b.forward_cancel("host-a", "c1"), 10.0,
+        answer = await _until(lambda: b.cancels.forward("host-a", "c1"), 10.0,
                               "A's subscription to reach B's node")
         assert answer == {"op": "cancelling", "call_id": "c1"}
         client = await nats_py.connect(servers=nats.urls[1:])  # a peer that speaks nonsense

@@ -61,6 +61,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from streamfence.cluster.cancels import Cancels
 from streamfence.cluster.connect import connect as connect_nats
 from streamfence.cluster.identities import IDENTITIES_BUCKET, IdentityBucket
 from streamfence.cluster.records import EPOCH, EVENTS, Record, decode
@@ -75,7 +76,6 @@ OWNERS_BUCKET = "sf_owners"
 HOSTS_BUCKET = "sf_hosts"
 CALLS_SUBJECT = "sf.calls."
 EVENTS_SUBJECT = "sf.events."
-CANCELS_SUBJECT = "sf.cancel."  # + host: cancels forwarded to it (core NATS: not stored)
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 MSG_ID = "Nats-Msg-Id"
 WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code when that expectation fails
@@ -144,6 +144,7 @@ class Ledger:
 
     def __init__(self, nc: NatsClient, settings: ClusterSettings) -> None:
         self._nc = nc
+        self.cancels = Cancels(nc, settings)  # cancels across hosts (cluster/cancels.py)
         self._js: JetStreamContext = nc.jetstream(timeout=settings.timeout_s)
         self.settings = settings
         self._owners: KeyValue | None = None
@@ -439,32 +440,3 @@ class Ledger:
         finally:
             await sub.unsubscribe()
         return out
-
-    # ---- cancels across hosts -----------------------------------------------------
-
-    async def serve_cancels(self, asked: Callable[[str, str], None]) -> None:
-        """Hand each cancel another host forwards to this one to `asked(call_id,
-        reply_to)`; `answer_cancel(reply_to, ...)` answers it."""
-        async def got(msg: Msg) -> None:
-            try:
-                call_id = msgpack.unpackb(msg.data or b"", raw=False)
-            except ValueError:
-                call_id = None
-            if isinstance(call_id, str) and msg.reply:
-                asked(call_id, msg.reply)
-            elif msg.reply:  # not a call id: nothing here is cancelled
-                await self.answer_cancel(msg.reply, {"op": "unknown"})
-        await self._nc.subscribe(CANCELS_SUBJECT + self.settings.host, cb=got)
-
-    async def answer_cancel(self, reply_to: str, answer: dict[str, Any]) -> None:
-        await self._nc.publish(reply_to, msgpack.packb(answer))
-
-    async def forward_cancel(self, host: str, call_id: str) -> dict[str, Any]:
-        """`host`'s answer to a cancel of `call_id`. Raises NoRespondersError if
-        no host serves `host`'s cancels (the cancel went nowhere), TimeoutError
-        if none answered within timeout_s: core NATS may still deliver it (the
-        host was frozen), or the host acted and its answer was lost."""
-        reply = await self._nc.request(CANCELS_SUBJECT + host, msgpack.packb(call_id),
-                                       timeout=self.settings.timeout_s)
-        answer: dict[str, Any] = msgpack.unpackb(reply.data or b"\x80", raw=False)
-        return answer
