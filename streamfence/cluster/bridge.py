@@ -131,8 +131,10 @@ class LedgerBridge:
 
     def wake(self) -> None:
         """Make `fd` readable (from the ledger's thread: something for the owner),
-        unless it is already: `run_done` clears `_woken` before it reads the
-        pipe and then the queue, so what comes after it looked wakes it again."""
+        unless it is already: `_woken` is set before the byte is written and
+        cleared by `run_done` only after it read the pipe, before it looks at
+        the queue; so while `_woken` is set a byte is in the pipe (or on its
+        way), and what is queued after the owner looked wakes it again."""
         if self._woken:
             return
         self._woken = True
@@ -141,9 +143,9 @@ class LedgerBridge:
 
     def run_done(self) -> None:
         """Run the callbacks of the operations finished since last asked."""
-        self._woken = False
         with contextlib.suppress(BlockingIOError):
             os.read(self._read, 4096)
+        self._woken = False  # after the read: a byte written meanwhile is not lost
         while self._done:
             then, future = self._done.popleft()
             if future.cancelled():
