@@ -24,7 +24,9 @@ here by the engine, not by a host's view:
   kills its worker. `open_epoch` reads the last record and its sequence in
   one read, refuses if it is of a later epoch, and appends conditional on
   that sequence: a host paused anywhere in between cannot put an older
-  epoch after a newer one (the log's epochs never go down).
+  epoch after a newer one (the log's epochs never go down). A caller that
+  knows where the log ends appends there at once, and reads only if that
+  is refused or a duplicate (`open_epoch`'s `known`).
 
 Records are msgpack arrays `[kind, epoch, host, body]` (cluster/records.py).
 Asyncio, on the official `nats-py` client; one `Ledger` per host process.
