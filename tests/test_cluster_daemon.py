@@ -587,7 +587,7 @@ def test_a_forwarded_cancel_is_cluster_unavailable_only_if_it_reached_no_host(
 
     async def deaf(ledger: Ledger) -> tuple[list[str], list[str]]:
         asked: list[str] = []
-        await ledger.serve_cancels(lambda call_id, reply_to: asked.append(call_id))
+        await ledger.cancels.serve(lambda call_id, reply_to: asked.append(call_id))
         answers = [await asyncio.to_thread(cancel)]
         # Until host Z's subscription is known at the daemon's NATS node, the
         # cancel still reaches no host: cluster_unavailable, and Z gets nothing.

@@ -91,6 +91,45 @@ def test_a_host_that_lost_a_call_can_no_longer_append_to_its_log(nats: NatsClust
     _run(nats, body)
 
 
+def test_an_epoch_opened_where_the_log_is_known_to_end_keeps_the_fence(
+        nats: NatsCluster) -> None:
+    """`open_epoch(known=True)` appends at once, conditional on where the caller
+    believes the log ends: on an empty log, one record; where the log moved on
+    meanwhile (or the same record was stored before), the same judgement as a
+    read would make: a later epoch there is Fenced, an earlier one or its own
+    is opened after; no miss counts as a refusal."""
+    async def body(a: Ledger, b: Ledger) -> None:
+        held = await a.take("known1", None)
+        assert held is not None
+        opened = await a.open_epoch(held, known=True)
+        assert opened.log_seq > 0 and a.refused == 0
+        ran = await a.append(opened, ["a0"])
+        # A's sink starts again and opens the same epoch where its log was empty:
+        # the same record as before (a duplicate), so the log is read: opened after a0.
+        again_a = await a.open_epoch(Ownership(held.owner, 0), known=True)
+        assert again_a.log_seq > ran.log_seq
+        # B took the call and opened epoch 2; A still believes its log is empty.
+        seen = await b.owner("known1")
+        assert seen is not None
+        taken = await b.take("known1", seen)
+        assert taken is not None
+        await b.open_epoch(taken)
+        with pytest.raises(Fenced, match="owner is now"):
+            await a.open_epoch(Ownership(held.owner, 0), known=True)
+        assert a.refused == 0
+        # B opens epoch 3 believing the log ends at nothing: opened after its epoch 2.
+        again = await b.take("known1", await b.owner("known1"))
+        assert again is not None and again.epoch == 3
+        reopened = await b.open_epoch(again, known=True)
+        assert b.refused == 0
+        log = [(r.kind, r.epoch, r.host, r.seq) for r in await b.read("known1")]
+        assert [x[:3] for x in log] == [(EPOCH, 1, "host-a"), (EVENTS, 1, "host-a"),
+                                        (EPOCH, 1, "host-a"), (EPOCH, 2, "host-b"),
+                                        (EPOCH, 3, "host-b")]
+        assert log[-1][3] == reopened.log_seq
+    _run(nats, body)
+
+
 class _StandsStillAfterItsOwnerRead(Ledger):
     """A host whose next read of an owner entry is followed by `meanwhile`,
     before it goes on: open_epoch's check, then a pause past a lease."""
@@ -249,11 +288,11 @@ def test_a_forwarded_cancel_reaches_its_host_and_one_naming_no_call_is_unknown(
         def handle(call_id: str, reply_to: str) -> None:
             asked.append(call_id)
             asyncio.get_running_loop().create_task(
-                a.answer_cancel(reply_to, {"op": "cancelling", "call_id": call_id}))
-        await a.serve_cancels(handle)
+                a.cancels.answer(reply_to, {"op": "cancelling", "call_id": call_id}))
+        await a.cancels.serve(handle)
         # B's node learns of A's subscription through the cluster's routes: until
         # then a request finds no responder (a cancel gets cluster_unavailable).
-        answer = await _until(lambda: b.forward_cancel("host-a", "c1"), 10.0,
+        answer = await _until(lambda: b.cancels.forward("host-a", "c1"), 10.0,
                               "A's subscription to reach B's node")
         assert answer == {"op": "cancelling", "call_id": "c1"}
         client = await nats_py.connect(servers=nats.urls[1:])  # a peer that speaks nonsense

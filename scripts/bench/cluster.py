@@ -168,23 +168,33 @@ def measure_rounds(procs: dict[str, DaemonProcess], nats_pids: dict[str, list[in
     return res
 
 
+# Issue 32's targets, cluster / single host (the same code in one run): at most
+# these for TTFT and CPU per delta, at least this for deltas/s.
+TTFT_TARGET, CPU_TARGET, RATE_TARGET = 1.3, 1.5, 0.8
+
+
 def _report(sec: Section, res: Results, reps: int) -> None:
     for level, label in (("1", "1 stream"), ("32", "32 streams")):
         p50 = {v: percentile(sorted(t for r in res[level][v] for t in r["ttft"]), 50)
                for v in VARIANTS}
         cpu = {v: median([r["daemon"] + r["nats"] for r in res[level][v]]) for v in VARIANTS}
         daemon_only = median([r["daemon"] for r in res[level]["cluster"]])
+        ttft_x, cpu_x = p50["cluster"] / p50["single"], cpu["cluster"] / cpu["single"]
         sec.row(f"{label}: TTFT p50 single / cluster",
                 f"{p50['single'] * 1e3:.1f} / {p50['cluster'] * 1e3:.1f} ms "
-                f"(x{p50['cluster'] / p50['single']:.2f}, +{(p50['cluster'] - p50['single']) * 1e3:.1f} ms)")
+                f"(x{ttft_x:.2f}, +{(p50['cluster'] - p50['single']) * 1e3:.1f} ms)",
+                target=f"<= x{TTFT_TARGET}", met=ttft_x <= TTFT_TARGET)
         sec.row(f"{label}: CPU per delta single / cluster (daemon + NATS nodes)",
                 f"{cpu['single'] * 1e6:,.0f} / {cpu['cluster'] * 1e6:,.0f} µs "
-                f"(x{cpu['cluster'] / cpu['single']:.2f}; the cluster's daemon alone "
-                f"{daemon_only * 1e6:,.0f} µs)")
+                f"(x{cpu_x:.2f}; the cluster's daemon alone {daemon_only * 1e6:,.0f} µs)",
+                target=f"<= x{CPU_TARGET}" if level == "1" else "",
+                met=cpu_x <= CPU_TARGET if level == "1" else None)
     rate = {v: median([r["rate"] for r in res["rate"][v]]) for v in VARIANTS}
     cpu_fast = {v: median([r["daemon"] + r["nats"] for r in res["rate"][v]]) for v in VARIANTS}
+    rate_x = rate["cluster"] / rate["single"]
     sec.row("deltas/s through the sink, 32 unpaced streams, single / cluster",
-            f"{rate['single']:,.0f} / {rate['cluster']:,.0f} (x{rate['cluster'] / rate['single']:.2f})")
+            f"{rate['single']:,.0f} / {rate['cluster']:,.0f} (x{rate_x:.2f})",
+            target=f">= x{RATE_TARGET}", met=rate_x >= RATE_TARGET)
     sec.row("CPU per delta there, single / cluster (daemon + NATS nodes)",
             f"{cpu_fast['single'] * 1e6:,.0f} / {cpu_fast['cluster'] * 1e6:,.0f} µs "
             f"(x{cpu_fast['cluster'] / cpu_fast['single']:.2f})")

@@ -24,7 +24,9 @@ here by the engine, not by a host's view:
   kills its worker. `open_epoch` reads the last record and its sequence in
   one read, refuses if it is of a later epoch, and appends conditional on
   that sequence: a host paused anywhere in between cannot put an older
-  epoch after a newer one (the log's epochs never go down).
+  epoch after a newer one (the log's epochs never go down). A caller that
+  knows where the log ends appends there at once, and reads only if that
+  is refused or a duplicate (`open_epoch`'s `known`).
 
 Records are msgpack arrays `[kind, epoch, host, body]` (cluster/records.py).
 Asyncio, on the official `nats-py` client; one `Ledger` per host process.
@@ -48,6 +50,7 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     KeyValueConfig,
+    PubAck,
     StorageType,
     StreamConfig,
 )
@@ -60,6 +63,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from streamfence.cluster.cancels import Cancels
 from streamfence.cluster.connect import connect as connect_nats
 from streamfence.cluster.identities import IDENTITIES_BUCKET, IdentityBucket
 from streamfence.cluster.records import EPOCH, EVENTS, Record, decode
@@ -74,7 +78,6 @@ OWNERS_BUCKET = "sf_owners"
 HOSTS_BUCKET = "sf_hosts"
 CALLS_SUBJECT = "sf.calls."
 EVENTS_SUBJECT = "sf.events."
-CANCELS_SUBJECT = "sf.cancel."  # + host: cancels forwarded to it (core NATS: not stored)
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 MSG_ID = "Nats-Msg-Id"
 WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code when that expectation fails
@@ -143,6 +146,7 @@ class Ledger:
 
     def __init__(self, nc: NatsClient, settings: ClusterSettings) -> None:
         self._nc = nc
+        self.cancels = Cancels(nc, settings)  # cancels across hosts (cluster/cancels.py)
         self._js: JetStreamContext = nc.jetstream(timeout=settings.timeout_s)
         self.settings = settings
         self._owners: KeyValue | None = None
@@ -319,11 +323,32 @@ class Ledger:
             return None
         return decode(int(msg.seq or 0), msg.data)
 
-    async def open_epoch(self, own: Ownership) -> Ownership:
+    async def open_epoch(self, own: Ownership, known: bool = False) -> Ownership:
         """Append this owner's epoch record right after the log's last record, if
         that record is not of a later epoch (nor of this epoch and another
         host): from then on no earlier owner can append, and the log's epochs
-        never go down. Raises Fenced if a later owner took the call."""
+        never go down. Raises Fenced if a later owner took the call.
+
+        With `known`, the caller knows where the log ends, `own.log_seq`: 0 for
+        a call whose log it never opened (a new call's is empty), else its own
+        last record, of an earlier epoch of this host. The epoch record is
+        then appended conditional on that at once (one round trip, not two):
+        if it still ends there, nothing is above this epoch; if not, the log
+        is read and judged as without `known`, and so if the record was
+        stored before (a duplicate: an earlier process's open at the same
+        place, after which the log may have moved on)."""
+        if known:
+            if ARMED:
+                failpoint("cluster.before_epoch_append")
+            try:
+                ack = await self._publish(own, EPOCH, None)
+            except BadRequestError as exc:
+                if exc.err_code not in (WRONG_LAST_SEQUENCE, IN_FLIGHT):
+                    raise
+            else:
+                if not ack.duplicate:
+                    return Ownership(own.owner, int(ack.seq))
+
         async def after_the_last_record() -> Ownership:
             # Both read at once (one round trip, not two): the owner entry, so that
             # a take after ours is refused early, and the log's last record, which
@@ -354,21 +379,25 @@ class Ledger:
         return await self._append(own, EVENTS, body)
 
     async def _append(self, own: Ownership, kind: int, body: Any) -> Ownership:
+        try:
+            ack = await self._publish(own, kind, body)
+        except BadRequestError as exc:
+            if exc.err_code not in (WRONG_LAST_SEQUENCE, IN_FLIGHT):
+                raise
+            self.refused += 1
+            raise Fenced(own, f"{exc.description} (JetStream error {exc.err_code})") from None
+        return Ownership(own.owner, int(ack.seq))
+
+    async def _publish(self, own: Ownership, kind: int, body: Any) -> PubAck:
+        """The record, conditional on `own.log_seq`; JetStream's answer."""
         record = msgpack.packb([kind, own.epoch, own.owner.host, body])
         # The id makes a retry of an append whose answer was lost (a node died
         # meanwhile) the same append: JetStream answers it as a duplicate. Its
         # content is in it: another record at that position is not a retry.
         headers = {EXPECTED_LAST_SUBJECT_SEQ: str(own.log_seq),
                    MSG_ID: f"{own.call_id}.{own.epoch}.{own.log_seq}.{zlib.crc32(record):x}"}
-        try:
-            ack = await retry_async(APPEND_IN_FLIGHT, lambda: self._stored(lambda: self._js.publish(
-                EVENTS_SUBJECT + own.call_id, record, headers=headers)))
-        except BadRequestError as exc:
-            if exc.err_code not in (WRONG_LAST_SEQUENCE, IN_FLIGHT):
-                raise
-            self.refused += 1
-            raise Fenced(own, f"{exc.description} (JetStream error {exc.err_code})") from None
-        return replace(own, log_seq=int(ack.seq))
+        return await retry_async(APPEND_IN_FLIGHT, lambda: self._stored(lambda: self._js.publish(
+            EVENTS_SUBJECT + own.call_id, record, headers=headers)))
 
     async def follow(self, call_id: str, after: int,
                      deliver: Callable[[Record], None]
@@ -413,32 +442,3 @@ class Ledger:
         finally:
             await sub.unsubscribe()
         return out
-
-    # ---- cancels across hosts -----------------------------------------------------
-
-    async def serve_cancels(self, asked: Callable[[str, str], None]) -> None:
-        """Hand each cancel another host forwards to this one to `asked(call_id,
-        reply_to)`; `answer_cancel(reply_to, ...)` answers it."""
-        async def got(msg: Msg) -> None:
-            try:
-                call_id = msgpack.unpackb(msg.data or b"", raw=False)
-            except ValueError:
-                call_id = None
-            if isinstance(call_id, str) and msg.reply:
-                asked(call_id, msg.reply)
-            elif msg.reply:  # not a call id: nothing here is cancelled
-                await self.answer_cancel(msg.reply, {"op": "unknown"})
-        await self._nc.subscribe(CANCELS_SUBJECT + self.settings.host, cb=got)
-
-    async def answer_cancel(self, reply_to: str, answer: dict[str, Any]) -> None:
-        await self._nc.publish(reply_to, msgpack.packb(answer))
-
-    async def forward_cancel(self, host: str, call_id: str) -> dict[str, Any]:
-        """`host`'s answer to a cancel of `call_id`. Raises NoRespondersError if
-        no host serves `host`'s cancels (the cancel went nowhere), TimeoutError
-        if none answered within timeout_s: core NATS may still deliver it (the
-        host was frozen), or the host acted and its answer was lost."""
-        reply = await self._nc.request(CANCELS_SUBJECT + host, msgpack.packb(call_id),
-                                       timeout=self.settings.timeout_s)
-        answer: dict[str, Any] = msgpack.unpackb(reply.data or b"\x80", raw=False)
-        return answer

@@ -61,10 +61,14 @@ class ClusterLog:
             then([])
             return
         ledger = self.bridge.ledger
+        # Where this sink knows the log ends (Ledger.open_epoch `known`): nowhere
+        # when it reads what is before, or held at a later epoch than asked.
+        known = not read_before and (held is None or held.epoch < attempt)
+        own = Ownership(Owner(call_id, self.settings.host, attempt, 0),
+                        held.log_seq if known and held is not None else 0)
 
         async def open_and_read() -> tuple[Ownership, list[Record]]:
-            opened = await ledger.open_epoch(Ownership(Owner(call_id, self.settings.host,
-                                                             attempt, 0)))
+            opened = await ledger.open_epoch(own, known)
             return opened, (await ledger.read(call_id) if read_before else [])
 
         def done(result: Any) -> None:

@@ -97,6 +97,7 @@ class LogQueue:
         self.retries = 0  # appends and opens tried again
         self._failing_since: float | None = None
         self._reminded = 0.0
+        self._batch = cluster.bridge.batch
 
     # ---- what the sink's operations ask ---------------------------------------------
 
@@ -165,9 +166,12 @@ class LogQueue:
         this sink has not opened (rows after its restart, before any
         authorize) are lost at once, never written blind."""
         rows = self._store.take_unreplicated()
+        if rows:
+            with self._batch():  # the commit's appends go to NATS together
+                self._queue(rows)
+
+    def _queue(self, rows: list[Row]) -> None:
         outbox = self._commits.outbox
-        if not rows:
-            return
         by_call: dict[str, list[Row]] = {}
         for row in rows:
             by_call.setdefault(row[0], []).append(row)
@@ -202,6 +206,10 @@ class LogQueue:
     def settle(self) -> None:
         """After the bridge's callbacks ran: the runs the cluster stored go to the
         transcript in one commit, then each call's items that may move, move."""
+        with self._batch():  # the appends the answers let go, together
+            self._settle()
+
+    def _settle(self) -> None:
         answered, self._answered = self._answered, []
         if answered:
             store = self._store
@@ -308,11 +316,12 @@ class LogQueue:
 
     def retry(self) -> None:
         now = time.monotonic()
-        for call_id, (at, redo) in list(self._redo.items()):
-            if at <= now:
-                del self._redo[call_id]
-                self.retries += 1
-                redo()
+        with self._batch():
+            for call_id, (at, redo) in list(self._redo.items()):
+                if at <= now:
+                    del self._redo[call_id]
+                    self.retries += 1
+                    redo()
 
     def drain(self, timeout_s: float) -> int:
         """At a stop: wait up to `timeout_s` for the appends in flight; the rows

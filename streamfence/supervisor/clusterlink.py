@@ -71,7 +71,7 @@ class ClusterLink:
         self.knows: Callable[[str], bool] = lambda call_id: False  # the driver runs it
         # A cancel another host forwarded: the answer its client gets (the front's).
         self.on_cancel: Callable[[str], dict[str, Any]] = lambda call_id: {"op": "unknown"}
-        self.bridge.call(self.bridge.ledger.serve_cancels(self._cancel_asked))
+        self.bridge.call(self.bridge.ledger.cancels.serve(self._cancel_asked))
 
     @property
     def fd(self) -> int:
@@ -234,7 +234,7 @@ class ClusterLink:
                 return unasked("no host owns it now: it has just ended, or is being "
                                "taken over")
             try:  # NoRespondersError passes: sent to no host, it never takes effect
-                answer = await ledger.forward_cancel(owner.host, call_id)
+                answer = await ledger.cancels.forward(owner.host, call_id)
             except TimeoutError as exc:  # sent: the owner may act on it, now or late
                 log.warning("cluster: host %r did not answer the cancel of call %s; it may "
                             "yet cancel it", owner.host, call_id)
@@ -265,7 +265,7 @@ class ClusterLink:
         """In the ledger's thread: a cancel forwarded to this host, answered from
         the supervisor's (`on_cancel`)."""
         def answer() -> None:
-            self.bridge.submit(self.bridge.ledger.answer_cancel(reply_to, self.on_cancel(call_id)),
+            self.bridge.submit(self.bridge.ledger.cancels.answer(reply_to, self.on_cancel(call_id)),
                                _ignore)
         self.bridge.post(answer)
 
