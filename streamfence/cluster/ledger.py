@@ -338,8 +338,6 @@ class Ledger:
         stored before (a duplicate: an earlier process's open at the same
         place, after which the log may have moved on)."""
         if known:
-            if ARMED:
-                failpoint("cluster.before_epoch_append")
             try:
                 ack = await self._publish(own, EPOCH, None)
             except BadRequestError as exc:
@@ -361,8 +359,6 @@ class Ledger:
                     last.epoch == own.epoch and last.host != own.owner.host)):
                 raise Fenced(replace(own, log_seq=last.seq),
                              f"the log holds epoch {last.epoch} of {last.host} at seq {last.seq}")
-            if ARMED:
-                failpoint("cluster.before_epoch_append")
             try:  # conditional on the record just judged: nothing can slip in between
                 return await self._append(replace(own, log_seq=last.seq if last else 0),
                                           EPOCH, None)
@@ -390,6 +386,8 @@ class Ledger:
 
     async def _publish(self, own: Ownership, kind: int, body: Any) -> PubAck:
         """The record, conditional on `own.log_seq`; JetStream's answer."""
+        if ARMED and kind == EPOCH:  # where the log ends decided, the epoch's append not sent
+            failpoint("cluster.before_epoch_append")
         record = msgpack.packb([kind, own.epoch, own.owner.host, body])
         # The id makes a retry of an append whose answer was lost (a node died
         # meanwhile) the same append: JetStream answers it as a duplicate. Its

@@ -65,8 +65,9 @@ POINTS: dict[str, str] = {
                               "first event after it not yet sent",
     "cluster.before_take": "a call's owner entry read; its compare-and-set to a higher epoch "
                            "not yet sent (pause: the process's ledger thread stands still)",
-    "cluster.before_epoch_append": "a call's log's last record read and judged; the epoch "
-                                   "record's append conditional on it not yet sent",
+    "cluster.before_epoch_append": "where a call's log ends decided (its last record read "
+                                   "and judged, or known to the sink); the epoch record's "
+                                   "append conditional on it not yet sent",
 }
 # Points only a daemon in cluster mode passes (the ledger's, cluster/ledger.py):
 # the explorer's `host-pause` class arms them, its other classes never do.
