@@ -101,6 +101,10 @@ class StalledCall:
         # The worker has the attempt once the emulator sees its request.
         emu_client.wait_for(lambda recs: recs, timeout=30.0, what="the stalled request", key=key)
         self.latencies: list[int] = []
+        self.read: int = 0  # bytes read since the listen
+        self.acked: int = 0  # of which acknowledged
+
+    ACK_EVERY = 256 << 10  # as a client does (flow control, PROTOCOL §5): or it is cut off
 
     def drain(self, sock: zmq.Socket[bytes]) -> None:
         recv, unpackb, now_ns = sock.recv, msgpack.unpackb, time.monotonic_ns
@@ -111,10 +115,14 @@ class StalledCall:
             except zmq.Again:
                 return
             now = now_ns()
+            self.read += len(frame)
             got = unpackb(frame)
             for event in got if isinstance(got, list) else [got]:  # a batch, or one event
                 if event.get("op") == "delta":
                     out.append(now - int(event["data"][:19]))
+            if self.read - self.acked >= self.ACK_EVERY:
+                sock.send(encode({"v": 1, "op": "ack", "read": self.read}))
+                self.acked = self.read
 
     def close(self) -> None:
         with self.proc.client(timeout_s=10.0) as client:
