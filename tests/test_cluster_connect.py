@@ -188,6 +188,21 @@ def test_a_wrong_password_stops_the_start_in_one_line(
     assert PASSWORD not in proc.log_text()
 
 
+def test_every_refusal_of_a_password_is_named_as_one(
+        nats_pw: nats_cluster.NatsCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server closes on a refusal; a PING meeting that close resets the
+    connection (one try in eight), which must not hide the refusal."""
+    monkeypatch.setenv("SF_TEST_NATS_PW", "wrong-" + PASSWORD)
+    settings = ClusterSettings(tuple(nats_pw.urls), "host-a", timeout_s=5.0,
+                               auth=NatsAuth(user=USER, password_env="SF_TEST_NATS_PW"))
+    reasons = []
+    for _ in range(24):
+        with pytest.raises(Unreachable) as caught:
+            asyncio.run(connect(settings))
+        reasons.append(str(caught.value).rsplit(": ", 1)[1])
+    assert set(reasons) == {"authorization refused (wrong credentials?)"}, reasons
+
+
 # ---- TLS: a server whose certificate a CA of the test's signed --------------------
 def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)

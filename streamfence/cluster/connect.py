@@ -7,7 +7,9 @@
 - a first connect that ends within `timeout_s`, or as soon as the servers
   refuse in a way trying again cannot mend (credentials, a certificate),
   with `Unreachable`: one line naming the servers (never a password) and
-  the reason (`reason`: refused, timed out, DNS, authorization, TLS);
+  the reason (`reason`: refused, timed out, DNS, authorization, TLS); a
+  try the server resets is asked again verbose (`_verbose_try`) so that a
+  refusal is not lost to a reset;
 - nats-py's reports of a connection that drops later, as log lines with no
   traceback, at most one per REPORT_EVERY_S (its default callback logs each
   failed try with a traceback: five a second while the cluster is away).
@@ -122,8 +124,10 @@ class _Reports:
     """nats-py's callbacks: before the first connect, the last failure and
     whether it is a refusal; after it, log lines (module docstring)."""
 
-    def __init__(self, nc: NatsClient) -> None:
+    def __init__(self, nc: NatsClient, settings: ClusterSettings,
+                 options: dict[str, Any]) -> None:
         self._nc = nc
+        self._settings, self._options = settings, options
         self.last: BaseException | None = None
         self.tries = 0
         self.refused = asyncio.Event()
@@ -132,6 +136,8 @@ class _Reports:
 
     async def error(self, failure: Exception) -> None:
         if not self.connected:
+            if isinstance(failure, ConnectionResetError | BrokenPipeError):
+                failure = await _verbose_try(self._settings, self._options) or failure
             self.last, self.tries = failure, self.tries + 1
             if _refused(failure):
                 self.refused.set()
@@ -155,7 +161,7 @@ async def connect(settings: ClusterSettings) -> NatsClient:
     `Unreachable` if there is none within `settings.timeout_s`."""
     options = client_options(settings)
     nc = NatsClient()
-    reports = _Reports(nc)
+    reports = _Reports(nc, settings, options)
     options.update(  # nats-py annotates its two waits int, takes floats
         connect_timeout=settings.timeout_s, reconnect_time_wait=RECONNECT_WAIT_S,
         max_reconnect_attempts=-1, allow_reconnect=True, error_cb=reports.error,
@@ -182,11 +188,35 @@ async def connect(settings: ClusterSettings) -> NatsClient:
                       f"{_why(reports, settings, options)}")
 
 
+async def _verbose_try(settings: ClusterSettings, options: dict[str, Any]) -> Exception | None:
+    """What one verbose connect meets. A server that refuses the credentials
+    answers CONNECT with -ERR and closes; nats-py, unless verbose, writes PING
+    before it reads that answer, and a PING meeting the closed socket resets
+    the connection, so the refusal is lost (one try in eight here). Verbose,
+    it reads the answer first. Not kept on: the server would then answer
+    every publish with +OK."""
+    probe = NatsClient()
+    quiet = {key: value for key, value in options.items() if not key.endswith("_cb")}
+
+    async def ignore(_: Exception) -> None:
+        return None
+    try:
+        await asyncio.wait_for(probe.connect(
+            servers=list(settings.urls), **{**quiet, "verbose": True, "allow_reconnect": False,
+                                             "error_cb": ignore}), settings.timeout_s)
+    except Exception as exc:  # any failure is the answer
+        return exc
+    with contextlib.suppress(Exception):
+        await probe.close()
+    return None
+
+
 def _why(reports: _Reports, settings: ClusterSettings, options: dict[str, Any]) -> str:
     if reports.last is None:
         return f"no answer within {settings.timeout_s:g} s"
     why = reason(reports.last)
-    if not _refused(reports.last):
-        why += f" ({reports.tries} tries in {settings.timeout_s:g} s)"
+    if _refused(reports.last):
+        return why
+    why += f" ({reports.tries} tries in {settings.timeout_s:g} s)"
     password = options.get("password")
     return why.replace(password, "***") if password else why
