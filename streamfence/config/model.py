@@ -32,6 +32,7 @@ from streamfence.config.sections import (
     parse_cluster,
     parse_http,
 )
+from streamfence.config.tracing import TRACING_TYPES, TracingConfig, parse_tracing
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7755"
 DEFAULT_IN_FLIGHT_BYTES_MAX = 256 * 1024 * 1024
@@ -148,6 +149,7 @@ class DaemonConfig:
     identities: dict[str, Identity] = field(default_factory=dict)
     http: HttpConfig = field(default_factory=HttpConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     # Not a key: the file this was loaded from (absolute); None: the defaults.
     config_path: str | None = None
 
@@ -191,10 +193,10 @@ _PROFILE_TYPES: dict[str, tuple[type, ...]] = {
     "max_attempts": (int,), "connect_timeout_s": (int, float), "read_timeout_s": (int, float),
     "aws_credentials": (str,), "aws_profile": (str,),
 }
-TABLES = ("daemon", "providers", "identities", "http", "cluster")
+TABLES = ("daemon", "providers", "identities", "http", "cluster", "tracing")
 # Where each key belongs, for a key written in the wrong table (problems.unknown).
 _HOMES: dict[str, str] = {
-    **{k: "[cluster]" for k in CLUSTER_TYPES}, **{k: "[http]" for k in HTTP_KEYS},
+    **{k: "[cluster]" for k in CLUSTER_TYPES}, **{k: "[tracing]" for k in TRACING_TYPES}, **{k: "[http]" for k in HTTP_KEYS},
     **{k: "[identities.NAME]" for k in IDENTITY_KEYS},
     **{k: "[providers.NAME]" for k in _PROFILE_TYPES}, **{k: "[daemon]" for k in DAEMON_KEYS}}
 
@@ -244,8 +246,11 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> DaemonConfig
                                 f"{source}: http", declared, problems, _HOMES)
     cluster = parse_cluster(_table(data, "cluster", f"{source}: cluster", problems),
                             f"{source}: cluster", problems, _HOMES, ConfigError)
+    tracing = parse_tracing(_table(data, "tracing", f"{source}: tracing", problems),
+                            f"{source}: tracing", problems, _HOMES)
     cfg = DaemonConfig(providers=profiles, identities=identities,
-                       http=HttpConfig(listen, routes), cluster=ClusterConfig(**cluster), **daemon)
+                       http=HttpConfig(listen, routes), cluster=ClusterConfig(**cluster),
+                       tracing=tracing, **daemon)
     found = len(problems)
     if "endpoint" in daemon:
         gather(problems, check_endpoint, f"{source}: daemon.endpoint", cfg.endpoint, cfg.auth)

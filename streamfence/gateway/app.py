@@ -50,6 +50,7 @@ from streamfence.protocol.client_async import AsyncClient
 from streamfence.protocol.client_router import ClientError
 from streamfence.protocol.credentials import LOCAL_NAME, Credentials
 from streamfence.protocol.failpoints import ARMED, failpoint
+from streamfence.protocol.messages import valid_traceparent
 
 log = logging.getLogger("streamfence.gateway")
 
@@ -59,6 +60,14 @@ SESSION_HEADER = "X-Streamfence-Session"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 CALL_HEADER = "X-Streamfence-Call-Id"
 OPTIONS = {"on_partial": "continue"}  # see the module docstring
+
+
+def _options(traceparent: str | None) -> dict[str, str]:
+    """The call's options: with the caller's W3C `traceparent`, the call's
+    trace joins the caller's (a malformed one is ignored, as W3C asks)."""
+    if traceparent is None or not valid_traceparent(traceparent.strip()):
+        return OPTIONS
+    return {**OPTIONS, "traceparent": traceparent.strip()}
 ENDED = ("failed", "cancelled")
 
 
@@ -186,7 +195,7 @@ class Gateway:
         client = self._client(who)
         try:
             call_id = await client.submit(
-                picked.profile, body, options=OPTIONS,
+                picked.profile, body, options=_options(request.headers.get("traceparent")),
                 session_id=request.headers.get(SESSION_HEADER),
                 idempotency_key=request.headers.get(IDEMPOTENCY_HEADER))
         except ClientError as exc:

@@ -96,9 +96,11 @@ class CallOptions:
     max_attempts: int | None = None
     deadline_s: float | None = None
     on_partial: OnPartial = OnPartial.CONTINUE
+    traceparent: str | None = None  # W3C trace context: the call's span joins that trace
 
     def to_map(self) -> dict[str, Any]:
         return {
+            "traceparent": self.traceparent,
             "stale_timeout_s": self.stale_timeout_s,
             "first_chunk_timeout_s": self.first_chunk_timeout_s,
             "max_attempts": self.max_attempts,
@@ -196,7 +198,8 @@ def _options(m: dict[str, Any] | None) -> CallOptions:
     if m is None:
         return CallOptions()
     p = "call.options."
-    known = {"stale_timeout_s", "first_chunk_timeout_s", "max_attempts", "deadline_s", "on_partial"}
+    known = {"stale_timeout_s", "first_chunk_timeout_s", "max_attempts", "deadline_s", "on_partial",
+             "traceparent"}
     for key in m:
         if key not in known:
             raise _bad(p + str(key), "is not a known option")
@@ -213,13 +216,29 @@ def _options(m: dict[str, Any] | None) -> CallOptions:
         raise _bad(p + "max_attempts", "must be between 1 and 100")
     if on_partial is not None and on_partial not in ("continue", "restart"):
         raise _bad(p + "on_partial", 'must be "continue" or "restart"')
+    traceparent = _get(m, "traceparent", str, p, required=False)
+    if traceparent is not None and not valid_traceparent(traceparent):
+        raise _bad(p + "traceparent", "must be a W3C traceparent: "
+                   "00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>, ids not all zero")
     return CallOptions(
+        traceparent=traceparent,
         stale_timeout_s=None if stale is None else float(stale),
         first_chunk_timeout_s=None if first is None else float(first),
         max_attempts=attempts,
         deadline_s=None if deadline is None else float(deadline),
         on_partial=OnPartial(on_partial or "continue"),
     )
+
+
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
+
+
+def valid_traceparent(value: str) -> bool:
+    """A W3C `traceparent` header's value (version ff is invalid, and so are
+    ids of zeros)."""
+    match = _TRACEPARENT.fullmatch(value)
+    return match is not None and not value.startswith("ff") and (
+        match[1].strip("0") != "" and match[2].strip("0") != "")
 
 
 def _call(m: dict[str, Any]) -> CallSpec:

@@ -60,6 +60,7 @@ from streamfence.supervisor.sinklink import (
     why,
 )
 from streamfence.supervisor.takeover import Takeover
+from streamfence.supervisor.tracing import CallTracer
 from streamfence.supervisor.verdicts import Verdicts
 from streamfence.supervisor.watchdog import Watchdog
 
@@ -87,7 +88,7 @@ class AttemptDriver:
     def __init__(self, config: DaemonConfig, journal: Journal, pool: Pool, sink: SinkLink,
                  clients: Clients, breakers: Breakers, counters: Counter[str],
                  clock: Callable[[], float], rng: random.Random, transcript_path: str,
-                 cluster: ClusterLink | None = None) -> None:
+                 cluster: ClusterLink | None = None, tracer: CallTracer | None = None) -> None:
         self._cluster = cluster  # cluster mode: each attempt's ownership first (§4.17)
         self._transcript_path = transcript_path
         self._journal = journal
@@ -107,7 +108,7 @@ class AttemptDriver:
         # attempt end and per call end, never per delta.
         self.histograms = Histograms()
         self._ends = CallEnds(self.calls, self._due, journal, clients, counters,
-                              self.histograms, clock, cluster)
+                              self.histograms, clock, cluster, tracer)
         self._rebinds = Rebinds(self.calls, journal, pool, sink, counters, self.fence, cluster)
         self.takeover = None if cluster is None else Takeover(
             config, self.calls, journal, sink, self._ends, counters, cluster, self.enqueue,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from streamfence.supervisor.histograms import Histograms
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.livecalls import LiveCalls, call_context
 from streamfence.supervisor.logs import log_with_traceback
+from streamfence.supervisor.tracing import CallTracer
 from streamfence.supervisor.watchdog import Watchdog
 
 if TYPE_CHECKING:  # cluster mode only: it brings nats
@@ -37,7 +39,7 @@ class CallEnds:
 
     def __init__(self, calls: LiveCalls, due: Watchdog, journal: Journal, clients: Clients,
                  counters: Counter[str], histograms: Histograms, clock: Callable[[], float],
-                 cluster: ClusterLink | None = None) -> None:
+                 cluster: ClusterLink | None = None, tracer: CallTracer | None = None) -> None:
         self._calls = calls
         self._due = due
         self._journal = journal
@@ -46,6 +48,7 @@ class CallEnds:
         self._histograms = histograms
         self._clock = clock
         self._cluster = cluster
+        self._tracer = tracer
 
     def done(self, call: Call, done: dict[str, Any]) -> None:
         """The sink stored the call's done event: journal its status, tell the
@@ -57,9 +60,21 @@ class CallEnds:
         _log_end(call, status)
         self._clients.on_call_done(call.call_id, done,
                                    functools.partial(self._journal.attempts_of, call.call_id))
+        if self._tracer is not None:
+            self._trace(call, done)
         if self._cluster is not None:
             self._cluster.finished(call.call_id)
         self.forget(call)
+
+    def _trace(self, call: Call, done: dict[str, Any]) -> None:
+        """The call's spans; a tracer's failure costs its spans only."""
+        assert self._tracer is not None
+        try:
+            self._tracer.call_done(call, done, self._journal.created_of(call.call_id),
+                                   self._journal.attempts_of(call.call_id), time.time())
+        except Exception:
+            self._counters["tracing_errors"] += 1
+            log.exception("tracing: the call's spans were not made", extra=call_context(call))
 
     def moved(self, call: Call) -> None:
         """Cluster mode: another host owns the call now; this host forgets it

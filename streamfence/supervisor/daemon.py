@@ -57,6 +57,7 @@ from streamfence.supervisor.startup import (
     open_stores,
     raise_fd_limit,
     spawn_context,
+    start_tracer,
     warn_about_environment,
 )
 from streamfence.supervisor.stopsignals import StopSignals
@@ -188,7 +189,7 @@ class Daemon:
             self._shared_keys = SharedKeys(self.keys, cluster.bridge, cfg.cluster.lease_s)
         parts = build_parts(cfg, journal, live, sockets, cluster, self._zygote.send,
                             self._sink.stats, self._pids, self._connection_counts,
-                            self.transcript_path)
+                            self.transcript_path, start_tracer(cfg))
         self._sink.start(parts.sink)
         for call in recovered:
             parts.driver.enqueue(call)
@@ -421,6 +422,8 @@ class Daemon:
         p.pool.close()
         if p.cluster is not None:
             p.cluster.close()
+        if p.tracer is not None:
+            p.tracer.close()  # the spans of the calls that ended last
         self._runtime.remove()
         self._lock.release()
         log.info("stopped")

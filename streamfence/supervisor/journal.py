@@ -224,6 +224,14 @@ class Journal:
         row = self._row("SELECT owner FROM calls WHERE call_id = ?", (call_id,))
         return None if row is None else str(row[0])
 
+    def created_of(self, call_id: str) -> float | None:
+        """When `call_id` was accepted (wall clock), or None if it cannot be read."""
+        try:
+            row = self._row("SELECT created FROM calls WHERE call_id = ?", (call_id,))
+        except ProtocolError:
+            return None  # a storage fault: the trace starts at the first attempt
+        return None if row is None else float(row[0])
+
     def start_attempt(self, call_id: str, attempt: int) -> None:
         self._unit.write(call_id, "UPDATE calls SET epoch = ?, attempts = attempts + 1, "
                     "state = 'running' WHERE call_id = ?", (attempt, call_id))

@@ -24,6 +24,7 @@ from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.pool import Pool
 from streamfence.supervisor.sinklink import SinkLink, StatsCallback
 from streamfence.supervisor.status import daemon_facts, status_of
+from streamfence.supervisor.tracing import CallTracer
 from streamfence.workers.liveness import LivenessTable
 
 if TYPE_CHECKING:  # cluster mode only: it brings nats
@@ -54,13 +55,15 @@ class Parts:
     counters: Counter[str]
     logs: zmq.Socket[bytes]
     cluster: ClusterLink | None = None  # cluster mode (ARCHITECTURE §4.17)
+    tracer: CallTracer | None = None  # `[tracing]`: the calls' spans
 
 
 def build_parts(cfg: DaemonConfig, journal: Journal, live: LivenessTable,
                 sockets: Sockets,
                 cluster: ClusterLink | None, to_zygote: Callable[[ZygoteCommand], None],
                 sink_stats: SinkStats, pids: Callable[[], dict[str, int | None]],
-                auth_counts: Callable[[], dict[str, int]], transcript_path: str) -> Parts:
+                auth_counts: Callable[[], dict[str, int]], transcript_path: str,
+                tracer: CallTracer | None = None) -> Parts:
     """Every owner, in dependency order. `sockets`: the workers', logs' and
     clients' (bound) and the sink's (connected); `to_zygote`, `sink_stats`,
     `pids` and `auth_counts`: what the daemon's children and auth answer."""
@@ -75,7 +78,7 @@ def build_parts(cfg: DaemonConfig, journal: Journal, live: LivenessTable,
     sink = SinkLink(sink_sock, clock)
     breakers = Breakers(cfg.breaker_threshold, cfg.breaker_cooldown_s, clock)
     driver = AttemptDriver(cfg, journal, pool, sink, clients, breakers, counters, clock,
-                           random.Random(), transcript_path, cluster)
+                           random.Random(), transcript_path, cluster, tracer)
     status = functools.partial(status_of, pool, driver, breakers,
                                functools.partial(sink_stats, sink), counters, pids,
                                auth_counts, journal.fault_view,
@@ -88,4 +91,4 @@ def build_parts(cfg: DaemonConfig, journal: Journal, live: LivenessTable,
         cluster.knows = driver.calls.has
         cluster.on_cancel = front.cancel_for_peer
     return Parts(journal, pool, clients, sink, breakers, driver, front, counters, logs_sock,
-                 cluster)
+                 cluster, tracer)

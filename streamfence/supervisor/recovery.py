@@ -69,7 +69,8 @@ def make_call(call_id: str, owner: str, profile: ProviderProfile, request: dict[
     options = CallOptions(stale_timeout_s=o.get("stale_timeout_s"),
                           first_chunk_timeout_s=o.get("first_chunk_timeout_s"),
                           max_attempts=o.get("max_attempts"), deadline_s=o.get("deadline_s"),
-                          on_partial=OnPartial(o.get("on_partial") or "continue"))
+                          on_partial=OnPartial(o.get("on_partial") or "continue"),
+                          traceparent=o.get("traceparent"))
     spec = CallSpec(provider=profile.name, request=request, session_id=session_id,
                     idempotency_key=idempotency_key, options=options)
     max_attempts = options.max_attempts or profile.max_attempts

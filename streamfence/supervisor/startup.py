@@ -2,7 +2,7 @@
 refusing a start it cannot make in one line (`StartupError`): the state dir
 (its lock, the runtime dir, a live daemon's sockets, the stores' pairing),
 the stores (the journal, and this start's stamp in both files), the cluster link, the
-open-files limit; and what it warns about: the providers' credentials named
+call tracer (`[tracing]`), the open-files limit; and what it warns about: the providers' credentials named
 in the config, STREAMFENCE_* variables it does not read.
 """
 
@@ -23,6 +23,7 @@ from streamfence.supervisor.calls import Call
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.recovery import recover_calls
 from streamfence.supervisor.runtimedir import RuntimeDir, bound_paths, claim_sockets
+from streamfence.supervisor.tracing import CallTracer, missing_sdk
 
 if TYPE_CHECKING:  # cluster mode only: it brings nats
     from streamfence.supervisor.clusterlink import ClusterLink
@@ -127,6 +128,20 @@ def connect_cluster(config: DaemonConfig) -> ClusterLink | None:
     log.info("cluster: host %r, %d replica(s), NATS at %s", cfg.host, cfg.replicas,
              settings.shown_urls)
     return link
+
+
+def start_tracer(config: DaemonConfig) -> CallTracer | None:
+    """With `[tracing]`: the call tracer (supervisor/tracing.py); a missing
+    opentelemetry SDK stops the start in one line that says what to install."""
+    if not config.tracing.enabled:
+        return None
+    from streamfence.supervisor.status import VERSION
+
+    problem = missing_sdk()
+    if problem is not None:
+        raise StartupError(f"{config.config_path or 'the config'}: {problem}")
+    log.info("tracing: spans to %s", config.tracing.endpoint)
+    return CallTracer(config.tracing, VERSION)
 
 
 def warn_about_environment(config: DaemonConfig) -> None:
