@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from streamfence.config.model import ConfigError, ProviderProfile, parse_config
 from streamfence.config.tracing import TracingConfig
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
+from streamfence.devtools.launcher import DaemonExited
 from streamfence.gateway.keys import http_key
 from streamfence.protocol.credentials import load_credentials
 from streamfence.protocol.errors import ProtocolError
@@ -221,3 +222,18 @@ def test_a_daemon_exports_a_retried_calls_spans_under_the_callers_trace(
     assert first.events[0].attributes[0].value.string_value == "stale"
     assert first.end_time_unix_nano <= second.start_time_unix_nano
     assert not second.events
+
+
+@pytest.mark.slow
+def test_a_start_without_the_sdk_says_what_to_install(tmp_path: Path) -> None:
+    shadow = tmp_path / "shadow" / "opentelemetry"  # a package without the SDK in it
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    proc = DaemonProcess(tmp_path / "state", {}, env={"PYTHONPATH": str(shadow.parent)},
+                         tables={"tracing": {"endpoint": "http://127.0.0.1:9/v1/traces"}})
+    with pytest.raises(DaemonExited):
+        proc.start(ready_timeout=60)
+    assert proc.stop() not in (0, None)
+    said = [line for line in proc.log_text().splitlines() if "tracing" in line]
+    assert len(said) == 1 and "pip install 'streamfence[tracing]'" in said[0], said
+    assert "Traceback" not in proc.log_text()

@@ -176,6 +176,7 @@ class Daemon:
     def _build(self) -> Parts:
         """Every owner, each built after what it needs; then the children start."""
         cfg = self.config
+        tracer = start_tracer(cfg)  # before the stores: a start it refuses touches nothing
         journal, recovered = open_stores(cfg, self._state_dir, self._pairing,
                                          self.transcript_path)
         # The zygote first: its imports and warm-up are the longest path to a call
@@ -189,7 +190,7 @@ class Daemon:
             self._shared_keys = SharedKeys(self.keys, cluster.bridge, cfg.cluster.lease_s)
         parts = build_parts(cfg, journal, live, sockets, cluster, self._zygote.send,
                             self._sink.stats, self._pids, self._connection_counts,
-                            self.transcript_path, start_tracer(cfg))
+                            self.transcript_path, tracer)
         self._sink.start(parts.sink)
         for call in recovered:
             parts.driver.enqueue(call)

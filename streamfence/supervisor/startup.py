@@ -139,7 +139,7 @@ def start_tracer(config: DaemonConfig) -> CallTracer | None:
 
     problem = missing_sdk()
     if problem is not None:
-        raise StartupError(f"{config.config_path or 'the config'}: {problem}")
+        raise StartupError(problem)
     log.info("tracing: spans to %s", config.tracing.endpoint)
     return CallTracer(config.tracing, VERSION)
 
