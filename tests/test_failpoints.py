@@ -265,7 +265,9 @@ def test_a_sink_crash_after_a_commit_costs_no_answer(armed: Armed, emu: Emulator
     assert status["counters"]["sink_restarts"] == 1
     assert status["counters"]["attempts_rebound"] == 1  # it crashed mid-stream
     assert (where / "fired.sink.after_commit").exists()
-    assert failpoints.hits(str(where)).count("sink.after_commit") > 3
+    # Passed on commits with a listener's events only: how many more after the
+    # restart depends on when the listener is back, so no count past the crash's.
+    assert failpoints.hits(str(where)).count("sink.after_commit") >= 3
 
 
 @pytest.mark.slow

@@ -193,12 +193,12 @@ def test_a_daemon_exports_a_retried_calls_spans_under_the_callers_trace(
         # Over HTTP, the caller's traceparent header: the call joins its trace.
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: healthy(url), 30.0, f"the gateway to answer {url}/healthz")
-        sdk = openai.OpenAI(base_url=url + "/v1", max_retries=0,
-                            api_key=http_key(load_credentials(proc.credentials_path)))
         http_parent = "1" * 16
-        sdk.chat.completions.create(
-            model="emu-model#http", messages=[{"role": "user", "content": "hi"}],
-            extra_headers={"traceparent": f"00-{TRACE_ID}-{http_parent}-01"})
+        with openai.OpenAI(base_url=url + "/v1", max_retries=0,
+                           api_key=http_key(load_credentials(proc.credentials_path))) as sdk:
+            sdk.chat.completions.create(
+                model="emu-model#http", messages=[{"role": "user", "content": "hi"}],
+                extra_headers={"traceparent": f"00-{TRACE_ID}-{http_parent}-01"})
         wait_until(lambda: len(spans()) >= 5, 20, "the HTTP call's spans at the OTLP receiver")
     finally:
         proc.cleanup()
