@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 from streamfence.cluster.settings import NatsAuth, NatsTls
 from streamfence.config.identities import _KEYS as IDENTITY_KEYS
 from streamfence.config.identities import Identity, parse_identities
+from streamfence.config.prices import Price, parse_prices
 from streamfence.config.problems import did_you_mean, typed, unknown
 from streamfence.config.sections import (
     CLUSTER_TYPES,
@@ -146,6 +147,7 @@ class DaemonConfig:
     retention_days: float = 0.0  # finished calls older than this are pruned; 0: keep
     providers: dict[str, ProviderProfile] = field(default_factory=dict)
     identities: dict[str, Identity] = field(default_factory=dict)
+    prices: dict[str, Price] = field(default_factory=dict)  # config/prices.py
     http: HttpConfig = field(default_factory=HttpConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     # Not a key: the file this was loaded from (absolute); None: the defaults.
@@ -191,7 +193,7 @@ _PROFILE_TYPES: dict[str, tuple[type, ...]] = {
     "max_attempts": (int,), "connect_timeout_s": (int, float), "read_timeout_s": (int, float),
     "aws_credentials": (str,), "aws_profile": (str,),
 }
-TABLES = ("daemon", "providers", "identities", "http", "cluster")
+TABLES = ("daemon", "providers", "identities", "prices", "http", "cluster")
 # Where each key belongs, for a key written in the wrong table (problems.unknown).
 _HOMES: dict[str, str] = {
     **{k: "[cluster]" for k in CLUSTER_TYPES}, **{k: "[http]" for k in HTTP_KEYS},
@@ -240,11 +242,16 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> DaemonConfig
             if profile not in declared:
                 problems.append(f"{source}: identities.{ident.name}.providers: no provider "
                                 f"profile {profile!r}{did_you_mean(profile, declared)}")
+    prices = parse_prices(data.get("prices", {}), f"{source}: prices", declared, problems)
+    for ident in identities.values():
+        if ident.spend_per_month and not prices:
+            problems.append(f"{source}: identities.{ident.name}.spend_per_month: needs "
+                            f"prices: no [prices.\"MODEL\"] table is configured")
     listen, routes = parse_http(_table(data, "http", f"{source}: http", problems),
                                 f"{source}: http", declared, problems, _HOMES)
     cluster = parse_cluster(_table(data, "cluster", f"{source}: cluster", problems),
                             f"{source}: cluster", problems, _HOMES, ConfigError)
-    cfg = DaemonConfig(providers=profiles, identities=identities,
+    cfg = DaemonConfig(providers=profiles, identities=identities, prices=prices,
                        http=HttpConfig(listen, routes), cluster=ClusterConfig(**cluster), **daemon)
     found = len(problems)
     if "endpoint" in daemon:
