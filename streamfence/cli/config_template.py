@@ -297,4 +297,7 @@ def render(state_dir: str, emulator_url: str = EMULATOR_URL, config_name: str = 
             "#", "#   [identities.alice]"]
     for key, (value, doc) in IDENTITY_DOCS.items():
         out += [*_comment(doc, "  # "), f"#   {key} = {_value(value)}"]
+    out += ["", *_comment("What a model's tokens cost, per million, for spend_per_month and "
+                          "`streamfence usage` (\"PROFILE/MODEL\" for one profile only):"),
+            "#", '#   [prices."gpt-4o"]', "#   input_per_mtok = 2.5", "#   output_per_mtok = 10"]
     return "\n".join(out) + "\n"

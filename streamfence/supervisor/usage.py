@@ -1,4 +1,4 @@
-"""Usage sums and budgets (docs/ARCHITECTURE.md §4.18).
+"""Usage sums and budgets (docs/ARCHITECTURE.md §4.19).
 
 Each call's end adds its usage to one row of journal.db's `usage` table,
 keyed by (identity, UTC day, profile, model), in the same transaction as
