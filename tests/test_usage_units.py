@@ -75,6 +75,12 @@ def test_sums_roll_over_days_and_months_and_outlive_a_reopen(tmp_path: Path) -> 
     assert book.over_budget(alice) == (
         "'alice' has used 1000 tokens (input + output) of its tokens_per_day budget of "
         "1000 this UTC day; it resets at 2026-12-01T00:00:00Z")
+    spender = Identity("carol", spend_per_month=0.002)
+    book.record("c0", "carol", "oa", "gpt-4o", False, 1,
+                {"prompt_tokens": 1_000_000, "completion_tokens": 300})
+    assert book.over_budget(spender) == (
+        "'carol' has used 2.0024 of its spend_per_month budget of 0.002 this UTC month; "
+        "it resets at 2026-12-01T00:00:00Z")
     now[0] = _at("2026-11-30", 23) + 3599  # the last second of the month
     assert book.over_budget(alice) is not None
     now[0] = _at("2026-12-01", 0)  # a new day and a new month: both start again
@@ -94,7 +100,7 @@ def test_sums_roll_over_days_and_months_and_outlive_a_reopen(tmp_path: Path) -> 
     reopened = Journal(path)
     again = UsageBook(reopened._db, reopened._unit, wall=lambda: now[0])
     assert again.budgets(alice)[1]["used"] == 500  # the month's sums, read back
-    assert again.query(None, "", ("identity", "day")) == [
+    assert again.query("alice", "", ("identity", "day")) == [
         {"identity": "alice", "day": "2026-11-30", "calls": 1, "failed": 0, "attempts": 1,
          "input_tokens": 900, "output_tokens": 100, "spend": 0.0026},
         {"identity": "alice", "day": "2026-12-01", "calls": 1, "failed": 1, "attempts": 3,

@@ -86,8 +86,18 @@ def tokens_of(usage: Any) -> tuple[int, int]:
     missing or not a count."""
     if not isinstance(usage, Mapping):
         return 0, 0
-    counts = (usage.get("prompt_tokens"), usage.get("completion_tokens"))
-    return tuple(v if type(v) is int and v >= 0 else 0 for v in counts)  # type: ignore[return-value]
+    return _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+
+
+def _count(value: Any) -> int:
+    return value if type(value) is int and value >= 0 else 0
+
+
+def _amount(value: float) -> str:
+    """A count as it is (1234567), a spend to 4 decimals at most (12.5)."""
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.4f}".rstrip("0").rstrip(".")
 
 
 def utc_day(now: float) -> str:
@@ -171,12 +181,13 @@ class UsageBook:
         month starts them again)."""
         today = utc_day(now)
         spent = self._spent.get(identity)
-        if spent is None or spent.day != today:
-            month = spent is not None and spent.day[:7] == today[:7]
-            spent = self._spent[identity] = _Spent(
-                today, 0, spent.month_tokens if month and spent else 0,
-                spent.month_spend if month and spent else 0.0)
-        return spent
+        if spent is not None and spent.day == today:
+            return spent
+        fresh = _Spent(today)
+        if spent is not None and spent.day[:7] == today[:7]:  # a new day of the same month
+            fresh.month_tokens, fresh.month_spend = spent.month_tokens, spent.month_spend
+        self._spent[identity] = fresh
+        return fresh
 
     # ---- budgets -------------------------------------------------------------
     def budgets(self, user: Identity) -> list[dict[str, Any]]:
@@ -204,8 +215,9 @@ class UsageBook:
             if b["used"] >= b["limit"]:
                 unit = "" if b["budget"] == "spend_per_month" else " tokens (input + output)"
                 period = "UTC day" if b["budget"] == "tokens_per_day" else "UTC month"
-                return (f"{user.name!r} has used {b['used']:g}{unit} of its {b['budget']} "
-                        f"budget of {b['limit']:g} this {period}; it resets at {b['resets']}")
+                return (f"{user.name!r} has used {_amount(b['used'])}{unit} of its "
+                        f"{b['budget']} budget of {_amount(b['limit'])} this {period}; it "
+                        f"resets at {b['resets']}")
         return None
 
     # ---- what is read ----------------------------------------------------------
