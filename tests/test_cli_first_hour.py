@@ -56,7 +56,7 @@ UNCOMMENT = re.compile(r"^# (?=[a-z_]+ = )", re.MULTILINE)  # `# key = value`, n
 
 def _daemon_keys() -> list[str]:
     return [f.name for f in fields(DaemonConfig)
-            if f.name not in ("providers", "identities", "http", "cluster", "tracing",
+            if f.name not in ("providers", "identities", "prices", "http", "cluster", "tracing",
                               "config_path")]
 
 

@@ -1,5 +1,5 @@
 """The `streamfence` command: init, emulator, serve, reload, stop, submit,
-cancel, result, status, keys, prune, check, demo, cluster.
+cancel, result, status, usage, keys, prune, check, demo, cluster.
 
 Client commands find the daemon and their identity without flags on the
 daemon's own machine: `--credentials`, else $STREAMFENCE_CREDENTIALS, else the
@@ -32,6 +32,7 @@ from streamfence.cli.control import reload, stop
 from streamfence.cli.init import emulator, init
 from streamfence.cli.keys import keys
 from streamfence.cli.prune import prune
+from streamfence.cli.usage import usage
 
 if TYPE_CHECKING:
     from streamfence.config.model import DaemonConfig, ProviderProfile
@@ -260,6 +261,7 @@ main.add_command(reload)
 main.add_command(stop)
 main.add_command(cancel)
 main.add_command(result)
+main.add_command(usage)
 main.add_command(init)
 main.add_command(emulator)
 main.add_command(check)

@@ -147,6 +147,11 @@ IDENTITY_DOCS: dict[str, tuple[Any, str]] = {
                       "`too_many_subscriptions` beyond. 0: no limit."),
     "max_subscriptions": (DEFAULT_MAX_SUBSCRIPTIONS, "Subscriptions (listener, call) at "
                           "once; `too_many_subscriptions` beyond. 0: no limit."),
+    "tokens_per_day": (0, "Input + output tokens per UTC day; `budget_exceeded` once used. "
+                       "0: no budget."),
+    "tokens_per_month": (0, "The same per UTC calendar month. 0: no budget."),
+    "spend_per_month": (0, "Spend per UTC month, priced by a [prices.\"MODEL\"] table "
+                        "(input_per_mtok, output_per_mtok). 0: no budget."),
 }
 
 WIDTH = 79
@@ -292,4 +297,7 @@ def render(state_dir: str, emulator_url: str = EMULATOR_URL, config_name: str = 
             "#", "#   [identities.alice]"]
     for key, (value, doc) in IDENTITY_DOCS.items():
         out += [*_comment(doc, "  # "), f"#   {key} = {_value(value)}"]
+    out += ["", *_comment("What a model's tokens cost, per million, for spend_per_month and "
+                          "`streamfence usage` (\"PROFILE/MODEL\" for one profile only):"),
+            "#", '#   [prices."gpt-4o"]', "#   input_per_mtok = 2.5", "#   output_per_mtok = 10"]
     return "\n".join(out) + "\n"

@@ -17,13 +17,18 @@ limit what each identity may do:
     n = 1                      # cap on OpenAI's `n` (0: none)
     max_listeners = 64         # events connections with a subscription at once (0: no limit)
     max_subscriptions = 1024   # subscriptions (listener, call) at once (0: no limit)
+    tokens_per_day = 1000000   # input + output tokens per UTC day (0: no budget)
+    tokens_per_month = 0       # input + output tokens per UTC calendar month (0: none)
+    spend_per_month = 50.0     # spend per UTC month, priced by [prices] (0: none)
 
 A registered key without a table gets the defaults (role "client", no
 limits but `max_in_flight_bytes`, 64 MiB, `submit_bytes_per_s`, 4 MiB/s,
 `max_listeners`, 64, and `max_subscriptions`, 1024). The daemon's own user's
 identity, `local`, is an admin unless a table says otherwise. The two
 listener caps are the sink's to enforce: the supervisor hands them over with
-each subscribe (`ListenerOwner`, protocol/internal/control.py).
+each subscribe (`ListenerOwner`, protocol/internal/control.py). The three
+budgets are the supervisor's (supervisor/usage.py): a submit is refused
+`budget_exceeded` once the identity's sums reach one.
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ class Identity:
     max_listeners: int = DEFAULT_MAX_LISTENERS
     max_subscriptions: int = DEFAULT_MAX_SUBSCRIPTIONS
     caps: Mapping[str, int] = field(default_factory=dict)  # request field caps
+    tokens_per_day: int = 0  # budgets (supervisor/usage.py); 0: none
+    tokens_per_month: int = 0
+    spend_per_month: float = 0.0
 
     @property
     def is_admin(self) -> bool:
@@ -78,7 +86,9 @@ class Identity:
 
 
 _NUMBERS = ("max_in_flight", "max_in_flight_bytes", "submits_per_s", "submit_bytes_per_s",
-            "max_tokens", "n", "max_listeners", "max_subscriptions")
+            "max_tokens", "n", "max_listeners", "max_subscriptions", "tokens_per_day",
+            "tokens_per_month", "spend_per_month")
+_FRACTIONAL = ("submits_per_s", "submit_bytes_per_s", "spend_per_month")
 _KEYS = {"role", "providers", *_NUMBERS}
 
 
@@ -117,7 +127,7 @@ def _parse_identity(name: str, table: Any, at: str, problems: list[str],
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             problems.append(f"{at}.{key}: must be a number >= 0, got {value!r}")
             value = 0
-        elif key not in ("submits_per_s", "submit_bytes_per_s") and not isinstance(value, int):
+        elif key not in _FRACTIONAL and not isinstance(value, int):
             problems.append(f"{at}.{key}: must be a whole number, got {value!r}")
         numbers[key] = value
     return Identity(
@@ -129,7 +139,10 @@ def _parse_identity(name: str, table: Any, at: str, problems: list[str],
         submit_bytes_per_s=float(numbers["submit_bytes_per_s"]),
         max_listeners=int(numbers["max_listeners"]),
         max_subscriptions=int(numbers["max_subscriptions"]),
-        caps={k: int(numbers[k]) for k in ("max_tokens", "n") if numbers[k]})
+        caps={k: int(numbers[k]) for k in ("max_tokens", "n") if numbers[k]},
+        tokens_per_day=int(numbers["tokens_per_day"]),
+        tokens_per_month=int(numbers["tokens_per_month"]),
+        spend_per_month=float(numbers["spend_per_month"]))
 
 
 def identity_named(name: str, configured: Mapping[str, Identity]) -> Identity:

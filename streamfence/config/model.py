@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 from streamfence.cluster.settings import NatsAuth, NatsTls
 from streamfence.config.identities import _KEYS as IDENTITY_KEYS
 from streamfence.config.identities import Identity, parse_identities
+from streamfence.config.prices import Price, parse_prices
 from streamfence.config.problems import did_you_mean, typed, unknown
 from streamfence.config.sections import (
     CLUSTER_TYPES,
@@ -147,6 +148,7 @@ class DaemonConfig:
     retention_days: float = 0.0  # finished calls older than this are pruned; 0: keep
     providers: dict[str, ProviderProfile] = field(default_factory=dict)
     identities: dict[str, Identity] = field(default_factory=dict)
+    prices: dict[str, Price] = field(default_factory=dict)  # config/prices.py
     http: HttpConfig = field(default_factory=HttpConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
@@ -193,10 +195,11 @@ _PROFILE_TYPES: dict[str, tuple[type, ...]] = {
     "max_attempts": (int,), "connect_timeout_s": (int, float), "read_timeout_s": (int, float),
     "aws_credentials": (str,), "aws_profile": (str,),
 }
-TABLES = ("daemon", "providers", "identities", "http", "cluster", "tracing")
+TABLES = ("daemon", "providers", "identities", "prices", "http", "cluster", "tracing")
 # Where each key belongs, for a key written in the wrong table (problems.unknown).
 _HOMES: dict[str, str] = {
-    **{k: "[cluster]" for k in CLUSTER_TYPES}, **{k: "[tracing]" for k in TRACING_TYPES}, **{k: "[http]" for k in HTTP_KEYS},
+    **{k: "[cluster]" for k in CLUSTER_TYPES}, **{k: "[tracing]" for k in TRACING_TYPES},
+    **{k: "[http]" for k in HTTP_KEYS},
     **{k: "[identities.NAME]" for k in IDENTITY_KEYS},
     **{k: "[providers.NAME]" for k in _PROFILE_TYPES}, **{k: "[daemon]" for k in DAEMON_KEYS}}
 
@@ -242,13 +245,18 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> DaemonConfig
             if profile not in declared:
                 problems.append(f"{source}: identities.{ident.name}.providers: no provider "
                                 f"profile {profile!r}{did_you_mean(profile, declared)}")
+    prices = parse_prices(data.get("prices", {}), f"{source}: prices", declared, problems)
+    for ident in identities.values():
+        if ident.spend_per_month and not prices:
+            problems.append(f"{source}: identities.{ident.name}.spend_per_month: needs "
+                            f"prices: no [prices.\"MODEL\"] table is configured")
     listen, routes = parse_http(_table(data, "http", f"{source}: http", problems),
                                 f"{source}: http", declared, problems, _HOMES)
     cluster = parse_cluster(_table(data, "cluster", f"{source}: cluster", problems),
                             f"{source}: cluster", problems, _HOMES, ConfigError)
     tracing = parse_tracing(_table(data, "tracing", f"{source}: tracing", problems),
                             f"{source}: tracing", problems, _HOMES)
-    cfg = DaemonConfig(providers=profiles, identities=identities,
+    cfg = DaemonConfig(providers=profiles, identities=identities, prices=prices,
                        http=HttpConfig(listen, routes), cluster=ClusterConfig(**cluster),
                        tracing=tracing, **daemon)
     found = len(problems)

@@ -84,6 +84,10 @@ ERRORS: dict[str, Row] = {
     "rate_limited": Row(429, 429, "requests", "rate_limit_error", "rate_limit_exceeded"),
     "too_many_calls": Row(429, 429, "requests", "rate_limit_error"),
     "too_many_subscriptions": Row(429, 429, "requests", "rate_limit_error"),
+    # a token or spend budget used up (until its UTC day or month ends): OpenAI's
+    # own code for a quota, so `exc.code` says it is not a rate to wait out
+    "budget_exceeded": Row(429, 429, "insufficient_quota", "rate_limit_error",
+                           "budget_exceeded"),
     # 499 (nginx's "client closed request": someone cancelled the call)
     #      APIStatusError        ClientClosedRequestError; neither SDK retries it
     "cancelled": Row(499, 499, "invalid_request_error", "api_error"),

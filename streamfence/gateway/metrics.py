@@ -15,8 +15,9 @@ and is not waiting out a storage fault, the journal takes submits, and a
 warm worker is idle.
 
 Neither endpoint takes a key: the gateway binds loopback only, and they
-show counts and durations, never a call, a session, an identity or a key
-(breakers are counted per provider, not per session).
+show counts and durations, never a call, a session or a key (breakers are
+counted per provider, not per session); identities appear only as a label
+of the usage families (gateway/metrics_usage.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from streamfence.gateway.metrics_usage import usage_families
 from streamfence.protocol.client_async import AsyncClient
 from streamfence.protocol.client_router import ClientError
 from streamfence.protocol.credentials import LOCAL_NAME, CredentialsError, load_credentials
@@ -356,6 +358,7 @@ def families(status: Mapping[str, Any] | None, providers: Iterable[str] = ()) ->
           "storage fault", 1 if status.get("storage") else 0)
     if isinstance(cluster := status.get("cluster"), Mapping):
         out += _cluster(cluster)
+    out += usage_families(status.get("usage"))
     # Histograms (the daemon's: every call's, not only the gateway's).
     for key, m in (status.get("histograms") or {}).items():
         if key in HISTOGRAMS and (h := _histogram(*HISTOGRAMS[key], m)) is not None:

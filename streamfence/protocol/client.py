@@ -39,6 +39,7 @@ Requests and the replies the daemon sends (every reply echoes the request's
                   that had already ended: its `done` event, with the ref.
     status     -> {"op": "status_reply", "ref", ...}: workers, calls,
                   breakers, counters
+    usage      -> {"op": "usage_reply", "ref", "rows", "budgets", ...}
     any        -> {"op": "error", "ref", "code", "message"} (ClientError);
                   ref is nil when the daemon could not read the request's
                   ref (bad_frame, too_large, a missing or invalid ref)
@@ -181,6 +182,7 @@ class Client(ClientBase):
     result = _blocking(ClientCore.result)
     cancel = _blocking(ClientCore.cancel)
     status = _blocking(ClientCore.status)
+    usage = _blocking(ClientCore.usage)
     run = _blocking(ClientCore.run)
 
     def events(self, call_id: str, *, timeout_s: float | None = None) -> Iterator[dict[str, Any]]:

@@ -140,6 +140,7 @@ class AsyncClient(ClientBase):
     result = _awaitable(ClientCore.result)
     cancel = _awaitable(ClientCore.cancel)
     status = _awaitable(ClientCore.status)
+    usage = _awaitable(ClientCore.usage)
     run = _awaitable(ClientCore.run)
 
     async def events(self, call_id: str, *,

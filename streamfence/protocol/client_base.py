@@ -9,7 +9,7 @@ into the operations both client flavours run.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from streamfence.protocol.client_router import BAD_REPLY, CallFailed, ClientError
@@ -58,6 +58,15 @@ def call_msg(op: Op, ref: str, call_id: str, **extra: Any) -> dict[str, Any]:
 
 def status_msg(ref: str) -> dict[str, Any]:
     return checked({"v": VERSION, "op": Op.STATUS.value, "ref": ref})
+
+
+def usage_msg(ref: str, by: Sequence[str] | None, since: str | None) -> dict[str, Any]:
+    msg: dict[str, Any] = {"v": VERSION, "op": Op.USAGE.value, "ref": ref}
+    if by is not None:
+        msg["by"] = list(by)
+    if since:
+        msg["since"] = since
+    return checked(msg)
 
 
 def listen_msg() -> dict[str, Any]:

@@ -55,6 +55,7 @@ from streamfence.protocol.client_base import (
     raw_ref,
     status_msg,
     submit_msg,
+    usage_msg,
 )
 from streamfence.protocol.client_effects import Flow, Send, Wait
 from streamfence.protocol.client_monitor import LinkWatch
@@ -270,6 +271,15 @@ class ClientCore:
         """The daemon's `status_reply`: workers, calls, breakers, counters."""
         reply = yield from self._exchange(status_msg(new_ref()), "status", self.timeout_s)
         return expect_reply(reply, (Op.STATUS_REPLY,), "status")
+
+    def usage(self, by: Sequence[str] | None = None, since: str | None = None
+              ) -> Flow[dict[str, Any]]:
+        """The daemon's `usage_reply`: the usage sums from UTC day `since`
+        (YYYY-MM-DD; None: all) grouped `by` (identity, profile, model, day),
+        and the budgets; an identity that is not an admin gets its own."""
+        reply = yield from self._exchange(usage_msg(new_ref(), by, since), "usage",
+                                          self.timeout_s)
+        return expect_reply(reply, (Op.USAGE_REPLY,), "usage")
 
     def events(self, call_id: str, timeout_s: float | None) -> EventReader:
         """The reader behind one `events()` iteration (not a flow: see EventReader)."""

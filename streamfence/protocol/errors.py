@@ -23,6 +23,8 @@ class ErrorCode(StrEnum):
     LIMIT_EXCEEDED = "limit_exceeded"  # a field over the submitter's cap (e.g. max_tokens)
     TOO_MANY_CALLS = "too_many_calls"  # the submitter's max_in_flight calls are not done yet
     RATE_LIMITED = "rate_limited"  # over the submitter's submits_per_s
+    # The submitter has used up a token or spend budget (tokens_per_day, ...).
+    BUDGET_EXCEEDED = "budget_exceeded"
     # A subscribe past the subscriber's max_listeners or max_subscriptions.
     TOO_MANY_SUBSCRIPTIONS = "too_many_subscriptions"
     # On the events socket: the key this connection was made with was revoked

@@ -42,6 +42,7 @@ class Op(StrEnum):
     RESULT = "result"
     CANCEL = "cancel"
     STATUS = "status"
+    USAGE = "usage"
     # client -> daemon's events socket, and the answer to `listen`
     LISTEN = "listen"
     ACK = "ack"
@@ -52,6 +53,7 @@ class Op(StrEnum):
     PENDING = "pending"
     CANCELLING = "cancelling"
     STATUS_REPLY = "status_reply"
+    USAGE_REPLY = "usage_reply"
     DELTA = "delta"
     RESET = "reset"
     DONE = "done"
@@ -151,7 +153,21 @@ class Status:
     ref: str
 
 
-Request = Submit | Subscribe | Result | Cancel | Status
+USAGE_BY = ("identity", "profile", "model", "day")  # what usage sums may be grouped by
+_DAY_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """The usage sums (supervisor/usage.py) from UTC day `since` ("": all),
+    grouped by `by`."""
+
+    ref: str
+    by: tuple[str, ...] = USAGE_BY[:3]
+    since: str = ""
+
+
+Request = Submit | Subscribe | Result | Cancel | Status | Usage
 
 
 def _bad(field_name: str, what: str) -> ProtocolError:
@@ -301,7 +317,21 @@ def parse_request(obj: Any) -> Request:
         return Cancel(ref=_ref(obj), call_id=_get(obj, "call_id", str, ""))
     if op == Op.STATUS:
         return Status(ref=_ref(obj))
+    if op == Op.USAGE:
+        return _usage(obj)
     raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
+
+
+def _usage(obj: dict[str, Any]) -> Usage:
+    ref = _ref(obj)
+    by = _get(obj, "by", list, "", required=False)
+    if by is not None and (not all(isinstance(b, str) and b in USAGE_BY for b in by)
+                           or len(set(by)) != len(by)):
+        raise _bad("by", f"must be a list of distinct names among {', '.join(USAGE_BY)}")
+    since = _get(obj, "since", str, "", required=False) or ""
+    if since and not _DAY_RE.fullmatch(since):
+        raise _bad("since", "must be a UTC day, YYYY-MM-DD")
+    return Usage(ref, USAGE_BY[:3] if by is None else tuple(by), since)
 
 
 def parse_listener_msg(obj: Any) -> int | None:

@@ -9,6 +9,7 @@ The order is part of the contract:
   every submit, a duplicate too;
 - a duplicate (its idempotency key seen: the same call again, which starts
   nothing) is answered next, before any limit of new calls;
+- the identity's budgets (supervisor/usage.py) come first of those limits;
 - the limits of new calls, the rates last: they take their tokens, so a
   submit refused by an earlier check costs none;
 - the request's own check (`check_request`) fills in the identity's caps.
@@ -35,6 +36,7 @@ from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.requests import check_request
 from streamfence.supervisor.submit_rate import SubmitRate
+from streamfence.supervisor.usage import model_of
 
 EARLY_CHECK_BYTES = 64 << 10  # a submit this large meets its byte limits before it is decoded
 PEEK_BYTES = 512  # where its op and ref are looked for
@@ -92,6 +94,11 @@ class Admission:
         """A reloaded config (supervisor/reload.py): its profiles for the next submit."""
         self._config = config
 
+    @property
+    def identities(self) -> dict[str, Identity]:
+        """The configured identities (reloaded ones after a reload)."""
+        return self._config.identities
+
     def admit(self, user: Identity, spec: CallSpec, size: int) -> Admitted | Duplicate | Refusal:
         """`size`: the submit frame's length, what the byte budgets count as the
         request's size (an honest upper bound of its encoding, at hand for free)."""
@@ -104,7 +111,8 @@ class Admission:
             existing = self._existing(user.name, spec.idempotency_key)
             if existing is not None:
                 return Duplicate(existing)
-        return (self._breaker_open(spec)
+        return (self._over_budget(user, spec)
+                or self._breaker_open(spec)
                 or self._queue_full()
                 or self._over_in_flight_bytes(size)
                 or self._too_many_in_flight(user)
@@ -145,6 +153,20 @@ class Admission:
         known = ", ".join(sorted(p for p in providers if user.may_use(p))) or "none"
         return Refusal(ErrorCode.UNKNOWN_PROVIDER,
                        f"no provider profile {spec.provider!r} (configured: {known})")
+
+    def _over_budget(self, user: Identity, spec: CallSpec) -> Refusal | None:
+        """`budget_exceeded` once a budget is used up; with a spend budget, a
+        model without a price could never be counted against it."""
+        usage = self._journal.usage
+        why = usage.over_budget(user)
+        if why is not None:
+            return Refusal(ErrorCode.BUDGET_EXCEEDED, why)
+        model = model_of(spec.request)
+        if user.spend_per_month and not usage.priced(spec.provider, model):
+            return Refusal(ErrorCode.LIMIT_EXCEEDED, f"call.request.model: {model!r} on "
+                           f"profile {spec.provider!r} has no price in [prices], and "
+                           f"{user.name!r} has a spend_per_month budget")
+        return None
 
     def _breaker_open(self, spec: CallSpec) -> Refusal | None:
         refusal = self._breakers.admit((spec.session_id or "-", spec.provider))

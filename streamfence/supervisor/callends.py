@@ -25,6 +25,7 @@ from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.livecalls import LiveCalls, call_context
 from streamfence.supervisor.logs import log_with_traceback
 from streamfence.supervisor.tracing import CallTracer
+from streamfence.supervisor.usage import answered_by
 from streamfence.supervisor.watchdog import Watchdog
 
 if TYPE_CHECKING:  # cluster mode only: it brings nats
@@ -51,10 +52,11 @@ class CallEnds:
         self._tracer = tracer
 
     def done(self, call: Call, done: dict[str, Any]) -> None:
-        """The sink stored the call's done event: journal its status, tell the
-        `result` waiters, log its last line, and forget it."""
+        """The sink stored the call's done event: journal its status and its
+        usage, tell the `result` waiters, log its last line, and forget it."""
         status = str(done.get("status"))
         self._journal.finish_call(call.call_id, status)
+        record_usage(self._journal, call.call_id, call.owner, *answered_by(call), done)
         self._counters["calls_" + status] += 1
         self._histograms.call_done(call.call_id, self._clock())
         _log_end(call, status)
@@ -93,6 +95,18 @@ class CallEnds:
         self._histograms.forget(call.call_id)
         if self._cluster is not None:
             self._cluster.forget(call.call_id)
+
+
+def record_usage(journal: Journal, call_id: str, owner: str, profile: str, model: str,
+                 done: dict[str, Any]) -> None:
+    """Add a finished call's usage (its stored done's) to the sums, in the
+    transaction of its `finish_call` (supervisor/usage.py)."""
+    response = done.get("response")
+    attempts = done.get("attempts")
+    journal.usage.record(call_id, owner, profile, model,
+                         done.get("status") == CallStatus.FAILED,
+                         attempts if type(attempts) is int else 0,
+                         response.get("usage") if isinstance(response, dict) else None)
 
 
 def _log_end(call: Call, status: str) -> None:

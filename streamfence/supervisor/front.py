@@ -31,6 +31,7 @@ from streamfence.protocol.messages import (
     Status,
     Submit,
     Subscribe,
+    Usage,
     error_msg,
     parse_request,
     pending_msg,
@@ -148,6 +149,8 @@ class Front:
                 ref = request.ref
                 self._status(user, lambda body: self._clients.send(
                     identity, {"v": 1, "op": "status_reply", "ref": ref, **body}))
+            elif isinstance(request, Usage):
+                self._usage(identity, user, request)
             elif self._cluster is not None and (
                     self._journal.owner_of(request.call_id) is None
                     or self._journal.is_moved(request.call_id)):
@@ -301,6 +304,17 @@ class Front:
             # A live call's listeners are subscribed again at the restarted sink.
 
         self._sink.subscribe(req.call_id, req.listener, req.from_seq, live, owner, answered)
+
+    def _usage(self, identity: bytes, user: Identity, req: Usage) -> None:
+        """The usage sums (supervisor/usage.py): an admin's of every identity,
+        with every budget configured; any other identity's of its own only."""
+        usage = self._journal.usage
+        rows = usage.query(None if user.is_admin else user.name, req.since, req.by)
+        owners = (self.admission.identities.values() if user.is_admin else [user])
+        budgets = [dict(b, identity=who.name) for who in owners for b in usage.budgets(who)]
+        self._clients.send(identity, {"v": 1, "op": "usage_reply", "ref": req.ref,
+                                      "identity": user.name, "since": req.since,
+                                      "by": list(req.by), "rows": rows, "budgets": budgets})
 
     def _done_of(self, call_id: str) -> dict[str, Any] | None:
         """A finished call's done event: stored once, in the transcript."""

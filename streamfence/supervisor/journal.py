@@ -69,6 +69,7 @@ from streamfence.supervisor.journal_file import (
 )
 from streamfence.supervisor.journal_unit import StorageFault, WriteUnit
 from streamfence.supervisor.request_files import RequestFiles
+from streamfence.supervisor.usage import UsageBook
 
 log = logging.getLogger("streamfence.journal")
 
@@ -86,7 +87,8 @@ BUSY_WAIT_S = 0.05
 
 class Journal:
     """Owns journal.db (every accepted call, each attempt's epoch and end, each
-    finished call's status) and, through `files`, the large requests' files.
+    finished call's status) and, through `files`, the large requests' files;
+    `usage` (UsageBook) adds each finished call's usage to the same unit.
     Writes are grouped until `commit`."""
 
     def __init__(self, path: str) -> None:
@@ -101,6 +103,7 @@ class Journal:
         self._db.executescript(SCHEMA)
         self._sweep()
         self._unit = WriteUnit(path, self._db, self.files.remove)
+        self.usage = UsageBook(self._db, self._unit)  # the usage sums (supervisor/usage.py)
         self._prune_due = 0.0  # monotonic time of the next prune transaction
         self.prune_more = False  # the last prune left finished calls that were due
 

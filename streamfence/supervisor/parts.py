@@ -83,7 +83,9 @@ def build_parts(cfg: DaemonConfig, journal: Journal, live: LivenessTable,
                                functools.partial(sink_stats, sink), counters, pids,
                                auth_counts, journal.fault_view,
                                cluster.stats if cluster is not None else None,
-                               functools.partial(daemon_facts, cfg, clock(), clock))
+                               functools.partial(daemon_facts, cfg, clock(), clock),
+                               journal.usage)
+    journal.usage.use(cfg.prices)
     front = Front(cfg, journal, driver, clients, sink, breakers, counters, clock,
                   transcript_path, status, cluster)
     if cluster is not None and driver.takeover is not None:

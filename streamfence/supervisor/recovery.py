@@ -17,9 +17,11 @@ from streamfence.config.model import ProviderProfile
 from streamfence.protocol.messages import CallOptions, CallSpec, OnPartial
 from streamfence.sink.transcript import TranscriptReader
 from streamfence.supervisor import storepair
+from streamfence.supervisor.callends import record_usage
 from streamfence.supervisor.calls import Call
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.timeouts import attempt_timeouts
+from streamfence.supervisor.usage import model_of
 
 log = logging.getLogger("streamfence.supervisor")
 
@@ -38,6 +40,8 @@ def recover_calls(journal: Journal, providers: dict[str, ProviderProfile],
         if stored is not None:
             done = msgpack.unpackb(stored, raw=False)
             journal.finish_call(jc.call_id, str(done.get("status")))
+            record_usage(journal, jc.call_id, jc.owner, jc.provider, model_of(jc.request),
+                         done)
             log.info("call %s had finished before the restart (%s)", jc.call_id,
                      done.get("status"))
             continue

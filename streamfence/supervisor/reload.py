@@ -8,7 +8,9 @@ What a reload changes, for the next submit on:
   never configured (`unknown_provider`). A running call keeps the profile
   it was accepted with to its end, retries included;
 - identities and their limits (`[identities.NAME]`): the next request of
-  each client is judged by its new table;
+  each client is judged by its new table (its budgets too: sums already
+  used count against the new budgets);
+- prices (`[prices]`): the calls that end from now on are priced by them;
 - the log level: at once for the supervisor's lines and every line it
   writes for its children (a level raised drops their lower lines); a
   child logs the lower lines of a level lowered once it starts again.
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("streamfence.supervisor")
 
-RELOADED = ("providers", "identities", "log_level")  # what a reload applies
+RELOADED = ("providers", "identities", "prices", "log_level")  # what a reload applies
 NOT_KEYS = ("config_path",)  # fields of DaemonConfig that are no setting
 
 
@@ -84,7 +86,7 @@ def _entries(old: Mapping[str, Any], new: Mapping[str, Any]
 def compare(old: DaemonConfig, new: DaemonConfig) -> Changes:
     """What `new` changes in `old`, by name."""
     changes = Changes()
-    for table in ("providers", "identities"):
+    for table in ("providers", "identities", "prices"):
         found = _entries(getattr(old, table), getattr(new, table))
         if any(found):
             changes.tables[table] = found
@@ -99,7 +101,7 @@ def compare(old: DaemonConfig, new: DaemonConfig) -> Changes:
 def applied(old: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
     """`old` with what a reload applies taken from `new`."""
     return replace(old, providers=new.providers, identities=new.identities,
-                   log_level=new.log_level)
+                   prices=new.prices, log_level=new.log_level)
 
 
 def reload(current: DaemonConfig, parts: Parts, auth: ClientAuth) -> DaemonConfig:
@@ -113,6 +115,7 @@ def reload(current: DaemonConfig, parts: Parts, auth: ClientAuth) -> DaemonConfi
     log_changes(changes, current.config_path)
     auth.use(config.identities)
     parts.front.admission.use(config)
+    parts.journal.usage.use(config.prices)
     if parts.driver.takeover is not None:
         parts.driver.takeover.use(config)
     if changes.log_level is not None:

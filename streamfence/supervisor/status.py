@@ -14,6 +14,7 @@ from streamfence.config.model import DaemonConfig
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.pool import Pool
+from streamfence.supervisor.usage import UsageBook
 
 try:
     VERSION = version("streamfence")
@@ -36,7 +37,8 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
               auth_counts: Callable[[], dict[str, int]],
               storage: Callable[[], dict[str, Any] | None],
               cluster: Callable[[], dict[str, Any]] | None, facts: Callable[[], dict[str, Any]],
-              user: Identity, reply: Callable[[dict[str, Any]], None]) -> None:
+              usage: UsageBook, user: Identity, reply: Callable[[dict[str, Any]], None]
+              ) -> None:
     """Give `reply` the body of a `status_reply`: each owner's own view. An
     identity that is not an admin sees only its own calls (docs/SECURITY.md);
     an admin's reply waits for the sink's counters (`sink_stats`: asked for,
@@ -50,11 +52,14 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
     otherwise), its `appends_refused` counting the sink's too; and
     `histograms` (protocol/histograms.py): the driver's, and the sink's
     `delta_latency` (taken out of its counters). `facts` (`daemon_facts`)
-    come first: version, uptime_s, config_path, state_dir."""
+    come first: version, uptime_s, config_path, state_dir. `usage`: the
+    all-time usage sums per (identity, provider, model) for an admin
+    (UsageBook.totals); an identity's own budgets for any other."""
     if not user.is_admin:
         # Its calls' request bytes (`in_flight_bytes`) next to its budget for them.
         calls = dict(driver.calls.status(owner=user.name), max_in_flight_bytes=user.max_in_flight_bytes)
-        reply({"identity": user.name, "role": user.role.value, "calls": calls})
+        reply({"identity": user.name, "role": user.role.value, "calls": calls,
+               "budgets": usage.budgets(user)})
         return
     body = {"identity": user.name, "role": user.role.value, **facts(),
             "processes": pids(),
@@ -67,6 +72,7 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
             "breakers": breakers.snapshot(),
             "storage": storage(),
             "cluster": cluster() if cluster is not None else None,
+            "usage": usage.totals(),
             "counters": dict(counters, **auth_counts())}
     sink_stats(lambda stats, fresh: reply(_with_sink(body, driver.histograms.to_map(), stats,
                                                      fresh)))
