@@ -26,6 +26,8 @@ from typing import Any
 
 import msgpack
 
+from streamfence.config.groups import ModelGroup, resolve
+from streamfence.config.groups import may_use as may_use_group
 from streamfence.config.identities import Identity
 from streamfence.config.model import DaemonConfig, ProviderProfile
 from streamfence.protocol.errors import ErrorCode, ProtocolError
@@ -63,10 +65,15 @@ class Duplicate:
 @dataclass(frozen=True, slots=True)
 class Admitted:
     """A new call may be accepted: its spec as the daemon runs it (the caps it
-    filled in), its profile, and the fields admission set (`overrides`)."""
+    filled in), its profile (a group's call: its first deployment's, until its
+    first attempt chooses) and group with the profiles its deployments name
+    (`profiles`: the config's, which a reload replaces, never changes), and
+    the fields admission set (`overrides`)."""
 
     spec: CallSpec
     profile: ProviderProfile
+    group: ModelGroup | None
+    profiles: dict[str, ProviderProfile]
     overrides: dict[str, Any]
 
 
@@ -138,16 +145,32 @@ class Admission:
         return None if fault is None else Refusal(fault.code, fault.message)
 
     def _unknown_provider(self, user: Identity, spec: CallSpec) -> Refusal | None:
-        """A profile this identity may not use is one it cannot see."""
-        providers = self._config.providers
+        """A profile or group this identity may not use is one it cannot see."""
+        providers, groups = self._config.providers, self._config.groups
         if spec.provider in providers and user.may_use(spec.provider):
             return None
+        group = groups.get(spec.provider)
+        if group is not None and may_use_group(user.providers, group):
+            return None
         known = ", ".join(sorted(p for p in providers if user.may_use(p))) or "none"
+        usable = ", ".join(sorted(g.name for g in groups.values()
+                                  if may_use_group(user.providers, g)))
         return Refusal(ErrorCode.UNKNOWN_PROVIDER,
-                       f"no provider profile {spec.provider!r} (configured: {known})")
+                       f"no provider profile {spec.provider!r} (configured: {known}"
+                       + (f"; groups: {usable})" if usable else ")"))
 
     def _breaker_open(self, spec: CallSpec) -> Refusal | None:
-        refusal = self._breakers.admit((spec.session_id or "-", spec.provider))
+        session = spec.session_id or "-"
+        group = self._config.groups.get(spec.provider)
+        if group is not None:  # refused only if every deployment's breaker is (deployments.py)
+            if not all(self._breakers.blocks((session, d.profile)) for d in group.deployments):
+                return None
+            return Refusal(ErrorCode.BREAKER_OPEN, f"every deployment of group "
+                           f"{group.name!r} has its circuit breaker open for session "
+                           f"{session!r}: " + "; ".join(sorted({
+                               self._breakers.admit((session, d.profile)) or ""
+                               for d in group.deployments})))
+        refusal = self._breakers.admit((session, spec.provider))
         return None if refusal is None else Refusal(ErrorCode.BREAKER_OPEN, refusal)
 
     def _queue_full(self) -> Refusal | None:
@@ -219,10 +242,12 @@ class Admission:
                        hold_s=wait_s, tally="refused_bytes.submit_bytes_per_s")
 
     def _checked(self, user: Identity, spec: CallSpec) -> Admitted | Refusal:
-        """The request as its profile's wire takes it, with `user`'s caps."""
-        profile = self._config.providers[spec.provider]
+        """The request as its profile's (or group's) wire takes it, with `user`'s caps."""
+        route = resolve(spec.provider, self._config.providers, self._config.groups)
+        assert route is not None, "admitted: a known profile or group"
+        profile, group = route
         try:
-            request = check_request(profile.kind, spec.request, user.caps)
+            request = check_request((group or profile).kind, spec.request, user.caps)
         except ProtocolError as exc:
             return Refusal(exc.code, exc.message)
         # The fields admission set (a cap filled in): with a large request, the
@@ -230,7 +255,7 @@ class Admission:
         overrides = {k: v for k, v in request.items() if spec.request.get(k, _UNSET) is not v}
         if overrides:
             spec = replace(spec, request=request)
-        return Admitted(spec, profile, overrides)
+        return Admitted(spec, profile, group, self._config.providers, overrides)
 
 
 def _peek_op_ref(frame: bytes | memoryview) -> tuple[Any, str | None]:

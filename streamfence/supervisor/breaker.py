@@ -61,6 +61,17 @@ class Breakers:
                 f"fail fast; one probe call is let through in {retry_in:.0f}s. Check the "
                 f"provider's status, or use another profile.")
 
+    def blocks(self, key: Key) -> bool:
+        """Whether `admit` would refuse the pair now; changes nothing (a
+        group's choice asks this of each deployment, then `admit`s the one
+        it takes, which may be the half-open breaker's probe)."""
+        b = self._pairs.get(key)
+        if b is None or b.state is BreakerState.CLOSED:
+            return False
+        if b.state is BreakerState.OPEN:
+            return self._clock() - b.opened_at < self.cooldown_s
+        return b.probe_out
+
     def on_stale(self, key: Key) -> None:
         b = self._pairs.setdefault(key, _Breaker())
         b.consecutive_stale += 1
