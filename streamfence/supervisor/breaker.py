@@ -5,7 +5,9 @@ its timer would fire: the supervisor fences an attempt once). A success
 closes it. At `threshold` the breaker opens: new calls of the pair fail fast
 with `breaker_open`, no network attempt. After `cooldown_s` it lets one call
 through (half-open): its success closes the breaker, a stale attempt opens it
-again for another cool-down. Pure: the clock is passed in.
+again for another cool-down. A model group's call asks the breaker of each
+deployment's profile per attempt (`blocks`), and skips one that blocks
+(supervisor/deployments.py). Pure: the clock is passed in.
 """
 
 from __future__ import annotations

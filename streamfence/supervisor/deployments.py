@@ -30,7 +30,7 @@ from streamfence.config.model import DaemonConfig
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.calls import Call
 from streamfence.supervisor.livecalls import LiveCalls
-from streamfence.supervisor.timeouts import attempt_timeouts
+from streamfence.supervisor.timeouts import sized_timeouts
 
 
 class Router:
@@ -71,7 +71,7 @@ class Router:
         profile = call.profiles[chosen.profile]
         if profile is not call.profile:
             call.profile = profile
-            call.timeouts = attempt_timeouts(call.spec.options, profile, call.spec.request)
+            call.timeouts = sized_timeouts(call.spec.options, profile, call.request_bytes)
             call.probe_next = False  # a non-streaming probe is for the profile that failed
 
     def _pick(self, group: ModelGroup, candidates: list[int]) -> int:
