@@ -105,6 +105,22 @@ def test_a_stalled_then_failing_deployment_falls_to_the_next_then_is_skipped(
         assert refused.value.code == "breaker_open"
 
 
+def test_under_restart_a_deployment_stalled_after_text_is_reset_and_the_next_answers(
+        daemon: DaemonProcess, emu: EmulatorClient) -> None:
+    emu.script("first", [dict(STALL, after=3)])
+    with daemon.client() as client:
+        call_id = client.submit("smart", request_for("openai", "x"), session_id="s-restart",
+                                options=dict(FAST_STALE, on_partial="restart"))
+        events = list(client.events(call_id, timeout_s=30.0))
+        history = _deployments(client, call_id)
+    ops = [e["op"] for e in events]
+    assert ops.count("reset") == 1 and events[-1]["status"] == "completed", events[-1]
+    after_reset = events[ops.index("reset") + 1:]
+    text = "".join(e["data"] for e in after_reset if e.get("kind") == "text")
+    assert text == events[-1]["response"]["content"] == emu.log("second")[0]["text"]
+    assert [d[:2] for d in history] == [("ga", "emu-model#first"), ("gb", "emu-model#second")]
+
+
 def test_weighted_group_splits_exactly_by_weight(daemon: DaemonProcess,
                                                  emu: EmulatorClient) -> None:
     """Smooth weighted round robin: weights 1 and 2 give second, first,
