@@ -13,6 +13,8 @@ import pytest
 from streamfence.config.groups import Deployment, ModelGroup
 from streamfence.config.model import ConfigError, DaemonConfig, load_config
 from streamfence.gateway.routes import NoRoute, Route, models, route
+from streamfence.protocol.errors import ErrorCode
+from streamfence.supervisor.admission import Admission
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.calls import Call
 from streamfence.supervisor.deployments import Router
@@ -203,3 +205,15 @@ def test_the_gateway_routes_a_group_of_its_kind_and_lists_it(tmp_path: Path) -> 
     assert ("g", "group") in models(cfg.http, cfg.providers, frozenset({"oa", "ob"}), cfg.groups)
     assert ("g", "group") in models(cfg.http, cfg.providers, frozenset({"g"}), cfg.groups)
     assert ("g", "group") not in models(cfg.http, cfg.providers, frozenset({"oa"}), cfg.groups)
+
+
+def test_a_group_is_refused_breaker_open_only_when_every_profile_is(tmp_path: Path) -> None:
+    cfg, breakers, _, _, _ = _setup(tmp_path, "ordered")
+    admission = Admission(cfg, None, None, breakers, Clock(), lambda owner, key: None)  # type: ignore[arg-type]
+    spec = _call(cfg, session="s").spec
+    breakers.on_stale(("s", "oa"))
+    assert admission._breaker_open(spec) is None  # ob's is closed
+    breakers.on_stale(("s", "ob"))
+    refusal = admission._breaker_open(spec)
+    assert refusal is not None and refusal.code is ErrorCode.BREAKER_OPEN
+    assert "session 's' on every profile of group 'g' (oa, ob)" in refusal.message

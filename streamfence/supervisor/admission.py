@@ -163,13 +163,14 @@ class Admission:
         session = spec.session_id or "-"
         group = self._config.groups.get(spec.provider)
         if group is not None:  # refused only if every deployment's breaker is (deployments.py)
-            if not all(self._breakers.blocks((session, d.profile)) for d in group.deployments):
+            profiles = sorted({d.profile for d in group.deployments})
+            if not all(self._breakers.blocks((session, p)) for p in profiles):
                 return None
-            return Refusal(ErrorCode.BREAKER_OPEN, f"every deployment of group "
-                           f"{group.name!r} has its circuit breaker open for session "
-                           f"{session!r}: " + "; ".join(sorted({
-                               self._breakers.admit((session, d.profile)) or ""
-                               for d in group.deployments})))
+            return Refusal(ErrorCode.BREAKER_OPEN, (
+                f"circuit breakers open for session {session!r} on every profile of group "
+                f"{group.name!r} ({', '.join(profiles)}): their attempts went stale "
+                f"{self._breakers.threshold} times in a row. New calls fail fast until a "
+                f"cool-down ({self._breakers.cooldown_s:g}s) lets a probe call through."))
         refusal = self._breakers.admit((session, spec.provider))
         return None if refusal is None else Refusal(ErrorCode.BREAKER_OPEN, refusal)
 
