@@ -56,8 +56,8 @@ UNCOMMENT = re.compile(r"^# (?=[a-z_]+ = )", re.MULTILINE)  # `# key = value`, n
 
 def _daemon_keys() -> list[str]:
     return [f.name for f in fields(DaemonConfig)
-            if f.name not in ("providers", "identities", "prices", "http", "cluster", "tracing",
-                              "config_path")]
+            if f.name not in ("providers", "groups", "identities", "prices", "http", "cluster",
+                              "tracing", "config_path")]
 
 
 # ---- the config `init` writes ---------------------------------------------------------

@@ -51,7 +51,7 @@ def test_routing_a_model_to_a_profile() -> None:
         route(http, providers, "openai", "an/claude", None)
     with pytest.raises(NoRoute, match="no provider profile 'zz'"):
         route(http, providers, "openai", "m", "zz")
-    assert models(http, providers, {"oa2"}) == [("gpt-4o", "oa2"), ("oa2/*", "oa2")]
+    assert models(http, providers, frozenset({"oa2"})) == [("gpt-4o", "oa2"), ("oa2/*", "oa2")]
 
 
 def test_an_http_key_names_its_identity_and_follows_its_credentials(tmp_path: Path) -> None:

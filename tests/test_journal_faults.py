@@ -71,7 +71,7 @@ def test_a_lock_keeps_the_writes_refuses_the_new_calls_and_resumes(tmp_path: Pat
         _add(journal, "old")
         journal.commit()
         with _locked(path):
-            journal.start_attempt("old", 1)  # the lock is met here: the unit is kept
+            journal.start_attempt("old", 1, "p", None)  # the lock is met here: the unit is kept
             _add(journal, "new")  # a submit while faulted never reaches here (front)
             assert journal.fault is not None
             assert journal.fault.code is ErrorCode.STORAGE_BUSY
@@ -126,7 +126,7 @@ def test_a_fault_met_at_commit_refuses_every_new_call_of_the_unit(
     try:
         _add(journal, "old")
         journal.commit()
-        journal.start_attempt("old", 1)
+        journal.start_attempt("old", 1, "p", None)
         for i in range(3):
             _add(journal, f"new{i}", body="y" * (200 << 10))  # 600 KiB with the above
         filler = disks.fill(state)

@@ -238,7 +238,7 @@ def test_recovered_calls_count_until_done(tmp_path: Path) -> None:
     driver = AttemptDriver(DaemonConfig(providers=profiles), journal, cast(Any, None),
                            cast(Any, _Sink()), cast(Any, _Clients()), cast(Any, None), Counter(),
                            time.monotonic, random.Random(0), str(tmp_path / "transcript.db"))
-    for call in recover_calls(journal, profiles, str(tmp_path / "transcript.db")):
+    for call in recover_calls(journal, profiles, {}, str(tmp_path / "transcript.db")):
         driver.enqueue(call)
     one = len(encode(request))
     assert (driver.calls.in_flight_bytes(), driver.calls.in_flight_bytes("alice"),

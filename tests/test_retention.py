@@ -51,9 +51,9 @@ def _journal(path: Path, done: Sequence[str], running: Sequence[str] = (),
     for cid in [*done, *running, *pending]:
         j.add_call(cid, "local", f"key-{cid}", None, "emu", {"model": "m"}, {})
     for cid in [*done, *running]:
-        j.start_attempt(cid, 1)
+        j.start_attempt(cid, 1, "p", None)
         j.end_attempt(cid, 1, "stale", None)
-        j.start_attempt(cid, 2)
+        j.start_attempt(cid, 2, "p", None)
     for cid in done:
         j.finish_call(cid, "completed")
     j.commit()

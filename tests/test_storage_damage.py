@@ -488,7 +488,7 @@ def _pair(state_dir: Path) -> tuple[Journal, TranscriptStore]:
 def _add(journal: Journal, call_id: str, epoch: int) -> None:
     journal.add_call(call_id, "local", None, None, "emu", {"model": "m"}, {})
     if epoch:
-        journal.start_attempt(call_id, epoch)
+        journal.start_attempt(call_id, epoch, "p", None)
     journal.commit()
 
 

@@ -92,8 +92,9 @@ def test_a_retried_call_is_one_call_span_with_an_attempt_span_each() -> None:
     exporter = InMemorySpanExporter()
     tracer = CallTracer(TracingConfig(endpoint="http://127.0.0.1:9/v1/traces"), "1.0", exporter)
     profile = ProviderProfile(name="emu", kind="anthropic")
-    call = make_call("c1", "alice", profile, {"model": "claude-x", "messages": []},
-                     {"traceparent": TRACEPARENT}, "s1", None, 100.0, 2, 2)
+    call = make_call("c1", "alice", "emu", {"emu": profile}, {},
+                     {"model": "claude-x", "messages": []}, {"traceparent": TRACEPARENT},
+                     "s1", None, 100.0, 2, 2)
     done = {"status": "completed", "attempts": 2, "error": None, "response": {
         "model": "claude-x-1", "finish_reason": "end_turn", "provider_response_id": "msg_1",
         "usage": {"input_tokens": 11, "output_tokens": 22}}}

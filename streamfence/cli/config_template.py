@@ -252,6 +252,15 @@ def render(state_dir: str, emulator_url: str = EMULATOR_URL, config_name: str = 
                 default = _EXAMPLES[wire].get(key, _EXAMPLES[""].get(key))
             out += _key(key, default, False, doc)
     out += ["", "", *_comment(
+        "A model group: a name a client (or the gateway's model) uses where a profile goes, "
+        "served by deployments of one provider kind, a (profile, model) each, chosen per "
+        "attempt: ordered (the first usable), weighted (weight = N each) or least_in_flight; "
+        "a retry moves to the next, an open breaker's is skipped (README, \"Model groups\"). "
+        "max_attempts: unset, its profiles' largest, at least one per deployment."),
+        "#", "#   [groups.smart]", '#   strategy = "ordered"', "#   # max_attempts = 3",
+        '#   deployments = [{profile = "openai", model = "gpt-4o"},',
+        '#                  {profile = "openai", model = "gpt-4o-mini"}]']
+    out += ["", "", *_comment(
         "The HTTP gateway: OpenAI- and Anthropic-compatible endpoints (/v1/chat/completions, "
         "/v1/messages), so an app using the official SDKs only changes its base_url and key "
         "(README, \"Use it from an existing app\"). Off unless `listen` is set; loopback "

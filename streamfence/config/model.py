@@ -1,5 +1,6 @@
-"""Daemon configuration: a TOML file with a [daemon] table and one
-[providers.NAME] table per provider profile, overridable by environment
+"""Daemon configuration: a TOML file with a [daemon] table, one
+[providers.NAME] table per provider profile and one [groups.NAME] table
+per model group (config/groups.py), overridable by environment
 variables (STREAMFENCE_<KEY> for daemon keys, e.g. STREAMFENCE_ENDPOINT).
 
 An invalid file fails at start with every problem it has, each naming the
@@ -21,6 +22,7 @@ from typing import Any, ParamSpec, TypeVar
 from urllib.parse import urlparse
 
 from streamfence.cluster.settings import NatsAuth, NatsTls
+from streamfence.config.groups import GROUP_KEYS, ModelGroup, parse_groups
 from streamfence.config.identities import _KEYS as IDENTITY_KEYS
 from streamfence.config.identities import Identity, parse_identities
 from streamfence.config.prices import Price, parse_prices
@@ -147,6 +149,7 @@ class DaemonConfig:
     auth: str = "curve"  # "curve" (CURVE + ZAP) or "none" (ipc:// or loopback only)
     retention_days: float = 0.0  # finished calls older than this are pruned; 0: keep
     providers: dict[str, ProviderProfile] = field(default_factory=dict)
+    groups: dict[str, ModelGroup] = field(default_factory=dict)
     identities: dict[str, Identity] = field(default_factory=dict)
     prices: dict[str, Price] = field(default_factory=dict)  # config/prices.py
     http: HttpConfig = field(default_factory=HttpConfig)
@@ -195,12 +198,12 @@ _PROFILE_TYPES: dict[str, tuple[type, ...]] = {
     "max_attempts": (int,), "connect_timeout_s": (int, float), "read_timeout_s": (int, float),
     "aws_credentials": (str,), "aws_profile": (str,),
 }
-TABLES = ("daemon", "providers", "identities", "prices", "http", "cluster", "tracing")
+TABLES = ("daemon", "providers", "groups", "identities", "prices", "http", "cluster", "tracing")
 # Where each key belongs, for a key written in the wrong table (problems.unknown).
 _HOMES: dict[str, str] = {
     **{k: "[cluster]" for k in CLUSTER_TYPES}, **{k: "[tracing]" for k in TRACING_TYPES},
     **{k: "[http]" for k in HTTP_KEYS},
-    **{k: "[identities.NAME]" for k in IDENTITY_KEYS},
+    **{k: "[identities.NAME]" for k in IDENTITY_KEYS}, **{k: "[groups.NAME]" for k in GROUP_KEYS},
     **{k: "[providers.NAME]" for k in _PROFILE_TYPES}, **{k: "[daemon]" for k in DAEMON_KEYS}}
 
 
@@ -238,13 +241,18 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> DaemonConfig
                                              problems)) is not None}
     # References are judged against the profiles declared, valid or not: a
     # profile's own problem is named once, not again at each reference to it.
+    groups = parse_groups(data.get("groups", {}), f"{source}: groups", profiles, declared,
+                          problems, _HOMES)
     identities = parse_identities(data.get("identities", {}), f"{source}: identities",
                                   problems, _HOMES)
+    named: dict[str, Any] = data["groups"] if isinstance(data.get("groups"), dict) else {}
+    usable, what = {*declared, *named}, "provider profile or group" if named else \
+        "provider profile"
     for ident in identities.values():
         for profile in sorted(ident.providers or ()):
-            if profile not in declared:
-                problems.append(f"{source}: identities.{ident.name}.providers: no provider "
-                                f"profile {profile!r}{did_you_mean(profile, declared)}")
+            if profile not in usable:
+                problems.append(f"{source}: identities.{ident.name}.providers: no {what} "
+                                f"{profile!r}{did_you_mean(profile, usable)}")
     prices = parse_prices(data.get("prices", {}), f"{source}: prices", declared, problems)
     for ident in identities.values():
         if ident.spend_per_month and not prices:
@@ -256,7 +264,7 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> DaemonConfig
                             f"{source}: cluster", problems, _HOMES, ConfigError)
     tracing = parse_tracing(_table(data, "tracing", f"{source}: tracing", problems),
                             f"{source}: tracing", problems, _HOMES)
-    cfg = DaemonConfig(providers=profiles, identities=identities, prices=prices,
+    cfg = DaemonConfig(providers=profiles, groups=groups, identities=identities, prices=prices,
                        http=HttpConfig(listen, routes), cluster=ClusterConfig(**cluster),
                        tracing=tracing, **daemon)
     found = len(problems)

@@ -156,10 +156,10 @@ class Gateway:
             return _error(OPENAI, "unauthenticated", "no valid API key")
         name = who if isinstance(who, str) else who.name
         ident = self._config.identities.get(name)
-        usable = set(ident.providers) if ident is not None and ident.providers else None
+        usable = ident.providers if ident is not None else None
         data = [{"id": model, "object": "model", "created": 0, "owned_by": profile}
                 for model, profile in route_models(self._config.http, self._config.providers,
-                                                   usable)]
+                                                   usable, self._config.groups)]
         return web.json_response({"object": "list", "data": data})
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -185,7 +185,7 @@ class Gateway:
         model = body["model"]
         try:
             picked = route(self._config.http, self._config.providers, wire.kind, model,
-                           request.headers.get(PROFILE_HEADER))
+                           request.headers.get(PROFILE_HEADER), self._config.groups)
         except NoRoute as exc:
             return _error(wire, "unknown_provider", str(exc))
         body["model"] = picked.model

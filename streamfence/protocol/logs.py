@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import msgpack
@@ -62,7 +63,7 @@ def clear_context() -> None:
     _context.update(dict.fromkeys(CONTEXT_FIELDS))
 
 
-def request_model(request: dict[str, Any]) -> str | None:
+def request_model(request: Mapping[str, Any]) -> str | None:
     """The model a request names, for log lines (Bedrock names it `modelId`)."""
     model = request.get("model") or request.get("modelId")
     return model if isinstance(model, str) else None

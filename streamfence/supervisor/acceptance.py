@@ -126,14 +126,16 @@ class Acceptance:
             return
         if spec.idempotency_key is not None:
             self._idem_in_turn[(user.name, spec.idempotency_key)] = call_id
-        max_attempts = spec.options.max_attempts or profile.max_attempts
+        group = admitted.group
+        max_attempts = spec.options.max_attempts or (group or profile).max_attempts
         deadline = (self._clock() + spec.options.deadline_s
                     if spec.options.deadline_s is not None else None)
         call = Call(call_id=call_id, owner=user.name, spec=spec, profile=profile,
                     timeouts=attempt_timeouts(spec.options, profile, spec.request),
                     max_attempts=max_attempts, deadline=deadline, request_bytes=len(frame),
                     request_file=self._journal.request_file(call_id) if staged else None,
-                    request_overrides=admitted.overrides)
+                    request_overrides=admitted.overrides, group=group,
+                    profiles=admitted.profiles if group is not None else {})
         if self._cluster is not None:  # it runs once the cluster has it (_replicated)
             self._records[call_id] = call_record(call_id, user.name, spec.provider, spec.request,
                                                  spec.options.to_map(), spec.session_id,

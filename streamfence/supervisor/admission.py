@@ -27,6 +27,8 @@ from typing import Any
 
 import msgpack
 
+from streamfence.config.groups import ModelGroup, resolve
+from streamfence.config.groups import may_use as may_use_group
 from streamfence.config.identities import Identity
 from streamfence.config.model import DaemonConfig, ProviderProfile
 from streamfence.protocol.errors import ErrorCode, ProtocolError
@@ -65,10 +67,15 @@ class Duplicate:
 @dataclass(frozen=True, slots=True)
 class Admitted:
     """A new call may be accepted: its spec as the daemon runs it (the caps it
-    filled in), its profile, and the fields admission set (`overrides`)."""
+    filled in), its profile (a group's call: its first deployment's, until its
+    first attempt chooses) and group with the profiles its deployments name
+    (`profiles`: the config's, which a reload replaces, never changes), and
+    the fields admission set (`overrides`)."""
 
     spec: CallSpec
     profile: ProviderProfile
+    group: ModelGroup | None
+    profiles: dict[str, ProviderProfile]
     overrides: dict[str, Any]
 
 
@@ -146,13 +153,19 @@ class Admission:
         return None if fault is None else Refusal(fault.code, fault.message)
 
     def _unknown_provider(self, user: Identity, spec: CallSpec) -> Refusal | None:
-        """A profile this identity may not use is one it cannot see."""
-        providers = self._config.providers
+        """A profile or group this identity may not use is one it cannot see."""
+        providers, groups = self._config.providers, self._config.groups
         if spec.provider in providers and user.may_use(spec.provider):
             return None
+        group = groups.get(spec.provider)
+        if group is not None and may_use_group(user.providers, group):
+            return None
         known = ", ".join(sorted(p for p in providers if user.may_use(p))) or "none"
+        usable = ", ".join(sorted(g.name for g in groups.values()
+                                  if may_use_group(user.providers, g)))
         return Refusal(ErrorCode.UNKNOWN_PROVIDER,
-                       f"no provider profile {spec.provider!r} (configured: {known})")
+                       f"no provider profile {spec.provider!r} (configured: {known}"
+                       + (f"; groups: {usable})" if usable else ")"))
 
     def _over_budget(self, user: Identity, spec: CallSpec) -> Refusal | None:
         """`budget_exceeded` once a budget is used up; with a spend budget, a
@@ -161,15 +174,31 @@ class Admission:
         why = usage.over_budget(user)
         if why is not None:
             return Refusal(ErrorCode.BUDGET_EXCEEDED, why)
-        model = model_of(spec.request)
-        if user.spend_per_month and not usage.priced(spec.provider, model):
-            return Refusal(ErrorCode.LIMIT_EXCEEDED, f"call.request.model: {model!r} on "
-                           f"profile {spec.provider!r} has no price in [prices], and "
-                           f"{user.name!r} has a spend_per_month budget")
+        if not user.spend_per_month:
+            return None
+        group = self._config.groups.get(spec.provider)
+        pairs = [(d.profile, d.model) for d in group.deployments] if group is not None else [
+            (spec.provider, model_of(spec.request))]
+        for profile, model in pairs:  # a group's: any deployment may answer
+            if not usage.priced(profile, model):
+                return Refusal(ErrorCode.LIMIT_EXCEEDED, f"call.request.model: {model!r} on "
+                               f"profile {profile!r} has no price in [prices], and "
+                               f"{user.name!r} has a spend_per_month budget")
         return None
 
     def _breaker_open(self, spec: CallSpec) -> Refusal | None:
-        refusal = self._breakers.admit((spec.session_id or "-", spec.provider))
+        session = spec.session_id or "-"
+        group = self._config.groups.get(spec.provider)
+        if group is not None:  # refused only if every deployment's breaker is (deployments.py)
+            profiles = sorted({d.profile for d in group.deployments})
+            if not all(self._breakers.blocks((session, p)) for p in profiles):
+                return None
+            return Refusal(ErrorCode.BREAKER_OPEN, (
+                f"circuit breakers open for session {session!r} on every profile of group "
+                f"{group.name!r} ({', '.join(profiles)}): their attempts went stale "
+                f"{self._breakers.threshold} times in a row. New calls fail fast until a "
+                f"cool-down ({self._breakers.cooldown_s:g}s) lets a probe call through."))
+        refusal = self._breakers.admit((session, spec.provider))
         return None if refusal is None else Refusal(ErrorCode.BREAKER_OPEN, refusal)
 
     def _queue_full(self) -> Refusal | None:
@@ -241,10 +270,12 @@ class Admission:
                        hold_s=wait_s, tally="refused_bytes.submit_bytes_per_s")
 
     def _checked(self, user: Identity, spec: CallSpec) -> Admitted | Refusal:
-        """The request as its profile's wire takes it, with `user`'s caps."""
-        profile = self._config.providers[spec.provider]
+        """The request as its profile's (or group's) wire takes it, with `user`'s caps."""
+        route = resolve(spec.provider, self._config.providers, self._config.groups)
+        assert route is not None, "admitted: a known profile or group"
+        profile, group = route
         try:
-            request = check_request(profile.kind, spec.request, user.caps)
+            request = check_request((group or profile).kind, spec.request, user.caps)
         except ProtocolError as exc:
             return Refusal(exc.code, exc.message)
         # The fields admission set (a cap filled in): with a large request, the
@@ -252,7 +283,7 @@ class Admission:
         overrides = {k: v for k, v in request.items() if spec.request.get(k, _UNSET) is not v}
         if overrides:
             spec = replace(spec, request=request)
-        return Admitted(spec, profile, overrides)
+        return Admitted(spec, profile, group, self._config.providers, overrides)
 
 
 def _peek_op_ref(frame: bytes | memoryview) -> tuple[Any, str | None]:

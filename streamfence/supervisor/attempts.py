@@ -11,7 +11,8 @@ Its helpers, each with one job and no say over a call's state:
 - rebind.Rebinds: the running attempts rebound after a sink restart;
 - takeover.Takeover: cluster mode, a call taken over from another host;
 - verdicts.Verdicts: what an ended attempt means (finish, or retry after a
-  backoff), and what the breakers and fall-backs learn from it.
+  backoff), and what the breakers and fall-backs learn from it;
+- deployments.Router: a group's call's deployment for each attempt.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.callends import CallEnds
 from streamfence.supervisor.calls import Call, CallEvent, Finish, call_error, fence_error
 from streamfence.supervisor.clients import Clients
+from streamfence.supervisor.deployments import Router
 from streamfence.supervisor.dispatch import run_attempt
 from streamfence.supervisor.fallbacks import Fallbacks
 from streamfence.supervisor.histograms import Histograms, attempt_outcome
@@ -99,6 +101,7 @@ class AttemptDriver:
         self._fallbacks = Fallbacks(clock)
         self._verdicts = Verdicts(config, self._fallbacks, breakers, clock, rng)
         self.calls = LiveCalls(config.in_flight_bytes_max)
+        self.router = Router(breakers, self.calls)
         self._queue: deque[str] = deque()
         # Each live call's next check (stale, first chunk, backoff over, deadline).
         self._due = Watchdog(pool, clock)
@@ -185,7 +188,9 @@ class AttemptDriver:
             call.fence_reason = None
             call.ended = None
             call.to(CallEvent.START)
-            self._journal.start_attempt(call.call_id, call.epoch)
+            if call.group is not None:
+                self.router.choose(call)
+            self._journal.start_attempt(call.call_id, call.epoch, call.profile.name, call.model)
             started.append(call)
         # The forks the queue needs are asked for first (all at once): the zygote
         # forks while the journal commits and the sink authorizes.
@@ -207,7 +212,7 @@ class AttemptDriver:
 
     def _authorize_at_sink(self, call: Call) -> None:
         reset = call.delivered  # only under on_partial=restart can this hold here
-        model = str(call.spec.request.get("model") or call.spec.request.get("modelId") or "-")
+        model = call.model or "-"
         if ARMED:
             failpoint("supervisor.before_authorize")
         self._sink.authorize(call.call_id, call.epoch, reset, model,

@@ -5,7 +5,9 @@ its timer would fire: the supervisor fences an attempt once). A success
 closes it. At `threshold` the breaker opens: new calls of the pair fail fast
 with `breaker_open`, no network attempt. After `cooldown_s` it lets one call
 through (half-open): its success closes the breaker, a stale attempt opens it
-again for another cool-down. Pure: the clock is passed in.
+again for another cool-down. A model group's call asks the breaker of each
+deployment's profile per attempt (`blocks`), and skips one that blocks
+(supervisor/deployments.py). Pure: the clock is passed in.
 """
 
 from __future__ import annotations
@@ -60,6 +62,17 @@ class Breakers:
                 f"{self.threshold}); the provider looks wedged for this session. New calls "
                 f"fail fast; one probe call is let through in {retry_in:.0f}s. Check the "
                 f"provider's status, or use another profile.")
+
+    def blocks(self, key: Key) -> bool:
+        """Whether `admit` would refuse the pair now; changes nothing (a
+        group's choice asks this of each deployment, then `admit`s the one
+        it takes, which may be the half-open breaker's probe)."""
+        b = self._pairs.get(key)
+        if b is None or b.state is BreakerState.CLOSED:
+            return False
+        if b.state is BreakerState.OPEN:
+            return self._clock() - b.opened_at < self.cooldown_s
+        return b.probe_out
 
     def on_stale(self, key: Key) -> None:
         b = self._pairs.setdefault(key, _Breaker())

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
+from streamfence.config.groups import Deployment, ModelGroup
 from streamfence.config.model import ProviderProfile
 from streamfence.protocol.errors import ErrorCode
 from streamfence.protocol.internal.control import AttemptStats, FinishMeta
 from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome, ErrorClass
+from streamfence.protocol.logs import request_model
 from streamfence.protocol.messages import CallSpec, CallStatus, OnPartial
 from streamfence.protocol.states import CallState, FenceReason
 from streamfence.supervisor.timeouts import AttemptTimeouts
@@ -90,7 +92,7 @@ class Call:
     call_id: str
     owner: str  # the identity that submitted it (docs/SECURITY.md)
     spec: CallSpec
-    profile: ProviderProfile
+    profile: ProviderProfile  # a group's call: its current (or next) deployment's
     timeouts: AttemptTimeouts
     max_attempts: int
     deadline: float | None  # monotonic seconds
@@ -119,6 +121,21 @@ class Call:
     # request is never encoded again here) and the fields the daemon set on it.
     request_file: str | None = None
     request_overrides: dict[str, Any] = field(default_factory=dict)
+    # A group's call (spec.provider names the group): the group as accepted,
+    # the profiles it was accepted with (a reload changes neither for it),
+    # the current attempt's deployment and the indexes of those tried
+    # (supervisor/deployments.py).
+    group: ModelGroup | None = None
+    profiles: dict[str, ProviderProfile] = field(default_factory=dict)
+    deployment: Deployment | None = None
+    tried: set[int] = field(default_factory=set)
+
+    @property
+    def model(self) -> str | None:
+        """The model the current attempt asks for: its deployment's, else the request's."""
+        if self.deployment is not None:
+            return self.deployment.model
+        return request_model(self.spec.request)
 
     def to(self, event: CallEvent) -> None:
         nxt = _TRANSITIONS[self.state].get(event)

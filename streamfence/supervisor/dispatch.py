@@ -1,5 +1,6 @@
 """What a worker is sent to run an attempt (W_RUN): the call's request (a
-large one as its file's name, which the worker reads), its profile, and the
+large one as its file's name, which the worker reads; a group's call's with
+its model the attempt's deployment's), its profile, and the
 attempt's settings: the profile's fall-backs learned so far, the call's
 timeouts, and the notice for the client of a retried tool call.
 """
@@ -15,6 +16,7 @@ from streamfence.supervisor.fallbacks import Fallbacks
 # watchdog leaves such an attempt alone); a sink that dies instead is
 # restarted and the attempt rebound (ARCHITECTURE §2.8).
 FINAL_ACK_TIMEOUT_S = 600.0
+MODEL_FIELDS = {"bedrock": "modelId"}  # a wire's model field, where it is not "model"
 
 
 def run_attempt(call: Call, fallbacks: Fallbacks) -> RunAttempt:
@@ -26,5 +28,7 @@ def run_attempt(call: Call, fallbacks: Fallbacks) -> RunAttempt:
         connect_timeout_s=call.timeouts.connect_s, read_timeout_s=call.timeouts.read_s,
         final_ack_timeout_s=FINAL_ACK_TIMEOUT_S, notice=call.notice)
     request = call.spec.request if call.request_file is None else call.request_overrides
+    if call.deployment is not None:  # a large request's file is read with these over it
+        request = {**request, MODEL_FIELDS.get(call.profile.kind, "model"): call.deployment.model}
     return RunAttempt(call.token, call.call_id, call.epoch, call.spec.session_id,
                       call.profile.to_map(), request, settings, call.request_file, call.owner)

@@ -61,6 +61,7 @@ from streamfence.protocol.errors import ProtocolError
 from streamfence.protocol.internal.outcome import AttemptOutcome
 from streamfence.protocol.messages import submitted_request
 from streamfence.supervisor.journal_file import (
+    ADD_DEPLOYMENTS,
     ADD_OWNERS,
     OLDEST_DONE,
     PRUNE_DELETES,
@@ -101,6 +102,9 @@ class Journal:
         if columns and "owner" not in columns:
             self._db.executescript("BEGIN;" + ADD_OWNERS.format(schema=SCHEMA) + "COMMIT;")
         self._db.executescript(SCHEMA)
+        if "profile" not in {row[1] for row in self._db.execute("PRAGMA table_info(attempts)")}:
+            for statement in ADD_DEPLOYMENTS:
+                self._db.execute(statement)
         self._sweep()
         self._unit = WriteUnit(path, self._db, self.files.remove)
         self.usage = UsageBook(self._db, self._unit)  # the usage sums (supervisor/usage.py)
@@ -235,11 +239,13 @@ class Journal:
             return None  # a storage fault: the trace starts at the first attempt
         return None if row is None else float(row[0])
 
-    def start_attempt(self, call_id: str, attempt: int) -> None:
+    def start_attempt(self, call_id: str, attempt: int, profile: str, model: str | None) -> None:
+        """`profile` and `model`: the attempt's deployment (a result names it)."""
         self._unit.write(call_id, "UPDATE calls SET epoch = ?, attempts = attempts + 1, "
                     "state = 'running' WHERE call_id = ?", (attempt, call_id))
-        self._unit.write(call_id, "INSERT OR REPLACE INTO attempts (call_id, attempt, started) "
-                    "VALUES (?, ?, ?)", (call_id, attempt, time.time()))
+        self._unit.write(call_id, "INSERT OR REPLACE INTO attempts (call_id, attempt, started, "
+                    "profile, model) VALUES (?, ?, ?, ?, ?)",
+                    (call_id, attempt, time.time(), profile, model))
 
     def rebind_attempt(self, call_id: str, attempt: int, new_attempt: int) -> None:
         """After a sink restart the running `attempt` goes on as `new_attempt`:
@@ -247,8 +253,10 @@ class Journal:
         self.end_attempt(call_id, attempt, "rebound", None)
         self._unit.write(call_id, "UPDATE calls SET epoch = ? WHERE call_id = ?",
                     (new_attempt, call_id))
-        self._unit.write(call_id, "INSERT OR REPLACE INTO attempts (call_id, attempt, started) "
-                    "VALUES (?, ?, ?)", (call_id, new_attempt, time.time()))
+        self._unit.write(call_id, "INSERT OR REPLACE INTO attempts (call_id, attempt, started, "
+                    "profile, model) SELECT call_id, ?, ?, profile, model FROM attempts "
+                    "WHERE call_id = ? AND attempt = ?",
+                    (new_attempt, time.time(), call_id, attempt))
 
     def set_attempt_pid(self, call_id: str, attempt: int, pid: int) -> None:
         self._unit.write(call_id, "UPDATE attempts SET worker_pid = ? WHERE call_id = ? AND "

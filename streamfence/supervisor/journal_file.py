@@ -1,5 +1,5 @@
-"""journal.db as a file: its tables, the migration of journals written
-before calls had owners, the statements a prune runs (the daemon's, in
+"""journal.db as a file: its tables, the migrations of journals written
+before calls had owners and before attempts named their deployment, the statements a prune runs (the daemon's, in
 `Journal.prune`, and `prune_journal`'s, for `streamfence prune` from another
 process), and the record an unfinished call is read back as
 (`JournaledCall`).
@@ -65,6 +65,8 @@ CREATE TABLE IF NOT EXISTS attempts (
     chunks INTEGER,
     bytes INTEGER,
     deltas INTEGER,
+    profile TEXT,  -- the attempt's deployment: its provider profile ...
+    model TEXT,  -- ... and the model it asked for
     PRIMARY KEY (call_id, attempt)
 );
 """ + META_TABLE + ";\n"
@@ -82,6 +84,10 @@ PRUNE_DELETES = ("DELETE FROM attempts WHERE call_id = ?", "DELETE FROM requests
 # What a faulted journal with no kept writes writes to learn that it can again.
 PROBE = ("INSERT INTO meta (key, value) VALUES ('written', ?) "
           "ON CONFLICT (key) DO UPDATE SET value = excluded.value")
+
+# Journals written before attempts named their deployment (their rows: NULL).
+ADD_DEPLOYMENTS = ("ALTER TABLE attempts ADD COLUMN profile TEXT",
+                   "ALTER TABLE attempts ADD COLUMN model TEXT")
 
 # Journals written before calls had owners: their calls belong to `local`.
 ADD_OWNERS = """

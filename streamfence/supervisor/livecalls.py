@@ -1,7 +1,9 @@
 """The live calls: every call accepted (or being accepted) and not done, by
 id, and what they hold against the budgets: how many calls and how many
 request bytes per owner, and the bytes of all of them (`max_in_flight`,
-`max_in_flight_bytes`, `in_flight_bytes_max`). The AttemptDriver adds and
+`max_in_flight_bytes`, `in_flight_bytes_max`), and how many group calls are
+on each deployment (a `least_in_flight` group's choice,
+supervisor/deployments.py). The AttemptDriver adds and
 removes calls (its `enqueue` and `_forget` are the only ways in and out);
 admission, acceptance and `status` read. `call_context`: a live call's
 fields for its log lines.
@@ -13,8 +15,8 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+from streamfence.config.groups import Deployment
 from streamfence.protocol.codec import encode
-from streamfence.protocol.logs import request_model
 from streamfence.protocol.states import CallState
 from streamfence.supervisor.calls import BUSY_STATES, Call
 
@@ -27,7 +29,7 @@ def call_context(call: Call, **fields: Any) -> dict[str, Any]:
     context: dict[str, Any] = {
         "identity": call.owner, "session_id": call.spec.session_id, "call_id": call.call_id,
         "attempt": call.epoch, "provider": call.profile.name,
-        "model": request_model(call.spec.request)}
+        "model": call.model}
     fields = {key: value for key, value in fields.items() if value is not None}
     if fields:
         context["fields"] = fields
@@ -45,6 +47,9 @@ class LiveCalls:
         # and in all; taken in `add`, given back in `remove`, as in_flight.
         self._in_flight_bytes: Counter[str] = Counter()
         self._bytes_total = 0
+        # Group calls whose current deployment is (profile, model): from the
+        # choice of an attempt's deployment to the call's next choice or end.
+        self._on_deployment: Counter[tuple[str, str]] = Counter()
 
     def add(self, call: Call) -> None:
         self._calls[call.call_id] = call
@@ -66,6 +71,25 @@ class LiveCalls:
         if not self._in_flight[owner]:
             del self._in_flight[owner]
             del self._in_flight_bytes[owner]
+        if call.deployment is not None:
+            self._leave(call.deployment)
+
+    def place(self, call: Call, deployment: Deployment) -> None:
+        """A group call's next attempt goes to `deployment`."""
+        if call.deployment is not None:
+            self._leave(call.deployment)
+        call.deployment = deployment
+        self._on_deployment[(deployment.profile, deployment.model)] += 1
+
+    def _leave(self, deployment: Deployment) -> None:
+        key = (deployment.profile, deployment.model)
+        self._on_deployment[key] -= 1
+        if not self._on_deployment[key]:
+            del self._on_deployment[key]
+
+    def on_deployment(self, deployment: Deployment) -> int:
+        """Group calls on `deployment` now (its profile and model)."""
+        return self._on_deployment[(deployment.profile, deployment.model)]
 
     def get(self, call_id: str) -> Call | None:
         return self._calls.get(call_id)

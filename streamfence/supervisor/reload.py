@@ -7,6 +7,10 @@ What a reload changes, for the next submit on:
   workers/registry.py); one removed is refused to new submits as a profile
   never configured (`unknown_provider`). A running call keeps the profile
   it was accepted with to its end, retries included;
+- model groups (`[groups.NAME]`), as profiles: one added, changed or removed
+  serves (or is refused to) new submits; a running group call keeps the
+  group and profiles it was accepted with, its next attempts' choices
+  included;
 - identities and their limits (`[identities.NAME]`): the next request of
   each client is judged by its new table (its budgets too: sums already
   used count against the new budgets);
@@ -40,7 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("streamfence.supervisor")
 
-RELOADED = ("providers", "identities", "prices", "log_level")  # what a reload applies
+RELOADED = ("providers", "groups", "identities", "prices", "log_level")  # what a reload applies
 NOT_KEYS = ("config_path",)  # fields of DaemonConfig that are no setting
 
 
@@ -86,7 +90,7 @@ def _entries(old: Mapping[str, Any], new: Mapping[str, Any]
 def compare(old: DaemonConfig, new: DaemonConfig) -> Changes:
     """What `new` changes in `old`, by name."""
     changes = Changes()
-    for table in ("providers", "identities", "prices"):
+    for table in ("providers", "groups", "identities", "prices"):
         found = _entries(getattr(old, table), getattr(new, table))
         if any(found):
             changes.tables[table] = found
@@ -100,7 +104,7 @@ def compare(old: DaemonConfig, new: DaemonConfig) -> Changes:
 
 def applied(old: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
     """`old` with what a reload applies taken from `new`."""
-    return replace(old, providers=new.providers, identities=new.identities,
+    return replace(old, providers=new.providers, groups=new.groups, identities=new.identities,
                    prices=new.prices, log_level=new.log_level)
 
 
@@ -116,14 +120,16 @@ def reload(current: DaemonConfig, parts: Parts, auth: ClientAuth) -> DaemonConfi
     auth.use(config.identities)
     parts.front.admission.use(config)
     parts.journal.usage.use(config.prices)
+    parts.driver.router.use(config)
     if parts.driver.takeover is not None:
         parts.driver.takeover.use(config)
     if changes.log_level is not None:
         apply_log_level(config.log_level)
     added, changed, removed = changes.tables.get("providers", ([], {}, []))
-    if config.http.listen is not None and (added or changed or removed):
-        log.info("reload: the HTTP gateway keeps the profiles and routes it started with "
-                 "until the daemon restarts (a restart of it would cut its open streams)")
+    if config.http.listen is not None and (added or changed or removed
+                                           or "groups" in changes.tables):
+        log.info("reload: the HTTP gateway keeps the profiles, groups and routes it started "
+                 "with until the daemon restarts (a restart of it would cut its open streams)")
     for name in (*added, *changed):
         env = config.providers[name].api_key_env
         if env and not os.environ.get(env):

@@ -89,7 +89,8 @@ def open_stores(config: DaemonConfig, state_dir: Path, pairing: storepair.Pairin
             journal = Journal(path)
         storepair.stamp(state_dir, pairing)
         with storepair.reading(path):
-            recovered = recover_calls(journal, config.providers, transcript_path)
+            recovered = recover_calls(journal, config.providers, config.groups,
+                                      transcript_path)
     except storepair.StoreError as exc:
         raise StartupError(str(exc)) from None
     if pairing.previous == 0:

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from streamfence.config.groups import resolve
 from streamfence.config.model import DaemonConfig
 from streamfence.protocol.internal.control import AttemptStats
 from streamfence.supervisor.callends import CallEnds
@@ -61,22 +62,23 @@ class Takeover:
             log.info("cluster: call %s taken over at epoch %d runs here already; it goes on",
                      call_id, owner.epoch)
             return
-        profile = self._config.providers.get(record.get("provider", ""))
-        if profile is None:
-            log.error("cluster: call %s taken over names provider %r, which this host does "
-                      "not have; left as is", call_id, record.get("provider"))
+        provider = record.get("provider", "")
+        providers, groups = self._config.providers, self._config.groups
+        if resolve(provider, providers, groups) is None:
+            log.error("cluster: call %s taken over names provider profile or group %r, which "
+                      "this host does not have; left as is", call_id, provider)
             return
         if self._journal.is_finished(call_id) and not self._journal.is_moved(call_id):
             log.info("cluster: call %s taken up had ended here; its entry goes", call_id)
             self._cluster.finished(call_id)
             return
-        call = make_call(call_id, record["owner"], profile, record["request"],
+        call = make_call(call_id, record["owner"], provider, providers, groups, record["request"],
                          record.get("options") or {}, record.get("session_id"),
                          record.get("idempotency_key"), None, owner.epoch - 1,
                          owner.epoch - 1)
         self._journal.take_back(call_id)  # a call it had moved away: journaled anew
         self._journal.add_call(call_id, call.owner, call.spec.idempotency_key,
-                               call.spec.session_id, profile.name, call.spec.request,
+                               call.spec.session_id, provider, call.spec.request,
                                call.spec.options.to_map())
         self._enqueue(call, True)  # staged: it runs once the sink holds its log
         self._counters["calls_taken_over"] += 1

@@ -50,12 +50,19 @@ def implicit_stale(profile: ProviderProfile, request_bytes: int) -> float:
 
 def attempt_timeouts(options: CallOptions, profile: ProviderProfile,
                      request: dict[str, object]) -> AttemptTimeouts:
+    return sized_timeouts(options, profile, len(msgpack.packb(request, default=str)))
+
+
+def sized_timeouts(options: CallOptions, profile: ProviderProfile,
+                   request_bytes: int) -> AttemptTimeouts:
+    """`attempt_timeouts` of a request whose size is known (a group's call's
+    next deployment: its request is not encoded again on the loop)."""
     if options.stale_timeout_s is not None:
         stale = options.stale_timeout_s
     elif profile.stale_timeout_s is not None:
         stale = profile.stale_timeout_s
     else:
-        stale = implicit_stale(profile, len(msgpack.packb(request, default=str)))
+        stale = implicit_stale(profile, request_bytes)
     first = options.first_chunk_timeout_s or profile.first_chunk_timeout_s or stale
     # The socket read timeout is raised to the stale timeout when that is
     # longer, so the SDK never gives up before the watchdog would.

@@ -24,7 +24,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from streamfence.config.tracing import TracingConfig
-from streamfence.protocol.logs import request_model
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -86,7 +85,7 @@ class CallTracer:
         """Emit the spans of `call`, which ended with `done` at `now` (wall
         clock): accepted at `created`, with `attempts` (the journal's rows)."""
         response = done.get("response") or {}
-        model = request_model(call.spec.request)
+        model = call.model
         parent = None
         if call.spec.options.traceparent:
             parent = self._propagator.extract({"traceparent": call.spec.options.traceparent})
@@ -140,6 +139,7 @@ def _call_attributes(call: Call, done: Mapping[str, Any], response: Mapping[str,
         "gen_ai.request.model": model, "gen_ai.response.model": response.get("model"),
         "gen_ai.response.id": response.get("provider_response_id"),
         "streamfence.session_id": call.spec.session_id,
+        "streamfence.group": call.spec.provider if call.group is not None else None,
         "error.type": (done.get("error") or {}).get("code")}
     if response.get("finish_reason"):
         attrs["gen_ai.response.finish_reasons"] = [str(response["finish_reason"])]
@@ -151,7 +151,7 @@ def _call_attributes(call: Call, done: Mapping[str, Any], response: Mapping[str,
 
 
 _ATTEMPT_FIELDS: Mapping[str, Callable[[Any], Any]] = {
-    "attempt": int, "how": str, "worker_pid": int, "finish_reason": str, "error_class": str,
+    "attempt": int, "how": str, "profile": str, "model": str, "worker_pid": int, "finish_reason": str, "error_class": str,
     "error_code": str, "first_chunk_ms": float, "chunks": int, "bytes": int, "deltas": int}
 
 

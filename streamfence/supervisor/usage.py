@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from streamfence.config.identities import Identity
 from streamfence.config.prices import Price, price_of
+from streamfence.protocol.logs import request_model
 from streamfence.protocol.messages import USAGE_BY
 
 if TYPE_CHECKING:
@@ -71,14 +72,15 @@ OTHER = "other"
 
 
 def answered_by(call: Call) -> tuple[str, str]:
-    """The (profile, model) a call's usage counts against: its profile and
-    the model its request names."""
-    return call.profile.name, model_of(call.spec.request)
+    """The (profile, model) a call's usage counts against: the deployment of
+    its last attempt (a group's call), else its profile and the model its
+    request names."""
+    return call.profile.name, call.model or "-"
 
 
 def model_of(request: Mapping[str, Any]) -> str:
     """The model a request names (Bedrock's `modelId`), "-" if none."""
-    return str(request.get("model") or request.get("modelId") or "-")
+    return request_model(request) or "-"
 
 
 def tokens_of(usage: Any) -> tuple[int, int]:
