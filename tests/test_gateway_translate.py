@@ -5,9 +5,12 @@ the emulator: tests/test_gateway_translate_e2e.py."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from streamfence.gateway.neutral import Untranslatable
 from streamfence.gateway.to_wire import DEFAULT_MAX_TOKENS
@@ -236,3 +239,29 @@ def test_fields_at_their_default_ask_for_nothing() -> None:
         {"toolSpec": {"name": "f", "inputSchema": {"json": {"type": "object", "properties": {}}}}}]}
     assert "thinking" not in translate(_anthropic(thinking={"type": "disabled"}), "anthropic",
                                        "openai", "m")
+
+
+_KEYS = ["model", "messages", "role", "content", "type", "text", "image_url", "url", "source",
+         "tool_calls", "function", "name", "arguments", "tool_call_id", "tools", "parameters",
+         "tool_choice", "input", "tool_use_id", "system", "max_tokens", "stop", "metadata",
+         "cache_control", "is_error", "media_type", "data", "input_schema", "user"]
+_VALUES = ["user", "assistant", "system", "tool", "text", "image", "image_url", "tool_use",
+           "tool_result", "function", "base64", "url", "auto", "any", "none", "required",
+           "data:image/png;base64,AA==", "https://x.test/a.png", "{}", "[1]", "image/png"]
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+    | st.sampled_from(_VALUES) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.sampled_from(_KEYS), inner, max_size=4), max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.dictionaries(st.sampled_from(_KEYS), _JSON, max_size=5),
+       source=st.sampled_from(["openai", "anthropic"]),
+       target=st.sampled_from(["openai", "anthropic", "bedrock"]))
+def test_any_body_is_translated_or_refused_never_an_other_error(
+        body: dict[str, Any], source: str, target: str) -> None:
+    """A caller's body is bytes from outside: the only error is Untranslatable
+    (the gateway's 400), whatever its shape."""
+    with contextlib.suppress(Untranslatable):
+        translate(body, source, target, "m")

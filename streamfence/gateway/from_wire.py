@@ -153,7 +153,7 @@ _MESSAGE_KEYS = {"system": {"role", "content"}, "developer": {"role", "content"}
 
 def _openai_message(chat: Chat, message: dict[str, Any], path: str, target: str) -> None:
     role = message.get("role")
-    if role not in _MESSAGE_KEYS:
+    if not isinstance(role, str) or role not in _MESSAGE_KEYS:
         raise cannot(f"{path}.role", repr(role), target)
     for key, value in message.items():
         if key not in _MESSAGE_KEYS[role] and value is not None:
