@@ -11,6 +11,7 @@ and nothing reaches the provider."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import anthropic
@@ -23,7 +24,7 @@ from streamfence.devtools.emulator.control import EmulatorClient
 from tests.http_gateway import Gateway
 
 CALL = {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
+SCHEMA: dict[str, Any] = {"type": "object", "properties": {"city": {"type": "string"}}}
 OPENAI_TOOLS: list[ChatCompletionToolParam] = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city", "parameters": SCHEMA}}]
 ANTHROPIC_TOOLS: list[ToolParam] = [
@@ -51,7 +52,12 @@ def _body(record: dict[str, Any]) -> dict[str, Any]:
 def _openai_call(gateway: Gateway, model: str, messages: list[ChatCompletionMessageParam],
                  stream: bool) -> tuple[str, list[dict[str, str]], str | None, Any]:
     """(text, tool calls, finish_reason, usage) of one chat completion."""
-    client = gateway.openai()
+    with gateway.openai() as client:
+        return _openai_reply(client, model, messages, stream)
+
+
+def _openai_reply(client: openai.OpenAI, model: str, messages: list[ChatCompletionMessageParam],
+                  stream: bool) -> tuple[str, list[dict[str, str]], str | None, Any]:
     kwargs: dict[str, Any] = {"model": model, "messages": messages, "tools": OPENAI_TOOLS,
                               "tool_choice": "auto", "max_tokens": 300, "stop": ["END"]}
     if model.startswith("br/"):
@@ -94,11 +100,12 @@ def _expected_native(profile: str, model: str, turns: list[dict[str, Any]]) -> d
             "system": [{"type": "text", "text": "Be brief."}],
             "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "auto"},
             "stop_sequences": ["END"]}
-    converse = {"text": lambda t: {"text": t["text"]},
-                "tool_use": lambda t: {"toolUse": {"toolUseId": t["id"], "name": t["name"],
-                                                   "input": t["input"]}},
-                "tool_result": lambda t: {"toolResult": {"toolUseId": t["id"],
-                                                         "content": [{"text": t["text"]}]}}}
+    converse: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+        "text": lambda t: {"text": t["text"]},
+        "tool_use": lambda t: {"toolUse": {"toolUseId": t["id"], "name": t["name"],
+                                           "input": t["input"]}},
+        "tool_result": lambda t: {"toolResult": {"toolUseId": t["id"],
+                                                 "content": [{"text": t["text"]}]}}}
     return {"messages": [{"role": t["role"], "content": [converse[t["kind"]](t)]}
                          for t in turns],  # modelId goes in the URL
             "system": [{"text": "Be brief."}],
@@ -153,11 +160,12 @@ def _anthropic_call(gateway: Gateway, model: str, messages: list[MessageParam],
     kwargs: dict[str, Any] = {"model": model, "max_tokens": 300, "system": "Be brief.",
                               "messages": messages, "tools": ANTHROPIC_TOOLS,
                               "tool_choice": {"type": "auto"}}
-    client = gateway.anthropic()
-    if not stream:
-        return client.messages.create(**kwargs)
-    with client.messages.stream(**kwargs) as events:
-        return events.get_final_message()
+    with gateway.anthropic() as client:
+        if not stream:
+            whole: anthropic.types.Message = client.messages.create(**kwargs)
+            return whole
+        with client.messages.stream(**kwargs) as events:
+            return events.get_final_message()
 
 
 def _expected_from_anthropic(profile: str, model: str, follow_up: dict[str, str] | None
@@ -218,13 +226,29 @@ def test_the_anthropic_sdk_reaches_openai_and_bedrock(gateway: Gateway, emu: Emu
                                                    {"id": uses[0].id})
 
 
+def test_an_image_reaches_bedrock_as_its_bytes(gateway: Gateway, emu: EmulatorClient) -> None:
+    """A data URL's image goes to Converse as bytes: through the submit, the
+    journal and the worker as bytes, and botocore sends them in base64."""
+    png = "iVBORw0KGgo="
+    emu.script("picture", [{"fault": "ok"}])
+    with gateway.openai() as client:
+        reply = client.chat.completions.create(model="br/emu-model#picture", messages=[
+            {"role": "user", "content": [
+                {"type": "text", "text": "What is it?"},
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}]}])
+    sent = _sent(emu, "picture")
+    assert reply.choices[0].message.content == sent["text"]
+    assert sent["request"]["messages"] == [{"role": "user", "content": [
+        {"text": "What is it?"}, {"image": {"format": "png", "source": {"bytes": png}}}]}]
+
+
 # ---- what the target cannot express ---------------------------------------------------
 
 def test_an_untranslatable_request_is_a_400_naming_the_field(gateway: Gateway,
                                                              emu: EmulatorClient) -> None:
     emu.script("refused", [{"fault": "ok"}])
-    with pytest.raises(openai.BadRequestError) as refused:
-        gateway.openai().chat.completions.create(model="an/claude-emu#refused", messages=[
+    with gateway.openai() as client, pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="an/claude-emu#refused", messages=[
             {"role": "user", "content": [
                 {"type": "text", "text": "What is said?"},
                 {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}])
@@ -232,8 +256,8 @@ def test_an_untranslatable_request_is_a_400_naming_the_field(gateway: Gateway,
         "message": "messages[0].content[1].type: 'input_audio' cannot be sent to an "
                    "anthropic profile", "type": "invalid_request_error", "param": None,
         "code": "bad_message"}
-    with pytest.raises(anthropic.BadRequestError) as also:
-        gateway.anthropic().messages.create(
+    with gateway.anthropic() as claude, pytest.raises(anthropic.BadRequestError) as also:
+        claude.messages.create(
             model="br/emu-model#refused", max_tokens=10, messages=[{"role": "user", "content": [
                 {"type": "image", "source": {"type": "url", "url": "https://x.test/a.png"}}]}])
     assert also.value.body == {"type": "error", "error": {
