@@ -39,17 +39,18 @@ _OPENAI_FIELDS = frozenset({"messages", "max_tokens", "max_completion_tokens", "
 _ANTHROPIC_FIELDS = frozenset({"messages", "max_tokens", "system", "temperature", "top_p",
                                "stop_sequences", "tools", "tool_choice", "metadata"})
 # Fields that ask for nothing at these values (the wire's defaults): accepted.
-_DEFAULTS: dict[str, Any] = {"n": 1, "logprobs": False, "store": False,
-                             "thinking": {"type": "disabled"}}
+_OPENAI_DEFAULTS: dict[str, Any] = {"n": 1, "logprobs": False, "store": False}
+_ANTHROPIC_DEFAULTS: dict[str, Any] = {"thinking": {"type": "disabled"}}
 _DATA_URL = re.compile(r"data:(image/[\w.+-]+);base64,(.*)", re.DOTALL)
 _OPENAI_TOOL_CHOICE = {"auto": "auto", "required": "any", "none": "none"}
 
 
-def _check_fields(body: dict[str, Any], kept: frozenset[str], target: str) -> None:
+def _check_fields(body: dict[str, Any], kept: frozenset[str], defaults: dict[str, Any],
+                  target: str) -> None:
     for key, value in body.items():
         if key in kept or key in _GATEWAY_OWNED:
             continue
-        if key in _DEFAULTS and value == _DEFAULTS[key]:
+        if key in defaults and value == defaults[key]:
             continue
         raise cannot(key, "this field", target)
 
@@ -99,7 +100,7 @@ def _schema(value: Any, path: str) -> dict[str, Any]:
 
 def read_openai(body: dict[str, Any], target: str) -> Chat:
     """See the module docstring."""
-    _check_fields(body, _OPENAI_FIELDS, target)
+    _check_fields(body, _OPENAI_FIELDS, _OPENAI_DEFAULTS, target)
     chat = Chat()
     _max_tokens(body, ("max_tokens", "max_completion_tokens"), chat)
     chat.temperature = _number(body, "temperature", chat, "temperature")
@@ -245,7 +246,7 @@ def _image_url(url: str, path: str) -> Image:
 
 def read_anthropic(body: dict[str, Any], target: str) -> Chat:
     """See the module docstring."""
-    _check_fields(body, _ANTHROPIC_FIELDS, target)
+    _check_fields(body, _ANTHROPIC_FIELDS, _ANTHROPIC_DEFAULTS, target)
     chat = Chat()
     _max_tokens(body, ("max_tokens",), chat)
     chat.temperature = _number(body, "temperature", chat, "temperature")
