@@ -187,6 +187,8 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
         "function": {"name": "f", "arguments": "[1]"}}]}]), "anthropic",
      "messages[0].tool_calls[0].function.arguments: must be a JSON object"),
     ("openai", _openai(messages="hi"), "anthropic", "messages: must be a list"),
+    ("openai", _openai(messages=[{"role": ["user"], "content": "hi"}]), "anthropic",
+     "messages[0].role: ['user'] cannot be sent to an anthropic profile"),
     ("anthropic", _anthropic(messages=[{"role": "user", "content": [{"type": "document",
         "source": {}}]}]), "openai",
      "messages[0].content[0].type: 'document' cannot be sent to an openai profile"),
