@@ -187,6 +187,10 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
         "function": {"name": "f", "arguments": "[1]"}}]}]), "anthropic",
      "messages[0].tool_calls[0].function.arguments: must be a JSON object"),
     ("openai", _openai(messages="hi"), "anthropic", "messages: must be a list"),
+    ("anthropic", _anthropic(messages=[{"role": "user", "content": [{"type": "tool_result",
+        "tool_use_id": "t1", "content": [{"type": "tool_result", "tool_use_id": "t2"}]}]}]),
+     "openai", "messages[0].content[0].content[0].type: 'tool_result' inside a tool_result "
+     "cannot be sent to an openai profile"),
     ("openai", _openai(messages=[{"role": ["user"], "content": "hi"}]), "anthropic",
      "messages[0].role: ['user'] cannot be sent to an anthropic profile"),
     ("anthropic", _anthropic(messages=[{"role": "user", "content": [{"type": "document",

@@ -323,8 +323,10 @@ def _anthropic_texts(content: Any, path: str, target: str) -> list[Text]:
     return out
 
 
-def _anthropic_blocks(content: Any, path: str, target: str
+def _anthropic_blocks(content: Any, path: str, target: str, *, inner: bool = False
                       ) -> list[Text | Image | ToolCall | ToolResult]:
+    """A message's content; `inner`: a tool_result's, which holds text and
+    images only (so a nested body cannot recurse)."""
     if isinstance(content, str):
         return [Text(path, content)]
     out: list[Text | Image | ToolCall | ToolResult] = []
@@ -337,22 +339,20 @@ def _anthropic_blocks(content: Any, path: str, target: str
         if kind == "text":
             out.append(Text(where, _str(block.get("text"), f"{where}.text"),
                             _cache(block, where, target)))
-        elif kind == "image":
-            _cache(block, where, target, allowed=False)
+            continue
+        _cache(block, where, target, allowed=False)
+        if kind == "image":
             out.append(_anthropic_image(_map(block.get("source"), f"{where}.source"), where,
                                         target))
+        elif inner and kind in ("tool_use", "tool_result"):
+            raise cannot(f"{where}.type", f"{kind!r} inside a tool_result", target)
         elif kind == "tool_use":
-            _cache(block, where, target, allowed=False)
             out.append(ToolCall(where, _str(block.get("id"), f"{where}.id"),
                                 _str(block.get("name"), f"{where}.name"),
                                 _map(block.get("input"), f"{where}.input")))
         elif kind == "tool_result":
-            _cache(block, where, target, allowed=False)
-            inner = block.get("content")
-            parts = _anthropic_blocks(inner if inner is not None else [], f"{where}.content",
-                                      target)
-            if any(not isinstance(p, Text | Image) for p in parts):
-                raise cannot(f"{where}.content", "a tool_use inside a tool_result", target)
+            parts = _anthropic_blocks(block.get("content") or [], f"{where}.content", target,
+                                      inner=True)
             out.append(ToolResult(where, _str(block.get("tool_use_id"), f"{where}.tool_use_id"),
                                   tuple(p for p in parts if isinstance(p, Text | Image)),
                                   block.get("is_error") is True))
