@@ -271,3 +271,14 @@ def test_any_body_is_translated_or_refused_never_an_other_error(
     (the gateway's 400), whatever its shape."""
     with contextlib.suppress(Untranslatable):
         translate(body, source, target, "m")
+
+
+def test_a_deeply_nested_body_is_refused_not_a_recursion_error() -> None:
+    """Tool results nested as deep as a JSON parser lets them (a few hundred
+    levels) are refused at the first inner one, without recursion."""
+    block: dict[str, Any] = {"type": "tool_result", "tool_use_id": "t"}
+    for _ in range(600):
+        block = {"type": "tool_result", "tool_use_id": "t", "content": [block]}
+    body = _anthropic(messages=[{"role": "user", "content": [block]}])
+    with pytest.raises(Untranslatable, match=r"content\[0\]\.content\[0\]\.type: 'tool_result'"):
+        translate(body, "anthropic", "openai", "m")
