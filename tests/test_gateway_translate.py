@@ -193,6 +193,8 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
      "cannot be sent to an openai profile"),
     ("openai", _openai(messages=[{"role": ["user"], "content": "hi"}]), "anthropic",
      "messages[0].role: ['user'] cannot be sent to an anthropic profile"),
+    ("openai", _openai(messages=[{"role": "x" * 10_000, "content": "hi"}]), "anthropic",
+     f"messages[0].role: '{'x' * 56}... cannot be sent to an anthropic profile"),
     ("anthropic", _anthropic(messages=[{"role": "user", "content": [{"type": "document",
         "source": {}}]}]), "openai",
      "messages[0].content[0].type: 'document' cannot be sent to an openai profile"),

@@ -30,6 +30,7 @@ from streamfence.gateway.neutral import (
     ToolResult,
     cannot,
     malformed,
+    shown,
 )
 
 _GATEWAY_OWNED = frozenset({"model", "stream", "stream_options"})
@@ -125,7 +126,7 @@ def read_openai(body: dict[str, Any], target: str) -> Chat:
 
 def _openai_tool(tool: dict[str, Any], path: str, target: str) -> Tool:
     if tool.get("type") != "function":
-        raise cannot(f"{path}.type", repr(tool.get("type")), target)
+        raise cannot(f"{path}.type", shown(tool.get("type")), target)
     fn = _map(tool.get("function"), f"{path}.function")
     for key in fn:
         if key == "strict" and fn[key] is not True:
@@ -155,7 +156,7 @@ _MESSAGE_KEYS = {"system": {"role", "content"}, "developer": {"role", "content"}
 def _openai_message(chat: Chat, message: dict[str, Any], path: str, target: str) -> None:
     role = message.get("role")
     if not isinstance(role, str) or role not in _MESSAGE_KEYS:
-        raise cannot(f"{path}.role", repr(role), target)
+        raise cannot(f"{path}.role", shown(role), target)
     for key, value in message.items():
         if key not in _MESSAGE_KEYS[role] and value is not None:
             raise cannot(f"{path}.{key}", "this field", target)
@@ -222,10 +223,10 @@ def _openai_parts(content: Any, path: str, target: str) -> list[Text | Image]:
         elif kind == "image_url":
             image = _map(part.get("image_url"), f"{where}.image_url")
             if image.get("detail") not in (None, "auto"):
-                raise cannot(f"{where}.image_url.detail", repr(image["detail"]), target)
+                raise cannot(f"{where}.image_url.detail", shown(image["detail"]), target)
             out.append(_image_url(_str(image.get("url"), f"{where}.image_url.url"), where))
         else:
-            raise cannot(f"{where}.type", repr(kind), target)
+            raise cannot(f"{where}.type", shown(kind), target)
     return out
 
 
@@ -273,7 +274,7 @@ def read_anthropic(body: dict[str, Any], target: str) -> Chat:
         message = _map(message, path)
         role = message.get("role")
         if role not in ("user", "assistant"):
-            raise cannot(f"{path}.role", repr(role), target)
+            raise cannot(f"{path}.role", shown(role), target)
         for key in message:
             if key not in ("role", "content"):
                 raise cannot(f"{path}.{key}", "this field", target)
@@ -293,7 +294,7 @@ def _cache(block: dict[str, Any], path: str, target: str, allowed: bool = True) 
 
 def _anthropic_tool(tool: dict[str, Any], path: str, target: str) -> Tool:
     if tool.get("type") not in (None, "custom"):
-        raise cannot(f"{path}.type", f"the server tool {tool['type']!r}", target)
+        raise cannot(f"{path}.type", f"the server tool {shown(tool['type'])}", target)
     for key in tool:
         if key not in ("type", "name", "description", "input_schema", "cache_control"):
             raise cannot(f"{path}.{key}", "this field", target)
@@ -345,7 +346,7 @@ def _anthropic_blocks(content: Any, path: str, target: str, *, inner: bool = Fal
             out.append(_anthropic_image(_map(block.get("source"), f"{where}.source"), where,
                                         target))
         elif inner and kind in ("tool_use", "tool_result"):
-            raise cannot(f"{where}.type", f"{kind!r} inside a tool_result", target)
+            raise cannot(f"{where}.type", f"{shown(kind)} inside a tool_result", target)
         elif kind == "tool_use":
             out.append(ToolCall(where, _str(block.get("id"), f"{where}.id"),
                                 _str(block.get("name"), f"{where}.name"),
@@ -357,7 +358,7 @@ def _anthropic_blocks(content: Any, path: str, target: str, *, inner: bool = Fal
                                   tuple(p for p in parts if isinstance(p, Text | Image)),
                                   block.get("is_error") is True))
         else:
-            raise cannot(f"{where}.type", repr(kind), target)
+            raise cannot(f"{where}.type", shown(kind), target)
     return out
 
 
@@ -368,5 +369,5 @@ def _anthropic_image(source: dict[str, Any], path: str, target: str) -> Image:
                      data=_str(source.get("data"), f"{path}.source.data"))
     if kind == "url":
         return Image(path, url=_str(source.get("url"), f"{path}.source.url"))
-    raise cannot(f"{path}.source.type", repr(kind), target)
+    raise cannot(f"{path}.source.type", shown(kind), target)
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+SHOWN_CHARS = 60  # of a caller's value quoted in a refusal
+
 
 class Untranslatable(Exception):
     """A request the target's wire cannot carry, or one whose shape is wrong;
@@ -31,6 +33,13 @@ def cannot(path: str, what: str, target: str) -> Untranslatable:
     """`messages[2].content[0].type: 'input_audio' cannot be sent to an anthropic profile`."""
     article = "an" if target[:1] in "aeiou" else "a"
     return Untranslatable(f"{path}: {what} cannot be sent to {article} {target} profile")
+
+
+def shown(value: Any) -> str:
+    """A caller's value in a refusal: its repr, cut short (a body is the
+    caller's, and the message goes back to it and to the log)."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
 
 
 def malformed(path: str, expected: str) -> Untranslatable:

@@ -46,6 +46,7 @@ from streamfence.gateway.neutral import (
     ToolResult,
     cannot,
     malformed,
+    shown,
 )
 
 DEFAULT_MAX_TOKENS = 4096
@@ -274,7 +275,7 @@ def _bedrock_image(image: Image) -> dict[str, Any]:
                      "bedrock")
     fmt = _BEDROCK_FORMATS.get(str(image.media_type).lower())
     if fmt is None:
-        raise cannot(image.path, f"an image of type {image.media_type!r}", "bedrock")
+        raise cannot(image.path, f"an image of type {shown(image.media_type)}", "bedrock")
     try:
         data = base64.b64decode(str(image.data), validate=True)
     except ValueError:
