@@ -13,14 +13,14 @@ when the profile routed to (gateway/routes.py) speaks the endpoint's wire,
 else translated to the profile's (gateway/translate.py: either endpoint
 reaches a profile of any kind; what the target cannot express is a 400
 naming the field), through the daemon as an ordinary protocol v1 client
-acting as the caller's identity (gateway/keys.py). A call over HTTP always runs with `on_partial:
-"continue"`: the providers' wires cannot say "forget what you got" (the
-`reset` of `restart`), so a stream never holds two answers; a cut after
-text ends with the provider's own "length" ending instead. A stale kill and
-its retry before any text are invisible to the SDK. The answer is rendered
-in the endpoint's wire by gateway/openai_chat.py and
-gateway/anthropic_messages.py; errors by gateway/http_errors.py. Each SSE
-frame's `id:` is the event's seq.
+acting as the caller's identity (gateway/keys.py). A call over HTTP always
+runs with `on_partial: "continue"`: the providers' wires cannot say "forget
+what you got" (the `reset` of `restart`), so a stream never holds two
+answers; a cut after text ends with the provider's own "length" ending
+instead. A stale kill and its retry before any text are invisible to the
+SDK. The answer is rendered in the endpoint's wire by gateway/openai_chat.py
+and gateway/anthropic_messages.py; errors by gateway/http_errors.py. Each
+SSE frame's `id:` is the event's seq.
 
 A streaming client that goes away cancels its call (its provider stream is
 closed), unless it sent an `Idempotency-Key`: the same key again is the same
