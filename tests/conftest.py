@@ -15,13 +15,15 @@ from streamfence.devtools import disks
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.nats_cluster import NatsCluster, nats_cluster
 from tests.harness import DaemonProcess
+from tests.http_gateway import Gateway, gateway_daemon
 from tests.wires import DaemonFactory, profile_for, profiles_for
 
 # Modules whose tests share a module-scoped daemon (3-20 s to start, 50 s for
 # test_storage_damage's two): under xdist each runs whole on one worker, so
 # that daemon starts once, not once per worker (see pytest_xdist_make_scheduler).
 ONE_WORKER_MODULES = frozenset(f"tests/test_{name}.py" for name in (
-    "cancel_on_abandon", "delivery_e2e", "events_path", "gateway_e2e", "logging_e2e",
+    "cancel_on_abandon", "delivery_e2e", "events_path", "gateway_e2e",
+    "gateway_translate_e2e", "logging_e2e",
     "metrics_e2e", "request_budgets", "security_e2e", "startup_errors", "storage_damage",
     "wires_e2e"))
 
@@ -143,3 +145,12 @@ def daemon(module_daemon: DaemonFactory) -> DaemonProcess:
     """The module's shared daemon with the default settings (`emu` on the
     openai wire); a module whose tests need others defines its own `daemon`."""
     return module_daemon()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory,
+            emulator: EmulatorProcess) -> Iterator[Gateway]:
+    """A module's daemon with its HTTP gateway (tests.http_gateway): one
+    emulator profile per wire, `oa`, `an` and `br`."""
+    with gateway_daemon(Path(tmp_path_factory.mktemp("gateway")) / "state", emulator) as gw:
+        yield gw

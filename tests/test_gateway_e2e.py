@@ -12,8 +12,6 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -22,48 +20,11 @@ import pytest
 from anthropic.types import MessageParam
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from streamfence.devtools.emulator.control import (
-    EmulatorClient,
-    EmulatorProcess,
-    emulator_profile,
-)
-from streamfence.gateway.keys import http_key
-from streamfence.protocol.credentials import load_credentials
-from tests.harness import DaemonProcess, free_port, healthy, wait_until
+from streamfence.devtools.emulator.control import EmulatorClient
+from tests.http_gateway import Gateway
 
 QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 CLAUDE_QUESTION: list[MessageParam] = [{"role": "user", "content": "hello"}]
-
-
-class Gateway:
-    def __init__(self, daemon: DaemonProcess, url: str, key: str) -> None:
-        self.daemon, self.url, self.key = daemon, url, key
-
-    def openai(self, key: str | None = None) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or self.key, max_retries=0)
-
-    def anthropic(self) -> anthropic.Anthropic:
-        return anthropic.Anthropic(base_url=self.url, api_key=self.key, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory,
-            emulator: EmulatorProcess) -> Iterator[Gateway]:
-    port = free_port()
-    profile = {"stale_timeout_s": 1.0, "max_attempts": 3}
-    daemon = DaemonProcess(
-        Path(tmp_path_factory.mktemp("gateway")) / "state",
-        {"oa": dict(emulator_profile("openai", emulator.base_url), **profile),
-         "an": dict(emulator_profile("anthropic", emulator.base_url), **profile)},
-        daemon={"backoff_base_s": 0.05, "backoff_max_s": 0.2, "workers_spare": 2},
-        tables={"http": {"listen": f"127.0.0.1:{port}"}})
-    daemon.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: healthy(url), 30.0, f"the gateway to answer {url}/healthz")
-        yield Gateway(daemon, url, http_key(load_credentials(daemon.credentials_path)))
-    finally:
-        daemon.cleanup()
 
 
 def _openai_text(stream: Any) -> tuple[str, str | None, Any]:
@@ -151,7 +112,7 @@ def test_models_lists_what_may_be_called(gateway: Gateway) -> None:
                                      headers={"Authorization": f"Bearer {gateway.key}"})
     with urllib.request.urlopen(request, timeout=5.0) as reply:
         listed = json.load(reply)
-    assert {m["id"] for m in listed["data"]} == {"an/*", "oa/*"}
+    assert {m["id"] for m in listed["data"]} == {"an/*", "br/*", "oa/*"}
 
 
 # ---- raw SSE: reconnect, abandon ------------------------------------------------------

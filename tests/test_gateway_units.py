@@ -41,16 +41,23 @@ def test_the_http_table() -> None:
 def test_routing_a_model_to_a_profile() -> None:
     cfg = parse_config({"providers": PROFILES, "http": {"routes": {"gpt-4o": "oa2"}}})
     http, providers = cfg.http, cfg.providers
-    assert route(http, providers, "openai", "m", "oa") == Route("oa", "m")  # the header
-    assert route(http, providers, "openai", "gpt-4o", None) == Route("oa2", "gpt-4o")
-    assert route(http, providers, "openai", "oa/gpt-x/y", None) == Route("oa", "gpt-x/y")
-    assert route(http, providers, "anthropic", "claude", None) == Route("an", "claude")
+    assert route(http, providers, "openai", "m", "oa") == Route("oa", "m", "openai")  # header
+    assert route(http, providers, "openai", "gpt-4o", None) == Route("oa2", "gpt-4o", "openai")
+    assert route(http, providers, "openai", "oa/gpt-x/y", None) == Route("oa", "gpt-x/y",
+                                                                        "openai")
+    assert route(http, providers, "anthropic", "claude", None) == Route("an", "claude",
+                                                                       "anthropic")
     with pytest.raises(NoRoute, match="2 openai profiles"):
         route(http, providers, "openai", "gpt-x", None)
-    with pytest.raises(NoRoute, match="profile 'an' is anthropic"):
-        route(http, providers, "openai", "an/claude", None)
+    # A profile of another kind serves too: the Route says which wire to translate to.
+    assert route(http, providers, "openai", "an/claude", None) == Route("an", "claude",
+                                                                       "anthropic")
+    assert route(http, providers, "anthropic", "m", "oa") == Route("oa", "m", "openai")
     with pytest.raises(NoRoute, match="no provider profile 'zz'"):
         route(http, providers, "openai", "m", "zz")
+    # No profile of the endpoint's kind, one profile at all: that one.
+    only = parse_config({"providers": {"br": {"kind": "bedrock"}}})
+    assert route(only.http, only.providers, "openai", "m", None) == Route("br", "m", "bedrock")
     assert models(http, providers, frozenset({"oa2"})) == [("gpt-4o", "oa2"), ("oa2/*", "oa2")]
 
 

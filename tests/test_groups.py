@@ -12,7 +12,7 @@ import pytest
 
 from streamfence.config.groups import Deployment, ModelGroup
 from streamfence.config.model import ConfigError, DaemonConfig, load_config
-from streamfence.gateway.routes import NoRoute, Route, models, route
+from streamfence.gateway.routes import Route, models, route
 from streamfence.protocol.errors import ErrorCode
 from streamfence.supervisor.admission import Admission
 from streamfence.supervisor.breaker import Breakers
@@ -195,12 +195,14 @@ def test_the_request_goes_with_the_deployments_model(tmp_path: Path) -> None:
     assert call.spec.request["model"] == "g"  # the call's own request is untouched
 
 
-def test_the_gateway_routes_a_group_of_its_kind_and_lists_it(tmp_path: Path) -> None:
+def test_the_gateway_routes_a_group_from_either_endpoint_and_lists_it(tmp_path: Path) -> None:
     cfg = _load(tmp_path, "[groups.g]\ndeployments = [{profile = \"oa\", model = \"m\"}, "
                           "{profile = \"ob\", model = \"m\"}]")
-    assert route(cfg.http, cfg.providers, "openai", "g", None, cfg.groups) == Route("g", "g")
-    with pytest.raises(NoRoute, match="group 'g' is openai, this endpoint speaks anthropic"):
-        route(cfg.http, cfg.providers, "anthropic", "g", None, cfg.groups)
+    assert route(cfg.http, cfg.providers, "openai", "g", None, cfg.groups) == Route(
+        "g", "g", "openai")
+    # From the other endpoint too: the gateway translates to the group's kind.
+    assert route(cfg.http, cfg.providers, "anthropic", "g", None, cfg.groups) == Route(
+        "g", "g", "openai")
     assert ("g", "group") in models(cfg.http, cfg.providers, None, cfg.groups)
     assert ("g", "group") in models(cfg.http, cfg.providers, frozenset({"oa", "ob"}), cfg.groups)
     assert ("g", "group") in models(cfg.http, cfg.providers, frozenset({"g"}), cfg.groups)

@@ -23,7 +23,13 @@ read by 1 and by 32 concurrent streams, each round in rotated order, by:
                  wildcard `openai/*` route to the emulator) on a loopback
                  port, when a `litellm` executable is found
                  ($SF_BENCH_LITELLM, else the PATH); the table says so when
-                 it is not.
+                 it is not;
+- `sdk-gateway-x`, `sdk-litellm-x`  translated (issue 33): the same openai
+                 SDK calls served by the emulator's Anthropic wire, the
+                 gateway's profile `an` (model `an/emu-model#KEY`) and
+                 LiteLLM's `anthropic/*` route: each translates the request
+                 to Anthropic's and the answer back to OpenAI's chunks. Paced
+                 levels only.
 
 At 1 stream a run is REPS sequential calls, at 32 one burst of 32. The
 daemon keeps enough warm workers for the burst (no fork during a run) and
@@ -38,6 +44,12 @@ whole process tree: supervisor, sink, zygote, workers, gateway; or LiteLLM's
 proxy) plus this process's own (the client side), each also shown apart,
 divided by the deltas delivered (medians over rounds). The emulator's CPU
 is measured and never summed.
+
+Translated (issue 33): `sdk-gateway-x` ÷ `sdk-gateway` (CPU per delta, TTFT
+p50: what translation costs the gateway, per-round ratios' medians), beside
+LiteLLM's own `sdk-litellm-x` ÷ `sdk-litellm`, and `sdk-gateway-x` ÷
+`sdk-litellm-x` (the same translation, the two proxies). Reported, never
+asserted.
 
 Unpaced (issue 32): one stream of UNPACED_CHUNKS chunks the emulator writes
 with no delay, read by each variant: deltas per second to the one client,
@@ -108,6 +120,9 @@ from streamfence.protocol.credentials import load_credentials
 
 BASE_VARIANTS = ("sdk-direct", "sdk-gateway", "sse-gateway", "zmq-client")
 LITELLM = "sdk-litellm"
+TRANSLATED = "sdk-gateway-x"  # issue 33: an anthropic profile behind the openai endpoint
+LITELLM_X = "sdk-litellm-x"
+PACED_ONLY = (TRANSLATED, LITELLM_X)
 LEVELS = (1, 32)
 DELAY_S = 0.02
 CHUNKS = 50
@@ -202,10 +217,14 @@ class Bench:
         if variant == "sse-gateway":
             sse = self.sse
             return "oa/", lambda calls: sse_streams(sse, calls), self.daemon_pid
-        if variant == LITELLM:
+        if variant == TRANSLATED:
+            gateway = self.gateway
+            return "an/", lambda calls: _sdk_burst(gateway, calls), self.daemon_pid
+        if variant in (LITELLM, LITELLM_X):
             assert self.litellm is not None
             lite = self.litellm
-            return "", lambda calls: _sdk_burst(lite, calls), self.litellm_pid
+            prefix = "anthropic/" if variant == LITELLM_X else ""
+            return prefix, lambda calls: _sdk_burst(lite, calls), self.litellm_pid
         raw = self.raw
         return "", lambda calls: zmq_streams(raw, calls), self.daemon_pid
 
@@ -285,7 +304,9 @@ def run(quick: bool, rounds: int) -> Section:
                 log(f"  gateway: LiteLLM's proxy did not start: {exc}")
                 exe, how = None, f"{exe} did not start: {exc}"[:400]
                 sec.params["LiteLLM"] = "not run"
-        variants = BASE_VARIANTS + ((LITELLM,) if lite is not None else ())
+        variants = BASE_VARIANTS + (TRANSLATED,) + ((LITELLM, LITELLM_X) if lite is not None
+                                                    else ())
+        unpaced = tuple(v for v in variants if v not in PACED_ONLY)
         results: dict[int | str, dict[str, list[dict[str, Any]]]] = {
             n: {v: [] for v in variants} for n in (*LEVELS, UNPACED)}
         wait_idle(proc, spare)
@@ -305,19 +326,19 @@ def run(quick: bool, rounds: int) -> Section:
                         f"{v} p50 {percentile(sorted(results[n][v][-1]['ttft']), 50) * 1e3:.1f}"
                         f" ms, {_per_delta(results[n][v][-1]) * 1e6:.0f} µs/delta"
                         for v in variants))
-                for v in rotated(variants, r):
+                for v in rotated(unpaced, r):
                     results[UNPACED][v].append(bench.run(v, 1, 1, UNPACED_CHUNKS, fast_text,
                                                          delay=0.0))
                     bench.settle()
                 log(f"  gateway round {r + 1}/{rounds}, unpaced: " + ", ".join(
-                    f"{v} {results[UNPACED][v][-1]['rate'][0]:,.0f} deltas/s" for v in variants))
+                    f"{v} {results[UNPACED][v][-1]['rate'][0]:,.0f} deltas/s" for v in unpaced))
         finally:
             bench.close()
     if not exe:
         sec.row("sdk-litellm (LiteLLM's proxy)", f"not run: {how}")
     for n in LEVELS:
         _report(sec, n, reps, variants, results[n])
-    _report_unpaced(sec, variants, results[UNPACED])
+    _report_unpaced(sec, unpaced, results[UNPACED])
     return sec
 
 
@@ -338,10 +359,10 @@ def _ms(seconds: float) -> str:
 
 
 def _vs_direct(res: dict[str, list[dict[str, Any]]], variant: str,
-               measure: Callable[[dict[str, Any]], float]) -> float:
-    """The median over rounds of `measure` of `variant` ÷ of sdk-direct, per round."""
+               measure: Callable[[dict[str, Any]], float], base: str = "sdk-direct") -> float:
+    """The median over rounds of `measure` of `variant` ÷ of `base`, per round."""
     return median([measure(v) / measure(d) for v, d in
-                   zip(res[variant], res["sdk-direct"], strict=True)])
+                   zip(res[variant], res[base], strict=True)])
 
 
 def _beside(variants: tuple[str, ...], value: Callable[[str], float]) -> str:
@@ -431,6 +452,7 @@ def _report(sec: Section, n: int, reps: int, variants: tuple[str, ...],
         sec.row(f"{label}: p50 TTFT sdk-gateway − sdk-litellm",
                 f"{(p50['sdk-gateway'] - p50[LITELLM]) * 1e3:+.1f} ms")
     _report_sdk(sec, n, variants, res)
+    _report_translated(sec, n, variants, res)
 
     def rng(v: str) -> str:
         vals = [percentile(sorted(r["ttft"]), 50) * 1e3 for r in res[v]]
@@ -457,3 +479,25 @@ def _report(sec: Section, n: int, reps: int, variants: tuple[str, ...],
              + f" (client: this process). Per-round µs/delta: {per_round}. The emulator's own "
              f"CPU: {emu * 1e6:.0f} µs/chunk (not summed). Wall per run (s; the stream alone "
              f"is {CHUNKS * DELAY_S:.1f} s, × {reps if n == 1 else 1} calls): {walls}.")
+
+
+def _report_translated(sec: Section, n: int, variants: tuple[str, ...],
+                       res: dict[str, list[dict[str, Any]]]) -> None:
+    """Issue 33's rows: an openai SDK call served by an Anthropic profile
+    (translated both ways) beside the same call served by an OpenAI one."""
+    label = f"{n} stream{'s' if n > 1 else ''}"
+    lite = LITELLM_X in variants
+
+    def ttft(r: dict[str, Any]) -> float:
+        return percentile(sorted(r["ttft"]), 50)
+
+    for name, measure in (("CPU/delta", _per_delta), ("TTFT p50", ttft)):
+        ours = _vs_direct(res, TRANSLATED, measure, "sdk-gateway")
+        theirs = f" (LiteLLM's own: {_vs_direct(res, LITELLM_X, measure, LITELLM):.2f})" \
+            if lite else ""
+        sec.row(f"{label}: {name} translated ÷ untranslated, sdk-gateway-x ÷ sdk-gateway "
+                "(issue 33: an anthropic profile behind the openai endpoint)",
+                f"{ours:.2f}{theirs}")
+        if lite:
+            sec.row(f"{label}: {name} sdk-gateway-x ÷ sdk-litellm-x (the same translation, "
+                    "the two proxies)", f"{_vs_direct(res, TRANSLATED, measure, LITELLM_X):.2f}")

@@ -54,8 +54,10 @@ def litellm_executable() -> tuple[str | None, str]:
 def litellm_proxy(exe: str, emu: EmulatorProcess, port: int, key: str
              ) -> Iterator[subprocess.Popen[bytes]]:
     """LiteLLM's proxy on 127.0.0.1:`port`, every model routed to the emulator's
-    OpenAI wire (`openai/*`), `key` its master key (it refuses to start
-    without one), no database, quiet."""
+    OpenAI wire (`openai/*`) but `anthropic/*`, routed to its Anthropic wire
+    (the translated variant: LiteLLM turns the OpenAI request into Anthropic's
+    and the answer back; its most specific pattern wins), `key` its master
+    key (it refuses to start without one), no database, quiet."""
     with tempfile.TemporaryDirectory(prefix="sfbench-litellm-") as tmp:
         config = Path(tmp) / "litellm.yaml"
         config.write_text(
@@ -64,6 +66,11 @@ def litellm_proxy(exe: str, emu: EmulatorProcess, port: int, key: str
             "    litellm_params:\n"
             "      model: \"openai/*\"\n"
             f"      api_base: \"{emu.openai_base_url}\"\n"
+            "      api_key: \"bench\"\n"
+            "  - model_name: \"anthropic/*\"\n"
+            "    litellm_params:\n"
+            "      model: \"anthropic/*\"\n"
+            f"      api_base: \"{emu.anthropic_base_url}\"\n"
             "      api_key: \"bench\"\n"
             "litellm_settings:\n"
             "  telemetry: false\n"

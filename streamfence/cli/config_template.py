@@ -265,8 +265,8 @@ def render(state_dir: str, emulator_url: str = EMULATOR_URL, config_name: str = 
         "/v1/messages), so an app using the official SDKs only changes its base_url and key "
         "(README, \"Use it from an existing app\"). Off unless `listen` is set; loopback "
         "only. `routes` maps a model name to the profile that serves it (else the model is "
-        "written PROFILE/MODEL, or a profile of the endpoint's kind is named by the "
-        "X-Streamfence-Profile header)."), "#", "#   [http]",
+        "written PROFILE/MODEL, or the X-Streamfence-Profile header names it); a profile "
+        "of another kind than the endpoint's gets the request translated."), "#", "#   [http]",
         f"#   listen = {_value(HTTP_LISTEN)}",
         "#   routes = { " + ", ".join(f"{_value(m)} = {_value(p)}"
                                       for m, p in HTTP_ROUTES.items()) + " }"]

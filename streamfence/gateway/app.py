@@ -8,16 +8,19 @@ the daemon, so an app keeps its SDK and changes only `base_url` and its key.
 - `GET /readyz`, `GET /metrics`: gateway/metrics.py (docs/METRICS.md).
 
 A request is data for one call: its body goes to the provider as it came
-(the gateway takes out only `stream` and `stream_options`, which it owns),
-through the daemon as an ordinary protocol v1 client acting as the caller's
-identity (gateway/keys.py). A call over HTTP always runs with `on_partial:
-"continue"`: the providers' wires cannot say "forget what you got" (the
-`reset` of `restart`), so a stream never holds two answers; a cut after
-text ends with the provider's own "length" ending instead. A stale kill and
-its retry before any text are invisible to the SDK. The answer is rendered
-in the endpoint's wire by gateway/openai_chat.py and
-gateway/anthropic_messages.py; errors by gateway/http_errors.py. Each SSE
-frame's `id:` is the event's seq.
+(the gateway takes out only `stream` and `stream_options`, which it owns)
+when the profile routed to (gateway/routes.py) speaks the endpoint's wire,
+else translated to the profile's (gateway/translate.py: either endpoint
+reaches a profile of any kind; what the target cannot express is a 400
+naming the field), through the daemon as an ordinary protocol v1 client
+acting as the caller's identity (gateway/keys.py). A call over HTTP always
+runs with `on_partial: "continue"`: the providers' wires cannot say "forget
+what you got" (the `reset` of `restart`), so a stream never holds two
+answers; a cut after text ends with the provider's own "length" ending
+instead. A stale kill and its retry before any text are invisible to the
+SDK. The answer is rendered in the endpoint's wire by gateway/openai_chat.py
+and gateway/anthropic_messages.py; errors by gateway/http_errors.py. Each
+SSE frame's `id:` is the event's seq.
 
 A streaming client that goes away cancels its call (its provider stream is
 closed), unless it sent an `Idempotency-Key`: the same key again is the same
@@ -44,8 +47,10 @@ from streamfence.config.model import DaemonConfig
 from streamfence.gateway import access, anthropic_messages, http_errors, openai_chat
 from streamfence.gateway.keys import HttpKeys
 from streamfence.gateway.metrics import Health
+from streamfence.gateway.neutral import Untranslatable
 from streamfence.gateway.routes import PROFILE_HEADER, NoRoute, route
 from streamfence.gateway.routes import models as route_models
+from streamfence.gateway.translate import translate
 from streamfence.protocol.client_async import AsyncClient
 from streamfence.protocol.client_router import ClientError
 from streamfence.protocol.credentials import LOCAL_NAME, Credentials
@@ -81,7 +86,7 @@ class Renderer(Protocol):
 class Wire:
     """What differs between the two endpoints."""
 
-    kind: str  # the profiles' kind it serves
+    kind: str  # its wire; a profile of another kind gets the request translated
     stream: Callable[[str, str, bool], Renderer]  # (call_id, model, include_usage)
     body: Callable[[str, str, dict[str, Any]], dict[str, Any]]  # (call_id, model, done)
     error: Callable[[str, str, http_errors.ProviderError | None], tuple[int, dict[str, Any]]]
@@ -188,14 +193,21 @@ class Gateway:
                            request.headers.get(PROFILE_HEADER), self._config.groups)
         except NoRoute as exc:
             return _error(wire, "unknown_provider", str(exc))
-        body["model"] = picked.model
+        if picked.kind == wire.kind:
+            body["model"] = picked.model
+        else:
+            try:
+                body = translate(body, wire.kind, picked.kind, picked.model)
+            except Untranslatable as exc:
+                log.info("http: refused a request for %s: %s", picked.target, exc)
+                return _error(wire, "bad_message", str(exc))
         resume = request.headers.get("Last-Event-ID", "0")
         if not resume.isdigit():
             return _error(wire, "bad_message", f"Last-Event-ID must be a seq, got {resume!r}")
         client = self._client(who)
         try:
             call_id = await client.submit(
-                picked.profile, body, options=_options(request.headers.get("traceparent")),
+                picked.target, body, options=_options(request.headers.get("traceparent")),
                 session_id=request.headers.get(SESSION_HEADER),
                 idempotency_key=request.headers.get(IDEMPOTENCY_HEADER))
         except ClientError as exc:
@@ -203,7 +215,7 @@ class Gateway:
         except TimeoutError:
             return _error(wire, "overloaded", "the daemon did not answer the submit")
         request[access.CALL_ID] = call_id
-        log.info("http call %s: %s via %s", call_id, model, picked.profile,
+        log.info("http call %s: %s via %s", call_id, model, picked.target,
                  extra={"call_id": call_id})
         me = asyncio.current_task()
         try:

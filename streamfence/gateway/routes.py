@@ -5,11 +5,13 @@ existing app"). In order:
 2. the model names a model group (`[groups.NAME]`): the group serves it;
 3. `[http] routes` maps the request's model name to it;
 4. the model is written `PROFILE/MODEL`: PROFILE serves MODEL;
-5. the config has one profile of the endpoint's kind: that one.
+5. the config has one profile of the endpoint's kind: that one; else, when
+   it has one profile at all, that one.
 
-The profile must be of the endpoint's kind (/v1/chat/completions: openai,
-/v1/messages: anthropic): the body goes to the provider as it came. Whether
-the identity may use the profile is the daemon's to say (`unknown_provider`).
+A profile of any kind may serve either endpoint: the `Route` carries the
+target's `kind`, and the gateway translates the request to that wire when
+it differs from the endpoint's (gateway/translate.py). Whether the identity
+may use the profile is the daemon's to say (`unknown_provider`).
 """
 
 from __future__ import annotations
@@ -32,41 +34,40 @@ class NoRoute(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    profile: str  # a profile's name, or a group's
+    target: str  # the name submitted: a profile's, or a group's
     model: str  # the model name sent to the provider (a group's: replaced per deployment)
+    kind: str  # the target's wire (openai, anthropic, bedrock): the request's, once translated
 
 
 def route(http: HttpConfig, providers: dict[str, ProviderProfile], kind: str, model: str,
           header: str | None, groups: Mapping[str, ModelGroup] = NO_GROUPS) -> Route:
+    """The Route of a request on the endpoint of `kind` naming `model`."""
     if header:
-        return Route(_of_kind(providers, kind, header, f"{PROFILE_HEADER}: {header}"), model)
+        return _to(providers, header, model, f"{PROFILE_HEADER}: {header}")
     group = groups.get(model)
     if group is not None:
-        if group.kind != kind:
-            raise NoRoute(f"model {model!r}: group {model!r} is {group.kind}, this endpoint "
-                          f"speaks {kind}")
-        return Route(model, model)
+        return Route(model, model, group.kind)
     if model in http.routes:
-        return Route(_of_kind(providers, kind, http.routes[model], f"route of {model!r}"),
-                     model)
+        return _to(providers, http.routes[model], model, f"route of {model!r}")
     profile, slash, rest = model.partition("/")
     if slash and profile in providers:
-        return Route(_of_kind(providers, kind, profile, f"model {model!r}"), rest)
+        return _to(providers, profile, rest, f"model {model!r}")
     of_kind = sorted(name for name, p in providers.items() if p.kind == kind)
     if len(of_kind) == 1:
-        return Route(of_kind[0], model)
+        return _to(providers, of_kind[0], model, "")
+    if not of_kind and len(providers) == 1:
+        return _to(providers, next(iter(providers)), model, "")
     raise NoRoute(f"model {model!r}: no [http] route, not PROFILE/MODEL, and "
-                  f"{len(of_kind)} {kind} profiles ({', '.join(of_kind) or 'none'}); name one "
-                  f"in the model (PROFILE/MODEL) or the {PROFILE_HEADER} header")
+                  f"{len(of_kind)} {kind} profiles ({', '.join(of_kind) or 'none'}) of "
+                  f"{len(providers)}; name one in the model (PROFILE/MODEL) or the "
+                  f"{PROFILE_HEADER} header")
 
 
-def _of_kind(providers: dict[str, ProviderProfile], kind: str, name: str, why: str) -> str:
+def _to(providers: dict[str, ProviderProfile], name: str, model: str, why: str) -> Route:
     profile = providers.get(name)
     if profile is None:
         raise NoRoute(f"{why}: no provider profile {name!r}")
-    if profile.kind != kind:
-        raise NoRoute(f"{why}: profile {name!r} is {profile.kind}, this endpoint speaks {kind}")
-    return name
+    return Route(name, model, profile.kind)
 
 
 def models(http: HttpConfig, providers: dict[str, ProviderProfile],

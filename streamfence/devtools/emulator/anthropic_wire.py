@@ -172,6 +172,7 @@ class _Message:
                               + len(self.arg_pieces))
         self.id = f"msg_emu{n}"
         self.model = record.model
+        record.usage = {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens}
         record.text = self.text
         record.reasoning_text = self.reasoning
         record.refusal = self.refusal

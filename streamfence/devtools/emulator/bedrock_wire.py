@@ -173,6 +173,7 @@ class _Converse:
         self.usage = {"inputTokens": prompt, "outputTokens": output,
                       "totalTokens": prompt + output}
         self.started = record.started
+        record.usage = self.usage
         record.text = self.text
         record.reasoning_text = self.reasoning
         record.refusal = self.refusal

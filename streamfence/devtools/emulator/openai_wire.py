@@ -152,6 +152,7 @@ class _Response:
             "model": record.model,
             "system_fingerprint": "fp_emu",
         }
+        record.usage = self.usage
         record.text = self.text
         record.reasoning_text = self.reasoning
         record.refusal = self.refusal

@@ -28,6 +28,10 @@ Contract
   ``started``, ``ended``, ``last_write``  wall-clock ``time.time()`` stamps
   ``text``, ``reasoning_text``, ``refusal``, ``tool_call``  the full
                     response as scripted
+  ``usage``         the token usage the answer carries, in the wire's own
+                    fields (OpenAI's prompt/completion/total_tokens,
+                    Anthropic's input/output_tokens, Bedrock's
+                    inputTokens/outputTokens/totalTokens)
   ``sent_text``     the response text written to the socket so far (for a
                     non-streaming answer: its whole text once answered)
   ``chunks_sent``   data chunks written so far (not comments, not [DONE],
@@ -77,6 +81,7 @@ class RequestRecord:
     reasoning_text: str = ""
     refusal: str = ""
     tool_call: dict[str, str] | None = None
+    usage: dict[str, int] | None = None
     sent_parts: list[str] = field(default_factory=list)
     chunks_sent: int = 0
     keepalives_sent: int = 0
@@ -121,6 +126,7 @@ class RequestRecord:
             "reasoning_text": self.reasoning_text,
             "refusal": self.refusal,
             "tool_call": self.tool_call,
+            "usage": self.usage,
             "sent_text": self.sent_text,
             "chunks_sent": self.chunks_sent,
             "keepalives_sent": self.keepalives_sent,
