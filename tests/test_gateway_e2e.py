@@ -92,6 +92,38 @@ def test_a_wrong_key_is_refused(gateway: Gateway) -> None:
             model="oa/gpt-emu#x", messages=QUESTION)
 
 
+def _refused_counts(gateway: Gateway) -> dict[str, float]:
+    with urllib.request.urlopen(gateway.url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("streamfence_gateway_refused_total{")}
+
+
+def test_what_the_gateway_refuses_itself_is_answered_and_counted(gateway: Gateway) -> None:
+    """Bad bodies (one nested past the JSON parser's depth: it was a 500) and
+    an unknown profile: a 4xx naming the problem, each counted on /metrics."""
+    before = _refused_counts(gateway)
+    bodies = {"not json": b"{", "too deep": b"[" * 100_000,
+              "no model": b"[1]", "no route": b'{"model": "m", "messages": []}'}
+    answers = {}
+    for name, body in bodies.items():
+        request = urllib.request.Request(
+            gateway.url + "/v1/chat/completions", data=body, method="POST",
+            headers={"Authorization": f"Bearer {gateway.key}",
+                     "Content-Type": "application/json", "X-Streamfence-Profile": "zz"})
+        try:
+            urllib.request.urlopen(request, timeout=10).close()
+        except urllib.error.HTTPError as reply:
+            with reply:
+                answers[name] = (reply.code, json.loads(reply.read())["error"]["code"])
+    assert answers == {"not json": (400, "bad_message"), "too deep": (400, "bad_message"),
+                       "no model": (400, "bad_message"),
+                       "no route": (404, "model_not_found")}, answers
+    after = _refused_counts(gateway)
+    assert after.get("bad_message", 0) - before.get("bad_message", 0) == 3, (before, after)
+    assert after.get("unknown_provider", 0) - before.get("unknown_provider", 0) == 1
+
+
 def test_anthropic_streams_and_answers_whole(gateway: Gateway, emu: EmulatorClient) -> None:
     emu.script("claude", [{"fault": "ok", "chunks": 10}])
     client = gateway.anthropic()

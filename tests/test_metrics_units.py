@@ -151,7 +151,7 @@ def test_without_the_supervisor_metrics_say_down_and_readyz_503(tmp_path: Path) 
         assert time.monotonic() - started < 1.5  # one request, not two in a row
         status.close()
 
-        health = Health(endpoint, None, ["oa"], timeout_s=0.2)
+        health = Health(endpoint, None, ["oa"], {}, timeout_s=0.2)
         app = web.Application()
         health.register(app)
         async with TestClient(TestServer(app)) as client:

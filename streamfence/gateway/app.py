@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,7 +108,9 @@ class Gateway:
         self._endpoint = _connectable(config.endpoint)
         self._clients: dict[str, AsyncClient] = {}
         self._readers: dict[str, asyncio.Task[Any]] = {}  # call_id -> the request reading it
-        self._health = Health(self._endpoint, keys_dir, config.providers)
+        # The requests refused here, before the daemon saw them, by code (/metrics).
+        self._refused: Counter[str] = Counter()
+        self._health = Health(self._endpoint, keys_dir, config.providers, self._refused)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self._config.max_frame_bytes,
@@ -152,13 +155,19 @@ class Gateway:
 
     # ---- endpoints --------------------------------------------------------------
 
+    def _refuse(self, wire: Wire, code: str, message: str) -> web.Response:
+        """A request refused by the gateway itself: counted, and answered as
+        the wire's error."""
+        self._refused[code] += 1
+        return _error(wire, code, message)
+
     async def _healthz(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def _models(self, request: web.Request) -> web.Response:
         who = self._identity(request)
         if who is None:
-            return _error(OPENAI, "unauthenticated", "no valid API key")
+            return self._refuse(OPENAI, "unauthenticated", "no valid API key")
         name = who if isinstance(who, str) else who.name
         ident = self._config.identities.get(name)
         usable = ident.providers if ident is not None else None
@@ -176,14 +185,14 @@ class Gateway:
     async def _call(self, request: web.Request, wire: Wire) -> web.StreamResponse:
         who = self._identity(request)
         if who is None:
-            return _error(wire, "unauthenticated", "no valid API key (Authorization: Bearer "
+            return self._refuse(wire, "unauthenticated", "no valid API key (Authorization: Bearer "
                           "KEY, or x-api-key; `streamfence keys http-key NAME` prints one)")
         try:
             body = await request.json()
-        except ValueError:
-            return _error(wire, "bad_message", "the body is not JSON")
+        except (ValueError, RecursionError):  # nested past the parser's depth: not JSON we take
+            return self._refuse(wire, "bad_message", "the body is not JSON")
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
-            return _error(wire, "bad_message", "the body must be a JSON object with a model")
+            return self._refuse(wire, "bad_message", "the body must be a JSON object with a model")
         stream = body.pop("stream", False) is True
         usage = body.pop("stream_options", None)
         include_usage = isinstance(usage, dict) and usage.get("include_usage") is True
@@ -192,7 +201,7 @@ class Gateway:
             picked = route(self._config.http, self._config.providers, wire.kind, model,
                            request.headers.get(PROFILE_HEADER), self._config.groups)
         except NoRoute as exc:
-            return _error(wire, "unknown_provider", str(exc))
+            return self._refuse(wire, "unknown_provider", str(exc))
         if picked.kind == wire.kind:
             body["model"] = picked.model
         else:
@@ -200,10 +209,10 @@ class Gateway:
                 body = translate(body, wire.kind, picked.kind, picked.model)
             except Untranslatable as exc:
                 log.info("http: refused a request for %s: %s", picked.target, exc)
-                return _error(wire, "bad_message", str(exc))
+                return self._refuse(wire, "bad_message", str(exc))
         resume = request.headers.get("Last-Event-ID", "0")
         if not resume.isdigit():
-            return _error(wire, "bad_message", f"Last-Event-ID must be a seq, got {resume!r}")
+            return self._refuse(wire, "bad_message", f"Last-Event-ID must be a seq, got {resume!r}")
         client = self._client(who)
         try:
             call_id = await client.submit(
@@ -213,7 +222,7 @@ class Gateway:
         except ClientError as exc:
             return _error(wire, exc.code, exc.message)
         except TimeoutError:
-            return _error(wire, "overloaded", "the daemon did not answer the submit")
+            return self._refuse(wire, "overloaded", "the daemon did not answer the submit")
         request[access.CALL_ID] = call_id
         log.info("http call %s: %s via %s", call_id, model, picked.target,
                  extra={"call_id": call_id})
@@ -348,7 +357,8 @@ def _with_content(done: dict[str, Any], texts: dict[tuple[int, str], list[str]]
 def _error(wire: Wire, code: str, message: str,
            provider: http_errors.ProviderError | None = None) -> web.Response:
     status, body = wire.error(code, message, provider)
-    return web.json_response(body, status=status)
+    headers = {"x-should-retry": "false"} if code in http_errors.NOT_RETRIED else None
+    return web.json_response(body, status=status, headers=headers)
 
 
 def _ended(wire: Wire, done: dict[str, Any] | None) -> web.Response:

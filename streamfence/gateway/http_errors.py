@@ -40,6 +40,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 PASSED_THROUGH = frozenset({"provider_error", "context_overflow"})  # the provider's own errors
+# Answered with `x-should-retry: false`: the SDK's retries would meet the same
+# answer until a UTC day or month ends.
+NOT_RETRIED = frozenset({"budget_exceeded"})
 
 
 @dataclass(frozen=True, slots=True)

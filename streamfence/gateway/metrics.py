@@ -125,10 +125,11 @@ class Health:
     """Owns the /metrics and /readyz handlers and their DaemonStatus."""
 
     def __init__(self, endpoint: str, keys_dir: str | None, providers: Iterable[str],
-                 timeout_s: float = STATUS_TIMEOUT_S) -> None:
+                 refused: Mapping[str, int], timeout_s: float = STATUS_TIMEOUT_S) -> None:
         creds = Path(keys_dir) / f"{LOCAL_NAME}.credentials" if keys_dir is not None else None
         self._status = DaemonStatus(endpoint, creds, timeout_s)
         self._providers = sorted(providers)
+        self._refused = refused  # the gateway's own refusals, by code (app.py owns it)
 
     def register(self, app: web.Application) -> None:
         app.router.add_get("/metrics", self._metrics)
@@ -143,8 +144,8 @@ class Health:
         if isinstance(status, str):
             log.warning("/metrics: %s", status)
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-        body = encoder(_Snapshot(families(status if isinstance(status, dict) else None,
-                                          self._providers)))
+        body = encoder(_Snapshot([*families(status if isinstance(status, dict) else None,
+                                            self._providers), _refusals(self._refused)]))
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def _readyz(self, _request: web.Request) -> web.Response:
@@ -166,6 +167,16 @@ class _Snapshot(Collector):
 
 
 # ---- the pure parts ---------------------------------------------------------------------
+
+def _refusals(refused: Mapping[str, int]) -> Metric:
+    family = CounterMetricFamily(
+        "streamfence_gateway_refused_total", "HTTP requests the gateway refused before the "
+        "daemon saw them (no key, not JSON, no route, untranslatable), by code",
+        labels=["code"])
+    for code, count in sorted(refused.items()):
+        family.add_metric([code], count)
+    return family
+
 
 def missing(status: Mapping[str, Any]) -> list[str]:
     """What keeps the daemon from taking a call now; [] when ready."""
