@@ -181,6 +181,7 @@ class Client(ClientBase):
     result = _blocking(ClientCore.result)
     cancel = _blocking(ClientCore.cancel)
     status = _blocking(ClientCore.status)
+    calls = _blocking(ClientCore.calls)
     run = _blocking(ClientCore.run)
 
     def events(self, call_id: str, *, timeout_s: float | None = None) -> Iterator[dict[str, Any]]:

@@ -140,6 +140,7 @@ class AsyncClient(ClientBase):
     result = _awaitable(ClientCore.result)
     cancel = _awaitable(ClientCore.cancel)
     status = _awaitable(ClientCore.status)
+    calls = _awaitable(ClientCore.calls)
     run = _awaitable(ClientCore.run)
 
     async def events(self, call_id: str, *,

@@ -60,6 +60,12 @@ def status_msg(ref: str) -> dict[str, Any]:
     return checked({"v": VERSION, "op": Op.STATUS.value, "ref": ref})
 
 
+def calls_msg(ref: str, **fields: Any) -> dict[str, Any]:
+    """`calls`: the fields that are set (None: not sent)."""
+    return checked({"v": VERSION, "op": Op.CALLS.value, "ref": ref,
+                    **{key: value for key, value in fields.items() if value is not None}})
+
+
 def listen_msg() -> dict[str, Any]:
     """What the events socket takes first (answered `listening`); then only `ack`
     (client_router.Router.ack_due)."""

@@ -42,6 +42,7 @@ class Op(StrEnum):
     RESULT = "result"
     CANCEL = "cancel"
     STATUS = "status"
+    CALLS = "calls"
     # client -> daemon's events socket, and the answer to `listen`
     LISTEN = "listen"
     ACK = "ack"
@@ -52,6 +53,7 @@ class Op(StrEnum):
     PENDING = "pending"
     CANCELLING = "cancelling"
     STATUS_REPLY = "status_reply"
+    CALLS_REPLY = "calls_reply"
     DELTA = "delta"
     RESET = "reset"
     DONE = "done"
@@ -151,7 +153,27 @@ class Status:
     ref: str
 
 
-Request = Submit | Subscribe | Result | Cancel | Status
+# `calls`' state filter: live (not done), done, or a done call's status.
+CALLS_STATES = ("live", "done", "completed", "partial", "failed", "cancelled")
+CALLS_LIMIT_MAX = 500
+
+
+@dataclass(frozen=True, slots=True)
+class Calls:
+    """List calls, newest first (docs/PROTOCOL.md "calls"). `call_id`: that
+    one call, with its attempts and request."""
+
+    ref: str
+    state: str | None = None
+    identity: str | None = None
+    provider: str | None = None
+    search: str | None = None  # a prefix of the call id or of the session id
+    limit: int = 50
+    before: tuple[float, str] | None = None  # the cursor: the last row's (created, call_id)
+    call_id: str | None = None
+
+
+Request = Submit | Subscribe | Result | Cancel | Status | Calls
 
 
 def _bad(field_name: str, what: str) -> ProtocolError:
@@ -301,7 +323,37 @@ def parse_request(obj: Any) -> Request:
         return Cancel(ref=_ref(obj), call_id=_get(obj, "call_id", str, ""))
     if op == Op.STATUS:
         return Status(ref=_ref(obj))
+    if op == Op.CALLS:
+        return _calls(obj)
     raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
+
+
+def _calls(m: dict[str, Any]) -> Calls:
+    text = {key: _get(m, key, str, "", required=False)
+            for key in ("state", "identity", "provider", "search", "call_id", "before")}
+    for key, value in text.items():
+        if value is not None and len(value) > MAX_REF_LEN:
+            raise _bad(key, f"is longer than {MAX_REF_LEN} characters")
+    if text["state"] is not None and text["state"] not in CALLS_STATES:
+        raise _bad("state", "must be one of " + ", ".join(CALLS_STATES))
+    limit = _get(m, "limit", int, "", required=False)
+    if limit is not None and not 1 <= limit <= CALLS_LIMIT_MAX:
+        raise _bad("limit", f"must be between 1 and {CALLS_LIMIT_MAX}")
+    before = None
+    if text["before"] is not None:
+        created, _, call_id = text["before"].partition("/")
+        try:
+            before = (float(created), call_id)
+        except ValueError:
+            raise _bad("before", "must be a reply's `next`") from None
+    return Calls(ref=_ref(m), state=text["state"], identity=text["identity"],
+                 provider=text["provider"], search=text["search"] or None,
+                 limit=limit or 50, before=before, call_id=text["call_id"])
+
+
+def calls_cursor(created: float, call_id: str) -> str:
+    """A `calls` reply's `next`: where its next page starts (`before`)."""
+    return f"{created!r}/{call_id}"
 
 
 def parse_listener_msg(obj: Any) -> int | None:

@@ -334,7 +334,8 @@ class AttemptDriver:
                 failpoint("supervisor.after_fence")
             self._pool.kill(worker)  # fenced first, so the kill cannot lose an accepted delta
             self._pool.maintain()
-        self._journal.end_attempt(call.call_id, call.epoch, reason.value, None)
+        self._journal.end_attempt(call.call_id, call.epoch, reason.value, None,
+                                  stats.visible_chars)
         if reason is FenceReason.CLUSTER_LOST:
             self._ends.moved(call)
             return
@@ -351,7 +352,8 @@ class AttemptDriver:
             return
         if call.state is not CallState.RUNNING:
             return
-        self._journal.end_attempt(call.call_id, call.epoch, "ended", ended.outcome)
+        self._journal.end_attempt(call.call_id, call.epoch, "ended", ended.outcome,
+                                  ended.stats.visible_chars)
         self._decide(call, ended.stats, ended.outcome, ended.outcome.error)
 
     def on_lost(self, lost: Lost) -> None:

@@ -42,9 +42,13 @@ CREATE TABLE IF NOT EXISTS calls (
     created REAL NOT NULL,
     finished REAL,
     done BLOB,
+    model TEXT,  -- the request's, for the `calls` list (nil in journals of earlier versions)
     UNIQUE (owner, idempotency_key)
 );
 CREATE INDEX IF NOT EXISTS calls_finished ON calls (finished) WHERE state = 'done';
+-- The `calls` list, newest first: all of them, or one owner's (supervisor/calls_view.py).
+CREATE INDEX IF NOT EXISTS calls_created ON calls (created);
+CREATE INDEX IF NOT EXISTS calls_owner_created ON calls (owner, created);
 CREATE TABLE IF NOT EXISTS requests (
     call_id TEXT PRIMARY KEY,
     request BLOB NOT NULL,  -- in_file: only the fields the daemon set (`overrides`)
@@ -65,6 +69,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     chunks INTEGER,
     bytes INTEGER,
     deltas INTEGER,
+    chars INTEGER,  -- the visible characters the sink accepted of it (nil: earlier versions)
     PRIMARY KEY (call_id, attempt)
 );
 """ + META_TABLE + ";\n"
@@ -82,6 +87,9 @@ PRUNE_DELETES = ("DELETE FROM attempts WHERE call_id = ?", "DELETE FROM requests
 # What a faulted journal with no kept writes writes to learn that it can again.
 PROBE = ("INSERT INTO meta (key, value) VALUES ('written', ?) "
           "ON CONFLICT (key) DO UPDATE SET value = excluded.value")
+
+# Columns added since (journals of earlier versions get them, nil, at open).
+ADDED_COLUMNS = (("calls", "model", "TEXT"), ("attempts", "chars", "INTEGER"))
 
 # Journals written before calls had owners: their calls belong to `local`.
 ADD_OWNERS = """
