@@ -42,6 +42,7 @@ from aiohttp import web
 
 from streamfence.config.model import DaemonConfig
 from streamfence.gateway import access, anthropic_messages, http_errors, openai_chat
+from streamfence.gateway.console import Console
 from streamfence.gateway.keys import HttpKeys
 from streamfence.gateway.metrics import Health
 from streamfence.gateway.routes import PROFILE_HEADER, NoRoute, route
@@ -112,6 +113,7 @@ class Gateway:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/healthz", self._healthz)
         self._health.register(app)
+        Console(self._config, self._keys, self._endpoint).register(app)  # /console
         app.on_cleanup.append(self._close)
         return app
 
