@@ -88,7 +88,7 @@ def calls_body(filters: Mapping[str, str], admin: bool, reply: Mapping[str, Any]
             'placeholder="call or session id"></label><button>Filter</button></form>')
     head = ("<tr><th>Call</th><th>State</th><th class=wide>Identity</th>"
             "<th class=wide>Provider / model</th><th class=num>Att.</th><th class=num>Age</th>"
-            "<th class=num>First token</th><th class=num>Output</th></tr>")
+            "<th class=\"num ttft\">First token</th><th class=num>Output</th></tr>")
     more = ""
     if reply.get("next"):
         query = urlencode({**{k: v for k, v in filters.items() if v}, "before": reply["next"]})
@@ -118,7 +118,7 @@ def _call_row(c: Mapping[str, Any], now: float) -> str:
             f"<td class=wide>{_e(c['identity'])}</td>"
             f"<td class=wide>{_e(c['provider'])}{model}</td><td class=num>{c['attempts']}</td>"
             f'<td class=num data-created="{c["created"]}">{age(now - c["created"])}</td>'
-            f"<td class=num>{ttft}</td><td class=num>{output}</td></tr>")
+            f'<td class="num ttft">{ttft}</td><td class=num>{output}</td></tr>')
 
 
 def state_badge(state: str) -> str:
@@ -153,6 +153,7 @@ def call_body(call: Mapping[str, Any]) -> str:
     request = call.get("request")
     shown = ("(kept as a file: too large to show here)" if request is None
              else json.dumps(request, indent=2, ensure_ascii=False))
+    options = {k: v for k, v in (call.get("options") or {}).items() if v is not None}
     return (f"<h1>Call <code class=id>{_e(call_id)}</code></h1>{cancel}"
             f"<dl class=facts>{facts}</dl>"
             f"<h2>Attempts</h2><div id=attempts>{attempts_fragment(call)}</div>"
@@ -160,8 +161,7 @@ def call_body(call: Mapping[str, Any]) -> str:
             "voids the text before it.</p><div id=transcript class=transcript></div>"
             "<p id=ended class=ended></p>"
             f"<h2>Request</h2><pre class=request>{_e(shown)}</pre>"
-            f"<h3>Options</h3><pre class=request>{_e(json.dumps(call.get('options') or {}))}"
-            "</pre>")
+            f"<h3>Options</h3><pre class=request>{_e(json.dumps(options))}</pre>")
 
 
 def attempts_fragment(call: Mapping[str, Any]) -> str:
@@ -217,22 +217,56 @@ def _clock(t: float) -> str:
 
 # ---- the daemon --------------------------------------------------------------------
 
-# The status reply's sections, in the page's order.
-SECTIONS = (("processes", "Processes"), ("workers", "Workers"), ("pool", "Pool"),
-            ("calls", "Calls"), ("breakers", "Breakers"), ("storage", "Storage"),
-            ("cluster", "Cluster"), ("sink", "Sink"), ("counters", "Counters"))
+# The status reply's sections: small ones side by side, then the wide ones,
+# then the long ones folded.
+SMALL = (("processes", "Processes"), ("pool", "Pool"), ("storage", "Storage"),
+         ("cluster", "Cluster"))
+WIDE = (("workers", "Workers"), ("calls", "Calls"), ("breakers", "Breakers"))
+FOLDED = (("sink", "Sink"), ("counters", "Counters"), ("histograms", "Histograms"))
 
 
 def daemon_fragment(status: Mapping[str, Any]) -> str:
-    """The `status` reply, a section per owner (the fragment its live updates replace)."""
+    """The `status` reply, a section per owner (the fragment its live updates
+    replace); a client's reply has only its own calls."""
     facts = "".join(f"<dt>{_e(k)}</dt><dd>{_e(status.get(k))}</dd>" for k in (
         "identity", "role", "version", "uptime_s", "config_path", "state_dir")
         if k in status)
-    parts = [f"<dl class=facts>{facts}</dl>"]
-    for key, title in SECTIONS:
-        if key in status:
-            parts.append(f"<section><h2>{title}</h2>{_value(status[key])}</section>")
+    parts = [f"<dl class=facts>{facts}</dl>", _summary(status), "<div class=grid>"]
+    parts += [f"<section><h2>{title}</h2>{_value(status[key])}</section>"
+              for key, title in SMALL if key in status]
+    parts.append("</div>")
+    parts += [f"<section><h2>{title}</h2>{_value(status[key])}</section>"
+              for key, title in WIDE if key in status]
+    parts += [f"<details><summary>{title}</summary>{_value(status[key])}</details>"
+              for key, title in FOLDED if key in status]
     return "".join(parts)
+
+
+def _summary(status: Mapping[str, Any]) -> str:
+    """The figures an operator looks for first, as a strip of tiles."""
+    tiles: list[tuple[str, str, str]] = []  # (label, value, kind: ok, warn or bad)
+    workers = status.get("workers")
+    if isinstance(workers, list):
+        busy = sum(1 for w in workers if w.get("state") == "busy")
+        tiles.append(("workers", f"{busy} busy · {len(workers) - busy} other", "ok"))
+    calls = status.get("calls") or {}
+    tiles.append(("calls", f"{calls.get('active', 0)} active · {calls.get('queued', 0)} queued",
+                  "ok"))
+    if "breakers" in status:
+        opened = sum(1 for b in status["breakers"] or [] if b.get("state") == "open")
+        tiles.append(("breakers", f"{opened} open", "bad" if opened else "ok"))
+    if "storage" in status:
+        fault = status["storage"]
+        tiles.append(("storage", "ok" if fault is None else str(fault.get("code", "fault")),
+                      "ok" if fault is None else "bad"))
+    if "sink_answered" in status:
+        answered = status["sink_answered"]
+        tiles.append(("sink", "answered" if answered else "silent", "ok" if answered else "warn"))
+    if "cluster" in status:
+        tiles.append(("cluster", "off" if status["cluster"] is None else "on", "ok"))
+    return "<ul class=tiles>" + "".join(
+        f"<li class=t-{kind}><small>{_e(label)}</small><b>{_e(value)}</b></li>"
+        for label, value, kind in tiles) + "</ul>"
 
 
 def _value(value: Any) -> str:
