@@ -6,6 +6,7 @@ the daemon, so an app keeps its SDK and changes only `base_url` and its key.
 - `GET /v1/models`: the models an identity may call;
 - `GET /healthz`: the gateway serves;
 - `GET /readyz`, `GET /metrics`: gateway/metrics.py (docs/METRICS.md).
+- `/console`: the web console, gateway/console.py (README "Console").
 
 A request is data for one call: its body goes to the provider as it came
 (the gateway takes out only `stream` and `stream_options`, which it owns),
