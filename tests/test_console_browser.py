@@ -220,3 +220,25 @@ def test_without_a_key_the_console_asks_for_one(site: Site) -> None:
         urllib.request.urlopen(site.url + "/console/calls/events")
     closed.value.close()
     assert closed.value.code == 401
+
+
+@pytest.mark.parametrize("width", [412, 660])  # a phone; 80 characters of a terminal's font
+def test_the_pages_fit_a_narrow_window(site: Site, admin: WebDriver, width: int) -> None:
+    with site.daemon.client() as client:
+        call_id = client.run("emu", request_for("openai", "narrow"),
+                             session_id="a-session-id-of-some-length-0123456789")["call_id"]
+    admin.set_window_size(width, 900)
+    try:
+        for page in ("/console/calls", f"/console/calls/{call_id}", "/console/daemon"):
+            admin.get(site.url + page)
+            wait(admin, lambda d: d.find_elements(By.CSS_SELECTOR, "body.is-live, #ended"),
+                 f"{page} to load")
+            overflow = admin.execute_script(
+                "return document.documentElement.scrollWidth - window.innerWidth")
+            assert overflow <= 0, f"{page} is {overflow} px wider than a {width} px window"
+        admin.get(site.url + "/console/calls")
+        table = admin.execute_script(  # the list's table too, not only the page around it
+            "var s = document.querySelector('.scroll'); return s.scrollWidth - s.clientWidth")
+        assert table <= 0, f"the calls table is {table} px wider than a {width} px window"
+    finally:
+        admin.set_window_size(1280, 900)
