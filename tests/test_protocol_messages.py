@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from streamfence.protocol.codec import decode_untrusted, encode
 from streamfence.protocol.errors import ErrorCode, ProtocolError
+from streamfence.protocol.fields import MAX_REF_LEN
 from streamfence.protocol.messages import (
     LISTENER_RE,
-    MAX_REF_LEN,
     VERSION,
     CallOptions,
     CallSpec,

@@ -33,6 +33,8 @@ Sections (one module each; each returns a `common.Section`):
                through the sink at 32 unpaced streams, as ratios.
 - `footprint` 11. the idle daemon's whole process tree (USS, PSS, by role) at
                the default pool settings beside the old policy (32 spares).
+- `console`   12. the console's list of calls (`GET /console/calls`) with
+               10,000 finished calls in the journal, beside its 200 ms target.
 
 `long_idle` holds section 7's daemon left idle 10 minutes (started before
 the first section). `load` holds the process entry points shared by

@@ -23,7 +23,7 @@ from pathlib import Path
 from scripts.bench import common, report
 
 SECTIONS = ("cpu", "throughput", "latency", "failover", "scale", "startup", "ttft", "capacity",
-            "gateway", "cluster", "footprint")
+            "gateway", "cluster", "footprint", "console")
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "PERFORMANCE.md"
 
 

@@ -6,6 +6,7 @@ the daemon, so an app keeps its SDK and changes only `base_url` and its key.
 - `GET /v1/models`: the models an identity may call;
 - `GET /healthz`: the gateway serves;
 - `GET /readyz`, `GET /metrics`: gateway/metrics.py (docs/METRICS.md).
+- `/console`: the web console, gateway/console.py (README "Console").
 
 A request is data for one call: its body goes to the provider as it came
 (the gateway takes out only `stream` and `stream_options`, which it owns)
@@ -46,6 +47,7 @@ from aiohttp import web
 
 from streamfence.config.model import DaemonConfig
 from streamfence.gateway import access, anthropic_messages, http_errors, openai_chat
+from streamfence.gateway.console import Console
 from streamfence.gateway.keys import HttpKeys
 from streamfence.gateway.metrics import Health
 from streamfence.gateway.neutral import Untranslatable
@@ -120,6 +122,7 @@ class Gateway:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/healthz", self._healthz)
         self._health.register(app)
+        Console(self._config, self._keys, self._endpoint).register(app)  # /console
         app.on_cleanup.append(self._close)
         return app
 

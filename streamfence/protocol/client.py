@@ -183,6 +183,7 @@ class Client(ClientBase):
     cancel = _blocking(ClientCore.cancel)
     status = _blocking(ClientCore.status)
     usage = _blocking(ClientCore.usage)
+    calls = _blocking(ClientCore.calls)
     run = _blocking(ClientCore.run)
 
     def events(self, call_id: str, *, timeout_s: float | None = None) -> Iterator[dict[str, Any]]:

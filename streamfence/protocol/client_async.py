@@ -141,6 +141,7 @@ class AsyncClient(ClientBase):
     cancel = _awaitable(ClientCore.cancel)
     status = _awaitable(ClientCore.status)
     usage = _awaitable(ClientCore.usage)
+    calls = _awaitable(ClientCore.calls)
     run = _awaitable(ClientCore.run)
 
     async def events(self, call_id: str, *,

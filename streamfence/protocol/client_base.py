@@ -14,7 +14,8 @@ from typing import Any
 
 from streamfence.protocol.client_router import BAD_REPLY, CallFailed, ClientError
 from streamfence.protocol.errors import ProtocolError
-from streamfence.protocol.messages import MAX_REF_LEN, VERSION, CallOptions, Op, parse_request
+from streamfence.protocol.fields import MAX_REF_LEN
+from streamfence.protocol.messages import VERSION, CallOptions, Op, parse_request
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7755"
 Options = Mapping[str, Any] | CallOptions
@@ -67,6 +68,12 @@ def usage_msg(ref: str, by: Sequence[str] | None, since: str | None) -> dict[str
     if since:
         msg["since"] = since
     return checked(msg)
+
+
+def calls_msg(ref: str, **fields: Any) -> dict[str, Any]:
+    """`calls`: the fields that are set (None: not sent)."""
+    return checked({"v": VERSION, "op": Op.CALLS.value, "ref": ref,
+                    **{key: value for key, value in fields.items() if value is not None}})
 
 
 def listen_msg() -> dict[str, Any]:

@@ -49,6 +49,7 @@ from streamfence.protocol.client_base import (
     Options,
     accepted_call_id,
     call_msg,
+    calls_msg,
     expect_reply,
     listen_msg,
     new_ref,
@@ -280,6 +281,18 @@ class ClientCore:
         reply = yield from self._exchange(usage_msg(new_ref(), by, since), "usage",
                                           self.timeout_s)
         return expect_reply(reply, (Op.USAGE_REPLY,), "usage")
+
+    def calls(self, *, state: str | None = None, identity: str | None = None,
+              provider: str | None = None, search: str | None = None, limit: int | None = None,
+              before: str | None = None, call_id: str | None = None) -> Flow[dict[str, Any]]:
+        """A page of the calls this identity may see, newest first: the
+        `calls_reply` (PROTOCOL "calls"); its `next`, given as `before`, is
+        the next page (nil: none). `call_id`: that call alone, with its
+        attempts and request."""
+        msg = calls_msg(new_ref(), state=state, identity=identity, provider=provider,
+                        search=search, limit=limit, before=before, call_id=call_id)
+        reply = yield from self._exchange(msg, "calls", self.timeout_s)
+        return expect_reply(reply, (Op.CALLS_REPLY,), "calls")
 
     def events(self, call_id: str, timeout_s: float | None) -> EventReader:
         """The reader behind one `events()` iteration (not a flow: see EventReader)."""

@@ -16,9 +16,10 @@ from typing import Any
 
 from streamfence.protocol.codec import decode_untrusted
 from streamfence.protocol.errors import ErrorCode, ProtocolError
+from streamfence.protocol.fields import MAX_REF_LEN, bad_field, field_of, non_empty, ref_field
+from streamfence.protocol.queries import Calls, Usage, parse_calls, parse_usage
 
 VERSION = 1
-MAX_REF_LEN = 256
 LISTENER_RE = re.compile(r"[A-Za-z0-9_-]{16,64}")  # a listener id: a secret, 16-64 chars
 
 
@@ -43,6 +44,7 @@ class Op(StrEnum):
     CANCEL = "cancel"
     STATUS = "status"
     USAGE = "usage"
+    CALLS = "calls"
     # client -> daemon's events socket, and the answer to `listen`
     LISTEN = "listen"
     ACK = "ack"
@@ -54,6 +56,7 @@ class Op(StrEnum):
     CANCELLING = "cancelling"
     STATUS_REPLY = "status_reply"
     USAGE_REPLY = "usage_reply"
+    CALLS_REPLY = "calls_reply"
     DELTA = "delta"
     RESET = "reset"
     DONE = "done"
@@ -153,61 +156,7 @@ class Status:
     ref: str
 
 
-USAGE_BY = ("identity", "profile", "model", "day")  # what usage sums may be grouped by
-_DAY_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """The usage sums (supervisor/usage.py) from UTC day `since` ("": all),
-    grouped by `by`."""
-
-    ref: str
-    by: tuple[str, ...] = USAGE_BY[:3]
-    since: str = ""
-
-
-Request = Submit | Subscribe | Result | Cancel | Status | Usage
-
-
-def _bad(field_name: str, what: str) -> ProtocolError:
-    return ProtocolError(ErrorCode.BAD_MESSAGE, f"field {field_name!r} {what}")
-
-
-def _get(m: dict[str, Any], key: str, types: type | tuple[type, ...], path: str,
-         required: bool = True) -> Any:
-    if key not in m or m[key] is None:
-        if required:
-            raise _bad(path + key, "is missing")
-        return None
-    value = m[key]
-    # bool is an int in Python; a number field must not accept true/false.
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise _bad(path + key, f"must be {_type_name(types)}, got bool")
-    if not isinstance(value, types):
-        raise _bad(path + key, f"must be {_type_name(types)}, got {type(value).__name__}")
-    return value
-
-
-def _type_name(types: type | tuple[type, ...]) -> str:
-    names = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
-             dict: "a map", list: "an array"}
-    if isinstance(types, tuple):
-        return " or ".join(names.get(t, t.__name__) for t in types)
-    return names.get(types, types.__name__)
-
-
-def _ref(m: dict[str, Any]) -> str:
-    ref: str = _get(m, "ref", str, "")
-    if len(ref) > MAX_REF_LEN:
-        raise _bad("ref", f"is longer than {MAX_REF_LEN} characters")
-    return ref
-
-
-def _non_empty(value: str, path: str) -> str:
-    if not value:
-        raise _bad(path, "must not be empty")
-    return value
+Request = Submit | Subscribe | Result | Cancel | Status | Usage | Calls
 
 
 def _options(m: dict[str, Any] | None) -> CallOptions:
@@ -218,23 +167,23 @@ def _options(m: dict[str, Any] | None) -> CallOptions:
              "traceparent"}
     for key in m:
         if key not in known:
-            raise _bad(p + str(key), "is not a known option")
-    stale = _get(m, "stale_timeout_s", (int, float), p, required=False)
-    first = _get(m, "first_chunk_timeout_s", (int, float), p, required=False)
-    attempts = _get(m, "max_attempts", int, p, required=False)
-    deadline = _get(m, "deadline_s", (int, float), p, required=False)
-    on_partial = _get(m, "on_partial", str, p, required=False)
+            raise bad_field(p + str(key), "is not a known option")
+    stale = field_of(m, "stale_timeout_s", (int, float), p, required=False)
+    first = field_of(m, "first_chunk_timeout_s", (int, float), p, required=False)
+    attempts = field_of(m, "max_attempts", int, p, required=False)
+    deadline = field_of(m, "deadline_s", (int, float), p, required=False)
+    on_partial = field_of(m, "on_partial", str, p, required=False)
     for name, val in (("stale_timeout_s", stale), ("first_chunk_timeout_s", first),
                       ("deadline_s", deadline)):
         if val is not None and not (0 < val < 1e7):
-            raise _bad(p + name, "must be a positive number of seconds")
+            raise bad_field(p + name, "must be a positive number of seconds")
     if attempts is not None and not (1 <= attempts <= 100):
-        raise _bad(p + "max_attempts", "must be between 1 and 100")
+        raise bad_field(p + "max_attempts", "must be between 1 and 100")
     if on_partial is not None and on_partial not in ("continue", "restart"):
-        raise _bad(p + "on_partial", 'must be "continue" or "restart"')
-    traceparent = _get(m, "traceparent", str, p, required=False)
+        raise bad_field(p + "on_partial", 'must be "continue" or "restart"')
+    traceparent = field_of(m, "traceparent", str, p, required=False)
     if traceparent is not None and not valid_traceparent(traceparent):
-        raise _bad(p + "traceparent", "must be a W3C traceparent: "
+        raise bad_field(p + "traceparent", "must be a W3C traceparent: "
                    "00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>, ids not all zero")
     return CallOptions(
         traceparent=traceparent,
@@ -258,21 +207,21 @@ def valid_traceparent(value: str) -> bool:
 
 
 def _call(m: dict[str, Any]) -> CallSpec:
-    provider = _non_empty(_get(m, "provider", str, "call."), "call.provider")
-    request = _get(m, "request", dict, "call.")
+    provider = non_empty(field_of(m, "provider", str, "call."), "call.provider")
+    request = field_of(m, "request", dict, "call.")
     if "stream" in request:
-        raise _bad("call.request.stream", "must not be set: streamfence always streams")
+        raise bad_field("call.request.stream", "must not be set: streamfence always streams")
     for key in request:
         if not isinstance(key, str):
-            raise _bad("call.request", "must have string keys")
-    session = _get(m, "session_id", str, "call.", required=False)
-    idem = _get(m, "idempotency_key", str, "call.", required=False)
+            raise bad_field("call.request", "must have string keys")
+    session = field_of(m, "session_id", str, "call.", required=False)
+    idem = field_of(m, "idempotency_key", str, "call.", required=False)
     for name, val in (("session_id", session), ("idempotency_key", idem)):
         if val is not None and len(val) > MAX_REF_LEN:
-            raise _bad("call." + name, f"is longer than {MAX_REF_LEN} characters")
+            raise bad_field("call." + name, f"is longer than {MAX_REF_LEN} characters")
     return CallSpec(provider=provider, request=request, session_id=session,
                     idempotency_key=idem or None,
-                    options=_options(_get(m, "options", dict, "call.", required=False)))
+                    options=_options(field_of(m, "options", dict, "call.", required=False)))
 
 
 def submitted_request(frame: bytes, overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -290,48 +239,39 @@ def parse_request(obj: Any) -> Request:
         raise ProtocolError(ErrorCode.BAD_MESSAGE,
                             f"a message must be a map, got {type(obj).__name__}")
     if "v" not in obj:
-        raise _bad("v", "is missing")
+        raise bad_field("v", "is missing")
     if obj["v"] != VERSION or isinstance(obj["v"], bool):
         raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
                             f"protocol version {obj['v']!r} is not supported; this daemon speaks v{VERSION}")
-    op = _get(obj, "op", str, "")
+    op = field_of(obj, "op", str, "")
     if op == Op.SUBMIT:
-        ref, call = _ref(obj), _call(_get(obj, "call", dict, ""))
-        subscribe = _get(obj, "subscribe", bool, "", required=False)
+        ref, call = ref_field(obj), _call(field_of(obj, "call", dict, ""))
+        subscribe = field_of(obj, "subscribe", bool, "", required=False)
         listener = _listener(obj, required=bool(subscribe))
         return Submit(ref=ref, call=call, listener=None if subscribe is False else listener)
     if op == Op.SUBSCRIBE:
-        ref, call_id = _ref(obj), _get(obj, "call_id", str, "")
-        from_seq = _get(obj, "from_seq", int, "", required=False) or 0
+        ref, call_id = ref_field(obj), field_of(obj, "call_id", str, "")
+        from_seq = field_of(obj, "from_seq", int, "", required=False) or 0
         if from_seq < 0:
-            raise _bad("from_seq", "must not be negative")
+            raise bad_field("from_seq", "must not be negative")
         listener = _listener(obj, required=True)
         assert listener is not None
         return Subscribe(ref=ref, call_id=call_id, listener=listener, from_seq=from_seq)
     if op == Op.RESULT:
-        wait = _get(obj, "wait_s", (int, float), "", required=False) or 0.0
+        wait = field_of(obj, "wait_s", (int, float), "", required=False) or 0.0
         if not (0 <= wait <= 3600):
-            raise _bad("wait_s", "must be between 0 and 3600")
-        return Result(ref=_ref(obj), call_id=_get(obj, "call_id", str, ""), wait_s=float(wait))
+            raise bad_field("wait_s", "must be between 0 and 3600")
+        return Result(ref=ref_field(obj), call_id=field_of(obj, "call_id", str, ""), wait_s=float(wait))
     if op == Op.CANCEL:
-        return Cancel(ref=_ref(obj), call_id=_get(obj, "call_id", str, ""))
+        return Cancel(ref=ref_field(obj), call_id=field_of(obj, "call_id", str, ""))
     if op == Op.STATUS:
-        return Status(ref=_ref(obj))
+        return Status(ref=ref_field(obj))
     if op == Op.USAGE:
-        return _usage(obj)
+        return parse_usage(obj)
+    if op == Op.CALLS:
+        return parse_calls(obj)
     raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
 
-
-def _usage(obj: dict[str, Any]) -> Usage:
-    ref = _ref(obj)
-    by = _get(obj, "by", list, "", required=False)
-    if by is not None and (not all(isinstance(b, str) and b in USAGE_BY for b in by)
-                           or len(set(by)) != len(by)):
-        raise _bad("by", f"must be a list of distinct names among {', '.join(USAGE_BY)}")
-    since = _get(obj, "since", str, "", required=False) or ""
-    if since and not _DAY_RE.fullmatch(since):
-        raise _bad("since", "must be a UTC day, YYYY-MM-DD")
-    return Usage(ref, USAGE_BY[:3] if by is None else tuple(by), since)
 
 
 def parse_listener_msg(obj: Any) -> int | None:
@@ -348,9 +288,9 @@ def parse_listener_msg(obj: Any) -> int | None:
     if op == Op.LISTEN:
         return None
     if op == Op.ACK:
-        read: int = _get(obj, "read", int, "")
+        read: int = field_of(obj, "read", int, "")
         if read < 0:
-            raise _bad("read", "must be at least 0")
+            raise bad_field("read", "must be at least 0")
         return read
     raise ProtocolError(ErrorCode.UNKNOWN_OP, f"the events socket takes only 'listen' and "
                         f"'ack', got {op!r}; requests go to the client endpoint")
@@ -358,9 +298,9 @@ def parse_listener_msg(obj: Any) -> int | None:
 
 def _listener(m: dict[str, Any], required: bool) -> str | None:
     """Where a call's events go: the id of a connection to the events socket."""
-    listener: str | None = _get(m, "listener", str, "", required=required)
+    listener: str | None = field_of(m, "listener", str, "", required=required)
     if listener is not None and not LISTENER_RE.fullmatch(listener):
-        raise _bad("listener", "must be 16 to 64 characters from A-Z a-z 0-9 _ -")
+        raise bad_field("listener", "must be 16 to 64 characters from A-Z a-z 0-9 _ -")
     return listener
 
 

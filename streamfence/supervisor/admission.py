@@ -32,7 +32,8 @@ from streamfence.config.groups import may_use as may_use_group
 from streamfence.config.identities import Identity
 from streamfence.config.model import DaemonConfig, ProviderProfile
 from streamfence.protocol.errors import ErrorCode, ProtocolError
-from streamfence.protocol.messages import MAX_REF_LEN, CallSpec
+from streamfence.protocol.fields import MAX_REF_LEN
+from streamfence.protocol.messages import CallSpec
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.journal import Journal

@@ -94,10 +94,7 @@ class AttemptDriver:
         self._cluster = cluster  # cluster mode: each attempt's ownership first (§4.17)
         self._transcript_path = transcript_path
         self._journal = journal
-        self._pool = pool
-        self._sink = sink
-        self._clients = clients
-        self._clock = clock
+        self._pool, self._sink, self._clients, self._clock = pool, sink, clients, clock
         self._fallbacks = Fallbacks(clock)
         self._verdicts = Verdicts(config, self._fallbacks, breakers, clock, rng)
         self.calls = LiveCalls(config.in_flight_bytes_max)
@@ -188,8 +185,7 @@ class AttemptDriver:
             call.fence_reason = None
             call.ended = None
             call.to(CallEvent.START)
-            if call.group is not None:
-                self.router.choose(call)
+            self.router.choose(call)
             self._journal.start_attempt(call.call_id, call.epoch, call.profile.name, call.model)
             started.append(call)
         # The forks the queue needs are asked for first (all at once): the zygote
@@ -339,7 +335,8 @@ class AttemptDriver:
                 failpoint("supervisor.after_fence")
             self._pool.kill(worker)  # fenced first, so the kill cannot lose an accepted delta
             self._pool.maintain()
-        self._journal.end_attempt(call.call_id, call.epoch, reason.value, None)
+        self._journal.end_attempt(call.call_id, call.epoch, reason.value, None,
+                                  stats.visible_chars)
         if reason is FenceReason.CLUSTER_LOST:
             self._ends.moved(call)
             return
@@ -356,7 +353,8 @@ class AttemptDriver:
             return
         if call.state is not CallState.RUNNING:
             return
-        self._journal.end_attempt(call.call_id, call.epoch, "ended", ended.outcome)
+        self._journal.end_attempt(call.call_id, call.epoch, "ended", ended.outcome,
+                                  ended.stats.visible_chars)
         self._decide(call, ended.stats, ended.outcome, ended.outcome.error)
 
     def on_lost(self, lost: Lost) -> None:

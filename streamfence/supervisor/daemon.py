@@ -413,6 +413,7 @@ class Daemon:
         log.info("stopping")
         self._notify.stopping("stopping")
         self._stop_children()
+        p.front.calls.close()
         p.journal.close()  # before abandon_staged: the accepts a last commit lets go
         p.front.acceptance.abandon_staged()
         self.connections.close(p.clients.socket)

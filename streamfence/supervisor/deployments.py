@@ -50,9 +50,11 @@ class Router:
         self._current = {k: v for k, v in self._current.items() if k in kept}
 
     def choose(self, call: Call) -> None:
-        """Set the deployment of `call`'s next attempt (a group's call)."""
+        """Set the deployment of `call`'s next attempt (a call of a profile
+        keeps its profile)."""
         group = call.group
-        assert group is not None, "only a group's call has deployments to choose"
+        if group is None:
+            return
         session = call.spec.session_id or "-"
         deployments = group.deployments
         every = range(len(deployments))

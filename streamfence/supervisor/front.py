@@ -31,12 +31,12 @@ from streamfence.protocol.messages import (
     Status,
     Submit,
     Subscribe,
-    Usage,
     error_msg,
     parse_request,
     pending_msg,
     ref_of,
 )
+from streamfence.protocol.queries import Calls, Usage
 from streamfence.sink.transcript import stored_done
 from streamfence.supervisor.acceptance import Acceptance
 from streamfence.supervisor.access import Submitter, log_submit
@@ -49,6 +49,7 @@ from streamfence.supervisor.admission import (
 )
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.breaker import Breakers
+from streamfence.supervisor.calls_view import CallsView
 from streamfence.supervisor.clients import Clients
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.sinklink import Refused, SinkLink, SinkLost
@@ -83,7 +84,7 @@ class Front:
                  clients: Clients, sink: SinkLink, breakers: Breakers, counters: Counter[str],
                  clock: Callable[[], float], transcript_path: str,
                  status: Callable[[Identity, Callable[[dict[str, Any]], None]], None],
-                 cluster: ClusterLink | None = None) -> None:
+                 calls: CallsView, cluster: ClusterLink | None = None) -> None:
         self._config = config
         self._cluster = cluster
         # Calls another host runs that were asked for here -> their owner identity.
@@ -95,6 +96,7 @@ class Front:
         self._clock = clock
         self._transcript_path = transcript_path
         self._status = status
+        self.calls = calls  # `calls` requests' answers (closed with the journal)
         self._counters = counters
         self.acceptance = Acceptance(journal, driver, clients, counters, clock, self._error,
                                      self._subscribe, cluster)
@@ -151,6 +153,8 @@ class Front:
                     identity, {"v": 1, "op": "status_reply", "ref": ref, **body}))
             elif isinstance(request, Usage):
                 self._usage(identity, user, request)
+            elif isinstance(request, Calls):
+                self._clients.send(identity, self.calls.answer(user, request))
             elif self._cluster is not None and (
                     self._journal.owner_of(request.call_id) is None
                     or self._journal.is_moved(request.call_id)):

@@ -59,10 +59,11 @@ import msgpack
 from streamfence.protocol import retention
 from streamfence.protocol.errors import ProtocolError
 from streamfence.protocol.internal.outcome import AttemptOutcome
+from streamfence.protocol.logs import request_model
 from streamfence.protocol.messages import submitted_request
 from streamfence.supervisor.journal_file import (
-    ADD_DEPLOYMENTS,
     ADD_OWNERS,
+    ADDED_COLUMNS,
     OLDEST_DONE,
     PRUNE_DELETES,
     SCHEMA,
@@ -101,10 +102,11 @@ class Journal:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(calls)")}
         if columns and "owner" not in columns:
             self._db.executescript("BEGIN;" + ADD_OWNERS.format(schema=SCHEMA) + "COMMIT;")
+        for table, column, kind in ADDED_COLUMNS:
+            have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if have and column not in have:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
         self._db.executescript(SCHEMA)
-        if "profile" not in {row[1] for row in self._db.execute("PRAGMA table_info(attempts)")}:
-            for statement in ADD_DEPLOYMENTS:
-                self._db.execute(statement)
         self._sweep()
         self._unit = WriteUnit(path, self._db, self.files.remove)
         self.usage = UsageBook(self._db, self._unit)  # the usage sums (supervisor/usage.py)
@@ -176,9 +178,10 @@ class Journal:
             return in_file
         self._unit.write(call_id,
                     "INSERT INTO calls (call_id, owner, idempotency_key, session_id, provider, "
-                    "request, options, state, created) VALUES (?, ?, ?, ?, ?, x'', x'', ?, ?)",
+                    "request, options, state, created, model) "
+                    "VALUES (?, ?, ?, ?, ?, x'', x'', ?, ?, ?)",
                     (call_id, owner, idempotency_key, session_id, provider,
-                     "staging" if in_file else "pending", time.time()))
+                     "staging" if in_file else "pending", time.time(), request_model(request)))
         self._unit.write(call_id, "INSERT INTO requests (call_id, request, options, in_file) "
                     "VALUES (?, ?, ?, ?)", (call_id, body, msgpack.packb(options), in_file))
         if self._unit.is_refused(call_id):
@@ -263,8 +266,9 @@ class Journal:
                     "attempt = ?", (pid, call_id, attempt))
 
     def end_attempt(self, call_id: str, attempt: int, how: str,
-                    outcome: AttemptOutcome | None) -> None:
-        """`how`: "ended" (its final was accepted) or why it was fenced."""
+                    outcome: AttemptOutcome | None, chars: int | None = None) -> None:
+        """`how`: "ended" (its final was accepted) or why it was fenced;
+        `chars`: the visible characters the sink accepted of it."""
         finish_reason = error_class = error_code = None
         diag: tuple[float | None, int | None, int | None, int | None] = (None, None, None, None)
         if outcome is not None:
@@ -276,8 +280,9 @@ class Journal:
         self._unit.write(
             call_id, "UPDATE attempts SET ended = ?, how = ?, finish_reason = ?, "
             "error_class = ?, error_code = ?, first_chunk_ms = ?, chunks = ?, bytes = ?, "
-            "deltas = ? WHERE call_id = ? AND attempt = ?",
-            (time.time(), how, finish_reason, error_class, error_code, *diag, call_id, attempt))
+            "deltas = ?, chars = ? WHERE call_id = ? AND attempt = ?",
+            (time.time(), how, finish_reason, error_class, error_code, *diag, chars, call_id,
+             attempt))
 
     def finish_call(self, call_id: str, status: str) -> None:
         """The call is done. Its done event is already in the transcript, which

@@ -42,9 +42,13 @@ CREATE TABLE IF NOT EXISTS calls (
     created REAL NOT NULL,
     finished REAL,
     done BLOB,
+    model TEXT,  -- the request's, for the `calls` list (nil in journals of earlier versions)
     UNIQUE (owner, idempotency_key)
 );
 CREATE INDEX IF NOT EXISTS calls_finished ON calls (finished) WHERE state = 'done';
+-- The `calls` list, newest first: all of them, or one owner's (supervisor/calls_view.py).
+CREATE INDEX IF NOT EXISTS calls_created ON calls (created);
+CREATE INDEX IF NOT EXISTS calls_owner_created ON calls (owner, created);
 CREATE TABLE IF NOT EXISTS requests (
     call_id TEXT PRIMARY KEY,
     request BLOB NOT NULL,  -- in_file: only the fields the daemon set (`overrides`)
@@ -67,6 +71,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     deltas INTEGER,
     profile TEXT,  -- the attempt's deployment: its provider profile ...
     model TEXT,  -- ... and the model it asked for
+    chars INTEGER,  -- the visible characters the sink accepted of it (nil: earlier versions)
     PRIMARY KEY (call_id, attempt)
 );
 """ + META_TABLE + ";\n"
@@ -85,9 +90,9 @@ PRUNE_DELETES = ("DELETE FROM attempts WHERE call_id = ?", "DELETE FROM requests
 PROBE = ("INSERT INTO meta (key, value) VALUES ('written', ?) "
           "ON CONFLICT (key) DO UPDATE SET value = excluded.value")
 
-# Journals written before attempts named their deployment (their rows: NULL).
-ADD_DEPLOYMENTS = ("ALTER TABLE attempts ADD COLUMN profile TEXT",
-                   "ALTER TABLE attempts ADD COLUMN model TEXT")
+# Columns added since (journals of earlier versions get them, nil, at open).
+ADDED_COLUMNS = (("attempts", "profile", "TEXT"), ("attempts", "model", "TEXT"),
+                 ("calls", "model", "TEXT"), ("attempts", "chars", "INTEGER"))
 
 # Journals written before calls had owners: their calls belong to `local`.
 ADD_OWNERS = """

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import random
 import time
 from collections import Counter
@@ -16,8 +17,10 @@ import zmq
 
 from streamfence.config.model import DaemonConfig
 from streamfence.protocol.internal.workers import ZygoteCommand
+from streamfence.supervisor import storepair
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.breaker import Breakers
+from streamfence.supervisor.calls_view import CallsView
 from streamfence.supervisor.clients import Clients
 from streamfence.supervisor.front import Front
 from streamfence.supervisor.journal import Journal
@@ -86,8 +89,9 @@ def build_parts(cfg: DaemonConfig, journal: Journal, live: LivenessTable,
                                functools.partial(daemon_facts, cfg, clock(), clock),
                                journal.usage)
     journal.usage.use(cfg.prices)
+    calls = CallsView(os.path.join(cfg.state_dir, storepair.JOURNAL), driver.calls, pool)
     front = Front(cfg, journal, driver, clients, sink, breakers, counters, clock,
-                  transcript_path, status, cluster)
+                  transcript_path, status, calls, cluster)
     if cluster is not None and driver.takeover is not None:
         cluster.on_taken = driver.takeover.adopt
         cluster.knows = driver.calls.has

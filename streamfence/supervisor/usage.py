@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from streamfence.config.identities import Identity
 from streamfence.config.prices import Price, price_of
 from streamfence.protocol.logs import request_model
-from streamfence.protocol.messages import USAGE_BY
+from streamfence.protocol.queries import USAGE_BY
 
 if TYPE_CHECKING:
     from streamfence.supervisor.calls import Call
