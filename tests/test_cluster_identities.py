@@ -77,7 +77,10 @@ def _bucket(nats: NatsCluster) -> list[tuple[str, bytes, dict[str, str]]]:
             state = (await js.stream_info("KV_sf_identities")).state
             out = []
             for seq in range(state.first_seq, state.last_seq + 1):
-                msg = await js.get_msg("KV_sf_identities", seq)
+                try:
+                    msg = await js.get_msg("KV_sf_identities", seq)
+                except nats_py.js.errors.NotFoundError:
+                    continue  # replaced since the stream's info (the bucket keeps the last)
                 out.append((str(msg.subject), bytes(msg.data or b""),
                             {str(k): str(v) for k, v in (msg.headers or {}).items()}))
             return out
