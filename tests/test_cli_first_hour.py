@@ -155,8 +155,8 @@ def test_init_writes_into_dir_and_refuses_to_overwrite(tmp_path: Path) -> None:
 
 
 def test_submit_takes_the_wire_from_the_profile() -> None:
-    profiles = {name: ProviderProfile(name, kind) for name, kind in
-                (("claude", "anthropic"), ("br", "bedrock"), ("gpt", "openai"))}
+    profiles = {"claude": "anthropic", "br": "bedrock", "gpt": "openai", "group": "bedrock"}
+    assert resolve_wire(profiles, "group", None) == ("bedrock", False)  # a model group's kind
     assert resolve_wire(profiles, "claude", None) == ("anthropic", False)
     assert resolve_wire(profiles, "br", None) == ("bedrock", False)
     assert resolve_wire(profiles, "claude", "anthropic") == ("anthropic", False)

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -115,19 +116,20 @@ def _log_what_serves(path: str | None, cfg: DaemonConfig) -> None:
                     else "")
 
 
-def resolve_wire(profiles: dict[str, ProviderProfile], provider: str,
+def resolve_wire(kinds: Mapping[str, str], provider: str,
                  wire: str | None) -> tuple[str, bool]:
-    """The wire of a submit to `provider`, and whether it is a guess: --wire,
-    else the kind of the profile in the config; openai (a guess) for a profile
-    the config lacks (the daemon's config may be another machine's). A --wire
-    that contradicts the profile's kind is refused: that request cannot work."""
-    profile = profiles.get(provider)
-    if profile is None:
+    """The wire of a submit to `provider` (a profile or a model group: its
+    kind in `kinds`), and whether it is a guess: --wire, else its kind in the
+    config; openai (a guess) for a name the config lacks (the daemon's config
+    may be another machine's). A --wire that contradicts the kind is refused:
+    that request cannot work."""
+    kind = kinds.get(provider)
+    if kind is None:
         return wire or "openai", wire is None
-    if wire is not None and wire != profile.kind:
-        raise click.UsageError(f"--wire {wire}, but profile {provider!r} is of kind "
-                               f"{profile.kind}; leave --wire out")
-    return profile.kind, False
+    if wire is not None and wire != kind:
+        raise click.UsageError(f"--wire {wire}, but {provider!r} is of kind {kind}; "
+                               f"leave --wire out")
+    return kind, False
 
 
 def _parse_request(wire: str, model: str, prompt: str,
@@ -176,7 +178,9 @@ def submit(endpoint: str | None, credentials: str | None, config_path: str | Non
     from streamfence.protocol.client import ClientError
 
     cfg = load(config_path)
-    wire, guessed = resolve_wire(cfg.providers, provider, wire)
+    kinds = {**{n: p.kind for n, p in cfg.providers.items()},
+             **{n: g.kind for n, g in cfg.groups.items()}}
+    wire, guessed = resolve_wire(kinds, provider, wire)
     options = {"stale_timeout_s": stale_timeout} if stale_timeout else None
     request = _parse_request(wire, model or DEFAULT_MODELS[wire], prompt, request_json)
     with connect(endpoint, credentials, config_path) as client:
