@@ -89,6 +89,9 @@ def test_zombie_is_fenced_killed_and_retried(make_daemon: Any, emu: EmulatorClie
         "SELECT attempt, SUM(n) FROM events WHERE call_id = ? AND op = 'delta' "
         "GROUP BY attempt", call_id)
     per_attempt = dict(rows)
+    # The journal (result's diagnostics, the console, traces) counts what the sink took of it.
+    assert daemon.journal_rows("SELECT deltas FROM attempts WHERE call_id = ? AND attempt = 1",
+                               call_id) == [(per_attempt.get(1, 0),)]
     assert per_attempt.get(1, 0) <= after
     assert per_attempt.get(1, 0) <= sent[0]["chunks_sent"]
     if policy == "restart" and per_attempt.get(1, 0):

@@ -336,7 +336,7 @@ class AttemptDriver:
             self._pool.kill(worker)  # fenced first, so the kill cannot lose an accepted delta
             self._pool.maintain()
         self._journal.end_attempt(call.call_id, call.epoch, reason.value, None,
-                                  stats.visible_chars)
+                                  stats.visible_chars, stats.accepted)
         if reason is FenceReason.CLUSTER_LOST:
             self._ends.moved(call)
             return

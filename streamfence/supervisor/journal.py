@@ -266,11 +266,13 @@ class Journal:
                     "attempt = ?", (pid, call_id, attempt))
 
     def end_attempt(self, call_id: str, attempt: int, how: str,
-                    outcome: AttemptOutcome | None, chars: int | None = None) -> None:
+                    outcome: AttemptOutcome | None, chars: int | None = None,
+                    accepted: int | None = None) -> None:
         """`how`: "ended" (its final was accepted) or why it was fenced;
-        `chars`: the visible characters the sink accepted of it."""
+        `chars`, `accepted`: the visible characters and the deltas the sink
+        accepted of it (a fenced attempt's deltas, which no outcome gives)."""
         finish_reason = error_class = error_code = None
-        diag: tuple[float | None, int | None, int | None, int | None] = (None, None, None, None)
+        diag: tuple[float | None, int | None, int | None, int | None] = (None, None, None, accepted)
         if outcome is not None:
             finish_reason = outcome.finish_reason
             if outcome.error is not None:
