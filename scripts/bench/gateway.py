@@ -501,3 +501,15 @@ def _report_translated(sec: Section, n: int, variants: tuple[str, ...],
         if lite:
             sec.row(f"{label}: {name} sdk-gateway-x ÷ sdk-litellm-x (the same translation, "
                     "the two proxies)", f"{_vs_direct(res, TRANSLATED, measure, LITELLM_X):.2f}")
+
+    def added(variant: str, base: str) -> float:
+        return median([ttft(x) - ttft(b) for x, b in zip(res[variant], res[base], strict=True)])
+
+    # The Anthropic wire's first text is its third event (message_start and
+    # content_block_start come first, each a chunk interval apart at the
+    # emulator): 2 intervals of every translated TTFT are the wire's, not
+    # the translation's, for both proxies alike.
+    theirs = f" (LiteLLM's own: {added(LITELLM_X, LITELLM):+.1f} ms)" if lite else ""
+    sec.row(f"{label}: TTFT p50 added by translation, sdk-gateway-x − sdk-gateway, of which "
+            f"{2 * DELAY_S * 1000:.0f} ms are the Anthropic wire's two events before "
+            "its first text", f"{added(TRANSLATED, 'sdk-gateway'):+.1f} ms{theirs}")
