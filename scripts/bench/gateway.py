@@ -502,8 +502,9 @@ def _report_translated(sec: Section, n: int, variants: tuple[str, ...],
             sec.row(f"{label}: {name} sdk-gateway-x ÷ sdk-litellm-x (the same translation, "
                     "the two proxies)", f"{_vs_direct(res, TRANSLATED, measure, LITELLM_X):.2f}")
 
-    def added(variant: str, base: str) -> float:
-        return median([ttft(x) - ttft(b) for x, b in zip(res[variant], res[base], strict=True)])
+    def added(variant: str, base: str) -> float:  # ms
+        return 1000 * median([ttft(x) - ttft(b)
+                              for x, b in zip(res[variant], res[base], strict=True)])
 
     # The Anthropic wire's first text is its third event (message_start and
     # content_block_start come first, each a chunk interval apart at the
