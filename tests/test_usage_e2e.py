@@ -163,6 +163,15 @@ def _a_budget_is_refused_once_used(setup: Setup, emu: EmulatorClient) -> None:
     assert {r["identity"] for r in mine["rows"]} == {"alice"}, mine
 
 
+def _emulated(usage: dict[str, Any]) -> tuple[int, int]:
+    """(input, output) tokens of the emulator's record of what it sent, in
+    whichever wire's names."""
+    def first(*names: str) -> int:
+        return int(next(usage[n] for n in names if n in usage))
+    return (first("prompt_tokens", "input_tokens", "inputTokens"),
+            first("completion_tokens", "output_tokens", "outputTokens"))
+
+
 def _bob_calls(setup: Setup, emu: EmulatorClient) -> dict[tuple[str, str], list[float]]:
     """bob's calls on each wire over ZeroMQ and one over HTTP: the usage each
     got, per (profile, model): [calls, input, output]."""
@@ -179,7 +188,9 @@ def _bob_calls(setup: Setup, emu: EmulatorClient) -> dict[tuple[str, str], list[
             for text in ("hello", LONG):
                 done = client.run(wire, request_for(wire, "u", text))
                 assert done["status"] == "completed", done
-                add(wire, "emu-model#u", _tokens(done["response"]["usage"]))
+                sent = _emulated(emu.log("u")[-1]["usage"])  # in the wire's own fields
+                assert _tokens(done["response"]["usage"]) == sent, (wire, done, sent)
+                add(wire, "emu-model#u", sent)
     oa = openai.OpenAI(base_url=setup.url + "/v1", api_key=http_key(setup.bob), max_retries=0)
     stream = oa.chat.completions.create(model="emu-model#h", stream=True, messages=[
         {"role": "user", "content": LONG}], stream_options={"include_usage": True})
