@@ -306,3 +306,28 @@ def test_a_paused_worker_before_its_final_costs_no_answer(armed: Armed,
     assert_one_exact_answer(events, emu.log("paused"))
     assert took >= 0.8
     assert failpoints.hits(str(where)) == ["worker.before_final"]
+
+
+@pytest.mark.slow
+def test_the_deltas_a_fence_refused_are_journaled_with_their_attempt(
+        armed: Armed, emu: EmulatorClient) -> None:
+    """`supervisor.after_fence=pause`: a cancelled attempt's worker streams on
+    between its fence and its kill; the sink refuses those deltas, and the
+    journal (result's diagnostics, the console, traces) says how many."""
+    daemon, _ = armed("supervisor.after_fence=pause(600ms)")
+    emu.script("refused", [{"fault": "ok", "chunks": 400, "chunk_delay_s": 0.005}])
+    with daemon.client(timeout_s=20.0) as client:
+        call_id = client.submit("emu", request_for("openai", "refused"))
+        events = iter(client.events(call_id, timeout_s=20.0))
+        assert all(next(events)["op"] == "delta" for _ in range(3))
+        client.cancel(call_id)
+        done = client.result(call_id, wait_s=20.0)
+        assert done is not None and done["status"] == "cancelled", done
+        (row,) = done["diagnostics"]
+    sent = emu.wait_for(lambda log: log[0] if log and log[0]["ended"] else None,
+                        timeout=15.0, what="the attempt's connection to close", key="refused")
+    stored = daemon.transcript_rows("SELECT SUM(n) FROM events WHERE call_id = ? AND "
+                                    "op = 'delta'", call_id)[0][0]
+    assert row["refused"] and row["refused"] > 0, row  # ~120 at 5 ms a chunk for 600 ms
+    assert row["deltas"] == stored, (row, stored)  # what the sink took, and only that
+    assert row["deltas"] + row["refused"] <= sent["chunks_sent"], (row, sent)

@@ -211,6 +211,8 @@ class Supervisor:
     def ok(self, tag: int, *args: Any) -> Any:
         reply = self.request(tag, *args)
         assert reply[0] == R_OK, f"expected R_OK for {tag} {args}, got {reply}"
+        if tag == C_FINISH and isinstance(reply[2], list):
+            return reply[2][0]  # [the done, each attempt's refused deltas]
         return reply[2]
 
     def stats(self) -> dict[str, Any]:
@@ -405,7 +407,9 @@ def test_two_writers_only_the_authorized_attempt_reaches_the_transcript(
     assert stats["dropped_by_verdict"]["stale_attempt"] == m
     assert stats["accepted"] == k + n
 
-    done = sup.ok(C_FINISH, call, "completed", None, 2, {"finish_reason": "stop"})
+    reply = sup.request(C_FINISH, call, "completed", None, 2, {"finish_reason": "stop"})
+    done, refused = reply[2]
+    assert refused == [[1, m]], refused  # the supervisor journals them with attempt 1
     transcript = sink.transcript(call)
     assert [e["seq"] for e in transcript] == list(range(1, len(transcript) + 1))
     switch = k + (1 if reset else 0)
@@ -594,7 +598,8 @@ def test_finish_builds_commits_then_publishes_the_done_event(sink: SinkUnderTest
         reader.close()
     reply = sup._recv_until(lambda m: m[1] == "fin", "the C_FINISH reply")
     assert reply[0] == R_OK
-    done = reply[2]
+    done, refused = reply[2]
+    assert refused == []  # no delta of the call was refused
     assert published == done
     assert done["seq"] == published["seq"] == len(parts) + 1
     assert done["status"] == "completed" and done["attempts"] == 1 and done["error"] is None

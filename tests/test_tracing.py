@@ -82,7 +82,7 @@ def test_nothing_of_opentelemetry_is_imported_without_tracing() -> None:
 def _rows() -> list[dict[str, Any]]:
     return [{"attempt": 1, "started": 100.5, "ended": 102.0, "worker_pid": 41, "how": "stale",
              "finish_reason": None, "error_class": None, "error_code": None,
-             "first_chunk_ms": 12.5, "chunks": 3, "bytes": 30, "deltas": 3},
+             "first_chunk_ms": 12.5, "chunks": 3, "bytes": 30, "deltas": 3, "refused": 7},
             {"attempt": 2, "started": 102.1, "ended": 103.0, "worker_pid": 42, "how": "ended",
              "finish_reason": "stop", "error_class": None, "error_code": None,
              "first_chunk_ms": 9.0, "chunks": 20, "bytes": 200, "deltas": 20}]
@@ -120,7 +120,9 @@ def test_a_retried_call_is_one_call_span_with_an_attempt_span_each() -> None:
         assert child.parent is not None and child.parent.span_id == root.context.span_id
     assert first.status.status_code.name == "ERROR" and second.status.status_code.name == "UNSET"
     assert [(e.name, dict(e.attributes or {}), e.timestamp) for e in first.events] == [
-        ("streamfence.fenced", {"streamfence.fence.reason": "stale"}, 102_000_000_000)]
+        ("streamfence.fenced", {"streamfence.fence.reason": "stale"}, 102_000_000_000),
+        ("streamfence.fence_refusals", {"streamfence.fence.refused_deltas": 7},
+         102_000_000_000)]
     assert dict(second.attributes or {})["streamfence.attempt.worker_pid"] == 42
 
 

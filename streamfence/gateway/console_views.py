@@ -198,7 +198,8 @@ def _attempt(a: Mapping[str, Any], start: float, span: float) -> str:
     error = (f" ({_e(a['error_code'])})" if a.get("error_code") else
              f" (finish: {_e(a['finish_reason'])})" if a.get("finish_reason") else "")
     figures = " · ".join(f"{a[k]} {label}" for k, label in (
-        ("chunks", "chunks"), ("deltas", "deltas"), ("chars", "chars")) if a.get(k) is not None)
+        ("chunks", "chunks"), ("deltas", "deltas"), ("chars", "chars"),
+        ("refused", "refused by the fence")) if a.get(k) is not None)
     ttft = ("" if a.get("first_chunk_ms") is None
             else f" · first chunk after {a['first_chunk_ms']:.0f} ms")
     took = "" if a["ended"] is None else f", {a['ended'] - a['started']:.2f} s"

@@ -189,7 +189,9 @@ class Fencing:
             calls.remember_finished(op.call_id)
             log.debug("sink: done call=%s status=%s seq=%d", op.call_id, op.status.value,
                       live.seq)
-            reply(encode_ok(op.req, done))
+            # With the deltas the fence refused of each attempt, as counted now
+            # (a killed worker's last sends included: it was killed before).
+            reply(encode_ok(op.req, [done, sorted(live.drops.items())]))
         self._commits.after_stored(op.call_id, stored)
 
     def _finish_lost(self, op: Finish, live: LiveCall, epoch: int) -> bytes:

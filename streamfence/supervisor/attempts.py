@@ -54,7 +54,8 @@ from streamfence.supervisor.pool import Pool, exit_text
 from streamfence.supervisor.rebind import Rebinds
 from streamfence.supervisor.sinklink import (
     SINK_LOST,
-    DoneReply,
+    Finished,
+    FinishReply,
     Refused,
     SinkLink,
     SinkLost,
@@ -427,7 +428,7 @@ class AttemptDriver:
         self._sink.finish(call.call_id, decision.status, decision.error, call.attempts,
                           decision.meta, functools.partial(self._finished, call))
 
-    def _finished(self, call: Call, reply: DoneReply) -> None:
+    def _finished(self, call: Call, reply: FinishReply) -> None:
         if isinstance(reply, SinkLost) and call.finishing is not None:
             # Ask the restarted sink again (a repeated finish is idempotent there).
             self._send_finish(call, call.finishing)
@@ -435,12 +436,13 @@ class AttemptDriver:
         if isinstance(reply, Refused) and reply.reason.startswith("cluster_lost"):
             self._ends.moved(call)  # the cluster refused its done: another host owns the call
             return
-        if not isinstance(reply, dict):
+        if not isinstance(reply, Finished):
             log.error("sink refused to finish the call: %s", why(reply),
                       extra=call_context(call))
             return
         call.to(CallEvent.FINISHED)
-        self._ends.done(call, reply)
+        self._journal.refused_deltas(call.call_id, reply.refused)
+        self._ends.done(call, reply.done)
 
     # ---- the sink died ---------------------------------------------------------
     def on_sink_restart(self) -> None:

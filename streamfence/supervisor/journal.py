@@ -286,6 +286,12 @@ class Journal:
             (time.time(), how, finish_reason, error_class, error_code, *diag, chars, call_id,
              attempt))
 
+    def refused_deltas(self, call_id: str, refused: dict[int, int]) -> None:
+        """The deltas the sink's fence refused of each attempt (when the call ended)."""
+        for attempt, count in refused.items():
+            self._unit.write(call_id, "UPDATE attempts SET refused = ? WHERE call_id = ? AND "
+                             "attempt = ?", (count, call_id, attempt))
+
     def finish_call(self, call_id: str, status: str) -> None:
         """The call is done. Its done event is already in the transcript, which
         recovery reads first, so this joins the turn's transaction instead of

@@ -72,6 +72,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     profile TEXT,  -- the attempt's deployment: its provider profile ...
     model TEXT,  -- ... and the model it asked for
     chars INTEGER,  -- the visible characters the sink accepted of it (nil: earlier versions)
+    refused INTEGER,  -- the deltas the sink's fence refused of it (nil: none, or unknown)
     PRIMARY KEY (call_id, attempt)
 );
 """ + META_TABLE + ";\n"
@@ -92,7 +93,8 @@ PROBE = ("INSERT INTO meta (key, value) VALUES ('written', ?) "
 
 # Columns added since (journals of earlier versions get them, nil, at open).
 ADDED_COLUMNS = (("attempts", "profile", "TEXT"), ("attempts", "model", "TEXT"),
-                 ("calls", "model", "TEXT"), ("attempts", "chars", "INTEGER"))
+                 ("calls", "model", "TEXT"), ("attempts", "chars", "INTEGER"),
+                 ("attempts", "refused", "INTEGER"))
 
 # Journals written before calls had owners: their calls belong to `local`.
 ADD_OWNERS = """

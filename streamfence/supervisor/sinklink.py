@@ -78,6 +78,18 @@ StatsReply = AttemptStats | Refused | SinkLost
 DoneReply = dict[str, Any] | Refused | SinkLost
 
 
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A finish's answer: the done event, and the deltas the fence refused of
+    each attempt (attempt -> count; empty when the done was stored before)."""
+
+    done: dict[str, Any]
+    refused: dict[int, int]
+
+
+FinishReply = Finished | Refused | SinkLost
+
+
 def why(reply: Refused | SinkLost) -> str:
     return reply.reason if isinstance(reply, Refused) else reply.value
 
@@ -148,10 +160,10 @@ class SinkLink:
         self._request(lambda req: Adopt(req, call_id, epoch), stats_from_wire, reply)
 
     def finish(self, call_id: str, status: CallStatus, error: dict[str, Any] | None,
-               attempts: int, meta: FinishMeta, reply: Callable[[DoneReply], None]) -> None:
+               attempts: int, meta: FinishMeta, reply: Callable[[FinishReply], None]) -> None:
         """The reply carries the done event (the same one again if repeated)."""
         self._request(lambda req: Finish(req, call_id, status, error, attempts, meta),
-                      _as_map, reply)
+                      _finished, reply)
 
     def subscribe(self, call_id: str, listener: str, from_seq: int, live: bool,
                   owner: ListenerOwner, reply: Callable[[Refused | SinkLost | None], None]
@@ -244,3 +256,12 @@ class SinkLink:
 
 def _as_map(payload: Any) -> dict[str, Any]:
     return payload if isinstance(payload, dict) else {}
+
+
+def _finished(payload: Any) -> Finished:
+    """FINISH's payload: the done, or [done, [[attempt, refused], ...]]."""
+    if not isinstance(payload, list) or len(payload) != 2:
+        return Finished(_as_map(payload), {})
+    pairs = payload[1] if isinstance(payload[1], list) else []
+    return Finished(_as_map(payload[0]), {int(p[0]): int(p[1]) for p in pairs
+                                          if isinstance(p, list) and len(p) == 2})

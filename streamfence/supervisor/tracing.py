@@ -108,6 +108,10 @@ class CallTracer:
                 child.add_event("streamfence.fenced", {"streamfence.fence.reason": how},
                                 timestamp=_ns(ended))
                 child.set_status(self._status(self._code.ERROR, f"fenced: {how}"))
+            if row.get("refused"):  # its deltas the fence kept out of the transcript
+                child.add_event("streamfence.fence_refusals",
+                                {"streamfence.fence.refused_deltas": int(row["refused"])},
+                                timestamp=_ns(ended))
             elif row.get("error_code"):
                 child.set_status(self._status(self._code.ERROR, str(row["error_code"])))
             child.end(end_time=_ns(ended))
@@ -152,7 +156,8 @@ def _call_attributes(call: Call, done: Mapping[str, Any], response: Mapping[str,
 
 _ATTEMPT_FIELDS: Mapping[str, Callable[[Any], Any]] = {
     "attempt": int, "how": str, "profile": str, "model": str, "worker_pid": int, "finish_reason": str, "error_class": str,
-    "error_code": str, "first_chunk_ms": float, "chunks": int, "bytes": int, "deltas": int}
+    "error_code": str, "first_chunk_ms": float, "chunks": int, "bytes": int, "deltas": int,
+    "refused": int}
 
 
 def _attempt_attributes(row: Mapping[str, Any]) -> dict[str, Any]:
