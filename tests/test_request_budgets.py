@@ -36,6 +36,7 @@ from streamfence.protocol.keys import KeyStore
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.recovery import recover_calls
+from streamfence.supervisor.sinklink import Finished
 from tests.harness import DaemonProcess
 from tests.wires import DaemonFactory, request_for
 
@@ -217,7 +218,7 @@ class _Sink:
 
     def finish(self, call_id: str, status: Any, error: Any, attempts: int, meta: Any,
                reply: Any) -> None:
-        reply({"v": 1, "op": "done", "call_id": call_id, "status": status.value})
+        reply(Finished({"v": 1, "op": "done", "call_id": call_id, "status": status.value}, {}))
 
 
 class _Clients:

@@ -99,10 +99,16 @@ def _usage_json(daemon: DaemonProcess, *args: str, creds: Credentials | None = N
 
 
 def _metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=5.0) as reply:
-        body = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(body) for s in family.samples}
+    """A scrape the supervisor answered (`streamfence_up` 1: a loaded machine
+    can make it miss the gateway's 2 s for one scrape, which then has no
+    daemon figures)."""
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+        with urllib.request.urlopen(url + "/metrics", timeout=5.0) as reply:
+            body = reply.read().decode()
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(body) for s in family.samples}
+        return samples if samples.get(("streamfence_up", ())) == 1 else None
+    return wait_until(scrape, 30.0, "a /metrics scrape the supervisor answered")
 
 
 def _tokens(usage: Any) -> tuple[int, int]:
@@ -132,6 +138,12 @@ def _a_budget_is_refused_once_used(setup: Setup, emu: EmulatorClient) -> None:
         used += int(sum(_tokens(done["response"]["usage"])))
         assert used >= 1000, done["response"]["usage"]  # the budget is used up now ...
         assert client.result(slow) is None  # ... while the slow call runs (pending)
+        # The done reaches the client from the sink; the supervisor counts the
+        # call when the sink's answer to its finish comes (a submit between the
+        # two is a call in flight's, PROTOCOL `budget_exceeded`): wait for it.
+        wait_until(lambda: sum(r["input_tokens"] + r["output_tokens"]
+                               for r in client.usage()["rows"]) >= used,
+                   10.0, "the daemon to count the finished call's tokens")
         with pytest.raises(ClientError) as refused:
             client.submit("openai", request_for("openai", "u"), subscribe=False)
         finished = client.result(slow, wait_s=30.0)
