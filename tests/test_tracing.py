@@ -97,7 +97,7 @@ def test_a_retried_call_is_one_call_span_with_an_attempt_span_each() -> None:
                      "s1", None, 100.0, 2, 2)
     done = {"status": "completed", "attempts": 2, "error": None, "response": {
         "model": "claude-x-1", "finish_reason": "end_turn", "provider_response_id": "msg_1",
-        "usage": {"input_tokens": 11, "output_tokens": 22}}}
+        "usage": {"prompt_tokens": 11, "completion_tokens": 22}}}
     tracer.call_done(call, done, 100.0, _rows(), 103.5)
     tracer.close()
     spans = {s.name: s for s in exporter.get_finished_spans()}

@@ -48,7 +48,7 @@ from aiohttp import web
 from streamfence.config.model import DaemonConfig
 from streamfence.gateway import access, anthropic_messages, http_errors, openai_chat
 from streamfence.gateway.console import Console
-from streamfence.gateway.keys import HttpKeys
+from streamfence.gateway.keys import HttpKeys, caller
 from streamfence.gateway.metrics import Health
 from streamfence.gateway.neutral import Untranslatable
 from streamfence.gateway.routes import PROFILE_HEADER, NoRoute, route
@@ -56,7 +56,7 @@ from streamfence.gateway.routes import models as route_models
 from streamfence.gateway.translate import translate
 from streamfence.protocol.client_async import AsyncClient
 from streamfence.protocol.client_router import ClientError
-from streamfence.protocol.credentials import LOCAL_NAME, Credentials
+from streamfence.protocol.credentials import Credentials
 from streamfence.protocol.failpoints import ARMED, failpoint
 from streamfence.protocol.messages import valid_traceparent
 
@@ -136,13 +136,8 @@ class Gateway:
     def _identity(self, request: web.Request) -> Credentials | str | None:
         """The caller's credentials (auth "curve"), LOCAL_NAME (auth "none"),
         or None: no key, or not one of ours. Its name goes to the access log."""
-        if self._keys is None:
-            who: Credentials | str | None = LOCAL_NAME
-        else:
-            auth = request.headers.get("Authorization", "")
-            key = auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else \
-                request.headers.get("x-api-key", "").strip()
-            who = self._keys.identify(key) if key else None
+        who = caller(self._keys, request.headers.get("Authorization", ""),
+                     request.headers.get("x-api-key", ""))
         if who is not None:
             request[access.IDENTITY] = who if isinstance(who, str) else who.name
         return who

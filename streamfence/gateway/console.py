@@ -33,10 +33,10 @@ from aiohttp import web
 from streamfence.config.identities import identity_named
 from streamfence.config.model import DaemonConfig
 from streamfence.gateway import console_views as views
-from streamfence.gateway.keys import HttpKeys
+from streamfence.gateway.keys import HttpKeys, caller
 from streamfence.protocol.client_async import AsyncClient
 from streamfence.protocol.client_router import ClientError
-from streamfence.protocol.credentials import LOCAL_NAME, Credentials
+from streamfence.protocol.credentials import Credentials
 
 log = logging.getLogger("streamfence.gateway.console")
 
@@ -92,13 +92,8 @@ class Console:
     # ---- who views ----------------------------------------------------------------
 
     def _viewer(self, request: web.Request) -> Viewer | None:
-        if self._keys is None:
-            who: Credentials | str | None = LOCAL_NAME
-        else:
-            auth = request.headers.get("Authorization", "")
-            key = auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else \
-                request.cookies.get(COOKIE, "")
-            who = self._keys.identify(key) if key else None
+        who = caller(self._keys, request.headers.get("Authorization", ""),
+                     request.cookies.get(COOKIE, ""))
         if who is None:
             return None
         name = who if isinstance(who, str) else who.name

@@ -18,7 +18,12 @@ import hmac
 import os
 from pathlib import Path
 
-from streamfence.protocol.credentials import Credentials, CredentialsError, load_credentials
+from streamfence.protocol.credentials import (
+    LOCAL_NAME,
+    Credentials,
+    CredentialsError,
+    load_credentials,
+)
 from streamfence.protocol.keys import NAME_RE
 
 PREFIX = "sf-"
@@ -66,3 +71,14 @@ class HttpKeys:
             return None
         self._cache[name] = (version, creds)
         return creds
+
+
+def caller(keys: HttpKeys | None, authorization: str, other: str) -> Credentials | str | None:
+    """Who a request is: LOCAL_NAME when the daemon has no keys (auth "none"),
+    else the identity of its `Authorization: Bearer` key, or of `other` (the
+    endpoint's other place for a key) without one; None: not one of ours."""
+    if keys is None:
+        return LOCAL_NAME
+    key = authorization[len("Bearer "):] if authorization.startswith("Bearer ") else other
+    key = key.strip()
+    return keys.identify(key) if key else None

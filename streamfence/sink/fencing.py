@@ -148,7 +148,7 @@ class Fencing:
             if body is None:
                 reply(encode_refused(op.req, "call_finished: no done event stored"))
             else:
-                reply(encode_ok(op.req, msgpack.unpackb(body)))
+                reply(encode_ok(op.req, [msgpack.unpackb(body), []]))  # counted the first time
             return
         epoch = view.epoch if view is not None else 0
         if self._replica is None:

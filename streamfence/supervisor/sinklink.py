@@ -259,9 +259,6 @@ def _as_map(payload: Any) -> dict[str, Any]:
 
 
 def _finished(payload: Any) -> Finished:
-    """FINISH's payload: the done, or [done, [[attempt, refused], ...]]."""
-    if not isinstance(payload, list) or len(payload) != 2:
-        return Finished(_as_map(payload), {})
-    pairs = payload[1] if isinstance(payload[1], list) else []
-    return Finished(_as_map(payload[0]), {int(p[0]): int(p[1]) for p in pairs
-                                          if isinstance(p, list) and len(p) == 2})
+    """FINISH's payload: [the done, [[attempt, refused], ...]]."""
+    done, pairs = payload
+    return Finished(_as_map(done), {int(attempt): int(n) for attempt, n in pairs})

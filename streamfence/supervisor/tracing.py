@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from streamfence.config.tracing import TracingConfig
+from streamfence.supervisor.usage import tokens_of
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -47,15 +48,6 @@ def missing_sdk() -> str | None:
         if not found:
             return f"tracing: {module} is not installed ({EXTRA_HINT})"
     return None
-
-
-def tokens(usage: Mapping[str, Any] | None) -> tuple[int | None, int | None]:
-    """(input, output) tokens of a done's usage, whichever wire's names it has."""
-    if not usage:
-        return None, None
-    given = (usage.get("input_tokens", usage.get("prompt_tokens")),
-             usage.get("output_tokens", usage.get("completion_tokens")))
-    return tuple(v if isinstance(v, int) else None for v in given)  # type: ignore[return-value]
 
 
 class CallTracer:
@@ -147,9 +139,9 @@ def _call_attributes(call: Call, done: Mapping[str, Any], response: Mapping[str,
         "error.type": (done.get("error") or {}).get("code")}
     if response.get("finish_reason"):
         attrs["gen_ai.response.finish_reasons"] = [str(response["finish_reason"])]
-    inputs, outputs = tokens(response.get("usage"))
-    optional["gen_ai.usage.input_tokens"], optional["gen_ai.usage.output_tokens"] = (
-        inputs, outputs)
+    if response.get("usage"):  # each worker's, normalized (supervisor/usage.py)
+        attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"] = tokens_of(
+            response["usage"])
     attrs.update((k, v) for k, v in optional.items() if v is not None)
     return attrs
 

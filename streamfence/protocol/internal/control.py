@@ -350,9 +350,8 @@ _STATUSES = frozenset(s.value for s in CallStatus)
 def encode_ok(req: int | str, payload: Any) -> bytes:
     """R_OK. payload: AUTHORIZE/FENCE the AttemptStats (wire form) of the attempt
     current before (attempt 0 for a new call); REBIND those of the attempt that
-    writes on; ADOPT those of the content the call's log holds; FINISH the done
-    event, or [the done event, [[attempt, deltas refused], ...]] when the sink
-    stored it just now; STATS the counters map; FOLLOW {"done": bool}; SUBSCRIBE nil."""
+    writes on; ADOPT those of the content the call's log holds; FINISH [the done
+    event, [[attempt, deltas refused], ...]] (none on a repeated finish); STATS the counters map; FOLLOW {"done": bool}; SUBSCRIBE nil."""
     packed: bytes = msgpack.packb([R_OK, req, payload], use_bin_type=True)
     return packed
 
