@@ -358,7 +358,7 @@ def test_one_call_authorize_dispatch_end_finish(parts: dict[str, Any]) -> None:
     assert isinstance(finish, Finish) and finish.status is CallStatus.COMPLETED
     assert finish.meta.finish_reason == "stop" and state_of(call) is CallState.FINISHING
     done = done_event("c1", 2, CallStatus.COMPLETED, None, None, 1)
-    sink_sock.inbox.append(encode_ok(finish.req, done))
+    sink_sock.inbox.append(encode_ok(finish.req, [done, []]))  # the done, no refusals
     parts["sink"].drain(driver)
     assert not driver.calls.has("c1") and parts["counters"]["calls_completed"] == 1
     assert parts["journal"].is_finished("c1")  # the done event itself is the sink's to store
