@@ -66,7 +66,7 @@ from nats.js.kv import KeyValue
 from streamfence.cluster.cancels import Cancels
 from streamfence.cluster.connect import connect as connect_nats
 from streamfence.cluster.identities import IDENTITIES_BUCKET, IdentityBucket
-from streamfence.cluster.records import EPOCH, EVENTS, Record, decode
+from streamfence.cluster.records import EPOCH, EVENTS, Beat, Record, beat_record, decode, read_beat
 from streamfence.cluster.retry import RetryPolicy, TryAgain, retry_async
 from streamfence.cluster.settings import ClusterSettings
 from streamfence.protocol.failpoints import ARMED, failpoint
@@ -292,15 +292,17 @@ class Ledger:
 
     # ---- hosts' heartbeats --------------------------------------------------------
 
-    async def beat(self) -> int:
-        """This host is alive: its key in `sf_hosts` moves (a new revision)."""
+    async def beat(self, calls_owned: int = 0) -> int:
+        """This host is alive: its key in `sf_hosts` moves (a new revision), and
+        says how many calls it owns (for the other hosts' `status`)."""
         assert self._hosts is not None, "Ledger.ensure() first"
         self._beats += 1
-        hosts, beat = self._hosts, msgpack.packb(self._beats)
+        hosts, beat = self._hosts, beat_record(self._beats, calls_owned)
         return int(await self._stored(lambda: hosts.put(self.settings.host, beat)))
 
-    async def host_revisions(self) -> dict[str, int]:
-        """Each host's heartbeat revision (it moves while the host beats)."""
+    async def host_beats(self) -> dict[str, Beat]:
+        """Each host's heartbeat: its revision (it moves while the host beats)
+        and the calls it said it owns."""
         assert self._hosts is not None, "Ledger.ensure() first"
         keys = await self._keys(HOSTS_BUCKET)
         out = {}
@@ -309,7 +311,7 @@ class Ledger:
                 entry = await self._hosts.get(key)
             except (NotFoundError, KeyNotFoundError):
                 continue
-            out[key] = int(entry.revision or 0)
+            out[key] = read_beat(int(entry.revision or 0), entry.value)
         return out
 
     # ---- the fenced log ----------------------------------------------------------

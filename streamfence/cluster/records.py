@@ -1,6 +1,6 @@
 """The records the cluster's streams hold (docs/ARCHITECTURE.md §4.17): a
-call's record on SF_CALLS, a call log's records and which of them a reader
-keeps; importing it does not import nats."""
+call's record on SF_CALLS, a host's beat in sf_hosts, a call log's records
+and which of them a reader keeps; importing it does not import nats."""
 
 from __future__ import annotations
 
@@ -21,6 +21,30 @@ def call_record(call_id: str, owner: str, provider: str, request: dict[str, Any]
                                    "session_id": session_id,
                                    "idempotency_key": idempotency_key}, use_bin_type=True)
     return packed
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """A host's entry in `sf_hosts` as read: its revision (it moves while the
+    host beats) and the calls the host owned when it beat (None: a beat that
+    does not say, from an earlier version)."""
+
+    revision: int
+    calls_owned: int | None
+
+
+def beat_record(beats: int, calls_owned: int) -> bytes:
+    packed: bytes = msgpack.packb({"beat": beats, "calls_owned": calls_owned})
+    return packed
+
+
+def read_beat(revision: int, data: bytes | None) -> Beat:
+    try:
+        said = msgpack.unpackb(data or b"\xc0")
+    except ValueError:  # not a beat streamfence wrote
+        said = None
+    owned = said.get("calls_owned") if isinstance(said, dict) else None
+    return Beat(revision, owned if isinstance(owned, int) else None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -144,7 +144,9 @@ def call_body(call: Mapping[str, Any]) -> str:
         ("State", f"<span id=call-state>{state_badge(call['state'])}</span>"),
         ("Identity", _e(call["identity"])), ("Session", _e(call.get("session_id") or "—")),
         ("Provider", _e(call["provider"])), ("Model", _e(call.get("model") or "—")),
-        ("Accepted", _e(_clock(call["created"]))),
+        (("Taken over", f"{_e(_clock(call['created']))} from host "
+          f"<b>{_e(call['taken_from'])}</b> at epoch {_e(call.get('taken_epoch'))}")
+         if call.get("taken_from") else ("Accepted", _e(_clock(call["created"])))),
         ("Finished", _e(_clock(call["finished"]) if call.get("finished") else "—"))))
     cancel = ""
     if call["state"] in LIVE_STATES:
@@ -165,24 +167,39 @@ def call_body(call: Mapping[str, Any]) -> str:
 
 
 def attempts_fragment(call: Mapping[str, Any]) -> str:
-    """The attempts on a timeline from the call's acceptance: each one's bar
-    (start to end, its first chunk marked), the back-off before a retry,
-    and how each ended."""
+    """The attempts on a timeline from the call's acceptance here: each one's
+    bar (start to end, its first chunk marked), the back-off before a retry,
+    and how each ended; in cluster mode, where the call came from (a take-over)
+    or went (moved to another host)."""
     attempts: list[Mapping[str, Any]] = call.get("attempt_rows") or []
-    if not attempts:
-        return "<p class=hint>No attempt has started yet.</p>"
-    start = call["created"]
-    end = max([call.get("finished") or 0.0, time.time() if call["state"] in LIVE_STATES else 0.0,
-               *(a["ended"] or a["started"] for a in attempts)])
-    span = max(end - start, 1e-3)
-    items, previous_end = [], None
-    for a in attempts:
-        if previous_end is not None:
-            items.append(f"<li class=gap>back-off {a['started'] - previous_end:.2f} s, "
-                         "then a retry</li>")
-        items.append(_attempt(a, start, span))
-        previous_end = a["ended"]
+    items = [_taken(call)] if call.get("taken_from") else []
+    if attempts:
+        start = call["created"]
+        end = max([call.get("finished") or 0.0,
+                   time.time() if call["state"] in LIVE_STATES else 0.0,
+                   *(a["ended"] or a["started"] for a in attempts)])
+        span, previous_end = max(end - start, 1e-3), None
+        for a in attempts:
+            if previous_end is not None:
+                items.append(f"<li class=gap>back-off {a['started'] - previous_end:.2f} s, "
+                             "then a retry</li>")
+            items.append(_attempt(a, start, span))
+            previous_end = a["ended"]
+    elif call["state"] != "moved":
+        items.append("<li class=hint>No attempt has started here yet.</li>")
+    if call["state"] == "moved":
+        items.append("<li class=moved data-how=moved>Moved: another host of the cluster took "
+                     "the call over; the attempts after that are on that host's console.</li>")
     return f"<ol class=timeline>{''.join(items)}</ol>"
+
+
+def _taken(call: Mapping[str, Any]) -> str:
+    epoch, host = call.get("taken_epoch"), _e(call["taken_from"])
+    before = (f"attempts 1–{epoch - 1} ran on host <b>{host}</b> (its console shows them)"
+              if isinstance(epoch, int) and epoch > 1 else f"it ran on host <b>{host}</b>")
+    return (f'<li class=takeover data-from="{host}" data-epoch="{_e(epoch)}">Taken over from '
+            f"host <b>{host}</b> at epoch {_e(epoch)}: {before}; the attempts below ran "
+            "here.</li>")
 
 
 def _attempt(a: Mapping[str, Any], start: float, span: float) -> str:
@@ -220,8 +237,7 @@ def _clock(t: float) -> str:
 
 # The status reply's sections: small ones side by side, then the wide ones,
 # then the long ones folded.
-SMALL = (("processes", "Processes"), ("pool", "Pool"), ("storage", "Storage"),
-         ("cluster", "Cluster"))
+SMALL = (("processes", "Processes"), ("pool", "Pool"), ("storage", "Storage"))
 WIDE = (("workers", "Workers"), ("calls", "Calls"), ("breakers", "Breakers"))
 FOLDED = (("sink", "Sink"), ("counters", "Counters"), ("histograms", "Histograms"))
 
@@ -236,11 +252,37 @@ def daemon_fragment(status: Mapping[str, Any]) -> str:
     parts += [f"<section><h2>{title}</h2>{_value(status[key])}</section>"
               for key, title in SMALL if key in status]
     parts.append("</div>")
+    if status.get("cluster"):
+        parts.append(_cluster(status["cluster"]))
     parts += [f"<section><h2>{title}</h2>{_value(status[key])}</section>"
               for key, title in WIDE if key in status]
     parts += [f"<details><summary>{title}</summary>{_value(status[key])}</details>"
               for key, title in FOLDED if key in status]
     return "".join(parts)
+
+
+def _cluster(cluster: Mapping[str, Any]) -> str:
+    """Cluster mode: the hosts (this one first), their leases and the calls
+    each owns, then this host's counts."""
+    def row(host: str, lease: str, lost: bool, owned: Any) -> str:
+        return (f'<tr data-host="{_e(host)}"><td><code>{_e(host)}</code></td>'
+                f'<td class="{"s-failed" if lost else ""}">{lease}</td>'
+                f"<td class=num>{_e('—' if owned is None else owned)}</td></tr>")
+    age = cluster.get("lease_age_s")
+    rows = [row(cluster["host"], ("this host · " + ("not beaten yet" if age is None else
+                f"beat {age:.1f} s ago")) + ("" if cluster.get("connected") else
+                                             " · not connected"),
+                False, cluster.get("calls_owned"))]
+    for host, seen in (cluster.get("hosts") or {}).items():
+        lost = bool(seen.get("lease_lost"))
+        lease = f"beat {seen.get('beat_age_s', 0):.1f} s ago" + (
+            " · lease lost: its calls taken over" if lost else "")
+        rows.append(row(host, lease, lost, seen.get("calls_owned")))
+    rest = {k: v for k, v in cluster.items()
+            if k not in ("host", "hosts", "lease_age_s", "connected", "calls_owned")}
+    return ("<section id=cluster><h2>Cluster</h2><div class=scroll><table class=hosts>"
+            "<thead><tr><th>host</th><th>lease</th><th>calls owned</th></tr></thead>"
+            f"{''.join(rows)}</table></div>{_value(rest)}</section>")
 
 
 def _summary(status: Mapping[str, Any]) -> str:

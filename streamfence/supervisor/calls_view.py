@@ -26,9 +26,9 @@ from streamfence.supervisor.livecalls import LiveCalls
 from streamfence.supervisor.pool import Pool
 
 _ROW = ("call_id", "identity", "session_id", "provider", "model", "state", "status", "epoch",
-        "attempts", "created", "finished")
+        "attempts", "created", "finished", "taken_from", "taken_epoch")
 _SELECT = ("SELECT call_id, owner, session_id, provider, model, state, status, epoch, attempts, "
-           "created, finished FROM calls")
+           "created, finished, taken_from, taken_epoch FROM calls")
 _ATTEMPTS = ("SELECT call_id, attempt, started, ended, worker_pid, how, finish_reason, "
              "error_class, error_code, first_chunk_ms, chunks, bytes, deltas, chars "
              "FROM attempts WHERE call_id IN ({}) ORDER BY call_id, attempt")

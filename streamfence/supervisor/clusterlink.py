@@ -25,12 +25,13 @@ import nats.errors
 
 from streamfence.cluster.bridge import LedgerBridge
 from streamfence.cluster.ledger import Owner
+from streamfence.cluster.records import Beat
 from streamfence.cluster.retry import RetryPolicy, TryAgain, retry_async
 from streamfence.cluster.settings import ClusterSettings
 from streamfence.protocol.errors import ErrorCode
 
 log = logging.getLogger("streamfence.supervisor")
-Won = tuple[Owner, dict[str, Any]]  # a call taken over, with its record
+Won = tuple[Owner, dict[str, Any], str]  # a call taken over, its record, its owner before
 
 AUDIT_LEASES = 3  # between two looks for this host's stray calls (`_audited`)
 # How this side tries again (cluster/retry.py). An accept whose write failed or whose
@@ -59,15 +60,16 @@ class ClusterLink:
         self.taken = 0  # calls taken from hosts that lost their lease
         self.takes_lost = 0  # ... that another host took first
         self._beat_at: float | None = None  # when this host's last beat was stored
-        # Each other host's beat as last read: (revision, when it last moved here).
-        self._beats: dict[str, tuple[int, float]] = {}
+        # Each other host's beat as last read, and when it last moved here.
+        self._beats: dict[str, tuple[Beat, float]] = {}
         self._dead: set[str] = set()  # hosts whose calls were taken (until they beat again)
         self._next_beat = clock()
         self._watching = False  # a read of the beats is on its way
         self._next_audit = clock()
         self._auditing = False  # a listing of this host's calls is on its way
         self._writing: Counter[str] = Counter()  # accepts and takes on their way, per call
-        self.on_taken: Callable[[Owner, dict[str, Any]], None] = lambda owner, record: None
+        self.on_taken: Callable[[Owner, dict[str, Any], str], None] = \
+            lambda owner, record, taken_from: None
         self.knows: Callable[[str], bool] = lambda call_id: False  # the driver runs it
         # A cancel another host forwarded: the answer its client gets (the front's).
         self.on_cancel: Callable[[str], dict[str, Any]] = lambda call_id: {"op": "unknown"}
@@ -282,10 +284,10 @@ class ClusterLink:
             return
         self._next_beat = now + self.lease_s / 3
         ledger = self.bridge.ledger
-        self.bridge.submit(ledger.beat(), self._beaten)
+        self.bridge.submit(ledger.beat(len(self._owners)), self._beaten)
         if not self._watching:
             self._watching = True
-            self.bridge.submit(ledger.host_revisions(), self._judge)
+            self.bridge.submit(ledger.host_beats(), self._judge)
         if now >= self._next_audit and not self._auditing:
             self._auditing = True
             self._next_audit = now + AUDIT_LEASES * self.lease_s
@@ -303,12 +305,12 @@ class ClusterLink:
             log.warning("cluster: could not read the hosts' beats: %s", result)
             return
         now = self._clock()
-        for host, revision in result.items():
+        for host, beat in result.items():
             if host == self.settings.host:
                 continue
             last = self._beats.get(host)
-            if last is None or last[0] != revision:
-                self._beats[host] = (revision, now)
+            if last is None or last[0].revision != beat.revision:
+                self._beats[host] = (beat, now)
                 self._dead.discard(host)
             elif now - last[1] >= self.lease_s and host not in self._dead:
                 self._dead.add(host)
@@ -360,7 +362,7 @@ class ClusterLink:
                 log.error("cluster: call %s has an owner but no record; left alone",
                           seen.call_id)
                 continue
-            won.append((owner, msgpack.unpackb(record, raw=False)))
+            won.append((owner, msgpack.unpackb(record, raw=False), seen.host))
         return won, failed, lost
 
     def _took(self, result: Any, host: str | None = None) -> None:
@@ -373,10 +375,10 @@ class ClusterLink:
         if isinstance(result, BaseException):
             return
         self.takes_lost += result[2]
-        for owner, record in result[0]:
+        for owner, record, taken_from in result[0]:
             self._owners[owner.call_id] = owner
             self.taken += 1
-            self.on_taken(owner, record)
+            self.on_taken(owner, record, taken_from)
 
     def stats(self) -> dict[str, Any]:
         """`status`'s `cluster` (docs/PROTOCOL.md): ages by this host's clock;
@@ -387,8 +389,9 @@ class ClusterLink:
                 "lease_age_s": None if self._beat_at is None else round(now - self._beat_at, 3),
                 "connected": self.bridge.ledger.connected,
                 "hosts": {host: {"beat_age_s": round(now - seen, 3),
-                                 "lease_lost": host in self._dead}
-                          for host, (_, seen) in sorted(self._beats.items())},
+                                 "lease_lost": host in self._dead,
+                                 "calls_owned": beat.calls_owned}
+                          for host, (beat, seen) in sorted(self._beats.items())},
                 "calls_owned": len(self._owners), "calls_accepted": self.accepted,
                 "calls_moved": self.moved, "takes_won": self.taken,
                 "takes_lost": self.takes_lost}

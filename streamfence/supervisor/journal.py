@@ -313,6 +313,13 @@ class Journal:
             self._unit.write(call_id, "DELETE FROM requests WHERE call_id = ?", (call_id,))
             self._unit.write(call_id, "DELETE FROM calls WHERE call_id = ?", (call_id,))
 
+    def taken_over(self, call_id: str, taken_from: str, epoch: int) -> None:
+        """Cluster mode: the call just journaled was taken over at `epoch` from
+        `taken_from` (its attempts before that epoch ran there: the console's
+        timeline says so)."""
+        self._unit.write(call_id, "UPDATE calls SET taken_from = ?, taken_epoch = ? "
+                         "WHERE call_id = ?", (taken_from, epoch, call_id))
+
     def is_finished(self, call_id: str) -> bool:
         if call_id in self._unit.finishing:  # finished in the unit not yet committed
             return True

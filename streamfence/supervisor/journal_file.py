@@ -43,6 +43,8 @@ CREATE TABLE IF NOT EXISTS calls (
     finished REAL,
     done BLOB,
     model TEXT,  -- the request's, for the `calls` list (nil in journals of earlier versions)
+    taken_from TEXT,  -- cluster mode, a call taken over: the host that owned it before ...
+    taken_epoch INTEGER,  -- ... and the epoch this host took it at (nil: accepted here)
     UNIQUE (owner, idempotency_key)
 );
 CREATE INDEX IF NOT EXISTS calls_finished ON calls (finished) WHERE state = 'done';
@@ -94,7 +96,8 @@ PROBE = ("INSERT INTO meta (key, value) VALUES ('written', ?) "
 # Columns added since (journals of earlier versions get them, nil, at open).
 ADDED_COLUMNS = (("attempts", "profile", "TEXT"), ("attempts", "model", "TEXT"),
                  ("calls", "model", "TEXT"), ("attempts", "chars", "INTEGER"),
-                 ("attempts", "refused", "INTEGER"))
+                 ("attempts", "refused", "INTEGER"), ("calls", "taken_from", "TEXT"),
+                 ("calls", "taken_epoch", "INTEGER"))
 
 # Journals written before calls had owners: their calls belong to `local`.
 ADD_OWNERS = """

@@ -54,9 +54,10 @@ class Takeover:
         """A reloaded config (supervisor/reload.py): its profiles for the next call taken."""
         self._config = config
 
-    def adopt(self, owner: Owner, record: dict[str, Any]) -> None:
-        """This host took the call over at `owner.epoch`; `record`: the call's
-        record in the cluster."""
+    def adopt(self, owner: Owner, record: dict[str, Any], taken_from: str) -> None:
+        """This host took the call over at `owner.epoch` from `taken_from` (the
+        host that owned it; this one for a stray); `record`: the call's record
+        in the cluster."""
         call_id = owner.call_id
         if self._calls.has(call_id):  # a host that stood still won back a call it runs
             log.info("cluster: call %s taken over at epoch %d runs here already; it goes on",
@@ -80,6 +81,7 @@ class Takeover:
         self._journal.add_call(call_id, call.owner, call.spec.idempotency_key,
                                call.spec.session_id, provider, call.spec.request,
                                call.spec.options.to_map())
+        self._journal.taken_over(call_id, taken_from, owner.epoch)
         self._enqueue(call, True)  # staged: it runs once the sink holds its log
         self._counters["calls_taken_over"] += 1
         log.warning("cluster: call taken over at epoch %d", owner.epoch, extra=call_context(call))
