@@ -9,10 +9,11 @@ Bearer KEY` or, for a browser (which cannot set a header on an
 EventSource), the cookie the login form sets (HttpOnly, SameSite=Strict,
 Path=/console). Under auth "none" every viewer is `local`.
 
-Live updates are SSE from here: a page's stream asks the daemon once per
-`POLL_S` (the calls list: its page of `calls`; one call: its row and
-attempts; the daemon: `status` every `STATUS_POLL_S`) and sends a fragment
-only when it changed; one call's transcript comes from a subscription
+Live updates are SSE from here: a page's stream watches a question shared
+by every page asking it (console_polls.py), asked once per `POLL_S` (the
+calls list: its page of `calls`; one call: its row and attempts; the
+daemon: `status` every `STATUS_POLL_S`), and sends a fragment only when
+the answer changed; one call's transcript comes from a subscription
 from seq 1 on a client of its own (a call's events go to one reader per
 client: the HTTP endpoints' clients are never shared with it).
 """
@@ -23,6 +24,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from aiohttp import web
 from streamfence.config.identities import identity_named
 from streamfence.config.model import DaemonConfig
 from streamfence.gateway import console_views as views
+from streamfence.gateway.console_polls import Polls
 from streamfence.gateway.keys import HttpKeys, caller
 from streamfence.protocol.client_async import AsyncClient
 from streamfence.protocol.client_router import ClientError
@@ -67,6 +70,7 @@ class Console:
         self._keys = keys
         self._endpoint = endpoint
         self._clients: dict[str, AsyncClient] = {}
+        self._polls = Polls()  # the live pages' questions, shared (console_polls.py)
 
     def register(self, app: web.Application) -> None:
         r = app.router
@@ -85,6 +89,7 @@ class Console:
         app.on_cleanup.append(self._close)
 
     async def _close(self, _app: web.Application) -> None:
+        await self._polls.close()
         for client in self._clients.values():
             client.close()
         self._clients.clear()
@@ -209,17 +214,16 @@ class Console:
         query = _query(_filters(request))
         client = self._client(viewer)
         response = await _sse(request)
-        last: list[Any] | None = None
-        while True:
-            try:
-                calls = (await client.calls(**query, limit=50))["calls"]
-            except (ClientError, TimeoutError) as exc:
-                await response.write(_frame("trouble", str(exc)))
-            else:
-                if calls != last:
-                    await response.write(_frame("rows", views.call_rows(calls)))
-                    last = calls
-            await asyncio.sleep(POLL_S)
+
+        async def ask() -> list[dict[str, Any]]:
+            calls: list[dict[str, Any]] = (await client.calls(**query, limit=50))["calls"]
+            return calls
+        key = (viewer.name, "calls", tuple(sorted(query.items())))
+        async with aclosing(self._polls.watch(key, ask, POLL_S)) as answers:
+            async for calls in answers:
+                await response.write(_frame("trouble", str(calls)) if isinstance(calls, Exception)
+                                     else _frame("rows", views.call_rows(calls)))
+        return response
 
     async def _call_events(self, request: web.Request) -> web.StreamResponse:
         viewer = self._viewer(request)
@@ -236,7 +240,8 @@ class Console:
         reader = self._new_client(viewer)  # this transcript's own: see the module docstring
         transcript = asyncio.create_task(_transcript(reader, call_id, write))
         try:
-            await self._follow_call(self._client(viewer), call_id, transcript, write)
+            await self._follow_call(viewer.name, self._client(viewer), call_id, transcript,
+                                    write)
             await transcript
             await write(_frame("end", "over"))  # else the browser's EventSource reconnects
         finally:
@@ -245,30 +250,25 @@ class Console:
             reader.close()
         return response
 
-    async def _follow_call(self, client: AsyncClient, call_id: str,
+    async def _follow_call(self, viewer: str, client: AsyncClient, call_id: str,
                            transcript: asyncio.Task[None], write: Write) -> None:
         """The call's row and attempts, sent when they change, until it is
         over and its transcript sent."""
-        last = ""
-        while True:
-            try:
-                call = await self._one(client, call_id)
-            except (ClientError, TimeoutError) as exc:
-                await write(_frame("trouble", str(exc)))
-                call = None
-            if call is not None:
-                data = json.dumps({"state": call["state"],
-                                   "badge": views.state_badge(call["state"]),
-                                   "attempts": views.attempts_fragment(call),
-                                   "live": call["state"] in views.LIVE_STATES})
-                if data != last:
-                    await write(_frame("call", data))
-                    last = data
-                if transcript.done() and call["state"] not in views.LIVE_STATES:
+        key = (viewer, "call", call_id)
+        answers = self._polls.watch(key, lambda: self._one(client, call_id), POLL_S)
+        async with aclosing(answers):
+            async for call in answers:
+                if isinstance(call, Exception):
+                    await write(_frame("trouble", str(call)))
+                    continue
+                if call is not None:
+                    await write(_frame("call", json.dumps({
+                        "state": call["state"], "badge": views.state_badge(call["state"]),
+                        "attempts": views.attempts_fragment(call),
+                        "live": call["state"] in views.LIVE_STATES})))
+                if call is None or call["state"] not in views.LIVE_STATES:
+                    await transcript  # the last answer: the transcript's end follows
                     return
-            elif transcript.done():
-                return
-            await asyncio.sleep(POLL_S)
 
     async def _daemon_events(self, request: web.Request) -> web.StreamResponse:
         viewer = self._viewer(request)
@@ -277,16 +277,17 @@ class Console:
         client = self._client(viewer)
         response = await _sse(request)
         last = ""
-        while True:
-            try:
-                fragment = views.daemon_fragment(await client.status())
-            except (ClientError, TimeoutError) as exc:
-                await response.write(_frame("trouble", str(exc)))
-            else:
-                if fragment != last:
+        answers = self._polls.watch((viewer.name, "status"), client.status, STATUS_POLL_S)
+        async with aclosing(answers):
+            async for status in answers:
+                if isinstance(status, Exception):
+                    await response.write(_frame("trouble", str(status)))
+                    continue
+                fragment = views.daemon_fragment(status)
+                if fragment != last:  # a reply differs in its ref and uptime at least
                     await response.write(_frame("daemon", fragment))
                     last = fragment
-            await asyncio.sleep(STATUS_POLL_S)
+        return response
 
 
 async def _transcript(client: AsyncClient, call_id: str, write: Write) -> None:
