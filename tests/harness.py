@@ -2,16 +2,22 @@
 which the demo and the chaos scripts share, with a short drain), and checks the
 end-to-end tests share."""
 
+import contextlib
+import os
+import signal
 import socket
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from streamfence.devtools import launcher
 from streamfence.devtools.launcher import wait_until
 
 __all__ = ["DaemonProcess", "assert_one_exact_answer", "free_port", "healthy", "process_state",
-           "wait_until"]
+           "stopped", "tree_of", "wait_until"]
 
 STOP_GRACE_S = 1.0  # the tests' drain at a stop (stop_grace_s; the daemon's default is 30 s)
 
@@ -26,6 +32,27 @@ class DaemonProcess(launcher.DaemonProcess):
                  daemon: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(state_dir, providers, {"stop_grace_s": STOP_GRACE_S, **(daemon or {})},
                          **kwargs)
+
+
+def tree_of(proc: launcher.DaemonProcess) -> list[int]:
+    """The daemon's supervisor and every process under it."""
+    assert proc.proc is not None, "the daemon is not running"
+    root = psutil.Process(proc.proc.pid)
+    return [root.pid, *(c.pid for c in root.children(recursive=True))]
+
+
+@contextlib.contextmanager
+def stopped(pids: list[int]) -> Iterator[list[int]]:
+    """The processes stopped (SIGSTOP) for the block and continued (SIGCONT)
+    after it, whatever the block raised: a frozen host, a zombie."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pids
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def process_state(pid: int) -> str:

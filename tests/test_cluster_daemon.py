@@ -8,7 +8,6 @@ appends, and kills its worker (the provider connection closes)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import psutil
 import pytest
 
 from streamfence.cluster.ledger import Ledger
@@ -27,7 +25,7 @@ from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProces
 from streamfence.devtools.nats_cluster import NatsCluster
 from streamfence.protocol.client_router import ClientError
 from streamfence.sink.transcript import read_events_after
-from tests.harness import DaemonProcess, wait_until
+from tests.harness import DaemonProcess, stopped, tree_of, wait_until
 from tests.wires import profile_for
 
 pytestmark = pytest.mark.slow
@@ -201,12 +199,6 @@ def _host(tmp_path: Path, emulator: EmulatorProcess, nats: NatsCluster, name: st
                                              "lease_s": lease_s}})
 
 
-def _tree(proc: DaemonProcess) -> list[int]:
-    assert proc.proc is not None
-    root = psutil.Process(proc.proc.pid)
-    return [root.pid, *(c.pid for c in root.children(recursive=True))]
-
-
 def test_a_frozen_host_loses_its_call_to_another_host_and_is_fenced_when_it_wakes(
         tmp_path: Path, emulator: EmulatorProcess, emu: EmulatorClient,
         nats: NatsCluster) -> None:
@@ -221,29 +213,22 @@ def test_a_frozen_host_loses_its_call_to_another_host_and_is_fenced_when_it_wake
                           {"fault": "ok", "chunks": 10, "text": "the answer from host b"}])
     a = _host(tmp_path, emulator, nats, "host-a", 2.0).start()
     b = _host(tmp_path, emulator, nats, "host-b", 2.0).start()
-    frozen: list[int] = []
     try:
         with a.client() as client:
             call_id = client.submit("emu", _request("zombie"), subscribe=False)
 
         _wait_runs(nats, call_id, "host a's first runs")
-        frozen = _tree(a)
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
+        with stopped(tree_of(a)):
+            async def owner(ledger: Ledger) -> Any:
+                return await ledger.owner(call_id)
+            wait_until(lambda: (o := _ledger(nats, "reader", owner)) is None
+                       or o.host == "host-b", 20, "host b to take the call")
 
-        async def owner(ledger: Ledger) -> Any:
-            return await ledger.owner(call_id)
-        wait_until(lambda: (o := _ledger(nats, "reader", owner)) is None or o.host == "host-b",
-                   20, "host b to take the call")
+            async def done(ledger: Ledger) -> bool:
+                return any(e["op"] == "done" for e in _events_in(await ledger.read(call_id)))
+            wait_until(lambda: _ledger(nats, "reader", done), 30, "host b to finish the call")
+            assert not emu.log("zombie")[0]["ended"], "host a's stream ended while it was frozen"
 
-        async def done(ledger: Ledger) -> bool:
-            return any(e["op"] == "done" for e in _events_in(await ledger.read(call_id)))
-        wait_until(lambda: _ledger(nats, "reader", done), 30, "host b to finish the call")
-        assert not emu.log("zombie")[0]["ended"], "host a's stream ended while it was frozen"
-
-        for pid in frozen:
-            os.kill(pid, signal.SIGCONT)
-        frozen = []
         record = emu.wait_for(lambda log: log[0] if log and log[0]["ended"] else None,
                               timeout=20.0, what="host a's provider connection to close",
                               key="zombie")
@@ -268,9 +253,6 @@ def test_a_frozen_host_loses_its_call_to_another_host_and_is_fenced_when_it_wake
             done_b = client.result(call_id, wait_s=5.0)  # host b serves the call it took
         assert done_b is not None and done_b["status"] == "completed", done_b
     finally:
-        for pid in frozen:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
         for proc in (a, b):
             proc.cleanup()
 
@@ -434,17 +416,11 @@ def test_a_call_the_cluster_cannot_be_asked_about_is_not_called_unknown(
     answered `cluster_unavailable`, not `unknown_call`; once it can, a call
     no host has is `unknown_call`."""
     stranger = "f" * 32
-    nodes = [n.proc.pid for n in nats.nodes if n.proc is not None]
-    for pid in nodes:
-        os.kill(pid, signal.SIGSTOP)
-    try:
+    with stopped([n.proc.pid for n in nats.nodes if n.proc is not None]):
         with daemon.client(timeout_s=30.0) as client, pytest.raises(ClientError) as refused:
             client.result(stranger)
         assert refused.value.code == "cluster_unavailable", refused.value
         assert "could not ask the cluster" in refused.value.message
-    finally:
-        for pid in nodes:
-            os.kill(pid, signal.SIGCONT)
 
     def answer() -> str:
         with daemon.client(timeout_s=30.0) as client:
@@ -528,20 +504,13 @@ def test_a_call_is_cancelled_from_any_host(tmp_path: Path, emulator: EmulatorPro
     emu.script("farcancel", [{"fault": "ok", "chunks": 600, "chunk_delay_s": 0.05}])  # 30 s
     a = _host(tmp_path, emulator, nats, "host-a", 30.0).start()
     b = _host(tmp_path, emulator, nats, "host-b", 30.0).start()
-    frozen: list[int] = []
     try:
         with a.client() as on_a, b.client(timeout_s=15.0) as on_b:
             call_id = on_a.submit("emu", _request("farcancel"))
             assert next(iter(on_a.events(call_id, timeout_s=10.0)))["op"] == "delta"
-            frozen = [a.proc.pid] if a.proc is not None else []  # A's supervisor only
-            for pid in frozen:
-                os.kill(pid, signal.SIGSTOP)
-            with pytest.raises(ClientError) as unanswered:
+            with stopped(tree_of(a)[:1]), pytest.raises(ClientError) as unanswered:  # A's supervisor
                 on_b.cancel(call_id)
             assert unanswered.value.code == "cancel_unknown", unanswered.value
-            for pid in frozen:
-                os.kill(pid, signal.SIGCONT)
-            frozen = []
 
             def cancel_again() -> dict[str, Any] | None:
                 try:
@@ -563,9 +532,6 @@ def test_a_call_is_cancelled_from_any_host(tmp_path: Path, emulator: EmulatorPro
                               key="farcancel")
         assert record["aborted"] and not record["completed"], record
     finally:
-        for pid in frozen:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
         for proc in (a, b):
             proc.cleanup()
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import nats as nats_py
-import psutil
 import pytest
 from click.testing import CliRunner
 from zmq.utils import z85
@@ -26,7 +25,7 @@ from streamfence.devtools.nats_cluster import NatsCluster
 from streamfence.protocol.client import Client
 from streamfence.protocol.credentials import Credentials, load_credentials
 from streamfence.protocol.keys import KeyStore
-from tests.harness import DaemonProcess, wait_until
+from tests.harness import DaemonProcess, stopped, tree_of, wait_until
 from tests.wires import profile_for
 
 pytestmark = pytest.mark.slow
@@ -141,12 +140,6 @@ def test_a_key_registered_on_one_host_is_accepted_on_another_until_revoked(
             proc.cleanup()
 
 
-def _tree(proc: DaemonProcess) -> list[int]:
-    assert proc.proc is not None
-    root = psutil.Process(proc.proc.pid)
-    return [root.pid, *(c.pid for c in root.children(recursive=True))]
-
-
 def test_a_host_that_starts_or_wakes_sees_the_cluster_s_keys_as_they_are_now(
         tmp_path: Path, emulator: EmulatorProcess, nats: NatsCluster) -> None:
     """Host B down while bob is registered on A: B accepts bob from its start.
@@ -155,30 +148,22 @@ def test_a_host_that_starts_or_wakes_sees_the_cluster_s_keys_as_they_are_now(
     goes on accepting carol, registered meanwhile."""
     a = _host(tmp_path, emulator, nats, "host-a").start()
     b = _host(tmp_path, emulator, nats, "host-b")
-    frozen: list[int] = []
     try:
         bob = _keys(a).register("bob", a.endpoint)
         b.start()
         wait_until(lambda: _accepted(b, _for(bob, b)), LEASE_S, "host b to accept bob at start")
 
-        frozen = _tree(b)
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
-        _keys(a).revoke("bob")
-        carol = _keys(a).register("carol", a.endpoint)
-        wait_until(lambda: not _published(nats, bob.public_key)
-                   and _published(nats, carol.public_key), LEASE_S,
-                   "host a to publish bob's revocation and carol's key")
-        for pid in frozen:
-            os.kill(pid, signal.SIGCONT)
-        frozen = []
+        with stopped(tree_of(b)):
+            _keys(a).revoke("bob")
+            carol = _keys(a).register("carol", a.endpoint)
+            wait_until(lambda: not _published(nats, bob.public_key)
+                       and _published(nats, carol.public_key), LEASE_S,
+                       "host a to publish bob's revocation and carol's key")
         wait_until(lambda: not _accepted(b, _for(bob, b)), LEASE_S,
                    "woken host b to refuse bob within a lease")
         wait_until(lambda: _accepted(b, _for(carol, b)), LEASE_S,
                    "woken host b to accept carol")
     finally:
-        for pid in frozen:
-            os.kill(pid, signal.SIGCONT)
         for proc in (a, b):
             proc.cleanup()
 

@@ -14,15 +14,11 @@ gateway/console_views.py); every wait is on a page or log condition.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import re
-import signal
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from streamfence.cluster.ledger import Ledger
@@ -32,7 +28,7 @@ from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProces
 from streamfence.devtools.nats_cluster import NatsCluster
 from streamfence.gateway.keys import http_key
 from streamfence.protocol.credentials import load_credentials
-from tests.harness import DaemonProcess, free_port, healthy, wait_until
+from tests.harness import DaemonProcess, free_port, healthy, stopped, tree_of, wait_until
 from tests.wires import profile_for
 
 pytestmark = pytest.mark.slow
@@ -60,11 +56,6 @@ class Host:
         with urllib.request.urlopen(request, timeout=10) as reply:
             body: bytes = reply.read()
         return body.decode()
-
-    def tree(self) -> list[int]:
-        assert self.daemon.proc is not None
-        root = psutil.Process(self.daemon.proc.pid)
-        return [root.pid, *(c.pid for c in root.children(recursive=True))]
 
 
 def _log_of(nats: NatsCluster, call_id: str) -> Any:
@@ -95,37 +86,31 @@ def test_a_call_taken_over_is_on_both_hosts_consoles(
                          {"fault": "ok", "chunks": 400, "chunk_delay_s": 0.05}])  # B: 20 s
     a = Host(tmp_path, emulator, nats, "host-a").start()
     b = Host(tmp_path, emulator, nats, "host-b").start()
-    frozen: list[int] = []
     try:
         with a.daemon.client() as client:
             call_id = client.submit("emu", {"model": "gpt-emu#taken", "messages": [
                 {"role": "user", "content": "hi"}]}, subscribe=False)
         wait_until(lambda: sum(1 for r in _log_of(nats, call_id) if r.kind == EVENTS) >= 2,
                    15, "host a's first runs in the call's log", interval=0.2)
-        frozen = a.tree()
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
-        wait_until(lambda: len(emu.log("taken")) >= 2, 30,
-                   "host b to take the call over and send its request")
+        with stopped(tree_of(a.daemon)):
+            wait_until(lambda: len(emu.log("taken")) >= 2, 30,
+                       "host b to take the call over and send its request")
+            call_page = b.page(f"/console/calls/{call_id}")
+            assert re.search(r'<li class=takeover data-from="host-a" data-epoch="2">',
+                             call_page), call_page
+            assert "Taken over" in call_page \
+                and "attempts 1–1 ran on host <b>host-a</b>" in call_page
+            attempts = re.findall(r'data-attempt="(\d+)"', call_page)
+            assert attempts == ["2"], f"host b's page shows its own attempt only: {attempts}"
 
-        call_page = b.page(f"/console/calls/{call_id}")
-        assert re.search(r'<li class=takeover data-from="host-a" data-epoch="2">', call_page), \
-            call_page
-        assert "Taken over" in call_page and "attempts 1–1 ran on host <b>host-a</b>" in call_page
-        attempts = re.findall(r'data-attempt="(\d+)"', call_page)
-        assert attempts == ["2"], f"host b's page shows its own attempt only: {attempts}"
+            def b_daemon() -> str:
+                page = b.page("/console/daemon")
+                return page if "lease lost" in _host_row(page, "host-a") \
+                    and _owned(_host_row(page, "host-b")) == "1" else ""
+            page = wait_until(b_daemon, 15, "host b's daemon page: host a's lease lost, "
+                                            "the call owned by host b", interval=0.2)
+            assert "this host" in _host_row(page, "host-b")
 
-        def b_daemon() -> str:
-            page = b.page("/console/daemon")
-            return page if "lease lost" in _host_row(page, "host-a") \
-                and _owned(_host_row(page, "host-b")) == "1" else ""
-        page = wait_until(b_daemon, 15, "host b's daemon page: host a's lease lost, "
-                                        "the call owned by host b", interval=0.2)
-        assert "this host" in _host_row(page, "host-b")
-
-        for pid in frozen:
-            os.kill(pid, signal.SIGCONT)
-        frozen = []
         wait_until(lambda: any("moved to another host" in r.get("message", "")
                                for r in a.daemon.log_records()), 20,
                    "host a to forget the call it lost")
@@ -144,9 +129,6 @@ def test_a_call_taken_over_is_on_both_hosts_consoles(
             done = client.result(call_id, wait_s=20.0)
         assert done is not None and done["status"] == "cancelled", done
     finally:
-        for pid in frozen:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
         for host in (a, b):
             host.daemon.cleanup()
         for host in (a, b):
