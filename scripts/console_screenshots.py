@@ -14,7 +14,6 @@ import base64
 import tempfile
 from pathlib import Path
 
-from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
 from streamfence.devtools.emulator.control import (
@@ -79,7 +78,10 @@ def _shoot(driver: WebDriver, url: str, path: Path, ready: str, width: int,
     `max_height` CSS pixels (chromium's own capture beyond the viewport)."""
     driver.get(url)
     wait(driver, lambda d: d.execute_script(ready), f"{url} to be ready")
-    wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "body.is-live"), "the live stream")
+    wait(driver, lambda d: d.execute_script(  # live, or a finished call's stream ended
+        "var n = document.getElementById('ended');"
+        "return document.body.classList.contains('is-live') || !!(n && n.textContent);"),
+        "the live stream")
     height = min(int(driver.execute_script("return document.documentElement.scrollHeight")),
                  max_height)
     shot = driver.execute_cdp_cmd("Page.captureScreenshot", {

@@ -82,6 +82,13 @@ def test_a_page_joining_has_the_question_asked_again_at_once() -> None:
             async with aclosing(polls.watch("q", asked, 3600.0)) as joined:
                 assert await _take(joined, 1) == [2]
             assert await _take(first, 1) == [2]
+        same = Asked(lambda n: "unchanged")
+        async with aclosing(polls.watch("s", same, 3600.0)) as first:
+            assert await _take(first, 1) == ["unchanged"]
+            async with aclosing(polls.watch("s", same, 3600.0)) as joined:
+                # the joining page gets the fresh answer though it did not change
+                assert await _take(joined, 1) == ["unchanged"]
+            assert same.n == 2
     asyncio.run(main())
 
 

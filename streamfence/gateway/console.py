@@ -330,6 +330,7 @@ async def _sse(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
     await response.prepare(request)
+    await response.write(b": live\n\n")  # the head goes now: the page shows it is live
     return response
 
 
