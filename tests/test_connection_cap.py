@@ -25,8 +25,11 @@ def test_at_the_cap_new_clients_are_refused_until_one_closes(make_daemon: Any) -
         held = [stack.enter_context(daemon.client()) for _ in range(CAP)]
         for client in held:
             client.status()  # each one's handshake is done: CAP connections
-        counters = held[0].status()["counters"]
+        status = held[0].status()
+        counters = status["counters"]
         assert counters["connections"] == CAP, counters
+        assert status["connections"] == {"live": CAP, "silent": 0, "shed": 0, "max": CAP}, \
+            status["connections"]
 
         # The loop counts a connection when its monitor event comes; a handshake
         # may be asked of ZAP before the loop's turn has counted it, so under

@@ -66,9 +66,24 @@ def test_the_daemon_page_takes_a_clients_reply_and_an_admins() -> None:
     admin = views.daemon_fragment({
         "identity": "local", "role": "admin", "workers": [{"state": "busy"}, {"state": "idle"}],
         "breakers": [{"state": "open"}], "storage": {"code": "storage_full"},
-        "sink_answered": False, "cluster": None, "counters": {"x": 1}, "calls": {}})
+        "sink_answered": False, "cluster": None, "counters": {"x": 1}, "calls": {},
+        "connections": {"live": 7, "max": 4096}, "usage": [{"identity": "alice", "calls": 3}]})
     assert "1 busy" in admin and "1 open" in admin and "storage_full" in admin
     assert "t-bad" in admin and "silent" in admin and "<details>" in admin
+    assert "<h2>Connections</h2>" in admin and "4096" in admin
+    assert "<summary>Usage</summary>" in admin and "alice" in admin
+
+
+def test_the_daemon_page_lists_the_cluster_s_hosts_this_one_first() -> None:
+    page = views.daemon_fragment({"identity": "local", "role": "admin", "calls": {}, "cluster": {
+        "host": "host-a", "lease_s": 2.0, "lease_age_s": 0.4, "connected": True,
+        "calls_owned": 3, "takes_won": 1, "hosts": {
+            "host-b": {"beat_age_s": 0.2, "lease_lost": False, "calls_owned": 5},
+            HOSTILE: {"beat_age_s": 9.0, "lease_lost": True, "calls_owned": None}}}})
+    rows = page[page.index("<table class=hosts>"):]
+    assert rows.index('data-host="host-a"') < rows.index('data-host="host-b"')
+    assert "this host · beat 0.4 s ago" in page and "lease lost" in page
+    assert "<script>" not in page and "takes_won" in page
 
 
 def test_the_login_page_escapes_its_message() -> None:

@@ -237,9 +237,11 @@ def _clock(t: float) -> str:
 
 # The status reply's sections: small ones side by side, then the wide ones,
 # then the long ones folded.
-SMALL = (("processes", "Processes"), ("pool", "Pool"), ("storage", "Storage"))
+SMALL = (("processes", "Processes"), ("pool", "Pool"), ("storage", "Storage"),
+         ("connections", "Connections"))
 WIDE = (("workers", "Workers"), ("calls", "Calls"), ("breakers", "Breakers"))
-FOLDED = (("sink", "Sink"), ("counters", "Counters"), ("histograms", "Histograms"))
+FOLDED = (("usage", "Usage"), ("sink", "Sink"), ("counters", "Counters"),
+          ("histograms", "Histograms"))
 
 
 def daemon_fragment(status: Mapping[str, Any]) -> str:

@@ -170,6 +170,13 @@ class FrontConnections:
         return {"connections": self.open, "connections_silent": len(self._silent),
                 "connections_shed": self.shed}
 
+    def view(self) -> dict[str, int]:
+        """`status`'s `connections`: open now, silent, shed so far, and the cap
+        (0: none)."""
+        counts = self.counts()
+        return {"live": counts["connections"], "silent": counts["connections_silent"],
+                "shed": counts["connections_shed"], "max": self._max_connections}
+
     def close(self, sock: zmq.Socket[bytes]) -> None:
         """Before `sock` closes: no event may go to a monitor nobody reads."""
         if self.monitor is not None:

@@ -190,6 +190,7 @@ class Daemon:
             self._shared_keys = SharedKeys(self.keys, cluster.bridge, cfg.cluster.lease_s)
         parts = build_parts(cfg, journal, live, sockets, cluster, self._zygote.send,
                             self._sink.stats, self._pids, self._connection_counts,
+                            self.connections.view,
                             self.transcript_path, tracer)
         self._sink.start(parts.sink)
         for call in recovered:

@@ -65,11 +65,13 @@ def build_parts(cfg: DaemonConfig, journal: Journal, live: LivenessTable,
                 sockets: Sockets,
                 cluster: ClusterLink | None, to_zygote: Callable[[ZygoteCommand], None],
                 sink_stats: SinkStats, pids: Callable[[], dict[str, int | None]],
-                auth_counts: Callable[[], dict[str, int]], transcript_path: str,
+                auth_counts: Callable[[], dict[str, int]],
+                connections: Callable[[], dict[str, int]], transcript_path: str,
                 tracer: CallTracer | None = None) -> Parts:
     """Every owner, in dependency order. `sockets`: the workers', logs' and
     clients' (bound) and the sink's (connected); `to_zygote`, `sink_stats`,
-    `pids` and `auth_counts`: what the daemon's children and auth answer."""
+    `pids`, `auth_counts` and `connections`: what the daemon's children, auth
+    and client connections answer."""
     workers_sock, logs_sock, front_sock, sink_sock = sockets
     clock = time.monotonic
     counters: Counter[str] = Counter()
@@ -84,7 +86,7 @@ def build_parts(cfg: DaemonConfig, journal: Journal, live: LivenessTable,
                            random.Random(), transcript_path, cluster, tracer)
     status = functools.partial(status_of, pool, driver, breakers,
                                functools.partial(sink_stats, sink), counters, pids,
-                               auth_counts, journal.fault_view,
+                               auth_counts, connections, journal.fault_view,
                                cluster.stats if cluster is not None else None,
                                functools.partial(daemon_facts, cfg, clock(), clock),
                                journal.usage)
