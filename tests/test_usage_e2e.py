@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,17 +98,21 @@ def _usage_json(daemon: DaemonProcess, *args: str, creds: Credentials | None = N
     return reply
 
 
-def _metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def _metrics(url: str, has: Callable[[Samples], bool] = lambda samples: True) -> Samples:
     """A scrape the supervisor answered (`streamfence_up` 1: a loaded machine
     can make it miss the gateway's 2 s for one scrape, which then has no
-    daemon figures)."""
-    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+    daemon figures) that `has` what the test is after: a scrape may reuse a
+    status up to 1 s old (docs/METRICS.md), from before the calls just made."""
+    def scrape() -> Samples | None:
         with urllib.request.urlopen(url + "/metrics", timeout=5.0) as reply:
             body = reply.read().decode()
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                    for family in text_string_to_metric_families(body) for s in family.samples}
-        return samples if samples.get(("streamfence_up", ())) == 1 else None
-    return wait_until(scrape, 30.0, "a /metrics scrape the supervisor answered")
+        return samples if samples.get(("streamfence_up", ())) == 1 and has(samples) else None
+    return wait_until(scrape, 30.0, "a /metrics scrape the supervisor answered", interval=0.1)
 
 
 def _tokens(usage: Any) -> tuple[int, int]:
@@ -236,7 +240,10 @@ def test_usage_and_metrics_equal_the_emulators_usage(setup: Setup,
     text = _cli(setup.daemon, "usage", "--since", "today", creds=setup.bob)
     assert text.returncode == 0 and "emu-model#u" in text.stdout, text
     # /metrics: the same sums, labelled.
-    samples = _metrics(setup.url)
+    calls_of_bob = sum(v[0] for v in sums.values())
+    samples = _metrics(setup.url, lambda samples: calls_of_bob == sum(
+        v for k, v in samples.items()
+        if k[0] == "streamfence_usage_calls_total" and ("identity", "bob") in k[1]))
     for (profile, model), (calls, tin, tout) in sums.items():
         labels = (("identity", "bob"), ("model", model), ("provider", profile))
         assert samples["streamfence_usage_calls_total", labels] == calls
