@@ -48,7 +48,7 @@ from aiohttp import web
 from streamfence.config.model import DaemonConfig
 from streamfence.gateway import access, anthropic_messages, http_errors, openai_chat
 from streamfence.gateway.console import Console
-from streamfence.gateway.keys import HttpKeys, caller
+from streamfence.gateway.keys import ClientsByIdentity, HttpKeys, caller
 from streamfence.gateway.metrics import Health
 from streamfence.gateway.neutral import Untranslatable
 from streamfence.gateway.routes import PROFILE_HEADER, NoRoute, route
@@ -108,7 +108,7 @@ class Gateway:
         self._config = config
         self._keys = HttpKeys(keys_dir) if keys_dir is not None else None
         self._endpoint = _connectable(config.endpoint)
-        self._clients: dict[str, AsyncClient] = {}
+        self._clients = ClientsByIdentity(self._endpoint, timeout_s=30.0)
         self._readers: dict[str, asyncio.Task[Any]] = {}  # call_id -> the request reading it
         # The requests refused here, before the daemon saw them, by code (/metrics).
         self._refused: Counter[str] = Counter()
@@ -122,14 +122,12 @@ class Gateway:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/healthz", self._healthz)
         self._health.register(app)
-        Console(self._config, self._keys, self._endpoint).register(app)  # /console
+        Console(self._config, self._keys, self._clients).register(app)  # /console
         app.on_cleanup.append(self._close)
         return app
 
     async def _close(self, _app: web.Application) -> None:
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
+        self._clients.close()
 
     # ---- who is asking ----------------------------------------------------------
 
@@ -141,15 +139,6 @@ class Gateway:
         if who is not None:
             request[access.IDENTITY] = who if isinstance(who, str) else who.name
         return who
-
-    def _client(self, who: Credentials | str) -> AsyncClient:
-        name = who if isinstance(who, str) else who.name
-        client = self._clients.get(name)
-        if client is None:
-            client = AsyncClient(self._endpoint, timeout_s=30.0,
-                                 credentials=None if isinstance(who, str) else who)
-            self._clients[name] = client
-        return client
 
     # ---- endpoints --------------------------------------------------------------
 
@@ -211,7 +200,7 @@ class Gateway:
         resume = request.headers.get("Last-Event-ID", "0")
         if not resume.isdigit():
             return self._refuse(wire, "bad_message", f"Last-Event-ID must be a seq, got {resume!r}")
-        client = self._client(who)
+        client = self._clients.of(who)
         try:
             call_id = await client.submit(
                 picked.target, body, options=_options(request.headers.get("traceparent")),

@@ -36,7 +36,7 @@ from streamfence.config.identities import identity_named
 from streamfence.config.model import DaemonConfig
 from streamfence.gateway import console_views as views
 from streamfence.gateway.console_polls import Polls
-from streamfence.gateway.keys import HttpKeys, caller
+from streamfence.gateway.keys import ClientsByIdentity, HttpKeys, caller
 from streamfence.protocol.client_async import AsyncClient
 from streamfence.protocol.client_router import ClientError
 from streamfence.protocol.credentials import Credentials
@@ -62,14 +62,15 @@ class Viewer:
 
 
 class Console:
-    """Owns the console's routes and its protocol clients (one per viewing
-    identity for requests; one per open transcript)."""
+    """Owns the console's routes, its shared polls and a protocol client per
+    open transcript; its questions go on the gateway's client of the viewing
+    identity (`clients`)."""
 
-    def __init__(self, config: DaemonConfig, keys: HttpKeys | None, endpoint: str) -> None:
+    def __init__(self, config: DaemonConfig, keys: HttpKeys | None,
+                 clients: ClientsByIdentity) -> None:
         self._config = config
         self._keys = keys
-        self._endpoint = endpoint
-        self._clients: dict[str, AsyncClient] = {}
+        self._clients = clients
         self._polls = Polls()  # the live pages' questions, shared (console_polls.py)
 
     def register(self, app: web.Application) -> None:
@@ -90,9 +91,6 @@ class Console:
 
     async def _close(self, _app: web.Application) -> None:
         await self._polls.close()
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
 
     # ---- who views ----------------------------------------------------------------
 
@@ -112,15 +110,7 @@ class Console:
         return viewer
 
     def _client(self, viewer: Viewer) -> AsyncClient:
-        client = self._clients.get(viewer.name)
-        if client is None:
-            client = self._new_client(viewer)
-            self._clients[viewer.name] = client
-        return client
-
-    def _new_client(self, viewer: Viewer) -> AsyncClient:
-        return AsyncClient(self._endpoint, timeout_s=10.0,
-                           credentials=None if isinstance(viewer.who, str) else viewer.who)
+        return self._clients.of(viewer.who)
 
     # ---- pages ----------------------------------------------------------------------
 
@@ -237,7 +227,7 @@ class Console:
             async with lock:
                 await response.write(data)
 
-        reader = self._new_client(viewer)  # this transcript's own: see the module docstring
+        reader = self._clients.fresh(viewer.who, timeout_s=10.0)  # this transcript's own: see the module docstring
         transcript = asyncio.create_task(_transcript(reader, call_id, write))
         try:
             await self._follow_call(viewer.name, self._client(viewer), call_id, transcript,

@@ -18,6 +18,7 @@ import hmac
 import os
 from pathlib import Path
 
+from streamfence.protocol.client_async import AsyncClient
 from streamfence.protocol.credentials import (
     LOCAL_NAME,
     Credentials,
@@ -82,3 +83,32 @@ def caller(keys: HttpKeys | None, authorization: str, other: str) -> Credentials
     key = authorization[len("Bearer "):] if authorization.startswith("Bearer ") else other
     key = key.strip()
     return keys.identify(key) if key else None
+
+
+class ClientsByIdentity:
+    """Owns one protocol client per identity that called (made at its first
+    request; the endpoints' submits and their calls' events, the console's
+    questions): the daemon authenticates each as that identity."""
+
+    def __init__(self, endpoint: str, timeout_s: float) -> None:
+        self._endpoint = endpoint
+        self._timeout_s = timeout_s
+        self._clients: dict[str, AsyncClient] = {}
+
+    def of(self, who: Credentials | str) -> AsyncClient:
+        name = who if isinstance(who, str) else who.name
+        client = self._clients.get(name)
+        if client is None:
+            client = self._clients[name] = self.fresh(who, self._timeout_s)
+        return client
+
+    def fresh(self, who: Credentials | str, timeout_s: float) -> AsyncClient:
+        """A client of its own for `who` (its caller closes it): a reader
+        whose events no other request may take."""
+        return AsyncClient(self._endpoint, timeout_s=timeout_s,
+                           credentials=None if isinstance(who, str) else who)
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
