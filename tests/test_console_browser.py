@@ -4,7 +4,8 @@ and its gateway. A viewer logs in with a key, sees a call appear and
 progress live, opens a zombie call and finds its two attempts with the
 stale kill between them, cancels a running call from the page (the
 emulator's record shows the provider connection closed), and a client key
-cannot see another identity's call. Call text is shown as text.
+cannot see another identity's call. Call text is shown as text. Over plain
+HTTP: one identity's live pages are capped.
 
 One daemon and one browser serve the module; every wait is on a page or
 log condition, with a timeout.
@@ -18,6 +19,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from selenium.webdriver.common.by import By
@@ -28,6 +30,7 @@ from streamfence.devtools.emulator.control import (
     EmulatorProcess,
     emulator_profile,
 )
+from streamfence.gateway.console import MAX_LIVE_PAGES
 from streamfence.gateway.keys import http_key
 from streamfence.protocol.client import Client
 from streamfence.protocol.credentials import Credentials, load_credentials
@@ -242,3 +245,39 @@ def test_the_pages_fit_a_narrow_window(site: Site, admin: WebDriver, width: int)
         assert table <= 0, f"the calls table is {table} px wider than a {width} px window"
     finally:
         admin.set_window_size(1280, 900)
+
+
+def _open_stream(url: str, key: str) -> Any:
+    request = urllib.request.Request(url + "/console/calls/events",
+                                     headers={"Authorization": f"Bearer {key}"})
+    return urllib.request.urlopen(request, timeout=10)
+
+
+def test_one_identity_holds_at_most_its_share_of_live_pages(site: Site) -> None:
+    """Each live page is a poll (a transcript, a connection of its own to the
+    daemon): an identity past MAX_LIVE_PAGES is refused 429, counted, and the
+    others are not; a page closed makes room again."""
+    alice, bob = http_key(site.alice), http_key(site.bob)
+    held = [_open_stream(site.url, alice) for _ in range(MAX_LIVE_PAGES)]
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _open_stream(site.url, alice)
+        body = refused.value.read().decode()
+        refused.value.close()
+        assert refused.value.code == 429 and "too_many_live_pages" in body, body
+        _open_stream(site.url, bob).close()  # another identity's share is its own
+        held.pop().close()
+
+        def reopened() -> Any:
+            try:
+                return _open_stream(site.url, alice)
+            except urllib.error.HTTPError as exc:
+                exc.close()
+                return None
+        held.append(wait_until(reopened, 10.0, "a page of alice's again once one closed"))
+        with urllib.request.urlopen(site.url + "/metrics", timeout=10) as reply:
+            metrics = reply.read().decode()
+        assert 'streamfence_gateway_refused_total{code="too_many_live_pages"}' in metrics
+    finally:
+        for stream in held:
+            stream.close()

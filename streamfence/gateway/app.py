@@ -122,7 +122,7 @@ class Gateway:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/healthz", self._healthz)
         self._health.register(app)
-        Console(self._config, self._keys, self._clients).register(app)  # /console
+        Console(self._config, self._keys, self._clients, self._refused).register(app)
         app.on_cleanup.append(self._close)
         return app
 

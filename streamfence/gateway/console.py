@@ -21,9 +21,11 @@ client: the HTTP endpoints' clients are never shared with it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import aclosing
 from html import escape
 from pathlib import Path
@@ -45,6 +47,7 @@ log = logging.getLogger("streamfence.gateway.console")
 
 COOKIE = "sf_console"
 POLL_S = 1.0  # a live page's questions to the daemon: one per this, at most
+MAX_LIVE_PAGES = 16  # live streams one identity may hold open at once (a page each)
 STATUS_POLL_S = 2.0
 STATIC = Path(__file__).parent / "static"
 Write = Callable[[bytes], Awaitable[None]]
@@ -67,10 +70,12 @@ class Console:
     identity (`clients`)."""
 
     def __init__(self, config: DaemonConfig, keys: HttpKeys | None,
-                 clients: ClientsByIdentity) -> None:
+                 clients: ClientsByIdentity, refused: Counter[str]) -> None:
         self._config = config
         self._keys = keys
         self._clients = clients
+        self._refused = refused  # the gateway's refusals by code (app.py owns it)
+        self._live: Counter[str] = Counter()  # live streams open, by identity
         self._polls = Polls()  # the live pages' questions, shared (console_polls.py)
 
     def register(self, app: web.Application) -> None:
@@ -108,6 +113,27 @@ class Console:
         if viewer is None:
             raise web.HTTPSeeOther("/console/login")
         return viewer
+
+    @contextlib.contextmanager
+    def _streaming(self, request: web.Request) -> Iterator[Viewer]:
+        """The viewer of a live stream, counted while it is open: one identity
+        holds at most MAX_LIVE_PAGES (each is a poll, a transcript a connection
+        of its own to the daemon), so one cannot flood the daemon for all."""
+        viewer = self._viewer(request)
+        if viewer is None:
+            raise web.HTTPUnauthorized(text="log in first")
+        if self._live[viewer.name] >= MAX_LIVE_PAGES:
+            self._refused["too_many_live_pages"] += 1
+            raise web.HTTPTooManyRequests(text=f"too_many_live_pages: {viewer.name} has "
+                                          f"{MAX_LIVE_PAGES} live console pages open; "
+                                          "close one")
+        self._live[viewer.name] += 1
+        try:
+            yield viewer
+        finally:
+            self._live[viewer.name] -= 1
+            if not self._live[viewer.name]:
+                del self._live[viewer.name]
 
     def _client(self, viewer: Viewer) -> AsyncClient:
         return self._clients.of(viewer.who)
@@ -198,47 +224,45 @@ class Console:
     # ---- live updates (SSE) ---------------------------------------------------------
 
     async def _calls_events(self, request: web.Request) -> web.StreamResponse:
-        viewer = self._viewer(request)
-        if viewer is None:
-            raise web.HTTPUnauthorized(text="log in first")
-        query = _query(_filters(request))
-        client = self._client(viewer)
-        response = await _sse(request)
+        with self._streaming(request) as viewer:
+            query = _query(_filters(request))
+            client = self._client(viewer)
+            response = await _sse(request)
 
-        async def ask() -> list[dict[str, Any]]:
-            calls: list[dict[str, Any]] = (await client.calls(**query, limit=50))["calls"]
-            return calls
-        key = (viewer.name, "calls", tuple(sorted(query.items())))
-        async with aclosing(self._polls.watch(key, ask, POLL_S)) as answers:
-            async for calls in answers:
-                await response.write(_frame("trouble", str(calls)) if isinstance(calls, Exception)
-                                     else _frame("rows", views.call_rows(calls)))
-        return response
+            async def ask() -> list[dict[str, Any]]:
+                calls: list[dict[str, Any]] = (await client.calls(**query, limit=50))["calls"]
+                return calls
+            key = (viewer.name, "calls", tuple(sorted(query.items())))
+            async with aclosing(self._polls.watch(key, ask, POLL_S)) as answers:
+                async for calls in answers:
+                    await response.write(_frame("trouble", str(calls))
+                                         if isinstance(calls, Exception)
+                                         else _frame("rows", views.call_rows(calls)))
+            return response
 
     async def _call_events(self, request: web.Request) -> web.StreamResponse:
-        viewer = self._viewer(request)
-        if viewer is None:
-            raise web.HTTPUnauthorized(text="log in first")
-        call_id = request.match_info["call_id"]
-        response = await _sse(request)
-        lock = asyncio.Lock()
+        with self._streaming(request) as viewer:
+            call_id = request.match_info["call_id"]
+            response = await _sse(request)
+            lock = asyncio.Lock()
 
-        async def write(data: bytes) -> None:
-            async with lock:
-                await response.write(data)
+            async def write(data: bytes) -> None:
+                async with lock:
+                    await response.write(data)
 
-        reader = self._clients.fresh(viewer.who, timeout_s=10.0)  # this transcript's own: see the module docstring
-        transcript = asyncio.create_task(_transcript(reader, call_id, write))
-        try:
-            await self._follow_call(viewer.name, self._client(viewer), call_id, transcript,
-                                    write)
-            await transcript
-            await write(_frame("end", "over"))  # else the browser's EventSource reconnects
-        finally:
-            transcript.cancel()
-            await asyncio.wait([transcript])
-            reader.close()
-        return response
+            # This transcript's own reader: see the module docstring.
+            reader = self._clients.fresh(viewer.who, timeout_s=10.0)
+            transcript = asyncio.create_task(_transcript(reader, call_id, write))
+            try:
+                await self._follow_call(viewer.name, self._client(viewer), call_id, transcript,
+                                        write)
+                await transcript
+                await write(_frame("end", "over"))  # else the EventSource reconnects
+            finally:
+                transcript.cancel()
+                await asyncio.wait([transcript])
+                reader.close()
+            return response
 
     async def _follow_call(self, viewer: str, client: AsyncClient, call_id: str,
                            transcript: asyncio.Task[None], write: Write) -> None:
@@ -261,23 +285,21 @@ class Console:
                     return
 
     async def _daemon_events(self, request: web.Request) -> web.StreamResponse:
-        viewer = self._viewer(request)
-        if viewer is None:
-            raise web.HTTPUnauthorized(text="log in first")
-        client = self._client(viewer)
-        response = await _sse(request)
-        last = ""
-        answers = self._polls.watch((viewer.name, "status"), client.status, STATUS_POLL_S)
-        async with aclosing(answers):
-            async for status in answers:
-                if isinstance(status, Exception):
-                    await response.write(_frame("trouble", str(status)))
-                    continue
-                fragment = views.daemon_fragment(status)
-                if fragment != last:  # a reply differs in its ref and uptime at least
-                    await response.write(_frame("daemon", fragment))
-                    last = fragment
-        return response
+        with self._streaming(request) as viewer:
+            client = self._client(viewer)
+            response = await _sse(request)
+            last = ""
+            answers = self._polls.watch((viewer.name, "status"), client.status, STATUS_POLL_S)
+            async with aclosing(answers):
+                async for status in answers:
+                    if isinstance(status, Exception):
+                        await response.write(_frame("trouble", str(status)))
+                        continue
+                    fragment = views.daemon_fragment(status)
+                    if fragment != last:  # a reply differs in its ref and uptime at least
+                        await response.write(_frame("daemon", fragment))
+                        last = fragment
+            return response
 
 
 async def _transcript(client: AsyncClient, call_id: str, write: Write) -> None:
