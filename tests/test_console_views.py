@@ -88,3 +88,17 @@ def test_the_daemon_page_lists_the_cluster_s_hosts_this_one_first() -> None:
 
 def test_the_login_page_escapes_its_message() -> None:
     assert "<script>" not in views.login_page(HOSTILE)
+
+
+def test_a_call_taken_over_says_from_where_and_a_call_taken_away_says_moved() -> None:
+    attempt = {"attempt": 3, "started": 1000.5, "ended": 1001.5, "worker_pid": 7,
+               "how": "ended", "first_chunk_ms": 5.0, "chunks": 4}
+    taken = views.call_body(_call(taken_from=HOSTILE, taken_epoch=3, attempt_rows=[attempt]))
+    assert "Taken over" in taken and "Accepted" not in taken
+    assert "attempts 1–2 ran on host" in taken and "<script>" not in taken
+    assert 'data-attempt="3"' in taken
+    assert "attempt 1 ran on host" in views.attempts_fragment(
+        _call(taken_from="host-a", taken_epoch=2))
+    moved = views.attempts_fragment(_call(state="moved", attempt_rows=[dict(attempt, attempt=1)]))
+    assert "<li class=moved" in moved and "No attempt" not in moved
+    assert "Taken over" not in views.call_body(_call())

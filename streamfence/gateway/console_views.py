@@ -195,8 +195,10 @@ def attempts_fragment(call: Mapping[str, Any]) -> str:
 
 def _taken(call: Mapping[str, Any]) -> str:
     epoch, host = call.get("taken_epoch"), _e(call["taken_from"])
-    before = (f"attempts 1–{epoch - 1} ran on host <b>{host}</b> (its console shows them)"
-              if isinstance(epoch, int) and epoch > 1 else f"it ran on host <b>{host}</b>")
+    ran = "" if not isinstance(epoch, int) or epoch < 2 else \
+        "attempt 1" if epoch == 2 else f"attempts 1–{epoch - 1}"
+    before = (f"{ran} ran on host <b>{host}</b> (its console shows them)" if ran
+              else f"it ran on host <b>{host}</b>")
     return (f'<li class=takeover data-from="{host}" data-epoch="{_e(epoch)}">Taken over from '
             f"host <b>{host}</b> at epoch {_e(epoch)}: {before}; the attempts below ran "
             "here.</li>")
