@@ -47,6 +47,7 @@ from streamfence.protocol.messages import (
     parse_request,
     reset_event,
 )
+from tests.harness import wait_until
 
 Out = dict[str, Any] | bytes | list[bytes]
 Handler = Callable[[dict[str, Any]], list[Out]]
@@ -96,6 +97,7 @@ class Peer:
         self.timeline: list[tuple[float, str]] = []  # (monotonic, "got OP" | "sent listening")
         self.listen_ids: list[bytes] = []  # the routing id of each `listen`
         self.unroutable: list[tuple[bytes | None, Out]] = []  # events no listener took
+        self.pushed = 0  # events pushed (sent, or unroutable)
         self._ctx, self._endpoint, self._handler = ctx, endpoint, handler
         self._max_frame = max_frame
         self._listen_delay_s = listen_delay_s
@@ -154,14 +156,17 @@ class Peer:
             due.append((monotonic() + self._listen_delay_s, ident))
 
     def _push(self, ev: zmq.Socket[bytes], listener: bytes | None, event: Out) -> None:
+        sent = False
         if listener is not None:
             try:
                 ev.send_multipart([listener, encode(event)])
-                return
+                sent = True
             except zmq.ZMQError:  # ROUTER_MANDATORY: that listener is not connected
                 pass
         with self._lock:
-            self.unroutable.append((listener, event))
+            if not sent:
+                self.unroutable.append((listener, event))
+            self.pushed += 1
 
     def _run(self) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
@@ -467,13 +472,16 @@ def test_events_before_the_accept_are_buffered_sorted_and_deduplicated(env: Env)
         return [delta("c1", 2, "b"), delta("c1", 1, "a"), accepted_msg(msg["ref"], "c1"),
                 delta("c1", 1, "a"), reset_event("c1", 2, 3), delta("c1", 4, "c", attempt=2),
                 done("c1", 5), delta("c1", 6, "after done")]
-    env.peer(handle)
+    peer = env.peer(handle)
     c = env.client()
     call_id = c.submit("openai", {"model": "m"})
     events = list(c.events(call_id, timeout_s=1))
     assert seqs(events) == [("delta", 1), ("delta", 2), ("reset", 3), ("delta", 4), ("done", 5)]
     assert [e.get("data") for e in events[:2]] == ["a", "b"]
     assert c.last_seq(call_id) == 5
+    # The delta after the done reaches the open client (which drops it) before the
+    # test ends: pushed later (a loaded machine), it would find the client closed.
+    wait_until(lambda: peer.pushed >= 7, 5.0, "the peer to push every event")
     assert list(c.events(call_id, timeout_s=1)) == []  # each event is handed out once
 
 
