@@ -25,7 +25,8 @@ from streamfence.protocol.internal.workers import (
     ZygoteCommand,
 )
 from streamfence.protocol.states import WorkerState
-from streamfence.supervisor.pool import REFILL_WAIT_S, Pool, Worker
+from streamfence.supervisor.pool import REFILL_WAIT_S, Pool
+from streamfence.supervisor.worker_states import Worker
 from streamfence.workers.liveness import LivenessTable
 from tests.fakes import Clock
 
@@ -69,14 +70,15 @@ class Harness:
         return up
 
     def run(self, n: int) -> list[Worker]:
-        """Reserve and dispatch `n` attempts on idle workers."""
+        """Reserve, prepare and start `n` attempts on idle workers."""
         busy = []
         for _ in range(n):
             self.token += 1
             worker = self.pool.reserve(f"c{self.token}", 1, self.token)
             assert worker is not None
             run = RunAttempt(self.token, f"c{self.token}", 1, "-", {}, {}, AttemptSettings())
-            assert self.pool.dispatch(worker, run)
+            self.pool.prepare(worker, run)
+            assert self.pool.go(worker)
             busy.append(worker)
         return busy
 

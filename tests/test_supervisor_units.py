@@ -43,7 +43,12 @@ from streamfence.protocol.internal.control import (
     stats_to_wire,
 )
 from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome, ErrorClass
-from streamfence.protocol.internal.workers import SpawnWorker, ZygoteCommand, parse_run
+from streamfence.protocol.internal.workers import (
+    SpawnWorker,
+    ZygoteCommand,
+    go_frame,
+    parse_run,
+)
 from streamfence.protocol.messages import (
     CallOptions,
     CallSpec,
@@ -71,10 +76,11 @@ from streamfence.supervisor.calls import (
 from streamfence.supervisor.clients import Clients
 from streamfence.supervisor.fallbacks import Fallbacks
 from streamfence.supervisor.journal import Journal
-from streamfence.supervisor.pool import InvalidTransition as WorkerTransition
-from streamfence.supervisor.pool import Pool, Worker, WorkerEvent
+from streamfence.supervisor.pool import Pool
 from streamfence.supervisor.sinklink import SINK_LOST, AttemptEvents, Refused, SinkLink
 from streamfence.supervisor.timeouts import AttemptTimeouts
+from streamfence.supervisor.worker_states import InvalidTransition as WorkerTransition
+from streamfence.supervisor.worker_states import Worker, WorkerEvent
 from streamfence.workers.liveness import LivenessTable
 
 PROFILE = ProviderProfile(name="emu", kind="openai", base_url="http://127.0.0.1:1")
@@ -342,14 +348,17 @@ def test_one_call_authorize_dispatch_end_finish(parts: dict[str, Any]) -> None:
     parts["journal"].add_call(call.call_id, "local", None, None, "emu", call.spec.request, {})
     driver.enqueue(call)
     _schedule(parts)
-    authorize = parse_control(msgpack.unpackb(sink_sock.sent.pop()))
-    assert authorize == Authorize(1, "c1", 1, False, "m") and call.state is CallState.AUTHORIZING
-    sink_sock.inbox.append(encode_ok(1, stats_to_wire(AttemptStats(0))))
-    parts["sink"].drain(driver)
+    # The worker prepares the attempt while it is authorized (W_RUN at the schedule) ...
     (identity, frame), = parts["workers"].sent
     run = parse_run(frame)
     assert msgpack.unpackb(frame)[0] == W_RUN and identity == b"w%d" % spawn.worker_id
     assert (run.call_id, run.attempt, run.settings.streaming) == ("c1", 1, True)
+    authorize = parse_control(msgpack.unpackb(sink_sock.sent.pop()))
+    assert authorize == Authorize(1, "c1", 1, False, "m") and call.state is CallState.AUTHORIZING
+    sink_sock.inbox.append(encode_ok(1, stats_to_wire(AttemptStats(0))))
+    parts["sink"].drain(driver)
+    # ... and sends it once the sink has authorized it (W_GO).
+    assert parts["workers"].sent[1:] == [[identity, go_frame(run.token)]]
     stats = AttemptStats(1, accepted=1, visible_chars=2, last_seq=1, closed=True)
     outcome = AttemptOutcome(ok=True, finish_reason="stop", model="m")
     sink_sock.inbox.append(encode_ended("c1", 1, stats, outcome))

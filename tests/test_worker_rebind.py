@@ -52,6 +52,7 @@ def test_a_break_while_sending_the_held_deltas_says_hello_again_first() -> None:
                                               [T_REBIND, "c1", 1, 2, 0],
                                               [T_REBIND, "c1", 2, 3, 0]])
     out = SinkOutput(sink, "c1", 1, 7, _Live(), 0)  # type: ignore[arg-type]
+    out.begin()
     for text in ("a", "b", "c"):
         out.delta("text", text)
     sink.lost = True  # the first sink died

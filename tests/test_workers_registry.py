@@ -143,6 +143,7 @@ class _Sink:
 def test_sink_output_numbers_deltas_and_notices_visible_text() -> None:
     sink = _Sink()
     out = SinkOutput(sink, "c1", 2, 7, _Live(), 0)  # type: ignore[arg-type]
+    out.begin()
     out.delta("reasoning", "thinking")
     out.delta("text", "  \n")
     assert not out.visible

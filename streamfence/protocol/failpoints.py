@@ -48,7 +48,8 @@ DIR_ENV = "STREAMFENCE_FAILPOINTS_DIR"
 POINTS: dict[str, str] = {
     "supervisor.after_journal_commit": "a submit is durable; `accepted` not yet sent",
     "supervisor.before_authorize": "an attempt's epoch journaled; C_AUTHORIZE not yet sent",
-    "supervisor.before_dispatch": "the sink authorized the attempt; W_RUN not yet sent",
+    "supervisor.before_dispatch": "the sink authorized the attempt; W_GO not yet sent (the "
+                                  "worker holds it prepared)",
     "supervisor.after_fence": "the sink closed an attempt; its worker not yet killed",
     "supervisor.before_rebind": "a running attempt's new epoch journaled after a sink "
                                 "restart; C_REBIND not yet sent",

@@ -1,8 +1,8 @@
 """Driving attempts: the one place that moves a call through its state
 machine (streamfence.supervisor.calls: CallState, CallEvent). Schedule a
-queued call on a warm worker, authorize its attempt at the sink first (in
-cluster mode, own it first: ARCHITECTURE §4.17), dispatch it, fence then
-kill a stale or dead attempt, decide (calls.decide), back off, and finish.
+queued call on a warm worker (which prepares it), authorize its attempt at
+the sink (cluster mode: own it first, ARCHITECTURE §4.17), then let the worker
+send it; fence then kill a stale or dead attempt, decide, back off, finish.
 
 Its helpers, each with one job and no say over a call's state:
 - livecalls.LiveCalls: the live calls and what they hold of the budgets;
@@ -10,8 +10,7 @@ Its helpers, each with one job and no say over a call's state:
 - callends.CallEnds: the ways out (done, moved, never accepted);
 - rebind.Rebinds: the running attempts rebound after a sink restart;
 - takeover.Takeover: cluster mode, a call taken over from another host;
-- verdicts.Verdicts: what an ended attempt means (finish, or retry after a
-  backoff), and what the breakers and fall-backs learn from it;
+- verdicts.Verdicts: what an ended attempt means, what breakers and fall-backs learn;
 - deployments.Router: a group's call's deployment for each attempt.
 """
 
@@ -50,7 +49,7 @@ from streamfence.supervisor.fallbacks import Fallbacks
 from streamfence.supervisor.histograms import Histograms, attempt_outcome
 from streamfence.supervisor.journal import Journal
 from streamfence.supervisor.livecalls import LiveCalls, call_context
-from streamfence.supervisor.pool import Pool, exit_text
+from streamfence.supervisor.pool import Pool
 from streamfence.supervisor.rebind import Rebinds
 from streamfence.supervisor.sinklink import (
     SINK_LOST,
@@ -66,6 +65,7 @@ from streamfence.supervisor.takeover import Takeover
 from streamfence.supervisor.tracing import CallTracer
 from streamfence.supervisor.verdicts import Verdicts
 from streamfence.supervisor.watchdog import Watchdog
+from streamfence.supervisor.worker_states import exit_text
 
 if TYPE_CHECKING:  # cluster mode only: it brings nats
     from streamfence.supervisor.clusterlink import ClusterLink
@@ -188,6 +188,8 @@ class AttemptDriver:
             call.to(CallEvent.START)
             self.router.choose(call)
             self._journal.start_attempt(call.call_id, call.epoch, call.profile.name, call.model)
+            # Prepared while the journal commits and the sink authorizes; sent at `go`.
+            self._pool.prepare(worker, run_attempt(call, self._fallbacks))
             started.append(call)
         # The forks the queue needs are asked for first (all at once): the zygote
         # forks while the journal commits and the sink authorizes.
@@ -267,12 +269,10 @@ class AttemptDriver:
         call.dispatched_ns = time.monotonic_ns()
         self._due.arm_watch(call, call.dispatched_ns, call.timeouts.first_chunk_s)
         self._journal.set_attempt_pid(call.call_id, call.epoch, worker.pid)
-        run = run_attempt(call, self._fallbacks)
-        call.probe_next = False  # sent once
-        call.notice = None
+        call.probe_next, call.notice = False, None  # sent once (in the prepared run)
         if ARMED:
             failpoint("supervisor.before_dispatch")
-        if not self._pool.dispatch(worker, run):
+        if not self._pool.go(worker):
             self.fence(call, FenceReason.WORKER_DIED)
             return
         log.debug("attempt dispatched to worker %d (pid %d)", worker.worker_id, worker.pid,

@@ -38,8 +38,6 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import zmq
@@ -50,11 +48,13 @@ from streamfence.protocol.internal.workers import (
     SpawnWorker,
     WorkerHello,
     ZygoteCommand,
+    drop_frame,
     encode_run,
+    go_frame,
     parse_from_worker,
 )
-from streamfence.protocol.lifecycle import ExitCode
 from streamfence.protocol.states import WorkerState
+from streamfence.supervisor.worker_states import Worker, WorkerEvent
 from streamfence.workers.liveness import LivenessTable
 
 log = logging.getLogger("streamfence.pool")
@@ -66,74 +66,6 @@ REFILL_WAIT_S = 1.0  # spare forks wait for starting attempts at most this long
 REFILL_POLL_S = 0.01  # how often a waiting refill looks at the starting attempts' first chunks
 
 
-class WorkerEvent(Enum):
-    HELLO = "hello"  # W_HELLO: the worker is up
-    RESERVE = "reserve"
-    RUN = "run"  # W_RUN sent
-    RELEASE = "release"
-    IDLE = "idle"  # W_IDLE: its attempt is over
-    KILL = "kill"
-    EXITED = "exited"  # the zygote reaped it
-
-
-_W = WorkerEvent
-# state -> event -> next state; anything else is a bug and raises.
-_TRANSITIONS: dict[WorkerState, dict[WorkerEvent, WorkerState]] = {
-    WorkerState.SPAWNING: {_W.HELLO: WorkerState.IDLE, _W.KILL: WorkerState.KILLING,
-                           _W.EXITED: WorkerState.DEAD},
-    WorkerState.IDLE: {_W.RESERVE: WorkerState.RESERVED, _W.KILL: WorkerState.KILLING,
-                       _W.EXITED: WorkerState.DEAD},
-    WorkerState.RESERVED: {_W.RUN: WorkerState.BUSY, _W.RELEASE: WorkerState.IDLE,
-                           _W.KILL: WorkerState.KILLING, _W.EXITED: WorkerState.DEAD},
-    WorkerState.BUSY: {_W.IDLE: WorkerState.IDLE, _W.KILL: WorkerState.KILLING,
-                       _W.EXITED: WorkerState.DEAD},
-    WorkerState.KILLING: {_W.EXITED: WorkerState.DEAD, _W.KILL: WorkerState.KILLING,
-                          _W.IDLE: WorkerState.KILLING, _W.HELLO: WorkerState.KILLING},
-    WorkerState.DEAD: {},
-}
-
-
-class InvalidTransition(Exception):
-    pass
-
-
-@dataclass(slots=True)
-class Worker:
-    worker_id: int
-    slot: int
-    state: WorkerState = WorkerState.SPAWNING
-    pid: int = 0
-    call_id: str | None = None
-    attempt: int = 0
-    token: int = 0
-    since: float = 0.0
-    returncode: int | None = None
-    runs: int = 0  # attempts dispatched to it
-    idle_at: float = 0.0  # when it last became idle (the pool's clock)
-
-    @property
-    def identity(self) -> bytes:
-        return b"w%d" % self.worker_id
-
-    def to(self, event: WorkerEvent) -> None:
-        nxt = _TRANSITIONS[self.state].get(event)
-        if nxt is None:
-            raise InvalidTransition(f"worker {self.worker_id} in state {self.state.value} "
-                                    f"got event {event.value!r}")
-        self.state = nxt
-        self.since = time.monotonic()
-
-
-def exit_text(code: int | None) -> str:
-    """A child's exit code for a log line: its ExitCode name, or the signal."""
-    if code is None:
-        return "unknown"
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"{code} (signal {signal.Signals(-code).name})"
-    with contextlib.suppress(ValueError):
-        return f"{code} ({ExitCode(code).name})"
-    return str(code)
 
 
 class Pool:
@@ -404,24 +336,40 @@ class Pool:
         return worker
 
     def release(self, worker: Worker) -> None:
-        """Give back a reserved worker whose attempt never started."""
+        """Give back a reserved worker whose attempt never started (a prepared
+        one is told W_DROP: it sent nothing and goes back to waiting)."""
         if worker.state is WorkerState.RESERVED:
+            if worker.prepared and not self._tell(worker, drop_frame(worker.token)):
+                return  # unreachable: being killed
             self._to(worker, WorkerEvent.RELEASE)
             worker.call_id, worker.attempt, worker.token = None, 0, 0
+            worker.prepared = False
 
-    def dispatch(self, worker: Worker, run: RunAttempt) -> bool:
-        """Send the reserved `worker` its attempt. False: it is unreachable (killed
-        after it reported idle, before the zygote reported its exit), and now
-        being killed: the attempt never started."""
+    def prepare(self, worker: Worker, run: RunAttempt) -> None:
+        """Send the reserved `worker` its attempt (W_RUN) as it is scheduled: it
+        prepares it and sends nothing before `go` (workers/send_gate.py)."""
+        if worker.state is WorkerState.RESERVED and self._tell(worker, encode_run(run)):
+            worker.prepared = True
+
+    def go(self, worker: Worker) -> bool:
+        """The reserved `worker`'s prepared attempt is authorized: W_GO. False: the
+        worker is gone or unreachable (killed after it reported idle, before the
+        zygote reported its exit), and now being killed: the attempt never started."""
+        if worker.state is not WorkerState.RESERVED or not worker.prepared:
+            return False
         self._to(worker, WorkerEvent.RUN)
         worker.runs += 1
+        worker.prepared = False
         self._unstarted.add(worker.worker_id)
+        return self._tell(worker, go_frame(worker.token))
+
+    def _tell(self, worker: Worker, frame: bytes) -> bool:
         try:
-            self.socket.send_multipart([worker.identity, encode_run(run)])
+            self.socket.send_multipart([worker.identity, frame])
         except zmq.ZMQError as exc:
-            log.warning("worker %d unreachable (%s); fencing the attempt", worker.worker_id, exc,
-                        extra={"session_id": run.session_id, "call_id": run.call_id,
-                               "attempt": run.attempt})
+            log.warning("worker %d unreachable (%s); its attempt never starts",
+                        worker.worker_id, exc, extra={"call_id": worker.call_id,
+                                                      "attempt": worker.attempt})
             self.kill(worker)
             return False
         return True

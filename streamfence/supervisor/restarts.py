@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from streamfence.supervisor.pool import exit_text
+from streamfence.supervisor.worker_states import exit_text
 
 log = logging.getLogger("streamfence.supervisor")
 

@@ -29,8 +29,9 @@ from streamfence.protocol.internal.workers import (
 )
 from streamfence.supervisor.attempts import AttemptDriver
 from streamfence.supervisor.logs import emit_child_record
-from streamfence.supervisor.pool import Pool, exit_text
+from streamfence.supervisor.pool import Pool
 from streamfence.supervisor.restarts import RestartPolicy
+from streamfence.supervisor.worker_states import exit_text
 
 log = logging.getLogger("streamfence.supervisor")
 

@@ -23,6 +23,7 @@ from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome
 from streamfence.protocol.internal.workers import AttemptSettings
 from streamfence.workers.errors import CredentialsMissing
 from streamfence.workers.output import AttemptOutput
+from streamfence.workers.send_gate import wait_at_gate
 
 Profile = dict[str, Any]
 
@@ -62,9 +63,11 @@ def shared_ssl_context() -> ssl.SSLContext:
 
 def http_client() -> httpx2.Client:
     """The transport of an SSE adapter's SDK client: the shared SSL context, no
-    proxies from the environment, a small pool."""
+    proxies from the environment, a small pool, and the attempt's send gate
+    before each request (workers/send_gate.py)."""
     return httpx2.Client(verify=shared_ssl_context(), trust_env=False,
-                         limits=httpx2.Limits(max_connections=8, max_keepalive_connections=2))
+                         limits=httpx2.Limits(max_connections=8, max_keepalive_connections=2),
+                         event_hooks={"request": [wait_at_gate]})
 
 
 def api_key_of(profile: Profile) -> str:

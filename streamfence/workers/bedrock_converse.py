@@ -55,6 +55,7 @@ from streamfence.workers.adapter import Adapter
 from streamfence.workers.assembly import ToolSlots, raised_here
 from streamfence.workers.errors import attempt_error, classify
 from streamfence.workers.output import NOTICE, REASONING, TEXT, TOOL_CALL, AttemptOutput
+from streamfence.workers.send_gate import wait_at_gate
 
 log = logging.getLogger("streamfence.bedrock")
 
@@ -98,8 +99,10 @@ def make_client(profile: dict[str, Any]) -> Any:
         raise ValueError(f"profile {profile.get('name')!r}: aws_credentials must be "
                          f"\"chain\" or \"dummy\", got {mode!r}")
     region = profile.get("region") or session.get_config_variable("region") or "us-east-1"
-    return session.create_client("bedrock-runtime", region_name=region,
-                                 endpoint_url=endpoint_url, config=config, **kwargs)
+    client = session.create_client("bedrock-runtime", region_name=region,
+                                   endpoint_url=endpoint_url, config=config, **kwargs)
+    client.meta.events.register("before-send.bedrock-runtime", wait_at_gate)
+    return client
 
 
 _USAGE_KEYS = (("inputTokens", "prompt_tokens"), ("outputTokens", "completion_tokens"),

@@ -3,17 +3,21 @@ sink, and ends every attempt with an explicit final message.
 
 Duties:
 1. Say hello to the supervisor, then wait for a W_RUN.
-2. Stamp the attempt on every log record (streamfence.protocol.logs), run the attempt
+2. Prepare the attempt (its request, client and SDK request) and send
+   nothing to the provider or the sink before the supervisor's W_GO, which
+   comes once the sink authorized it; on W_DROP, go back to waiting
+   unseen (workers/send_gate.py).
+3. Stamp the attempt on every log record (streamfence.protocol.logs), run the attempt
    through its profile's adapter (workers/registry.py), and push each delta to the
    sink as (call, attempt, seq, kind, data) with seq contiguous from 1, over
    one stream connection (workers/sink_channel.py); the deltas of one
    provider read in one write, before the next read (`SinkOutput.reads`).
-3. Touch the liveness row on every real chunk (streamfence.workers.liveness).
-4. Send T_FINAL with the last seq and the outcome, and count the attempt done
+4. Touch the liveness row on every real chunk (streamfence.workers.liveness).
+5. Send T_FINAL with the last seq and the outcome, and count the attempt done
    only when the sink acknowledges it (a stream's end proves nothing; a PUSH
    that exits right after sending loses messages). No ack in time: exit with
    ExitCode.SINK_UNREACHABLE so the supervisor treats the attempt as incomplete.
-5. Report W_IDLE and wait for the next attempt.
+6. Report W_IDLE and wait for the next attempt.
 
 Its process title (`ps`) says which attempt it runs: `streamfence[NAME]: worker 3
 (call 1a2b3c4d…, attempt 2)`, or `streamfence[NAME]: worker 3 (idle)`.
@@ -27,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -54,6 +58,7 @@ from streamfence.protocol.internal.workers import (
     RunAttempt,
     idle_frame,
     parse_run,
+    parse_word,
     worker_hello_frame,
 )
 from streamfence.protocol.lifecycle import ExitCode, set_process_title
@@ -62,6 +67,7 @@ from streamfence.protocol.messages import DeltaKind, submitted_request, visible_
 from streamfence.workers.errors import UNEXPECTED_CODES, traceback_text
 from streamfence.workers.liveness import LivenessTable
 from streamfence.workers.registry import run_attempt
+from streamfence.workers.send_gate import GATE, AttemptDropped
 from streamfence.workers.sink_channel import LOST, SinkChannel
 from streamfence.workers.warmup import warm_worker_in_background
 
@@ -117,12 +123,16 @@ class SinkOutput:
         self.exc: BaseException | None = None
         self._holding = False  # inside `reads`: frames wait in _held for the read's end
         self._held: list[bytes] = []
-        sink.lost = False  # what broke before this attempt concerns no one
-        # The start hello: its answer is in long before the provider's first
-        # chunk, so the first delta rarely waits (and never past _first_wait_s).
         self._first_wait_s = FIRST_ANSWER_WAIT_S
-        self._rebinding = True  # a T_HELLO is out, its answer not in yet
-        self._send(hello_frame(call_id, attempt, token))
+        self._rebinding = False  # a T_HELLO is out, its answer not in yet
+
+    def begin(self) -> None:
+        """The start hello, once the attempt is authorized (its W_GO): its answer
+        is in long before the provider's first chunk, so the first delta
+        rarely waits (and never past _first_wait_s)."""
+        self._chan.lost = False  # what broke before this attempt concerns no one
+        self._rebinding = True
+        self._send(hello_frame(self._call_id, self.attempt, self._token))
 
     def chunk(self, nbytes: int) -> None:
         if not self.first_chunk_ns:
@@ -283,21 +293,52 @@ def _failed(outcome: AttemptOutcome, error: AttemptError, out: SinkOutput) -> At
     return outcome
 
 
-def _run_one(run: RunAttempt, sink: SinkChannel, live: LivenessTable, slot: int) -> bool:
+def _word_on(ctl: zmq.Socket[bytes], token: int) -> Callable[[], bool]:
+    """The supervisor's word on the prepared attempt `token` (True: W_GO)."""
+    def word() -> bool:
+        while True:
+            try:
+                said = parse_word(ctl.recv())
+            except BadFrame as exc:
+                log.warning("unexpected message from the supervisor: %s", exc.reason)
+                continue
+            if said.token == token:
+                return said.go
+    return word
+
+
+def _run_one(run: RunAttempt, ctl: zmq.Socket[bytes], sink: SinkChannel, live: LivenessTable,
+             slot: int) -> bool | None:
+    """Prepare the attempt, run it once its W_GO came (workers/send_gate.py);
+    whether the sink accepted its final, or None: dropped (W_DROP), unseen."""
     settings = run.settings
-    live.begin(slot, run.token)
     out = SinkOutput(sink, run.call_id, run.attempt, run.token, live, slot)
-    started = time.monotonic_ns()
     request = run.request
     if run.request_file is not None:  # a large request: its submit frame, as stored
         with open(run.request_file, "rb") as f:
             request = submitted_request(f.read(), run.request)
     provider, model = run.profile.get("name"), request_model(request)
     set_context(run.session_id, run.call_id, run.attempt, run.owner, provider, model)
-    log.info("attempt started: provider=%s model=%s", provider, model)
-    if settings.notice:
-        out.delta(NOTICE, settings.notice)
-    outcome = run_attempt(run.profile, request, out, settings)
+    started = 0
+
+    def go() -> None:
+        nonlocal started
+        started = time.monotonic_ns()
+        live.begin(slot, run.token)
+        out.begin()
+        log.info("attempt started: provider=%s model=%s", provider, model)
+        if settings.notice:
+            out.delta(NOTICE, settings.notice)
+
+    GATE.arm(_word_on(ctl, run.token), go)
+    try:
+        outcome = run_attempt(run.profile, request, out, settings)
+        GATE.wait()  # an attempt that failed before its request waits for its word too
+    except AttemptDropped:
+        log.debug("attempt dropped before its request: never authorized")
+        return None
+    finally:
+        GATE.open()
     if outcome.error is not None:
         outcome = _failed(outcome, outcome.error, out)
     if outcome.dropped_tool_names:
@@ -355,10 +396,11 @@ def worker_main(worker_id: int, slot: int, runtime_dir: str, slots: int,
                 continue
             set_process_title(f"worker {worker_id} (call {run.call_id[:8]}…, "
                               f"attempt {run.attempt})")
-            accepted = _run_one(run, sink, live, slot)
+            accepted = _run_one(run, ctl, sink, live, slot)
             clear_context()
             set_process_title(idle)
-            ctl.send(idle_frame(worker_id, run.token, accepted))
+            if accepted is not None:  # a dropped attempt's worker is idle already
+                ctl.send(idle_frame(worker_id, run.token, accepted))
     except Exception:
         log.exception("worker crashed")
         code = ExitCode.CRASHED

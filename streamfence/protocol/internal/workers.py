@@ -8,7 +8,12 @@ Supervisor -> worker ("workers"):
         profile: the provider profile as a map; settings: `AttemptSettings`'
         values in field order; request_file: a stored submit frame to read the
         request from, or nil; owner: the identity that submitted the call
-        (for the worker's log lines).
+        (for the worker's log lines). Sent when the attempt is scheduled:
+        the worker prepares it, and sends nothing to the provider or the
+        sink until the word that follows (workers/send_gate.py):
+    [W_GO, token]     the sink authorized the attempt: send    `go_frame`
+    [W_DROP, token]   it never starts: back to idle, silently  `drop_frame`
+                      (`parse_word` parses both)
 Worker -> supervisor (`parse_from_worker` parses both):
     [W_HELLO, worker_id, pid]                      `worker_hello_frame`
     [W_IDLE, worker_id, token, final_accepted]     `idle_frame`
@@ -26,7 +31,7 @@ from typing import Any
 
 import msgpack
 
-from streamfence.protocol.internal import W_HELLO, W_IDLE, W_RUN
+from streamfence.protocol.internal import W_DROP, W_GO, W_HELLO, W_IDLE, W_RUN
 from streamfence.protocol.internal.checks import BadFrame
 
 # ---- W_RUN (supervisor -> worker) -----------------------------------------
@@ -99,6 +104,37 @@ def parse_run(frame: bytes) -> RunAttempt:
         raise BadFrame(f"W_RUN's settings: {exc}") from None
     return RunAttempt(token, call_id, attempt, session_id, profile, request, run_settings,
                       request_file, owner)
+
+
+# ---- W_GO, W_DROP (supervisor -> worker) --------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Word:
+    """The supervisor's word on the prepared attempt `token`: go (W_GO) or not
+    (W_DROP)."""
+
+    token: int
+    go: bool
+
+
+def go_frame(token: int) -> bytes:
+    packed: bytes = msgpack.packb([W_GO, token])
+    return packed
+
+
+def drop_frame(token: int) -> bytes:
+    packed: bytes = msgpack.packb([W_DROP, token])
+    return packed
+
+
+def parse_word(frame: bytes) -> Word:
+    """A W_GO or W_DROP frame; anything else raises BadFrame."""
+    msg = _unpack(frame)
+    if type(msg) is list and len(msg) == 2 and msg[0] in (W_GO, W_DROP) \
+            and type(msg[1]) is int:
+        return Word(msg[1], msg[0] == W_GO)
+    raise BadFrame(f"not a W_GO or W_DROP: {str(msg)[:100]}")
 
 
 # ---- W_HELLO, W_IDLE (worker -> supervisor) -----------------------------------
