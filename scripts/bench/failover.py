@@ -159,7 +159,8 @@ def _report(sec: Section, by_variant: dict[str, list[dict[str, float]]]) -> None
         sched, disp, total = ms(res, "schedule"), ms(res, "dispatch"), ms(res, "total")
         sec.note(f"- {name}: kill → retry scheduled (journal `started` of attempt 2) "
                  f"{sched[0]:.2f} ms; scheduled → request at the emulator {disp[0]:.2f} ms "
-                 f"(authorize at the sink, W_RUN, the worker's SDK request); stale deadline → "
+                 f"(the journal's and the sink's commits, the worker preparing meanwhile; W_GO, "
+                 f"the send); stale deadline → "
                  f"retry request {total[0]:.1f} ms median, {total[1]:.1f} ms max.")
     sec.note(f"- Replacement times have ±1 ms resolution (`for_s` is rounded to ms). "
              f"Pass/fail uses the max over {len(results)} rounds.")
