@@ -33,7 +33,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import zmq
 
@@ -76,6 +76,7 @@ log = logging.getLogger("streamfence.worker")
 NOTICE = DeltaKind.NOTICE.value
 
 
+T = TypeVar("T")
 KEEP_FOR_REBIND_BYTES = 32 << 20  # an answer's frames kept to send again after a sink restart
 FIRST_ANSWER_WAIT_S = 0.25  # the first delta waits this long for the start hello's answer
 
@@ -293,15 +294,20 @@ def _failed(outcome: AttemptOutcome, error: AttemptError, out: SinkOutput) -> At
     return outcome
 
 
+def _receive(ctl: zmq.Socket[bytes], parse: Callable[[bytes], T]) -> T:
+    """The supervisor's next message that `parse` takes (anything else is logged)."""
+    while True:
+        try:
+            return parse(ctl.recv())
+        except BadFrame as exc:
+            log.warning("unexpected message from the supervisor: %s", exc.reason)
+
+
 def _word_on(ctl: zmq.Socket[bytes], token: int) -> Callable[[], bool]:
     """The supervisor's word on the prepared attempt `token` (True: W_GO)."""
     def word() -> bool:
         while True:
-            try:
-                said = parse_word(ctl.recv())
-            except BadFrame as exc:
-                log.warning("unexpected message from the supervisor: %s", exc.reason)
-                continue
+            said = _receive(ctl, parse_word)
             if said.token == token:
                 return said.go
     return word
@@ -389,11 +395,7 @@ def worker_main(worker_id: int, slot: int, runtime_dir: str, slots: int,
     code = ExitCode.OK
     try:
         while True:
-            try:
-                run = parse_run(ctl.recv())
-            except BadFrame as exc:
-                log.warning("unexpected message from the supervisor: %s", exc.reason)
-                continue
+            run = _receive(ctl, parse_run)
             set_process_title(f"worker {worker_id} (call {run.call_id[:8]}…, "
                               f"attempt {run.attempt})")
             accepted = _run_one(run, ctl, sink, live, slot)
