@@ -23,9 +23,13 @@ from streamfence.protocol.internal.workers import (
     RunAttempt,
     SpawnWorker,
     ZygoteCommand,
+    drop_frame,
+    encode_run,
+    go_frame,
+    parse_run,
 )
 from streamfence.protocol.states import WorkerState
-from streamfence.supervisor.pool import REFILL_WAIT_S, Pool
+from streamfence.supervisor.pool import PREPARE_AHEAD, REFILL_WAIT_S, Pool
 from streamfence.supervisor.worker_states import Worker
 from streamfence.workers.liveness import LivenessTable
 from tests.fakes import Clock
@@ -369,3 +373,34 @@ def test_a_fenced_attempts_replacement_waits_for_the_retrys_first_chunk(
     h.pool.maintain(demand=0)
     assert len(h.spawns) > forks
     h.live.close()
+
+
+def test_at_most_prepare_ahead_attempts_prepare_while_authorized(tmp_path: Path) -> None:
+    """The first PREPARE_AHEAD reserved workers get their W_RUN at once; the
+    rest get it just before their W_GO; a released prepared worker is told
+    W_DROP and frees its place, a held one is told nothing."""
+    h = Harness(tmp_path, spare=5)
+    h.pool.maintain()
+    workers = h.up()
+    socket = h.pool.socket
+    assert isinstance(socket, FakeSocket)
+    sent = socket.sent
+    runs = {}
+    for n, worker in enumerate(workers[:PREPARE_AHEAD + 2], start=1):
+        assert h.pool.reserve(f"c{n}", 1, n) is worker
+        runs[n] = RunAttempt(n, f"c{n}", 1, "-", {}, {}, AttemptSettings())
+        h.pool.prepare(worker, runs[n])
+    assert [parse_run(frame).token for _, frame in sent] == list(range(1, PREPARE_AHEAD + 1))
+    sent.clear()
+    last = PREPARE_AHEAD + 2
+    assert h.pool.go(workers[last - 1])  # a held one: its W_RUN, then its W_GO
+    assert [frame for _, frame in sent] == [encode_run(runs[last]), go_frame(last)]
+    sent.clear()
+    h.pool.release(workers[0])  # prepared: dropped, and its place is free again
+    h.pool.release(workers[last - 2])  # held: nothing was sent
+    assert [frame for _, frame in sent] == [drop_frame(1)]
+    sent.clear()
+    again = h.pool.reserve("c9", 1, 9)
+    assert again is not None
+    h.pool.prepare(again, RunAttempt(9, "c9", 1, "-", {}, {}, AttemptSettings()))
+    assert [parse_run(frame).token for _, frame in sent] == [9]

@@ -64,6 +64,10 @@ RETIRE_AFTER_S = 10.0
 RETIRE_CHECK_S = 1.0  # how often a pool above its floor looks for workers to retire
 REFILL_WAIT_S = 1.0  # spare forks wait for starting attempts at most this long
 REFILL_POLL_S = 0.01  # how often a waiting refill looks at the starting attempts' first chunks
+# Attempts that prepare while they are authorized, at most; in a burst the rest
+# get their W_RUN with their W_GO, so that the burst's preparations do not take
+# the cores the journal's and the sink's commits need (docs/PERFORMANCE.md).
+PREPARE_AHEAD = 2
 
 
 
@@ -102,6 +106,7 @@ class Pool:
         self._fenced: set[int] = set()  # killed by `kill`, not yet reaped: their calls retry
         self._refill_wait_s = refill_wait_s
         self._unstarted: set[int] = set()  # busy, no first chunk seen yet
+        self._preparing = 0  # reserved workers with their W_RUN sent (prepared)
         self._refill_since: float | None = None  # spare forks waiting since then
         # (call, token) of runs whose worker went idle without its final
         # accepted; the daemon hands them to the AttemptDriver after `drain`.
@@ -138,6 +143,9 @@ class Pool:
             self._states[worker.state] += 1
             if before is WorkerState.BUSY:
                 self._unstarted.discard(worker.worker_id)
+            if before is WorkerState.RESERVED:
+                self._preparing -= worker.prepared
+                worker.prepared, worker.held = False, None
             if before is WorkerState.IDLE:
                 del (self._idle_used if worker.runs else self._idle_new)[worker.worker_id]
             if worker.state is WorkerState.IDLE:
@@ -343,24 +351,33 @@ class Pool:
                 return  # unreachable: being killed
             self._to(worker, WorkerEvent.RELEASE)
             worker.call_id, worker.attempt, worker.token = None, 0, 0
-            worker.prepared = False
 
     def prepare(self, worker: Worker, run: RunAttempt) -> None:
-        """Send the reserved `worker` its attempt (W_RUN) as it is scheduled: it
-        prepares it and sends nothing before `go` (workers/send_gate.py)."""
-        if worker.state is WorkerState.RESERVED and self._tell(worker, encode_run(run)):
+        """The reserved `worker`'s attempt, as it is scheduled: sent now (W_RUN),
+        so that the worker prepares it while it is authorized and sends nothing
+        before `go` (workers/send_gate.py), unless PREPARE_AHEAD attempts
+        prepare already: then it goes with its W_GO."""
+        if worker.state is not WorkerState.RESERVED:
+            return
+        if self._preparing >= PREPARE_AHEAD:
+            worker.held = run
+        elif self._tell(worker, encode_run(run)):
             worker.prepared = True
+            self._preparing += 1
 
     def go(self, worker: Worker) -> bool:
-        """The reserved `worker`'s prepared attempt is authorized: W_GO. False: the
-        worker is gone or unreachable (killed after it reported idle, before the
-        zygote reported its exit), and now being killed: the attempt never started."""
-        if worker.state is not WorkerState.RESERVED or not worker.prepared:
+        """The reserved `worker`'s attempt is authorized: W_GO (after its W_RUN,
+        if that was held). False: the worker is gone or unreachable (killed
+        after it reported idle, before the zygote reported its exit), and now
+        being killed: the attempt never started."""
+        held = worker.held
+        if worker.state is not WorkerState.RESERVED or not (worker.prepared or held):
             return False
         self._to(worker, WorkerEvent.RUN)
         worker.runs += 1
-        worker.prepared = False
         self._unstarted.add(worker.worker_id)
+        if held is not None and not self._tell(worker, encode_run(held)):
+            return False
         return self._tell(worker, go_frame(worker.token))
 
     def _tell(self, worker: Worker, frame: bytes) -> bool:

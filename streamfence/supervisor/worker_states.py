@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 
+from streamfence.protocol.internal.workers import RunAttempt
 from streamfence.protocol.lifecycle import ExitCode
 from streamfence.protocol.states import WorkerState
 
@@ -58,6 +59,7 @@ class Worker:
     returncode: int | None = None
     runs: int = 0  # attempts dispatched to it
     prepared: bool = False  # reserved, its W_RUN sent: it waits for W_GO or W_DROP
+    held: RunAttempt | None = None  # reserved, its W_RUN to go with its W_GO (Pool.prepare)
     idle_at: float = 0.0  # when it last became idle (the pool's clock)
 
     @property
