@@ -193,13 +193,17 @@ def _first(rng: random.Random) -> tuple[Fault | None, float | None]:
 
 
 def _second(rng: random.Random, first: Fault | None, action: str) -> Fault:
-    """P2: a step the recovery from `first` passes."""
+    """P2: a step the recovery from `first` passes, never `first`'s own point
+    (a point fires once per run: failpoints._first_firing)."""
     process = first.point.split(".")[0] if first else "sink"
+
+    def choose(points: tuple[str, ...]) -> str:
+        return rng.choice([p for p in points if first is None or p != first.point])
     if process == "sink":
-        return Fault(rng.choice(AFTER_SINK), action)
+        return Fault(choose(AFTER_SINK), action)
     if process == "supervisor":
-        return Fault(rng.choice(AFTER_SUPERVISOR), action, stage=1)
-    return Fault(rng.choice(AFTER_WORKER), action, CALLS + 1)
+        return Fault(choose(AFTER_SUPERVISOR), action, stage=1)
+    return Fault(choose(AFTER_WORKER), action, CALLS + 1)
 
 
 def _faults(rng: random.Random, cls: str) -> tuple[tuple[Fault, ...], float | None]:
