@@ -21,8 +21,9 @@ from tests.harness import DaemonProcess, wait_until
 from tests.wires import request_for
 
 # 400 large replies read from the transcript: under CI's parallel load this took
-# over two minutes, alone 5 s; it runs in the serial phase.
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+# over two minutes, alone 5 s; it runs in the serial phase. Its own wait (150 s)
+# must end before pytest's timeout does, so that a failure says what it waited for.
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(240)]
 
 TEXT = "x" * 900_000  # the done: 0.88 MiB
 ASKS = 400  # unbounded, their replies would hold some 350 MiB
@@ -56,8 +57,12 @@ def test_unread_result_replies_are_bounded_and_refused_with_a_code(
             def refused() -> int:
                 return int(other.status()["counters"].get("refused.reply_backlog", 0))
             # Each is read from the transcript first: slow on a loaded machine.
-            wait_until(lambda: refused() >= ASKS - SLACK, 150,
-                       f"the daemon to answer {ASKS} result requests")
+            try:
+                wait_until(lambda: refused() >= ASKS - SLACK, 150,
+                           f"the daemon to answer {ASKS} result requests")
+            except TimeoutError as exc:  # one CI run: no end after 2 minutes (2 s usually)
+                raise AssertionError(f"{exc}; the daemon's counters then: "
+                                     f"{other.status()['counters']}") from None
             grown = supervisor.memory_info().rss - before
             assert grown < GROWTH_MAX, f"the supervisor grew by {grown / 2**20:.0f} MiB"
             # Another connection with nothing queued is served the large reply.
