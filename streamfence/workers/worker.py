@@ -338,8 +338,6 @@ def _run_one(run: RunAttempt, ctl: zmq.Socket[bytes], sink: SinkChannel, live: L
 
     GATE.arm(_word_on(ctl, run.token), go)
     try:
-        if ctl.poll(0):  # authorized already (W_GO came with W_RUN): the hello goes first
-            GATE.wait()
         outcome = run_attempt(run.profile, request, out, settings)
         GATE.wait()  # an attempt that failed before its request waits for its word too
     except AttemptDropped:
