@@ -9,8 +9,6 @@ import sys
 
 import pytest
 
-from scripts.chaos_schedules import generate
-
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 RUNS = {
@@ -119,12 +117,3 @@ def test_chaos_schedules_inject_faults_between_steps_and_judge_them() -> None:
     hits = [line for line in proc.stdout.splitlines() if line.startswith("points passed")]
     assert hits and hits[0] != "points passed (armed): {}", report
 
-
-def test_the_explorer_never_plans_one_point_twice() -> None:
-    """A point fires once per run (`failpoints._first_firing`, so that a crash
-    in a restart's recovery does not crash every restart): a second fault
-    planned at the first's point would never fire."""
-    for seed in range(50):
-        for schedule in generate(seed, 60, None):
-            points = [fault.point for fault in schedule.faults]
-            assert len(points) == len(set(points)), schedule.reproduce()
