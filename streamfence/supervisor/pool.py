@@ -70,12 +70,10 @@ REFILL_POLL_S = 0.01  # how often a waiting refill looks at the starting attempt
 PREPARE_AHEAD = 2
 
 
-
-
 class Pool:
     """Owns the workers (their states, slots, pids), the supervisor's side of the
-    `workers` socket (W_RUN out; W_HELLO, W_IDLE in), the liveness table and the
-    decaying peak of the load. Fork requests go to the zygote through
+    `workers` socket (W_RUN, W_GO, W_DROP out; W_HELLO, W_IDLE in), the
+    liveness table and the decaying peak of the load. Fork requests go to the zygote through
     `send_to_zygote`. `clock` (monotonic seconds) times the peak's decay."""
 
     def __init__(self, send_to_zygote: Callable[[ZygoteCommand], None],

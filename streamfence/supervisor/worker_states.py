@@ -18,7 +18,7 @@ from streamfence.protocol.states import WorkerState
 class WorkerEvent(Enum):
     HELLO = "hello"  # W_HELLO: the worker is up
     RESERVE = "reserve"
-    RUN = "run"  # W_GO sent (W_RUN went at the reservation)
+    RUN = "run"  # W_GO sent (after its W_RUN: at the reservation, or just now)
     RELEASE = "release"
     IDLE = "idle"  # W_IDLE: its attempt is over
     KILL = "kill"
