@@ -5,6 +5,7 @@ from the journal under a new epoch and complete with exactly one answer."""
 from __future__ import annotations
 
 import signal
+import sqlite3
 from typing import Any
 
 import pytest
@@ -64,6 +65,39 @@ def test_kill_9_of_the_daemon_then_restart_resumes_the_call(make_daemon: Any,
     attempts = {e["attempt"] for e in rest if e["op"] == "delta"}
     assert attempts and min(attempts) > 1  # a new epoch, never a reused attempt number
     assert [e["seq"] for e in seen + rest] == list(range(1, len(seen) + len(rest) + 1))
+
+
+def test_a_restart_never_reuses_an_epoch_only_the_sink_stored(make_daemon: Any,
+                                                             emu: EmulatorClient) -> None:
+    """A retry's epoch is journaled while the sink authorizes it
+    (docs/ARCHITECTURE.md §2.2): a power cut can leave the transcript one
+    epoch ahead of the journal. Made here by hand after a kill -9: the
+    restart starts above the sink's epoch, and the call completes (were
+    the journal's epoch reused, the sink would refuse it and the call fail)."""
+    emu.script("ahead", [{"fault": "stall", "after": 2, "stall_s": 30.0}])
+    daemon: DaemonProcess = make_daemon()
+    with daemon.client() as client:
+        call_id = client.submit("emu", request_for("openai", "ahead"),
+                                options={"on_partial": "restart"})
+        wait_until(lambda: any(r["chunks_sent"] >= 2 for r in emu.log("ahead")), 10,
+                   "the first attempt to be streaming")
+    assert daemon.proc is not None
+    daemon.proc.kill()
+    daemon.proc.wait(timeout=10)
+    daemon.stop()
+    with sqlite3.connect(daemon.state_dir / "transcript.db") as db:
+        db.execute("UPDATE calls SET max_epoch = max_epoch + 1 WHERE call_id = ?", (call_id,))
+        (ahead,), = db.execute("SELECT max_epoch FROM calls WHERE call_id = ?", (call_id,))
+    assert ahead == 2
+    again: DaemonProcess = make_daemon(start=False)  # same state dir
+    again.start()
+    with again.client() as client:
+        client.subscribe(call_id, from_seq=0)
+        rest = list(client.events(call_id, timeout_s=30.0))
+    done = rest[-1]
+    assert done["status"] == "completed", done
+    assert done["response"]["content"] == emu.log("ahead")[1]["text"]
+    assert {e["attempt"] for e in rest if e["op"] == "delta" and e["seq"] > 2} == {3}
 
 
 def test_a_large_request_survives_kill_9_in_its_file(make_daemon: Any,

@@ -512,7 +512,11 @@ def test_cross_check_finds_the_calls_the_journal_lost(tmp_path: Path) -> None:
                                          r"the journal"):
         storepair.check(tmp_path)
     transcript.set_done("c-lost", 1, "completed", 3)
-    transcript.set_epoch("c-known", 3)  # and a later epoch of a call it does know
+    transcript.set_epoch("c-known", 3)  # a retry's epoch the journal had not synced: allowed
+    transcript.commit()
+    with pytest.raises(StoreError, match=r"behind transcript\.db on 1 call .*c-lost"):
+        storepair.check(tmp_path)
+    transcript.set_epoch("c-known", 4)  # two epochs ahead: the journal lost work
     transcript.commit()
     with pytest.raises(StoreError, match=r"behind transcript\.db on 2 calls"):
         storepair.check(tmp_path)

@@ -384,6 +384,73 @@ def _schedule(parts: dict[str, Any]) -> None:
     journal.on_synced()
 
 
+def _synced(journal: Journal) -> None:
+    """The journal's sync thread says it synced; the loop runs what waited for it."""
+    readable, _, _ = select.select([journal.sync_fileno()], [], [], 10.0)
+    assert readable, "the journal was not synced within 10 s"
+    journal.on_synced()
+
+
+def _new_worker(parts: dict[str, Any]) -> None:
+    """A worker forked for a waiting call, ready (the spares would wait)."""
+    before = len(parts["zygote"])
+    parts["pool"].maintain(demand=1)
+    assert len(parts["zygote"]) == before + 1
+    spawn = parts["zygote"][-1]
+    assert isinstance(spawn, SpawnWorker)
+    parts["pool"].on_spawned(spawn.worker_id, 0)  # pid 0: never a real kill
+    parts["pool"].on_hello(spawn.worker_id, 0)
+
+
+@pytest.mark.parametrize("first", ["sink", "journal"])
+def test_a_retry_is_authorized_while_its_epoch_syncs_and_goes_once_both_hold_it(
+        parts: dict[str, Any], first: str) -> None:
+    """A first attempt: nothing reaches the sink before the journal's sync (the
+    call's row commits with its epoch). A retry: its authorize goes at the
+    schedule, while the journal syncs its epoch, and W_GO only once the sink
+    has answered and the journal has synced, whichever comes first."""
+    driver, journal, sink_sock, workers = (parts["driver"], parts["journal"],
+                                           parts["sink_sock"], parts["workers"])
+    _new_worker(parts)
+    call = make_call()
+    journal.add_call(call.call_id, "local", None, None, "emu", call.spec.request, {})
+    driver.enqueue(call)
+    driver.schedule()
+    assert sink_sock.sent == [], "a first attempt's authorize went before its call was durable"
+    _synced(journal)
+    assert parse_control(msgpack.unpackb(sink_sock.sent.pop())).attempt == 1
+    sink_sock.inbox.append(encode_ok(1, stats_to_wire(AttemptStats(0))))
+    parts["sink"].drain(driver)
+    assert call.state is CallState.RUNNING
+    driver.on_worker_exit("c1", call.token, -9)  # the attempt's worker died
+    fence = parse_control(msgpack.unpackb(sink_sock.sent.pop()))
+    assert isinstance(fence, Fence)
+    sink_sock.inbox.append(encode_ok(fence.req, stats_to_wire(AttemptStats(1, closed=True))))
+    parts["sink"].drain(driver)
+    driver.on_timers(time.monotonic() + 60.0)  # its backoff is over
+    assert state_of(call) is CallState.QUEUED
+    _new_worker(parts)
+    workers.sent.clear()
+    driver.schedule()
+    authorize = parse_control(msgpack.unpackb(sink_sock.sent.pop()))
+    assert isinstance(authorize, Authorize) and authorize.attempt == 2
+    (identity, frame), = workers.sent  # W_RUN: the worker prepares
+    run = parse_run(frame)
+    if first == "sink":
+        sink_sock.inbox.append(encode_ok(authorize.req, stats_to_wire(AttemptStats(0))))
+        parts["sink"].drain(driver)
+        assert len(workers.sent) == 1, "W_GO before the journal synced the retry's epoch"
+        _synced(journal)
+    else:
+        _synced(journal)
+        assert len(workers.sent) == 1, "W_GO before the sink authorized the retry"
+        sink_sock.inbox.append(encode_ok(authorize.req, stats_to_wire(AttemptStats(0))))
+        parts["sink"].drain(driver)
+    assert workers.sent[1:] == [[identity, go_frame(run.token)]]
+    assert state_of(call) is CallState.RUNNING and call.epoch == 2
+    assert [a["attempt"] for a in journal.attempts_of("c1")] == [1, 2]
+
+
 def _running_call(parts: dict[str, Any]) -> Call:
     pool, driver, sink_sock = parts["pool"], parts["driver"], parts["sink_sock"]
     pool.maintain()

@@ -47,7 +47,8 @@ DIR_ENV = "STREAMFENCE_FAILPOINTS_DIR"
 # that each is placed in the code and reached by a test.
 POINTS: dict[str, str] = {
     "supervisor.after_journal_commit": "a submit is durable; `accepted` not yet sent",
-    "supervisor.before_authorize": "an attempt's epoch journaled; C_AUTHORIZE not yet sent",
+    "supervisor.before_authorize": "an attempt's epoch journaled (a retry's: written, its "
+                                   "sync under way); C_AUTHORIZE not yet sent",
     "supervisor.before_dispatch": "the sink authorized the attempt; W_GO not yet sent (the "
                                   "worker holds it prepared)",
     "supervisor.after_fence": "the sink closed an attempt; its worker not yet killed",

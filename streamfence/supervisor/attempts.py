@@ -41,10 +41,18 @@ from streamfence.protocol.states import CallState, FenceReason
 from streamfence.sink.transcript import visible_stats
 from streamfence.supervisor.breaker import Breakers
 from streamfence.supervisor.callends import CallEnds
-from streamfence.supervisor.calls import Call, CallEvent, Finish, call_error, fence_error
+from streamfence.supervisor.calls import (
+    Call,
+    CallEvent,
+    Finish,
+    call_error,
+    deadline_passed,
+    fence_error,
+)
 from streamfence.supervisor.clients import Clients
 from streamfence.supervisor.deployments import Router
 from streamfence.supervisor.dispatch import run_attempt
+from streamfence.supervisor.epoch_join import EpochJoin
 from streamfence.supervisor.fallbacks import Fallbacks
 from streamfence.supervisor.histograms import Histograms, attempt_outcome
 from streamfence.supervisor.journal import Journal
@@ -72,11 +80,6 @@ if TYPE_CHECKING:  # cluster mode only: it brings nats
 
 log = logging.getLogger("streamfence.attempts")
 
-def _deadline_passed() -> Finish:
-    """A queued call's end when its deadline passed before an attempt could start."""
-    return Finish(CallStatus.FAILED, call_error(
-        ErrorCode.DEADLINE_EXCEEDED, "the call's deadline passed before an attempt could start"),
-        FinishMeta())
 
 
 class AttemptDriver:
@@ -93,21 +96,17 @@ class AttemptDriver:
                  clock: Callable[[], float], rng: random.Random, transcript_path: str,
                  cluster: ClusterLink | None = None, tracer: CallTracer | None = None) -> None:
         self._cluster = cluster  # cluster mode: each attempt's ownership first (§4.17)
-        self._transcript_path = transcript_path
-        self._journal = journal
+        self._transcript_path, self._journal = transcript_path, journal
         self._pool, self._sink, self._clients, self._clock = pool, sink, clients, clock
         self._fallbacks = Fallbacks(clock)
         self._verdicts = Verdicts(config, self._fallbacks, breakers, clock, rng)
         self.calls = LiveCalls(config.in_flight_bytes_max)
         self.router = Router(breakers, self.calls)
         self._queue: deque[str] = deque()
-        # Each live call's next check (stale, first chunk, backoff over, deadline).
-        self._due = Watchdog(pool, clock)
+        self._due = Watchdog(pool, clock)  # each live call's next check
         self._next_token = 1
         self._counters = counters
-        # Durations for `status` (supervisor/histograms.py): observed once per
-        # attempt end and per call end, never per delta.
-        self.histograms = Histograms()
+        self.histograms = Histograms()  # observed per attempt end and call end, never per delta
         self._ends = CallEnds(self.calls, self._due, journal, clients, counters,
                               self.histograms, clock, cluster, tracer)
         self._rebinds = Rebinds(self.calls, journal, pool, sink, counters, self.fence, cluster)
@@ -132,10 +131,9 @@ class AttemptDriver:
         self.histograms.accepted(call_id, self._clock())
 
     def drop(self, call_id: str) -> None:
-        """A call that was never accepted: its request file could not be
-        written, or its journal writes failed (a storage fault). A first
-        attempt started in the same turn never reached the sink (its epoch
-        waited for the same commit): its reserved worker goes back."""
+        """A call never accepted: its request file or its journal writes failed
+        (a storage fault). A first attempt started in the same turn never reached
+        the sink (its epoch waited for the same commit): its worker goes back."""
         call = self.calls[call_id]
         worker = self._pool.get(call.worker_id) if call.worker_id is not None else None
         if worker is not None and worker.token == call.token:
@@ -171,7 +169,7 @@ class AttemptDriver:
                 continue
             if call.deadline is not None and self._clock() >= call.deadline:
                 queue.popleft()
-                self.finish(call, _deadline_passed())
+                self.finish(call, deadline_passed())
                 continue
             token = self._next_token
             worker = self._pool.reserve(call.call_id, call.epoch + 1, token)
@@ -179,12 +177,7 @@ class AttemptDriver:
                 break
             self._next_token += 1
             queue.popleft()
-            call.epoch += 1
-            call.attempts += 1
-            call.token = token
-            call.worker_id = worker.worker_id
-            call.fence_reason = None
-            call.ended = None
+            call.next_attempt(token, worker.worker_id)
             call.to(CallEvent.START)
             self.router.choose(call)
             self._journal.start_attempt(call.call_id, call.epoch, call.profile.name, call.model)
@@ -194,12 +187,22 @@ class AttemptDriver:
         # The forks the queue needs are asked for first (all at once): the zygote
         # forks while the journal commits and the sink authorizes.
         self._pool.maintain(demand=sum(1 for cid in queue if self.calls.has(cid)))
-        if started:
-            # Epochs are durable before the sink hears of them (AUTHORIZING
-            # calls change state only on the sink's answer, so they wait as they are).
-            self._journal.commit(then=functools.partial(self._authorize, started))
+        if not started:
+            return
+        # A retry is authorized while the journal syncs its epoch (epoch_join); a first
+        # attempt's epoch is durable with its call before the sink hears of either.
+        joins, firsts = [], []  # the retries' joins, the first attempts
+        for call in started:
+            if call.epoch > 1 and self._cluster is None:
+                joins.append(EpochJoin(functools.partial(self._authorized, call)))
+                self._authorize_at_sink(call, joins[-1].answered)
+            else:
+                firsts.append(call)
+        self._journal.commit(then=functools.partial(self._authorize, firsts, joins))
 
-    def _authorize(self, started: list[Call]) -> None:
+    def _authorize(self, started: list[Call], joins: list[EpochJoin]) -> None:
+        for join in joins:  # the retries: their authorize was sent at the schedule
+            join.synced()
         for call in started:
             if not self.calls.has(call.call_id):
                 continue  # dropped: its journal writes never committed (acceptance.refuse_unstored)
@@ -209,18 +212,17 @@ class AttemptDriver:
             else:
                 self._authorize_at_sink(call)
 
-    def _authorize_at_sink(self, call: Call) -> None:
+    def _authorize_at_sink(self, call: Call,
+                           answered: Callable[[StatsReply], None] | None = None) -> None:
         reset = call.delivered  # only under on_partial=restart can this hold here
-        model = call.model or "-"
         if ARMED:
             failpoint("supervisor.before_authorize")
-        self._sink.authorize(call.call_id, call.epoch, reset, model,
-                             functools.partial(self._authorized, call))
+        self._sink.authorize(call.call_id, call.epoch, reset, call.model or "-",
+                             answered or functools.partial(self._authorized, call))
 
     def _owned(self, call: Call, epoch: int, result: bool | str) -> None:
-        """Cluster mode: the attempt's ownership was taken (True: the sink opens
-        its epoch in the call's log at the authorize), is another host's
-        (False), or the cluster failed (why): tried again later."""
+        """Cluster mode: the attempt's ownership taken (True: the sink opens its epoch
+        in the call's log), another host's (False), or not known (why: asked again)."""
         if self.calls.get(call.call_id) is not call or call.epoch != epoch:
             return
         if result is True:
@@ -247,8 +249,7 @@ class AttemptDriver:
             if isinstance(reply, Refused) and reply.reason.startswith("cluster_lost"):
                 self._ends.moved(call)  # the sink found the call's log taken by another host
                 return
-            # The sink knows better (e.g. an epoch it has seen, set after a
-            # crash): never spin on it; fail the call with what it said.
+            # The sink knows better: never spin on it; fail the call with what it said.
             log.warning("sink refused to authorize attempt: %s", why(reply),
                         extra=call_context(call))
             self.finish(call, Finish(CallStatus.FAILED, call_error(
@@ -300,11 +301,10 @@ class AttemptDriver:
                 self._due.arm_deadline(call)
             elif call.state is CallState.QUEUED:
                 if call.deadline is not None and now >= call.deadline:
-                    self.finish(call, _deadline_passed())
+                    self.finish(call, deadline_passed())
                 else:
                     self._due.arm_deadline(call)
-            # AUTHORIZING, FENCING, FINISHING: the pending sink reply moves the
-            # call on, and arms its next timer.
+            # AUTHORIZING, FENCING, FINISHING: the sink's pending reply moves it on.
 
     # ---- ending an attempt ----------------------------------------------------
     def fence(self, call: Call, reason: FenceReason) -> None:

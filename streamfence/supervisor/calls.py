@@ -137,6 +137,13 @@ class Call:
             return self.deployment.model
         return request_model(self.spec.request)
 
+    def next_attempt(self, token: int, worker_id: int) -> None:
+        """A worker is reserved for the call's next attempt (then START)."""
+        self.epoch += 1
+        self.attempts += 1
+        self.token, self.worker_id = token, worker_id
+        self.fence_reason, self.ended = None, None
+
     def to(self, event: CallEvent) -> None:
         nxt = _TRANSITIONS[self.state].get(event)
         if nxt is None:
@@ -170,6 +177,13 @@ def call_error(code: ErrorCode, message: str, provider: AttemptError | None = No
             if value is not None:
                 error[key] = value
     return error
+
+
+def deadline_passed() -> Finish:
+    """A queued call's end when its deadline passed before an attempt could start."""
+    return Finish(CallStatus.FAILED, call_error(
+        ErrorCode.DEADLINE_EXCEEDED, "the call's deadline passed before an attempt could start"),
+        FinishMeta())
 
 
 def meta_of(outcome: AttemptOutcome | None) -> FinishMeta:

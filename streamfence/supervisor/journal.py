@@ -26,9 +26,11 @@ row (never accepted) is deleted with its file, and files of calls that are
 done or unknown are removed; a done call's file is removed once its finish is
 synced.
 
-Attempt epochs are journaled before the sink is asked to authorize them, so
-an attempt number is never reused across restarts (Kafka-style producer
-epochs). The journal never holds a credential: requests carry none, and
+Attempt epochs are journaled before a worker may send (a first attempt's
+before the sink is asked to authorize it, a retry's while the sink stores
+it: supervisor/epoch_join.py); with the transcript's epochs, which recovery
+also reads, an attempt number is never reused across restarts (Kafka-style
+producer epochs). The journal never holds a credential: requests carry none, and
 profiles name environment variables only.
 
 Retention (`[daemon] retention_days`, 0: keep forever): finished calls

@@ -3,7 +3,7 @@
 The journal commits with synchronous=NORMAL: a COMMIT appends its frames to
 the WAL file and returns without waiting for the disk. What must survive a
 power cut before the daemon says so (an `accepted` reply, an attempt's epoch
-before the sink hears of it) waits for this thread to fsync the WAL file,
+before its worker may send) waits for this thread to fsync the WAL file,
 which makes every frame written before it durable: SQLite's recovery replays
 the WAL up to its last whole commit. One fsync covers every commit made
 before it started, so commits of many loop turns share one (group commit).

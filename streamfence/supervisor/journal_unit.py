@@ -4,8 +4,8 @@ commit, its durability, and the storage faults it meets.
 A call is acknowledged (`accepted`) only after its row is committed and the
 WAL synced, so the ack survives a power cut, not just a crash. The loop
 commits without waiting for the disk (synchronous=NORMAL); what must be
-durable first (the `accepted` replies, an attempt's epoch before the sink
-hears of it) is a callback of `commit(then=...)`, run by `on_synced` once
+durable first (the `accepted` replies, an attempt's epoch before its
+worker's go) is a callback of `commit(then=...)`, run by `on_synced` once
 the sync thread (streamfence.supervisor.journal_sync) has fsynced the WAL:
 one fsync for all the commits before it, never in the loop.
 

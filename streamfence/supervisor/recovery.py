@@ -39,6 +39,7 @@ def recover_calls(journal: Journal, providers: dict[str, ProviderProfile],
     for jc in journal.unfinished():
         with storepair.reading(transcript_path):  # damage named as the transcript's
             stored = reader.done_event(jc.call_id) if reader is not None else None
+            rows = reader.calls([jc.call_id]) if reader is not None else []
         if stored is not None:
             done = msgpack.unpackb(stored, raw=False)
             journal.finish_call(jc.call_id, str(done.get("status")))
@@ -50,13 +51,15 @@ def recover_calls(journal: Journal, providers: dict[str, ProviderProfile],
             log.error("journaled call %s names unknown provider profile or group %r; left "
                       "as is", jc.call_id, jc.provider)
             continue
+        # A retry's epoch may be the sink's only (supervisor/epoch_join.py): start above both.
+        epoch = max([jc.epoch, *(row.max_epoch for row in rows)])
         call = make_call(jc.call_id, jc.owner, jc.provider, providers, groups, jc.request,
                          jc.options, jc.session_id,
-                         jc.idempotency_key, jc.created, jc.epoch, jc.attempts,
+                         jc.idempotency_key, jc.created, epoch, jc.attempts,
                          jc.request_file, jc.request_overrides or {})
-        call.delivered = jc.epoch > 0  # the transcript may hold an earlier attempt's text
+        call.delivered = epoch > 0  # the transcript may hold an earlier attempt's text
         recovered.append(call)
-        log.info("recovered unfinished call %s (last epoch %d)", jc.call_id, jc.epoch)
+        log.info("recovered unfinished call %s (last epoch %d)", jc.call_id, epoch)
     if reader is not None:
         reader.close()
     return recovered

@@ -26,9 +26,11 @@ generation into both. A pair the daemon must not start on raises
 - the journal behind the transcript (`behind`): a call the transcript holds
   that the journal does not (unless it finished before `pruned_through`:
   retention removes a call from the journal first), or holds at a lower
-  epoch. The journal syncs a call before the sink hears of it, and an epoch
-  before the sink stores it, so no crash or power cut leaves this: the
-  journal lost work.
+  epoch. The journal syncs a call and its first epoch before the sink hears
+  of it, and a retry's epoch while the sink stores it (epoch_join), so no
+  crash or power cut leaves more than one epoch missing on an unfinished
+  call the journal has run before (recovery starts above it): anything more
+  is the journal's lost work.
 
 Neither file holding a store id is a fresh state dir, or one from before
 store ids: it gets a new id when nothing above refuses it.
@@ -217,7 +219,8 @@ WITH j(call_id, epoch) AS ({journal_calls}),
 t(call_id, epoch, finished, updated_at) AS ({transcript_calls})
 SELECT count(*), min(t.call_id), t.epoch, j.epoch
 FROM t LEFT JOIN j ON j.call_id = t.call_id
-WHERE (j.call_id IS NULL AND (NOT t.finished OR t.updated_at > ?)) OR j.epoch < t.epoch
+WHERE (j.call_id IS NULL AND (NOT t.finished OR t.updated_at > ?))
+   OR j.epoch < t.epoch - (j.epoch >= 1 AND NOT t.finished)
 """
 
 
