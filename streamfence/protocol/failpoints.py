@@ -57,6 +57,8 @@ POINTS: dict[str, str] = {
     "sink.after_authorize": "an epoch stored; the supervisor's ack not yet sent",
     "sink.after_commit": "a group commit stored; the events it holds for subscribers not yet "
                          "sent",
+    "sink.after_done_sent": "a call's done stored and sent to its subscribers; the "
+                            "supervisor's answer to the finish not yet sent",
     "sink.before_final_ack": "a worker's final judged, the supervisor told; T_FINAL_ACK not "
                              "yet sent (drop: the ack is lost)",
     "sink.after_rebind": "a rebind's new epoch stored; T_REBIND not yet sent to the worker",

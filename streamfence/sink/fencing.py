@@ -184,6 +184,8 @@ class Fencing:
                 reply(self._finish_lost(op, live, epoch))
                 return
             self._commits.send_event(live.subs, body)
+            if ARMED:
+                failpoint("sink.after_done_sent")
             live.subs = set()  # the done is the last event
             live.forget_content()
             calls.remember_finished(op.call_id)

@@ -37,6 +37,7 @@ from streamfence.protocol.messages import (
     ref_of,
 )
 from streamfence.protocol.queries import Calls, Usage
+from streamfence.protocol.states import CallState
 from streamfence.sink.transcript import stored_done
 from streamfence.supervisor.acceptance import Acceptance
 from streamfence.supervisor.access import Submitter, log_submit
@@ -326,15 +327,20 @@ class Front:
             if self._journal.is_finished(call_id) else None
 
     def _result(self, identity: bytes, req: Result) -> None:
-        if not self._driver.calls.has(req.call_id):
+        call = self._driver.calls.get(req.call_id)
+        done = None
+        if call is None:
             done = self._done_of(req.call_id)
-            if done is None:
-                self._error(identity, req.ref, ErrorCode.UNKNOWN_CALL, f"no call {req.call_id!r}")
-            else:
-                self._clients.send(identity, dict(
-                    done, ref=req.ref, diagnostics=self._journal.attempts_of(req.call_id)))
-            return
-        if req.wait_s > 0:
+        elif call.state is CallState.FINISHING:
+            # The sink stores the done before it sends it, and may have sent it
+            # already: a client that saw it gets it here, never `pending`.
+            done = stored_done(self._transcript_path, req.call_id)
+        if done is not None:
+            self._clients.send(identity, dict(
+                done, ref=req.ref, diagnostics=self._journal.attempts_of(req.call_id)))
+        elif call is None:
+            self._error(identity, req.ref, ErrorCode.UNKNOWN_CALL, f"no call {req.call_id!r}")
+        elif req.wait_s > 0:
             self._clients.wait_result(req.call_id, identity, req.ref, self._clock() + req.wait_s)
         else:
             self._clients.send(identity, pending_msg(req.ref, req.call_id))
