@@ -418,7 +418,8 @@ def test_a_retry_is_authorized_while_its_epoch_syncs_and_goes_once_both_hold_it(
     driver.schedule()
     assert sink_sock.sent == [], "a first attempt's authorize went before its call was durable"
     _synced(journal)
-    assert parse_control(msgpack.unpackb(sink_sock.sent.pop())).attempt == 1
+    first_authorize = parse_control(msgpack.unpackb(sink_sock.sent.pop()))
+    assert isinstance(first_authorize, Authorize) and first_authorize.attempt == 1
     sink_sock.inbox.append(encode_ok(1, stats_to_wire(AttemptStats(0))))
     parts["sink"].drain(driver)
     assert call.state is CallState.RUNNING
