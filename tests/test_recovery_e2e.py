@@ -19,6 +19,20 @@ from tests.wires import request_for
 pytestmark = pytest.mark.slow
 
 
+def _kill_9(daemon: DaemonProcess) -> None:
+    """kill -9 of the supervisor; what is left of its tree reaped (nothing should be)."""
+    assert daemon.proc is not None
+    daemon.proc.kill()
+    daemon.proc.wait(timeout=10)
+    daemon.stop()
+
+
+def _restarted(make_daemon: Any) -> DaemonProcess:
+    again: DaemonProcess = make_daemon(start=False)  # same state dir
+    again.start()
+    return again
+
+
 def test_sigterm_lets_the_running_attempt_finish_and_exits_0(make_daemon: Any,
                                                              emu: EmulatorClient) -> None:
     emu.script("graceful", [{"fault": "ok", "chunks": 30, "chunk_delay_s": 0.05}])
@@ -47,12 +61,8 @@ def test_kill_9_of_the_daemon_then_restart_resumes_the_call(make_daemon: Any,
             seen.append(event)
             if len(seen) == 2:
                 break
-    assert daemon.proc is not None
-    daemon.proc.kill()
-    daemon.proc.wait(timeout=10)
-    daemon.stop()  # reap what is left (nothing should be)
-    again: DaemonProcess = make_daemon(start=False)  # same state dir
-    again.start()
+    _kill_9(daemon)
+    again = _restarted(make_daemon)
     with again.client() as client:
         client.subscribe(call_id, from_seq=seen[-1]["seq"])
         rest = list(client.events(call_id, timeout_s=30.0))
@@ -81,16 +91,12 @@ def test_a_restart_never_reuses_an_epoch_only_the_sink_stored(make_daemon: Any,
                                 options={"on_partial": "restart"})
         wait_until(lambda: any(r["chunks_sent"] >= 2 for r in emu.log("ahead")), 10,
                    "the first attempt to be streaming")
-    assert daemon.proc is not None
-    daemon.proc.kill()
-    daemon.proc.wait(timeout=10)
-    daemon.stop()
+    _kill_9(daemon)
     with sqlite3.connect(daemon.state_dir / "transcript.db") as db:
         db.execute("UPDATE calls SET max_epoch = max_epoch + 1 WHERE call_id = ?", (call_id,))
         (ahead,), = db.execute("SELECT max_epoch FROM calls WHERE call_id = ?", (call_id,))
     assert ahead == 2
-    again: DaemonProcess = make_daemon(start=False)  # same state dir
-    again.start()
+    again = _restarted(make_daemon)
     with again.client() as client:
         client.subscribe(call_id, from_seq=0)
         rest = list(client.events(call_id, timeout_s=30.0))
@@ -115,12 +121,8 @@ def test_a_large_request_survives_kill_9_in_its_file(make_daemon: Any,
         assert [p.name for p in files.iterdir()] == [call_id]
         wait_until(lambda: any(r["chunks_sent"] >= 2 for r in emu.log("large")), 10,
                    "the first attempt to be streaming")
-    assert daemon.proc is not None
-    daemon.proc.kill()
-    daemon.proc.wait(timeout=10)
-    daemon.stop()
-    again: DaemonProcess = make_daemon(start=False)
-    again.start()
+    _kill_9(daemon)
+    again = _restarted(make_daemon)
     with again.client() as client:
         client.subscribe(call_id, from_seq=0)
         done = list(client.events(call_id, timeout_s=30.0))[-1]
