@@ -331,9 +331,11 @@ class Front:
         done = None
         if call is None:
             done = self._done_of(req.call_id)
-        elif call.state is CallState.FINISHING:
+        elif call.state is CallState.FINISHING and req.wait_s == 0:
             # The sink stores the done before it sends it, and may have sent it
-            # already: a client that saw it gets it here, never `pending`.
+            # already: a client that saw it gets it here, never `pending`. (A
+            # waiting result is answered once the end is recorded here, the
+            # call's budgets released: a few ms later.)
             done = stored_done(self._transcript_path, req.call_id)
         if done is not None:
             self._clients.send(identity, dict(
