@@ -81,7 +81,6 @@ if TYPE_CHECKING:  # cluster mode only: it brings nats
 log = logging.getLogger("streamfence.attempts")
 
 
-
 class AttemptDriver:
     """Owns each live call's state (`Call`: state machine, epochs, the
     decision being written), the run queue, the reservation tokens and the
