@@ -10,7 +10,7 @@ from pathlib import Path
 
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.protocol import failpoints
-from tests.harness import DaemonProcess
+from tests.harness import DaemonProcess, wait_until
 from tests.wires import profile_for, request_for
 
 
@@ -30,7 +30,9 @@ def test_a_result_asked_after_the_done_is_that_done(
     with daemon, daemon.client(timeout_s=20.0) as client:
         call_id = client.submit("emu", request_for("openai", "seen"))
         done = list(client.events(call_id, timeout_s=20.0))[-1]
-        assert "sink.after_done_sent" in failpoints.hits(str(points))
+        # The sink records its pass just after the send: the done may come first.
+        wait_until(lambda: "sink.after_done_sent" in failpoints.hits(str(points)), 10.0,
+                   "the sink to stand still after sending the done")
         result = client.result(call_id)
         live = client.status()["calls"]["active"]  # built before it waits (1 s) for the sink
     assert done["op"] == "done" and done["status"] == "completed", done
