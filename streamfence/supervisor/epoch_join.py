@@ -25,16 +25,16 @@ class EpochJoin:
     def __init__(self, then: Callable[[StatsReply], None]) -> None:
         self._then = then
         self._synced = False
-        self._reply: tuple[StatsReply] | None = None
+        self._reply: StatsReply | None = None  # a reply is never None
 
     def synced(self) -> None:
         self._synced = True
         self._both()
 
     def answered(self, reply: StatsReply) -> None:
-        self._reply = (reply,)
+        self._reply = reply
         self._both()
 
     def _both(self) -> None:
         if self._synced and self._reply is not None:
-            self._then(*self._reply)
+            self._then(self._reply)
