@@ -126,7 +126,7 @@ SINGLES = tuple(p for p in failpoints.POINTS
 # P1 of a pair: steps passed while calls stream, so that a recovery follows.
 PAIR_FIRST = ("supervisor.after_journal_commit", "supervisor.before_authorize",
               "supervisor.before_dispatch", "supervisor.after_fence", "sink.after_commit",
-              "sink.before_final_ack", "worker.before_final")
+              "sink.before_final_ack", "worker.before_final", "sink.after_done_sent")
 CALLS = 6  # the mix below: each call is authorized once when no fault intervenes
 
 

@@ -102,11 +102,12 @@ def test_chaos_cluster_hosts_and_nodes_die_and_no_call_is_lost() -> None:
 def test_chaos_schedules_inject_faults_between_steps_and_judge_them() -> None:
     """Issue 28: three schedules of the explorer (one per pair class), fixed
     seed: the armed failpoints fired as planned (their passes are in the
-    hits), and the judge found 0 violations. Seed 67's three are free
-    (each call one provider request): a sink crash at a commit then again at
-    the rebind; a SIGKILL of the sink then a pause of a worker at its
-    rebind; a SIGKILL of the sink, a pause before the rebind, a crash of the
-    new sink at it. Each mix holds an HTTP resume from an earlier id."""
+    hits), and the judge found 0 violations. Seed 67's three: a worker's
+    crash before its final, then a crash of the sink as it authorizes the
+    retry; a SIGKILL of the sink then a pause of a worker at its rebind
+    (free: each call one provider request); a SIGKILL of the sink, a pause
+    before the rebind, a crash of the new sink at it (free). Each mix holds
+    an HTTP resume from an earlier id."""
     proc = subprocess.run([sys.executable, "-m", "scripts.chaos_schedules", "--seed", "67",
                            "--schedules", "3"],
                           capture_output=True, text=True, timeout=110)
