@@ -21,9 +21,7 @@ pytestmark = pytest.mark.slow
 
 def _kill_9(daemon: DaemonProcess) -> None:
     """kill -9 of the supervisor; what is left of its tree reaped (nothing should be)."""
-    assert daemon.proc is not None
-    daemon.proc.kill()
-    daemon.proc.wait(timeout=10)
+    daemon.kill()  # remembers the tree first, so that `stop` finds what is left
     daemon.stop()
 
 
