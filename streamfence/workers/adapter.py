@@ -22,6 +22,7 @@ import httpx2
 from streamfence.protocol.internal.outcome import AttemptError, AttemptOutcome
 from streamfence.protocol.internal.workers import AttemptSettings
 from streamfence.workers.errors import CredentialsMissing
+from streamfence.workers.http11 import Http11Transport
 from streamfence.workers.output import AttemptOutput
 from streamfence.workers.send_gate import wait_at_gate
 
@@ -62,12 +63,12 @@ def shared_ssl_context() -> ssl.SSLContext:
 
 
 def http_client() -> httpx2.Client:
-    """The transport of an SSE adapter's SDK client: the shared SSL context, no
-    proxies from the environment, a small pool, and the attempt's send gate
-    before each request (workers/send_gate.py)."""
-    return httpx2.Client(verify=shared_ssl_context(), trust_env=False,
-                         limits=httpx2.Limits(max_connections=8, max_keepalive_connections=2),
-                         event_hooks={"request": [wait_at_gate]})
+    """The transport of an SSE adapter's SDK client: HTTP/1.1 parsed by llhttp
+    (workers/http11.py) with the shared SSL context, no proxies from the
+    environment, two idle connections kept per origin, and the attempt's send
+    gate before each request (workers/send_gate.py)."""
+    return httpx2.Client(transport=Http11Transport(shared_ssl_context(), keepalive=2),
+                         trust_env=False, event_hooks={"request": [wait_at_gate]})
 
 
 def api_key_of(profile: Profile) -> str:
