@@ -71,6 +71,14 @@ class _Message:
         self.complete = True
 
 
+def _readable(sock: socket.socket) -> bool:
+    """Whether `sock` has something to read, or its peer hung up (poll, not
+    select: a worker's descriptors may number above select's 1024)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 def _timeout(request: httpx2.Request, which: str) -> float | None:
     value = (request.extensions.get("timeout") or {}).get(which)
     return None if value is None else float(value)
@@ -174,7 +182,7 @@ class Http11Transport(httpx2.BaseTransport):
                     return None
                 sock, since = idle.pop()
             # Readable while idle: the server closed it (or sent what no request asked for).
-            if now - since < self._keepalive_s and not select.select([sock], [], [], 0)[0]:
+            if now - since < self._keepalive_s and not _readable(sock):
                 return sock
             sock.close()
 
