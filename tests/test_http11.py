@@ -326,7 +326,7 @@ def test_the_openai_sdk_streams_a_worker_attempt_over_tls(
     server = serve(sse_answer, tls=server_tls)
     trusting = ssl.create_default_context(cafile=str(certificate / "cert.pem"))
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    with openai.OpenAI(base_url=server.url("/v1"), api_key="sk-test", max_retries=0,
+    with openai.OpenAI(base_url=server.url("/v1"), api_key="sk-test", max_retries=0, timeout=WAIT_S,
                        http_client=httpx2.Client(transport=Http11Transport(trusting))) as sdk:
         for _ in range(2):  # the second attempt on the kept TLS connection
             out = RecordingOutput()
@@ -339,7 +339,7 @@ def test_the_openai_sdk_streams_a_worker_attempt_over_tls(
     # A certificate the client does not trust: the handshake fails, and the
     # classifier still finds why (a final error: retrying cannot help).
     untrusting = Http11Transport(ssl.create_default_context())
-    with openai.OpenAI(base_url=server.url("/v1"), api_key="sk-test", max_retries=0,
+    with openai.OpenAI(base_url=server.url("/v1"), api_key="sk-test", max_retries=0, timeout=WAIT_S,
                        http_client=httpx2.Client(transport=untrusting)) as sdk:
         out = RecordingOutput()
         outcome = stream_chat(sdk, request, out)
