@@ -130,6 +130,16 @@ def ok_with_length(body: bytes) -> bytes:
     return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
 
 
+def answer_then_hold(answer: bytes, release: threading.Event
+                     ) -> Callable[[socket.socket, bytes], bool]:
+    """A handler that writes `answer`, then holds the connection open until `release`."""
+    def handler(conn: socket.socket, head: bytes) -> bool:
+        conn.sendall(answer)
+        release.wait(WAIT_S)
+        return False
+    return handler
+
+
 def test_a_streamed_body_arrives_read_by_read(serve: Callable[..., RawServer],
                                               client: httpx2.Client) -> None:
     # The server writes its second chunk only once the client has the first:
@@ -187,13 +197,8 @@ def test_a_connection_the_server_asked_to_close_is_not_reused(
     # "Connection: close", and the server holds the socket open a while: a
     # transport that kept it would send the next request where nobody reads.
     release = threading.Event()
-
-    def handler(conn: socket.socket, head: bytes) -> bool:
-        conn.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nhi")
-        release.wait(WAIT_S)
-        return False
-
-    server = serve(handler)
+    server = serve(answer_then_hold(
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nhi", release))
     try:
         for _ in range(2):
             assert client.post(server.url(), content=b"{}", timeout=2.0).content == b"hi"
@@ -260,13 +265,8 @@ def test_a_broken_answer_raises_remote_protocol_error(
 
 def test_a_silent_server_is_a_read_timeout(serve: Callable[..., RawServer]) -> None:
     release = threading.Event()
-
-    def handler(conn: socket.socket, head: bytes) -> bool:
-        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        release.wait(WAIT_S)
-        return False
-
-    server = serve(handler)
+    server = serve(answer_then_hold(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                                    release))
     with (httpx2.Client(transport=Http11Transport(ssl.create_default_context())) as c,
           c.stream("POST", server.url(), content=b"{}",
                    timeout=httpx2.Timeout(WAIT_S, read=0.2)) as response,
