@@ -97,7 +97,15 @@ from streamfence.protocol.client_effects import Flow, Send, Wait
 from streamfence.protocol.client_monitor import NO_DAEMON_AFTER_S, NoConnection
 from streamfence.protocol.client_router import BAD_REPLY, EVENTS_LOST, CallFailed, ClientError
 from streamfence.protocol.client_shell import ClientBase, TextFlow, shown_as
-from streamfence.protocol.client_sockets import close_sockets, link_events, stop_watch, watch_link
+from streamfence.protocol.client_sockets import (
+    NOBLOCK,
+    close_sockets,
+    has_message,
+    link_events,
+    receive,
+    stop_watch,
+    watch_link,
+)
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME
 from streamfence.protocol.credentials import Credentials, resolve
 
@@ -327,15 +335,15 @@ class Client(ClientBase):
             ack = router.ack_due(monotonic())
             if ack is not None:
                 with contextlib.suppress(zmq.Again):  # the next one carries the total
-                    self._events.send(ack, zmq.NOBLOCK)
+                    self._events.send(ack, NOBLOCK)
 
     @staticmethod
     def _drain(sock: zmq.Socket[bytes], route: Callable[[list[bytes]], bool]) -> bool:
         """Route what `sock` holds; True (and stop) at a reply someone awaits.
         Its state is looked at before each receive: a zmq.Again per pass costs
         more than the look."""
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator, arg-type]
-            if route(sock.recv_multipart(zmq.NOBLOCK)):
+        while has_message(sock):
+            if route(receive(sock)):
                 return True
         return False
 

@@ -44,14 +44,19 @@ from streamfence.protocol.client_core import ClientCore
 from streamfence.protocol.client_effects import Flow, Send, Wait
 from streamfence.protocol.client_router import ANY, ClientError
 from streamfence.protocol.client_shell import ClientBase, TextFlow, shown_as
-from streamfence.protocol.client_sockets import close_sockets, link_events, stop_watch, watch_link
+from streamfence.protocol.client_sockets import (
+    NOBLOCK,
+    close_sockets,
+    has_message,
+    link_events,
+    receive,
+    stop_watch,
+    watch_link,
+)
 from streamfence.protocol.codec import DEFAULT_MAX_FRAME
 from streamfence.protocol.credentials import Credentials, resolve
 
 SEND_RETRY_S = 0.005  # a send refused by a full queue (high-water mark) is tried again after
-# Plain ints: pyzmq's enum members cost an enum operation per look (per event).
-_EVENTS, _RCVMORE, _POLLIN, _NOBLOCK = (int(zmq.EVENTS), int(zmq.RCVMORE), int(zmq.POLLIN),
-                                        int(zmq.NOBLOCK))
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -289,7 +294,7 @@ class AsyncClient(ClientBase):
     def _recheck(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket[bytes]) -> None:
         """After an operation on `sock`: its descriptor's edge may be spent, so
         look at its state (module docstring)."""
-        if not loop.is_closed() and _has_message(sock):
+        if not loop.is_closed() and has_message(sock):
             loop.call_soon(self._readable, sock)
 
     def _readable(self, sock: zmq.Socket[bytes]) -> None:
@@ -304,12 +309,12 @@ class AsyncClient(ClientBase):
         try:
             # The socket's state is read before each receive: an exception (zmq.Again)
             # per pass costs more than the look.
-            while not answered and _has_message(sock):
-                answered = route(_receive(sock))
+            while not answered and has_message(sock):
+                answered = route(receive(sock))
             ack = router.ack_due(monotonic()) if events else None
             if ack is not None:
                 with contextlib.suppress(zmq.Again):  # the next one carries the total
-                    sock.send(ack, _NOBLOCK)
+                    sock.send(ack, NOBLOCK)
                 answered = True  # the send may have spent the socket's edge
         except ClientError as exc:  # the daemon broke the protocol: every waiting flow hears
             router.woken.clear()
@@ -327,8 +332,8 @@ class AsyncClient(ClientBase):
         if self._closed:
             return
         shook = False
-        while _has_message(self._monitor):
-            _receive(self._monitor)
+        while has_message(self._monitor):
+            receive(self._monitor)
             self._core.router.handshake()
             shook = True
         if shook:
@@ -372,19 +377,6 @@ class AsyncClient(ClientBase):
                         waiter.set_result(None)
                     else:
                         waiter.set_exception(error)
-
-
-def _has_message(sock: zmq.Socket[bytes]) -> bool:
-    events: int = sock.getsockopt(_EVENTS)  # type: ignore[assignment]
-    return bool(events & _POLLIN)
-
-
-def _receive(sock: zmq.Socket[bytes]) -> list[bytes]:
-    """One message of a socket that has one (its state said POLLIN)."""
-    frames = [sock.recv(_NOBLOCK)]
-    while sock.getsockopt(_RCVMORE):
-        frames.append(sock.recv(_NOBLOCK))
-    return frames
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:

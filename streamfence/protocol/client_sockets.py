@@ -28,6 +28,27 @@ import zmq
 
 from streamfence.protocol.client_monitor import LINK_EVENTS
 
+# Both shells' per-event looks and reads: plain ints and the compiled calls,
+# since pyzmq's Python-level `getsockopt`, `recv_multipart` and enum members
+# cost an enum operation or two per use, per event.
+_EVENTS, _RCVMORE, _POLLIN = int(zmq.EVENTS), int(zmq.RCVMORE), int(zmq.POLLIN)
+NOBLOCK = int(zmq.NOBLOCK)
+_get, _recv = zmq.backend.Socket.get, zmq.backend.Socket.recv
+
+
+def has_message(sock: zmq.Socket[bytes]) -> bool:
+    """Whether `sock` holds a message to read now."""
+    events: int = _get(sock, _EVENTS)  # type: ignore[assignment]
+    return bool(events & _POLLIN)
+
+
+def receive(sock: zmq.Socket[bytes]) -> list[bytes]:
+    """One message of a socket that has one (`has_message` said so)."""
+    frames = [_recv(sock, NOBLOCK)]
+    while _get(sock, _RCVMORE):
+        frames.append(_recv(sock, NOBLOCK))
+    return frames
+
 
 def watch_link(ctx: zmq.Context[Any], sock: zmq.Socket[Any], tag: str) -> zmq.Socket[bytes]:
     """The monitor of `sock`'s connection (LINK_EVENTS), made before it connects;
