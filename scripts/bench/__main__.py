@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import streamfence
 from scripts.bench import common, report
 
 SECTIONS = ("cpu", "throughput", "latency", "failover", "scale", "startup", "ttft", "capacity",
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         from scripts.bench.long_idle import LongIdle
 
         long_idle = LongIdle(long_idle_s)
+    # The daemons run the tree this process imports (same working directory and
+    # PYTHONPATH; `python -m` puts the working directory first): say which.
+    common.log(f"[bench] streamfence from {Path(streamfence.__file__).resolve().parent}")
     for name in names:
         common.log(f"[bench] {name} ...")
         t = time.monotonic()
