@@ -112,19 +112,21 @@ class _Body(httpx2.SyncByteStream):
 
     def __iter__(self) -> Iterator[bytes]:
         message, request = self._message, self._request
-        body = message.body
-        if body:
-            piece = body[0] if len(body) == 1 else b"".join(body)
-            body.clear()
-            yield piece
+        body = message.body  # what the parser took from each read (the head's too)
         recv, feed = self._sock.recv, message.parser.feed_data
-        while not message.complete:
+        while True:
+            if body:
+                piece = body[0] if len(body) == 1 else b"".join(body)
+                body.clear()
+                yield piece
+            if message.complete:
+                return
             try:
                 data = recv(READ_SIZE)
                 if not data:
                     if self._until_close:
                         message.complete = True  # the body ends where the connection does
-                        break
+                        return
                     raise httpx2.RemoteProtocolError(
                         "peer closed connection without sending complete message body ("
                         + ("incomplete chunked read)" if self._chunked else "incomplete body)"),
@@ -137,16 +139,13 @@ class _Body(httpx2.SyncByteStream):
             except httptools.HttpParserError as exc:
                 raise httpx2.RemoteProtocolError(f"malformed response body: {exc}",
                                                  request=request) from exc
-            if body:
-                piece = body[0] if len(body) == 1 else b"".join(body)
-                body.clear()
-                yield piece
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._message.complete and self._message.keep_alive and not self._until_close:
+        # (llhttp's keep-alive is already False for a body that ends with the connection)
+        if self._message.complete and self._message.keep_alive:
             self._transport.keep(self._origin, self._sock)
         else:
             self._sock.close()
@@ -245,8 +244,11 @@ class Http11Transport(httpx2.BaseTransport):
                 parser.feed_data(chunk)
                 if message.head_done:
                     status = parser.get_status_code()
-                    if status >= 200 or status == 101:
+                    if status >= 200:
                         break
+                    if status == 101:
+                        raise httpx2.RemoteProtocolError("the server switched protocols",
+                                                         request=request)
                     message.head_done = False  # an interim 1xx: the final response follows
         except TimeoutError as exc:
             raise httpx2.ReadTimeout(str(exc) or "timed out", request=request) from exc
@@ -256,15 +258,13 @@ class Http11Transport(httpx2.BaseTransport):
             raise httpx2.RemoteProtocolError("the server switched protocols", request=request) from exc
         except httptools.HttpParserError as exc:
             raise httpx2.RemoteProtocolError(f"malformed response: {exc}", request=request) from exc
-        if status == 101:
-            raise httpx2.RemoteProtocolError("the server switched protocols", request=request)
         headers = httpx2.Headers(message.headers)
         chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         if request.method == "HEAD" or status in (204, 304):
             message.complete = True
         until_close = not (message.complete or chunked or "content-length" in headers)
         extensions: dict[str, Any] = {"http_version": b"HTTP/1.1", "reason_phrase": message.reason}
-        return httpx2.Response(status, headers=message.headers,
+        return httpx2.Response(status, headers=headers,
                                stream=_Body(self, origin, sock, message, request,
                                             chunked, until_close),
                                extensions=extensions)
