@@ -5,8 +5,9 @@ CURVE and the real `streamfence keys` CLI.
 bob follows a long call of his on a raw events connection (reading and
 acking, as a good client does) while alice follows hers. Then `streamfence
 keys revoke bob` (or `rotate bob`) runs. What "at once" means here, precisely:
-the sink looks at the allow-list every `REVOKE_CHECK_S` (0.1 s), so what it
-sent bob before it saw the change is in flight and may still arrive; then
+the sink looks at the allow-list when inotify says `keys/clients/` changed
+(sink/key_checks.py; every second besides), so what it sent bob before it
+saw the change is in flight and may still arrive; then
 bob's connection gets one `error` with code `key_revoked`, and after that
 nothing at all, while alice's listener goes on receiving her call. The test
 asserts: the notice comes within a generous `NOTICE_S` of the CLI's answer,
@@ -17,6 +18,7 @@ gets at least `ALICE_AFTER` more."""
 
 from __future__ import annotations
 
+import select
 import subprocess
 import sys
 import time
@@ -194,11 +196,15 @@ def test_a_revoked_or_rotated_key_stops_its_events_at_once(
 
 def test_the_events_socket_cuts_a_connection_whose_key_left_the_allow_list(
         tmp_path: Path) -> None:
-    """The mechanism alone, in-process with real CURVE: `tick` (the sink loop's
-    timer) finds the revoked key's connection, tells it, and returns it for its
-    subscriptions to be dropped; the other identity's connection is untouched."""
+    """The mechanism alone, in-process with real CURVE and a real inotify
+    watch: the revoke turns the watch's descriptor readable, `tick` is due at
+    once and finds the revoked key's connection, tells it, and returns it for
+    its subscriptions to be dropped; the other identity's connection is
+    untouched. Between changes the loop's timer is the slow recheck, not a
+    10 Hz poll (each look is a wake-up of the sink)."""
     from streamfence.protocol.internal.control import ListenerOwner
-    from streamfence.sink.subscribers import REVOKE_CHECK_S, Subscribers
+    from streamfence.sink.key_checks import RECHECK_S
+    from streamfence.sink.subscribers import Subscribers
     from tests.fakes import Clock
 
     store = KeyStore(tmp_path / "keys")
@@ -229,10 +235,21 @@ def test_the_events_socket_cuts_a_connection_whose_key_left_the_allow_list(
         for name in ("bob", "alice"):
             assert subs.subscribe(f"{name}-listener-0001".encode(), f"{name}-call",
                                   ListenerOwner(name), always) is None
-        clock.now += REVOKE_CHECK_S
+        checks = subs.key_checks
+        assert checks is not None
+        keys_fd = checks.fileno()
+        assert keys_fd is not None, "no inotify watch on keys/clients/"
+
+        def keys_changed() -> bool:
+            return bool(select.select([keys_fd], [], [], 0.05)[0])
+
+        clock.now += RECHECK_S
         assert subs.tick() == []  # nothing changed
+        assert subs.due >= clock.now + RECHECK_S, "the allow-list is polled, not watched"
         store.revoke("bob")
-        clock.now += REVOKE_CHECK_S
+        wait_until(keys_changed, 10, "the watch on keys/clients/ to report the revoke")
+        subs.keys_changed()
+        assert subs.due <= clock.now, "tick is not due after keys/clients/ changed"
         assert subs.tick() == [b"bob-listener-0001"]
         assert bob.poll(5000), "bob was not told"
         notice = msgpack.unpackb(bob.recv())
@@ -244,7 +261,7 @@ def test_the_events_socket_cuts_a_connection_whose_key_left_the_allow_list(
         bob.send(msgpack.packb({"v": 1, "op": "listen"}))
         wait_until(lambda: answered(bob), 10, "an answer to bob's listen")
         assert msgpack.unpackb(bob.recv())["code"] == "key_revoked"
-        clock.now += REVOKE_CHECK_S
+        clock.now += RECHECK_S
         assert subs.tick() == []
         assert subs.deliver([({b"alice-listener-0001"}, [msgpack.packb({"seq": 1})])]) == []
         assert alice.poll(5000) and msgpack.unpackb(alice.recv()) == {"seq": 1}

@@ -142,9 +142,13 @@ class Sink:
         poller.register(streams_fd, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         wake_fd = self._wake_r.fileno()
+        checks = self.subscribers.key_checks
+        keys_fd = checks.fileno() if checks is not None else None
+        if keys_fd is not None:  # `keys/clients/` changed: look for revoked keys
+            poller.register(keys_fd, zmq.POLLIN)
         log.info("sink: serving pid=%s in=%s", os.getpid(), self.sin.getsockopt_string(zmq.LAST_ENDPOINT))
         try:
-            self._loop(poller, streams_fd, wake_fd)
+            self._loop(poller, streams_fd, wake_fd, keys_fd)
             log.info("sink: stopping; final commit")
             self.state.commits.commit()
             replica = self.state.replica
@@ -156,7 +160,8 @@ class Sink:
         except StoreStopped as exc:
             log.error("sink: %s", exc)
 
-    def _loop(self, poller: zmq.Poller, streams_fd: int, wake_fd: int) -> None:
+    def _loop(self, poller: zmq.Poller, streams_fd: int, wake_fd: int,
+              keys_fd: int | None) -> None:
         state, intake, subscribers = self.state, self.intake, self.subscribers
         commits, retention, replays, replica = (state.commits, state.retention, state.replays,
                                                 state.replica)
@@ -178,6 +183,8 @@ class Sink:
                 self._drain_ctl()
             if subscribers.socket in ready:
                 subscribers.drain()
+            if keys_fd in ready:
+                subscribers.keys_changed()
             if replica is not None:
                 if cluster_fd in ready:
                     replica.on_wake()

@@ -37,19 +37,18 @@ an empty array; if it is gone, its bytes are released.
 Revoked keys (docs/SECURITY.md, "Rotating and revoking"): ZAP authenticates
 a connection once, at its handshake, so a connection made before a key is
 revoked or rotated stays open. Each listener's key is the User-Id of what
-it says here (`listen`, or its first `ack`), and every `REVOKE_CHECK_S`
-(`tick`) the sink looks at the key store's allow-list, which it already
-reads for ZAP; when it changed, every listener whose key is no longer in it
-is cut: it gets an `error` (ref nil, code `key_revoked`), its bytes are
-released, and `tick` returns it so that its subscriptions are dropped
-(sink/replays.py); a later `listen` from it gets the same error, and a
-subscribe of it is refused. Why here and not a control op from the
-supervisor: the supervisor learns of a key change no sooner (the CLI just
-edits `keys/clients/`, with or without a daemon), and only the sink knows
-which key each events connection holds, which need not be the key of the
-request socket that subscribed it. A listener that never says anything here
-has no known key: what it gets is bounded by one window, since it never
-acks, and nobody with the revoked key can subscribe it again.
+it says here (`listen`, or its first `ack`); when `keys/clients/` changed
+(sink/key_checks.py) `tick` looks at the allow-list ZAP reads, and every
+listener whose key left it is cut: it gets an `error` (ref nil, code
+`key_revoked`), its bytes are released, and `tick` returns it so that its
+subscriptions are dropped (sink/replays.py); a later `listen` from it gets
+the same error, and a subscribe of it is refused. Why here and not a
+control op from the supervisor: the supervisor learns of a key change no
+sooner (the CLI just edits `keys/clients/`, with or without a daemon), and
+only the sink knows which key each events connection holds, which need not
+be the key of the request socket that subscribed it. A listener that never
+says anything here has no known key: what it gets is bounded by one window,
+since it never acks, and nobody with the revoked key can subscribe it again.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgpack
@@ -74,6 +73,7 @@ from streamfence.protocol.messages import (
     listening_msg,
     parse_listener_msg,
 )
+from streamfence.sink.key_checks import KeyChecks
 from streamfence.sink.shares import Active, Share, Shares
 
 log = logging.getLogger("streamfence.sink")
@@ -89,7 +89,6 @@ BATCH_BYTES = 256 << 10  # ... and about this many bytes
 MAX_LISTEN_FRAME = 4096  # what a client may send here: `listen`, `ack`
 LISTEN_BURST = 100  # inbound messages handled per loop turn
 PING_AFTER_S = 10.0  # a silent listener holding bytes is checked after this long
-REVOKE_CHECK_S = 0.1  # how often the allow-list is looked at for revoked keys
 _PING = msgpack.packb([])  # an empty batch: no event, one byte
 _raw_send = zmq.backend.Socket.send  # the compiled send, under pyzmq's Python-level one
 _NOBLOCK, _MORE = zmq.NOBLOCK, zmq.SNDMORE | zmq.NOBLOCK
@@ -106,18 +105,12 @@ class Listeners(Protocol):
     """What the rest of the sink needs of `Subscribers` (tests give a stand-in)."""
 
     def deliver(self, outbox: Outbox) -> Cuts: ...
-
     def replay(self, listener: bytes, events: list[bytes]) -> int: ...
-
     def room(self, listener: bytes) -> int: ...
-
     def cut_off(self, listener: bytes, call_id: str, seq: int) -> None: ...
-
     def subscribe(self, listener: bytes, call_id: str, owner: ListenerOwner,
                   active: Active) -> str | None: ...
-
     def unsubscribe_all(self, listener: bytes) -> set[str]: ...
-
     def stats(self) -> dict[str, int]: ...
 
 
@@ -158,8 +151,7 @@ class Subscribers:
             make_curve_server(sock, keys)
         sock.bind(endpoint)
         self.socket = sock
-        self._keys = keys
-        self._allowed: Mapping[bytes, str] | None = None  # the allow-list last checked
+        self.key_checks = KeyChecks(keys, clock()) if keys is not None else None
         self._cut_since_tick: list[bytes] = []  # cut at their `listen`, for `tick` to return
         self._clock = clock
         self._send = _raw_send.__get__(sock)
@@ -168,7 +160,6 @@ class Subscribers:
         self._peers: dict[bytes, Peer] = {}
         self.outstanding = 0  # the sum of the peers' `out`
         self.ping_due = clock() + PING_AFTER_S
-        self.check_due = clock() + REVOKE_CHECK_S
         self.due = math.inf  # when `tick` is due (an attribute: the loop reads it every turn)
         self.sent = 0  # events handed to ZeroMQ
         self.dropped_full = 0  # events dropped: the listener's queue was full
@@ -336,7 +327,7 @@ class Subscribers:
                 continue
             peer = self._peers.get(ident) or self._peer(ident)
             peer.heard = now
-            just_cut = self._keys is not None and (read is None or peer.key is None) \
+            just_cut = self.key_checks is not None and (read is None or peer.key is None) \
                 and self._learn_key(ident, peer, body[0])
             if peer.revoked:
                 if read is None or just_cut:  # (a later ack gets no answer)
@@ -355,8 +346,8 @@ class Subscribers:
         key = str(frame.get("User-Id")).encode()
         if key != peer.key:  # a new connection under this routing id
             peer.key, peer.revoked = key, False
-        assert self._keys is not None
-        if not peer.revoked and key not in self._keys.allow_list():
+        assert self.key_checks is not None
+        if not peer.revoked and not self.key_checks.allowed(key):
             self._cut(peer)
             self._cut_since_tick.append(listener)
             self.due = 0.0  # its subscriptions are dropped in this loop turn
@@ -377,7 +368,14 @@ class Subscribers:
         """When `tick` has something to do (the loop's timer): nothing without peers."""
         if not self._peers:
             return math.inf
-        return min(self.ping_due, self.check_due) if self._keys is not None else self.ping_due
+        checks = self.key_checks
+        return self.ping_due if checks is None else min(self.ping_due, checks.due)
+
+    def keys_changed(self) -> None:
+        """`keys/clients/` changed: `tick` looks at the allow-list this loop turn."""
+        assert self.key_checks is not None
+        self.key_checks.on_readable()
+        self.due = 0.0
 
     def tick(self) -> list[bytes]:
         """The timer's work: pings when due, and the listeners cut for a revoked
@@ -387,11 +385,10 @@ class Subscribers:
         if now >= self.ping_due:
             self.ping()
         cut, self._cut_since_tick = self._cut_since_tick, []
-        if self._keys is not None and now >= self.check_due:
-            self.check_due = now + REVOKE_CHECK_S
-            allowed = self._keys.allow_list()
-            if allowed is not self._allowed:
-                self._allowed = allowed
+        checks = self.key_checks
+        if checks is not None and now >= checks.due:
+            allowed = checks.changed(now)
+            if allowed is not None:
                 for listener, peer in self._peers.items():
                     if peer.key is not None and not peer.revoked and peer.key not in allowed:
                         self._cut(peer)
@@ -443,5 +440,7 @@ class Subscribers:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+        if self.key_checks is not None:
+            self.key_checks.close()
         if self._zap is not None:
             self._zap.stop()
