@@ -71,7 +71,7 @@ _KEEP_FINISHED = 4096  # finished calls remembered to discard late duplicates
 _KEEP_SUBSCRIBE_REFS = 1024  # a subscribe's success has no reply: keep the latest refs only
 _KEEP_CANCEL_REFS = 1024  # cancels of abandoned calls awaiting their (discarded) reply
 ACK_EVERY = 64 << 10  # say `ack` after this many bytes read on the events socket ...
-ACK_AFTER_S = 0.25  # ... or this long after the last one, if anything was read
+ACK_AFTER_S = 2.0  # ... or this long after the last, if anything was read (an ack wakes the sink)
 # Keys of `Router.woken` besides refs and call ids (neither can contain a space).
 LISTENING = " listening"
 ANY = " any"

@@ -82,7 +82,7 @@ WINDOW_BYTES = 4 << 20  # unacknowledged bytes one listener may have
 BUFFER_BYTES = 256 << 20  # ... and all listeners together
 IDENTITY_BYTES = BUFFER_BYTES // 8  # ... and the listeners of one identity (32 MiB)
 # Frames queued per listener: far more than an acking client lets pile up (it
-# acks every 64 KiB or 50 ms), and with BATCH_BYTES the bound for one that lies.
+# acks every 64 KiB or 2 s), and with BATCH_BYTES the bound for one that lies.
 SEND_HWM = 1024
 BATCH_MAX = 4096  # events per frame at most ...
 BATCH_BYTES = 256 << 10  # ... and about this many bytes
