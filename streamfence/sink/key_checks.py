@@ -9,10 +9,10 @@ report (a state dir on a network file system changed from another host, a
 inotify (no instance left: `fs.inotify.max_user_instances`) the timer runs
 every `CHECK_S`, as it always did.
 
-Why not just the timer: each look wakes the sink's loop, and on this VM a
-wake-up costs ~300 µs of CPU (docs/PERFORMANCE.md "Issue 32: the sink's
-timers"); at 10 looks a second, that was 3 ms of CPU a second for as long
-as any listener was connected, idle or not.
+Why not just the timer: each look wakes the sink's loop, ~300 µs of CPU
+on the benchmark VM (docs/PERFORMANCE.md "Issue 32: the sink's timers"):
+at 10 looks a second, 3 ms of CPU a second for as long as any listener
+was connected, idle or not.
 """
 
 from __future__ import annotations
