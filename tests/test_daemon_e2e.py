@@ -214,3 +214,48 @@ def test_a_worker_killed_while_idle_is_never_handed_an_attempt(
         assert daemon.proc is not None and daemon.proc.poll() is None
     assert events[-1]["status"] == "completed", events[-1]
     assert events[-1]["response"]["content"] == emu.log("after-idle-kill")[0]["text"]
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (`T`: stopped), None once it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return None if state in ("Z", "X") else state
+
+
+def test_a_stale_attempts_worker_is_stopped_at_once_and_killed_once_its_retry_started(
+        make_daemon: Any, emu: EmulatorClient) -> None:
+    """The failover path (docs/PERFORMANCE.md "Issue 32: the pool"): the stale
+    attempt's worker is SIGSTOPped at its fence, so its exit does not take the
+    cores the retry starts on, and SIGKILLed once the retry has its first
+    chunk. The retry's first chunk waits behind 1.5 s of keep-alives (under
+    its 2 s first-chunk budget), and the refill wait is long, so the stopped
+    worker is there to be seen."""
+    emu.script("stopped", [{"fault": "stall", "after": 3, "stall_s": 30.0},
+                           {"fault": "keepalive", "stall_s": 1.5, "chunks": 4}])
+    # No back-off: a retry waiting one out is not starting, and the kill comes then.
+    daemon: DaemonProcess = make_daemon(daemon={"workers_refill_wait_s": 60.0,
+                                                "backoff_base_s": 0.0, "backoff_max_s": 0.0})
+    with daemon.client() as client:
+        call_id = client.submit("emu", request_for("openai", "stopped"),
+                                options={"stale_timeout_s": 2.0, "on_partial": "restart"})
+        events = client.events(call_id, timeout_s=30.0)
+
+        def attempt_2_started() -> bool:  # (attempt numbers may skip: ARCHITECTURE §2)
+            return len(daemon.journal_rows(
+                "SELECT 1 FROM attempts WHERE call_id = ? AND attempt > 1", call_id)) == 1
+
+        wait_until(attempt_2_started, 30, "the stale attempt to be fenced and retried")
+        ((pid,),) = daemon.journal_rows(
+            "SELECT worker_pid FROM attempts WHERE call_id = ? AND attempt = 1", call_id)
+        assert pid, "attempt 1 has no worker pid"
+        wait_until(lambda: _state(pid) == "T", 10,
+                   f"attempt 1's worker {pid} to be stopped (state {_state(pid)})")
+        done = list(events)[-1]
+        wait_until(lambda: _state(pid) is None, 10,
+                   f"attempt 1's worker {pid} to be killed after its retry's first chunk")
+    assert done["status"] == "completed" and done["attempts"] == 2, done
+    assert len(emu.log("stopped")) == 2

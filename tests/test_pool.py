@@ -29,7 +29,7 @@ from streamfence.protocol.internal.workers import (
     parse_run,
 )
 from streamfence.protocol.states import WorkerState
-from streamfence.supervisor.pool import PREPARE_AHEAD, REFILL_WAIT_S, Pool
+from streamfence.supervisor.pool import PREPARE_AHEAD, REFILL_POLL_S, REFILL_WAIT_S, Pool
 from streamfence.supervisor.worker_states import Worker
 from streamfence.workers.liveness import LivenessTable
 from tests.fakes import Clock
@@ -372,6 +372,85 @@ def test_a_fenced_attempts_replacement_waits_for_the_retrys_first_chunk(
     h.first_chunk([retry])
     h.pool.maintain(demand=0)
     assert len(h.spawns) > forks
+    h.live.close()
+
+
+def _signals(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    return sent
+
+
+def test_a_stale_attempts_worker_is_stopped_at_once_and_killed_once_its_retry_started(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = _signals(monkeypatch)
+    h = Harness(tmp_path, refill_wait_s=REFILL_WAIT_S)
+    h.pool.maintain()
+    h.up()
+    (worker,) = h.run(1)
+    worker.pid = 4242
+    h.pool.kill(worker, stalled=True)  # the sink acknowledged its stale attempt's fence
+    assert sent == [(4242, signal.SIGSTOP)]
+    h.pool.maintain(demand=0)
+    assert sent == [(4242, signal.SIGSTOP)], "not killed in the turn that fenced it"
+    due = h.pool.next_due()
+    assert due is not None and due <= h.clock.now + REFILL_POLL_S
+    (retry,) = h.run(1)  # the retry, on a spare
+    h.clock.now += REFILL_POLL_S
+    h.pool.maintain(demand=0)
+    assert sent == [(4242, signal.SIGSTOP)], "nor while the retry awaits its first chunk"
+    h.first_chunk([retry])
+    h.pool.maintain(demand=0)
+    assert sent == [(4242, signal.SIGSTOP), (4242, signal.SIGKILL)]
+    h.pool.maintain(demand=0)
+    assert len(sent) == 2, "killed once"
+    h.exited([worker])
+    h.live.close()
+
+
+def test_a_stopped_worker_is_killed_within_refill_wait_whatever_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = _signals(monkeypatch)
+    h = Harness(tmp_path, refill_wait_s=REFILL_WAIT_S)
+    h.pool.maintain()
+    h.up()
+    (worker,) = h.run(1)
+    worker.pid = 4242
+    h.pool.kill(worker, stalled=True)
+    h.run(1)  # an attempt whose first chunk never comes
+    h.clock.now += REFILL_WAIT_S - REFILL_POLL_S
+    h.pool.maintain(demand=0)
+    assert sent == [(4242, signal.SIGSTOP)]
+    assert h.pool.next_due() == pytest.approx(h.clock.now + REFILL_POLL_S)
+    h.clock.now += REFILL_POLL_S
+    h.pool.maintain(demand=0)
+    assert sent[-1] == (4242, signal.SIGKILL)
+    h.live.close()
+
+
+def test_without_a_refill_wait_a_fenced_worker_is_killed_at_once(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = _signals(monkeypatch)
+    h.pool.maintain()
+    h.up()
+    (worker,) = h.run(1)
+    worker.pid = 4242
+    h.pool.kill(worker, stalled=True)
+    assert sent == [(4242, signal.SIGKILL)]
+
+
+def test_a_worker_whose_stream_may_still_send_is_killed_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancel's or a deadline's fence: the provider may still be sending
+    (and billing), so its connection is closed now, refill wait or not."""
+    sent = _signals(monkeypatch)
+    h = Harness(tmp_path, refill_wait_s=REFILL_WAIT_S)
+    h.pool.maintain()
+    h.up()
+    (worker,) = h.run(1)
+    worker.pid = 4242
+    h.pool.kill(worker)
+    assert sent == [(4242, signal.SIGKILL)]
     h.live.close()
 
 

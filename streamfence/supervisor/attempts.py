@@ -333,7 +333,8 @@ class AttemptDriver:
         if worker is not None and worker.token == call.token:
             if ARMED:
                 failpoint("supervisor.after_fence")
-            self._pool.kill(worker)  # fenced first, so the kill cannot lose an accepted delta
+            # Fenced first, so the kill cannot lose an accepted delta.
+            self._pool.kill(worker, stalled=reason is FenceReason.STALE)
             self._pool.maintain()
         self._journal.end_attempt(call.call_id, call.epoch, reason.value, None,
                                   stats.visible_chars, stats.accepted)

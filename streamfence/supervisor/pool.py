@@ -1,7 +1,7 @@
 """The warm worker pool, as seen from the supervisor.
 
 Workers are forked by the zygote (workers/zygote.py); the pool tracks each
-one's state, kills a worker with SIGKILL when its attempt is fenced, and
+one's state, stops and kills a worker when its attempt is fenced, and
 replaces it in the background. Every worker has a liveness slot
 (workers/liveness.py), reused only after its previous holder was reaped.
 
@@ -25,6 +25,12 @@ Which forks go when: a call that waits for a worker gets its fork at once
 retries; or calls wait for forks), at most `refill_wait_s`
 (`workers_refill_wait_s`, 1 s; 0: at once): the two cores go to a burst's
 first requests, not to the workers a next burst may want.
+
+A stale attempt's worker is stopped at once (SIGSTOP) and killed once no
+attempt is starting, at most `refill_wait_s` later (0: at once): its exit,
+2.5-5 ms of CPU, would take the cores its retry starts on (PERFORMANCE.md
+"Issue 32: the pool"). Other kills (a cancel, a deadline) are at once:
+their provider may still be sending.
 """
 
 from __future__ import annotations
@@ -102,6 +108,7 @@ class Pool:
         self._demand = 0  # calls queued for a worker, as last told
         self._maintained_at = 0.0
         self._fenced: set[int] = set()  # killed by `kill`, not yet reaped: their calls retry
+        self._stopped: dict[int, float] = {}  # worker id -> when `kill` stopped it (SIGKILL due)
         self._refill_wait_s = refill_wait_s
         self._unstarted: set[int] = set()  # busy, no first chunk seen yet
         self._preparing = 0  # reserved workers with their W_RUN sent (prepared)
@@ -179,6 +186,8 @@ class Pool:
         if demand is not None:
             self._demand = demand
         now = self._maintained_at = self._clock()
+        if self._stopped:
+            self._kill_stopped(now)
         want = self.target()
         have = self.count(WorkerState.SPAWNING, WorkerState.IDLE, WorkerState.RESERVED,
                           WorkerState.BUSY)
@@ -216,8 +225,22 @@ class Pool:
         self._refill_since = self._refill_since if waits else None
         return waits
 
+    def _kill_stopped(self, now: float) -> None:
+        """SIGKILL those stopped REFILL_POLL_S ago if no attempt starts, else refill_wait_s."""
+        wait = self._refill_wait_s
+        if not self._attempts_starting():
+            wait = min(wait, REFILL_POLL_S)
+        for worker_id, stopped_at in list(self._stopped.items()):
+            if now >= stopped_at + wait:
+                del self._stopped[worker_id]
+                self._signal(self.workers[worker_id], signal.SIGKILL)
+
     def _starting(self) -> bool:  # see _spares_wait
-        if self._demand or self._fenced or self.count(WorkerState.RESERVED):
+        return bool(self._fenced) or self._attempts_starting()
+
+    def _attempts_starting(self) -> bool:
+        """Calls wait for forks, or an attempt is authorizing or awaits its first chunk."""
+        if self._demand or self.count(WorkerState.RESERVED):
             return True
         for worker_id in list(self._unstarted):
             worker = self.workers[worker_id]
@@ -230,10 +253,17 @@ class Pool:
         """When `maintain` has something to do (monotonic seconds): while spare
         forks wait, every REFILL_POLL_S; while the pool holds more than its
         floor (`spare` plus the load now), about once a second as the peak
-        decays (to retire an idle worker); else never."""
-        if self._refill_since is not None:
-            return min(self._maintained_at + REFILL_POLL_S,
-                       self._refill_since + self._refill_wait_s)
+        decays (to retire an idle worker); while a stopped worker awaits its
+        kill, every REFILL_POLL_S; else never."""
+        dues = [self._retire_due() if self._refill_since is None else min(
+            self._maintained_at + REFILL_POLL_S, self._refill_since + self._refill_wait_s)]
+        if self._stopped:
+            stopped_at = min(self._stopped.values())
+            dues.append(min(max(self._maintained_at, stopped_at) + REFILL_POLL_S,
+                            stopped_at + self._refill_wait_s))
+        return min((due for due in dues if due is not None), default=None)
+
+    def _retire_due(self) -> float | None:
         if not (self._idle_new or self._idle_used):
             return None
         have = self.count(WorkerState.SPAWNING, WorkerState.IDLE, WorkerState.RESERVED,
@@ -260,9 +290,12 @@ class Pool:
                   worker.worker_id, worker.pid, target)
         self._to(worker, WorkerEvent.KILL)
         self.retired_total += 1
-        if worker.pid:
+        self._signal(worker, signal.SIGKILL)
+
+    def _signal(self, worker: Worker, signum: int) -> None:
+        if worker.pid:  # 0: not forked yet (its hello finds it dead)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(worker.pid, signal.SIGKILL)
+                os.kill(worker.pid, signum)
 
     # ---- events ------------------------------------------------------------
     def on_spawned(self, worker_id: int, pid: int) -> None:
@@ -297,6 +330,7 @@ class Pool:
         self._to(worker, WorkerEvent.EXITED)
         self._states[WorkerState.DEAD] -= 1
         self._fenced.discard(worker.worker_id)
+        self._stopped.pop(worker.worker_id, None)
         worker.returncode = returncode
         self._by_pid.pop(pid, None)
         del self.workers[worker.worker_id]
@@ -389,17 +423,20 @@ class Pool:
             return False
         return True
 
-    def kill(self, worker: Worker) -> None:
-        """SIGKILL; the zygote reaps it and reports `exited`."""
+    def kill(self, worker: Worker, *, stalled: bool = False) -> None:
+        """SIGKILL; `stalled` (its stream sends nothing): SIGSTOP now, SIGKILL
+        later (`_kill_stopped`). The zygote reaps it."""
         if worker.state in (WorkerState.KILLING, WorkerState.DEAD):
             return
         if worker.state in (WorkerState.RESERVED, WorkerState.BUSY):
             self._fenced.add(worker.worker_id)
         self._to(worker, WorkerEvent.KILL)
         self.killed_total += 1
-        if worker.pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(worker.pid, signal.SIGKILL)
+        if stalled and worker.pid and self._refill_wait_s > 0:
+            self._stopped[worker.worker_id] = self._clock()
+            self._signal(worker, signal.SIGSTOP)
+        else:
+            self._signal(worker, signal.SIGKILL)
 
     def close(self) -> None:
         """At shutdown: release the liveness table (the daemon closes the socket)."""
