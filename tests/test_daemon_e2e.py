@@ -259,3 +259,26 @@ def test_a_stale_attempts_worker_is_stopped_at_once_and_killed_once_its_retry_st
                    f"attempt 1's worker {pid} to be killed after its retry's first chunk")
     assert done["status"] == "completed" and done["attempts"] == 2, done
     assert len(emu.log("stopped")) == 2
+
+
+def test_a_stream_silent_after_its_first_chunks_is_stale_within_a_longer_first_chunk_budget(
+        make_daemon: Any, emu: EmulatorClient) -> None:
+    """`first_chunk_timeout_s` lets a reasoning model think before its first
+    token, never go silent afterwards (PROTOCOL §8): attempt 1 sends three
+    chunks, then nothing for 8 s, under a 1 s stale timeout and a 60 s
+    first-chunk budget. It must be fenced as stale and retried, not waited
+    for until the first-chunk budget's end (where it would have resumed and
+    completed as one attempt)."""
+    emu.script("thinker", [{"fault": "stall", "after": 3, "stall_s": 8.0}, {"fault": "ok"}])
+    daemon: DaemonProcess = make_daemon(daemon={"backoff_base_s": 0.0, "backoff_max_s": 0.0})
+    with daemon.client() as client:
+        call_id = client.submit("emu", request_for("openai", "thinker"),
+                                options={"stale_timeout_s": 1.0, "first_chunk_timeout_s": 60.0,
+                                         "on_partial": "restart"})
+        events = _collect(client, call_id)
+        result = client.result(call_id)
+    done = events[-1]
+    assert result is not None
+    assert done["status"] == "completed" and done["attempts"] == 2, (done, result["diagnostics"])
+    assert result["diagnostics"][0]["how"] == "stale", result["diagnostics"]
+    assert _content(events) == emu.log("thinker")[1]["text"]

@@ -53,8 +53,13 @@ class Watchdog:
 
     def arm_watch(self, call: Call, since_ns: int, limit_s: float) -> None:
         """A running attempt is next looked at when `limit_s` passes from
-        `since_ns` without a chunk, or at its deadline if that is sooner."""
+        `since_ns` without a chunk, or at its deadline if that is sooner;
+        and within its stale timeout at most, so that an attempt still in
+        a longer first-chunk budget that has its first chunks and then goes
+        silent is looked at (and fenced) by the stale timeout, not at the
+        budget's end (the liveness row has no event of its own)."""
         left_s = limit_s - (time.monotonic_ns() - since_ns) / 1e9  # liveness is in monotonic ns
+        left_s = min(left_s, call.timeouts.stale_s)
         when = self._clock() + max(0.0, left_s)
         if call.deadline is not None:
             when = min(when, call.deadline)
