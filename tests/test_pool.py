@@ -381,14 +381,20 @@ def _signals(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     return sent
 
 
-def test_a_stale_attempts_worker_is_stopped_at_once_and_killed_once_its_retry_started(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    sent = _signals(monkeypatch)
-    h = Harness(tmp_path, refill_wait_s=REFILL_WAIT_S)
+def _one_running(h: Harness) -> Worker:
+    """An attempt running on a worker with a pid (the signals to it are recorded)."""
     h.pool.maintain()
     h.up()
     (worker,) = h.run(1)
     worker.pid = 4242
+    return worker
+
+
+def test_a_stale_attempts_worker_is_stopped_at_once_and_killed_once_its_retry_started(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = _signals(monkeypatch)
+    h = Harness(tmp_path, refill_wait_s=REFILL_WAIT_S)
+    worker = _one_running(h)
     h.pool.kill(worker, stalled=True)  # the sink acknowledged its stale attempt's fence
     assert sent == [(4242, signal.SIGSTOP)]
     h.pool.maintain(demand=0)
@@ -412,10 +418,7 @@ def test_a_stopped_worker_is_killed_within_refill_wait_whatever_starts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sent = _signals(monkeypatch)
     h = Harness(tmp_path, refill_wait_s=REFILL_WAIT_S)
-    h.pool.maintain()
-    h.up()
-    (worker,) = h.run(1)
-    worker.pid = 4242
+    worker = _one_running(h)
     h.pool.kill(worker, stalled=True)
     h.run(1)  # an attempt whose first chunk never comes
     h.clock.now += REFILL_WAIT_S - REFILL_POLL_S
@@ -431,10 +434,7 @@ def test_a_stopped_worker_is_killed_within_refill_wait_whatever_starts(
 def test_without_a_refill_wait_a_fenced_worker_is_killed_at_once(
         h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     sent = _signals(monkeypatch)
-    h.pool.maintain()
-    h.up()
-    (worker,) = h.run(1)
-    worker.pid = 4242
+    worker = _one_running(h)
     h.pool.kill(worker, stalled=True)
     assert sent == [(4242, signal.SIGKILL)]
 
@@ -445,10 +445,7 @@ def test_a_worker_whose_stream_may_still_send_is_killed_at_once(
     (and billing), so its connection is closed now, refill wait or not."""
     sent = _signals(monkeypatch)
     h = Harness(tmp_path, refill_wait_s=REFILL_WAIT_S)
-    h.pool.maintain()
-    h.up()
-    (worker,) = h.run(1)
-    worker.pid = 4242
+    worker = _one_running(h)
     h.pool.kill(worker)
     assert sent == [(4242, signal.SIGKILL)]
     h.live.close()
