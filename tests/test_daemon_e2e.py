@@ -98,11 +98,18 @@ def test_zombie_is_fenced_killed_and_retried(make_daemon: Any, emu: EmulatorClie
         assert any(e["op"] == "reset" for e in events)
 
 
-def _alive(pid: int) -> bool:
+def _status(pid: int) -> str | None:
+    """psutil's status of the process (`stopped`, `sleeping`, ...), None once
+    it is gone or a zombie."""
     try:
-        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)  # psutil: untyped
+        status = str(psutil.Process(pid).status())  # psutil: untyped
     except psutil.NoSuchProcess:
-        return False
+        return None
+    return None if status == psutil.STATUS_ZOMBIE else status
+
+
+def _alive(pid: int) -> bool:
+    return _status(pid) is not None
 
 
 def test_kill_9_of_the_worker_retries_with_exactly_one_response(
@@ -216,16 +223,6 @@ def test_a_worker_killed_while_idle_is_never_handed_an_attempt(
     assert events[-1]["response"]["content"] == emu.log("after-idle-kill")[0]["text"]
 
 
-def _state(pid: int) -> str | None:
-    """The process's state letter (`T`: stopped), None once it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
-    return None if state in ("Z", "X") else state
-
-
 def test_a_stale_attempts_worker_is_stopped_at_once_and_killed_once_its_retry_started(
         make_daemon: Any, emu: EmulatorClient) -> None:
     """The failover path (docs/PERFORMANCE.md "Issue 32: the pool"): the stale
@@ -252,10 +249,10 @@ def test_a_stale_attempts_worker_is_stopped_at_once_and_killed_once_its_retry_st
         ((pid,),) = daemon.journal_rows(
             "SELECT worker_pid FROM attempts WHERE call_id = ? AND attempt = 1", call_id)
         assert pid, "attempt 1 has no worker pid"
-        wait_until(lambda: _state(pid) == "T", 10,
-                   f"attempt 1's worker {pid} to be stopped (state {_state(pid)})")
+        wait_until(lambda: _status(pid) == psutil.STATUS_STOPPED, 10,
+                   f"attempt 1's worker {pid} to be stopped (status {_status(pid)})")
         done = list(events)[-1]
-        wait_until(lambda: _state(pid) is None, 10,
+        wait_until(lambda: not _alive(pid), 10,
                    f"attempt 1's worker {pid} to be killed after its retry's first chunk")
     assert done["status"] == "completed" and done["attempts"] == 2, done
     assert len(emu.log("stopped")) == 2

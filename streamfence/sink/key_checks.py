@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from pathlib import Path
 
 from inotify_simple import INotify
 from inotify_simple import flags as inotify_flags
@@ -41,7 +40,6 @@ class KeyChecks:
 
     def __init__(self, keys: KeyStore, now: float) -> None:
         self._keys = keys
-        self._dir: Path = keys.clients_dir
         self._allowed: Mapping[bytes, str] | None = None
         self._watching = False
         try:
@@ -88,7 +86,7 @@ class KeyChecks:
         if self._inotify is None:
             return
         try:
-            self._inotify.add_watch(self._dir, _CHANGES)
+            self._inotify.add_watch(self._keys.clients_dir, _CHANGES)
         except OSError:  # not there (yet): the timer looks, and tries again
             return
         self._watching = True
