@@ -74,7 +74,9 @@ def test_a_stalled_then_failing_deployment_falls_to_the_next_then_is_skipped(
     with daemon.client() as client:
         # 1. The first deployment stalls: fenced, killed, the call completes on the second.
         call_id, done = _run(client, "smart", "zombie", **session)
-        assert done["status"] == "completed" and done["attempts"] == 2, done
+        # (Failed once in CI, not reproduced in ~50 runs: say which attempt did what.)
+        assert done["status"] == "completed" and done["attempts"] == 2, (
+            done, client.result(call_id, wait_s=10.0))
         second = emu.log("second")
         assert len(second) == 1 and done["response"]["content"] == second[0]["text"]
         # The kill closed the stalled request's connection (the emulator saw it go).
