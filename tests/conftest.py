@@ -22,9 +22,12 @@ from tests.wires import DaemonFactory, profile_for, profiles_for
 # test_storage_damage's two): under xdist each runs whole on one worker, so
 # that daemon starts once, not once per worker (see pytest_xdist_make_scheduler).
 ONE_WORKER_MODULES = frozenset(f"tests/test_{name}.py" for name in (
-    "calls_request", "cancel_on_abandon", "console_browser", "delivery_e2e", "events_path",
-    "gateway_e2e", "gateway_translate_e2e", "logging_e2e", "metrics_e2e", "request_budgets",
-    "security_e2e", "startup_errors", "storage_damage", "wires_e2e"))
+    "calls_request", "cancel_on_abandon", "config_daemon", "connect_errors_e2e",
+    "console_browser", "delivery_e2e", "events_path", "fair_shares", "gateway_access_log",
+    "gateway_e2e", "gateway_provider_errors", "gateway_translate_e2e", "groups_e2e",
+    "logging_e2e", "metrics_e2e", "request_budgets", "request_fields", "revocation_e2e",
+    "security_e2e", "startup_errors", "storage_damage", "usage_e2e", "wires_e2e",
+    "worker_batches"))
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
