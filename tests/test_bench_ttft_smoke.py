@@ -47,8 +47,11 @@ def test_capacity_section_smoke() -> None:
 @pytest.mark.serial
 @pytest.mark.timeout(180)
 def test_footprint_section_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(footprint.POLICIES, "old policy",
-                        {"workers_spare": 4, "workers_max": 16, "workers_refill_wait_s": 0.0})
+    # The pools shrink to their floor within seconds, not the default's minutes.
+    fast = {"workers_peak_half_life_s": 0.5}
+    monkeypatch.setitem(footprint.POLICIES, "default", {**footprint.POLICIES["default"], **fast})
+    monkeypatch.setitem(footprint.POLICIES, "old policy", {
+        "workers_spare": 4, "workers_max": 16, "workers_refill_wait_s": 0.0, **fast})
     sec = footprint.run(True, 1)
     items = [row.item for row in sec.rows]
     assert items == ["idle tree, default: USS (PSS)", "idle tree, old policy: USS (PSS)"]
