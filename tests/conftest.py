@@ -24,10 +24,10 @@ from tests.wires import DaemonFactory, profile_for, profiles_for
 ONE_WORKER_MODULES = frozenset(f"tests/test_{name}.py" for name in (
     "calls_request", "cancel_on_abandon", "config_daemon", "connect_errors_e2e",
     "console_browser", "delivery_e2e", "events_path", "fair_shares", "gateway_access_log",
-    "gateway_e2e", "gateway_provider_errors", "gateway_translate_e2e", "groups_e2e",
-    "logging_e2e", "metrics_e2e", "request_budgets", "request_fields", "revocation_e2e",
-    "security_e2e", "startup_errors", "storage_damage", "usage_e2e", "wires_e2e",
-    "worker_batches"))
+    "gateway_e2e", "gateway_provider_errors", "gateway_resume", "gateway_translate_e2e",
+    "groups_e2e", "logging_e2e", "metrics_e2e", "request_budgets", "request_fields",
+    "revocation_e2e", "security_e2e", "startup_errors", "storage_damage", "usage_e2e",
+    "wires_e2e", "worker_batches"))
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
