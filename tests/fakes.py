@@ -5,9 +5,9 @@ another signature) at the fake, not at a far-away call."""
 from __future__ import annotations
 
 from streamfence.protocol.internal.control import ListenerOwner
+from streamfence.sink.listeners import Cuts, Listeners, Outbox
 from streamfence.sink.peer import Publisher
 from streamfence.sink.shares import Active
-from streamfence.sink.subscribers import Cuts, Listeners, Outbox
 
 
 class Nobody(Publisher, Listeners):

@@ -55,6 +55,12 @@ def stopped(pids: list[int]) -> Iterator[list[int]]:
                 os.kill(pid, signal.SIGCONT)
 
 
+def is_listening(msg: Any) -> bool:
+    """`listening`, with or without the sink's offer of a plain link (PROTOCOL §5)."""
+    return isinstance(msg, dict) and \
+        {k: v for k, v in msg.items() if k != "link"} == {"v": 1, "op": "listening"}
+
+
 def process_state(pid: int) -> str:
     """The process's state letter in /proc (`T`: stopped)."""
     with open(f"/proc/{pid}/stat") as f:

@@ -53,6 +53,7 @@ from streamfence.protocol.internal.outcome import AttemptOutcome, outcome_from_w
 from streamfence.protocol.messages import visible_chars
 from streamfence.sink.process import run_sink
 from streamfence.sink.transcript import TranscriptReader, read_events_after
+from tests.harness import is_listening
 
 MP = multiprocess.get_context("spawn")
 START_S = 20.0  # a spawned child imports zmq, msgpack, sqlite3: well under this
@@ -76,7 +77,6 @@ class Subscriber(Protocol):
 
 
 LISTEN = encode({"v": 1, "op": "listen"})
-LISTENING = {"v": 1, "op": "listening"}
 
 
 class Listener:
@@ -102,7 +102,7 @@ class Listener:
         frame = self.sock.recv()
         self.read = len(frame)  # bytes received since `listen` (PROTOCOL §5)
         reply = msgpack.unpackb(frame)
-        assert reply == LISTENING, f"expected {LISTENING}, got {reply}"
+        assert is_listening(reply), f"expected listening, got {reply}"
 
     def next(self, call: str, what: str, timeout: float = WAIT_S) -> tuple[bytes, dict[str, Any]]:
         """The next event of `call`: its bytes as received, and decoded."""
@@ -829,7 +829,7 @@ def test_the_events_socket_answers_anything_but_listen_with_an_error(
     # connection and the others.
     listener.sock.send(LISTEN)
     assert listener.sock.poll(int(WAIT_S * 1000)), "no answer to listen after the errors"
-    assert msgpack.unpackb(listener.sock.recv()) == LISTENING
+    assert is_listening(msgpack.unpackb(listener.sock.recv()))
     sup.ok(C_AUTHORIZE, "after", 1, False)
     sup.follow("after", listener)
     sink.worker().send(delta("after", 1, 1, "still serving"))

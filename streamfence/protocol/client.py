@@ -90,10 +90,12 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import zmq
 
-from streamfence.protocol.client_async import AsyncClient, AsyncTextStream
+from streamfence.protocol.client_async import AsyncClient
+from streamfence.protocol.client_async_text import AsyncTextStream
 from streamfence.protocol.client_base import DEFAULT_ENDPOINT
 from streamfence.protocol.client_core import ClientCore
 from streamfence.protocol.client_effects import Flow, Send, Wait
+from streamfence.protocol.client_local import LocalEvents, is_local
 from streamfence.protocol.client_monitor import NO_DAEMON_AFTER_S, NoConnection
 from streamfence.protocol.client_router import BAD_REPLY, EVENTS_LOST, CallFailed, ClientError
 from streamfence.protocol.client_shell import ClientBase, TextFlow, shown_as
@@ -145,6 +147,8 @@ class Client(ClientBase):
         self._monitor = self._events.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._link: zmq.Socket[bytes] | None = None  # the request socket's, until it is up
+        self._local: LocalEvents | None = None  # the sink's local link, once taken
+        self._local_ok = is_local(endpoint)
         try:
             self._link = watch_link(ctx, self._sock, self._core.listener)
             self._poller.register(self._link, zmq.POLLIN)
@@ -169,6 +173,7 @@ class Client(ClientBase):
             self._send_cancels()
             self._closed = True
             self._unlink()
+            self._drop_local()
             linger_ms = self._core.closing()
             if linger_ms:
                 self._sock.close(linger=linger_ms)  # close_sockets then finds it closed
@@ -312,6 +317,9 @@ class Client(ClientBase):
         ready = self._poller.poll(wait_ms)
         if not ready:
             return
+        local = self._local
+        if local is not None and any(sock == local.fileno() for sock, _ in ready):
+            self._read_local()
         if self._link is not None:
             self._read_link()
         events = requests = False
@@ -332,10 +340,41 @@ class Client(ClientBase):
             if requests:
                 self._drain(self._sock, router.route)
         finally:
-            ack = router.ack_due(monotonic())
-            if ack is not None:
-                with contextlib.suppress(zmq.Again):  # the next one carries the total
-                    self._events.send(ack, NOBLOCK)
+            self._send_ack()
+            if router.link_offer is not None:
+                self._take_offer()
+
+    def _send_ack(self) -> None:
+        ack = self._core.router.ack_due(monotonic())
+        if ack is not None:
+            with contextlib.suppress(zmq.Again):  # the next one carries the total
+                self._events.send(ack, NOBLOCK)
+
+    def _take_offer(self) -> None:
+        """The sink offered a local link (client_local.py): take it, if none is
+        up and the daemon is on this host, before any request names the listener."""
+        router = self._core.router
+        offer, router.link_offer = router.link_offer, None
+        if self._local is None and self._local_ok:
+            self._local = LocalEvents.attach(offer, self._core.router.max_frame)
+            if self._local is not None:
+                self._poller.register(self._local.fileno(), zmq.POLLIN)
+                self._read_local()
+
+    def _read_local(self) -> None:
+        """Route what the local link holds; if it ended, drop it: a reconnect."""
+        assert self._local is not None
+        if not self._local.read(self._core.router):
+            self._drop_local()
+            self._core.router.handshake()
+        self._send_ack()
+
+    def _drop_local(self) -> None:
+        if self._local is not None:
+            with contextlib.suppress(KeyError):
+                self._poller.unregister(self._local.fileno())
+            self._local.close()
+            self._local = None
 
     @staticmethod
     def _drain(sock: zmq.Socket[bytes], route: Callable[[list[bytes]], bool]) -> bool:

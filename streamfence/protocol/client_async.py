@@ -18,6 +18,9 @@ receive may swallow the edge of a message that arrives meanwhile, so each
 such operation is followed by a check of the socket's state (`_recheck`),
 and a routing pass ends only when the socket has nothing more.
 
+A local events link (client_local.py), once taken, is one more descriptor
+the loop watches (`_read_local`), read and routed as the events socket is.
+
 Cancel on abandon (client_core's docstring): the cancel of an abandoned call
 is sent at once, without an await, except in the middle of a send or off
 the client's thread (a finalizer run by another thread's garbage
@@ -39,11 +42,13 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import zmq
 
+from streamfence.protocol.client_async_text import AsyncTextStream
 from streamfence.protocol.client_base import DEFAULT_ENDPOINT
 from streamfence.protocol.client_core import ClientCore
 from streamfence.protocol.client_effects import Flow, Send, Wait
+from streamfence.protocol.client_local import LocalEvents, is_local
 from streamfence.protocol.client_router import ANY, ClientError
-from streamfence.protocol.client_shell import ClientBase, TextFlow, shown_as
+from streamfence.protocol.client_shell import ClientBase, shown_as
 from streamfence.protocol.client_sockets import (
     NOBLOCK,
     close_sockets,
@@ -87,6 +92,8 @@ class AsyncClient(ClientBase):
         self._events.setsockopt(zmq.ROUTING_ID, self._core.listener.encode())
         self._monitor: zmq.Socket[bytes] = ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
         self._link: zmq.Socket[bytes] | None = None  # the request socket's, until it is up
+        self._local: LocalEvents | None = None  # the sink's local link, once taken
+        self._local_ok = is_local(endpoint)
         try:
             self._link = watch_link(ctx, self._sock, self._core.listener)
             # Each handshake of the events connection (a reconnect: resubscribe),
@@ -117,6 +124,7 @@ class AsyncClient(ClientBase):
             linger_ms = self._core.closing()
             self._unwatch()
             self._unlink()
+            self._drop_local()
             if linger_ms:
                 self._sock.close(linger=linger_ms)  # close_sockets then finds it closed
             close_sockets(self._sock, self._events, self._monitor, None)
@@ -278,6 +286,8 @@ class AsyncClient(ClientBase):
             if self._link is not None:
                 loop.add_reader(self._link.FD, self._read_link)
                 loop.call_soon(self._read_link)
+            if self._local is not None:
+                loop.add_reader(self._local.fileno(), self._read_local)
             for sock in (self._events, self._sock):
                 loop.add_reader(sock.FD, self._readable, sock)
                 loop.call_soon(self._readable, sock)  # what came before anyone watched
@@ -290,6 +300,8 @@ class AsyncClient(ClientBase):
             for sock in (self._sock, self._events, self._monitor, self._link):
                 if sock is not None:
                     loop.remove_reader(sock.FD)
+            if self._local is not None:
+                loop.remove_reader(self._local.fileno())
 
     def _recheck(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket[bytes]) -> None:
         """After an operation on `sock`: its descriptor's edge may be spent, so
@@ -320,11 +332,48 @@ class AsyncClient(ClientBase):
             router.woken.clear()
             self._wake(None, exc)
             return
+        if events and router.link_offer is not None:
+            self._take_offer()
         woken, router.woken = router.woken, set()
         self._wake(woken)
         if answered and self._loop is not None:
             # The flow that got its reply acts on it first (Router.route); then the rest.
             self._loop.call_soon(self._readable, sock)
+
+    def _take_offer(self) -> None:
+        """As Client._take_offer (client_local.py): before the flow waiting for
+        `listening` runs (it is woken after this)."""
+        router = self._core.router
+        offer, router.link_offer = router.link_offer, None
+        if self._local is None and self._local_ok:
+            self._local = LocalEvents.attach(offer, router.max_frame)
+            if self._local is not None and self._loop is not None:
+                self._loop.add_reader(self._local.fileno(), self._read_local)
+                self._loop.call_soon(self._read_local)  # what came with its answer
+
+    def _read_local(self) -> None:
+        """The local link's reader: route what it holds, then ack and wake as
+        `_readable` does; a link that ended is dropped (a reconnect)."""
+        if self._closed or self._local is None:
+            return
+        try:
+            if not self._local.read(self._core.router):
+                self._drop_local()
+                self._core.router.handshake()
+                self._wake(None)
+                return
+        except ClientError as exc:
+            self._core.router.woken.clear()
+            self._wake(None, exc)
+            return
+        self._readable(self._events)
+
+    def _drop_local(self) -> None:
+        local, self._local = self._local, None
+        if local is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(local.fileno())
+            local.close()
 
     def _handshakes(self) -> None:
         """The monitor's reader: each handshake of the events connection after the
@@ -382,44 +431,3 @@ class AsyncClient(ClientBase):
 def _resolve(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
-
-
-class AsyncTextStream(TextFlow):
-    """The asyncio twin of TextStream (`async for`; `async with` or `aclose()` closes it)."""
-
-    def __init__(self, client: AsyncClient, provider: str, request: Mapping[str, Any],
-                 markers: bool, timeout_s: float | None, detach: bool,
-                 submit_kw: dict[str, Any]) -> None:
-        super().__init__(client._core, provider, request, markers, timeout_s, detach,
-                         submit_kw)
-        self._client = client
-
-    def __aiter__(self) -> AsyncTextStream:
-        return self
-
-    async def __anext__(self) -> str:
-        piece = await self._client._call(self.next_piece())
-        if piece is None:
-            raise StopAsyncIteration
-        return piece
-
-    def close(self) -> None:
-        """As TextStream.close."""
-        super().close()
-        self._client._send_cancels()
-
-    async def aclose(self) -> None:
-        self.close()
-
-    async def __aenter__(self) -> AsyncTextStream:
-        return self
-
-    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:  # noqa: SIM105 (no module global: a finalizer may run at interpreter exit)
-            self.close()
-        except Exception:
-            pass

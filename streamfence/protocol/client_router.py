@@ -14,7 +14,8 @@ it, without a socket, so it is shared by both flavours and testable alone:
   ref). It goes to a raw request waiting for exactly that, or else to the only
   request outstanding, or is logged and discarded.
 - `listening` is the events socket's answer to `listen`: the client's
-  events connection is up (`listening` becomes True). The shell reports
+  events connection is up (`listening` becomes True; `link_offer`: the
+  sink's offer of a local link, client_local.py). The shell reports
   each handshake of that connection (`handshake`); one after the first is a
   reconnect (the daemon or its sink restarted, or the network blinked), and
   readers subscribe again from their last seq at once instead of at their
@@ -28,22 +29,17 @@ it, without a socket, so it is shared by both flavours and testable alone:
   events socket (`read_events`) and says `ack` with the total now and then
   (`ack_due`), which is what lets the daemon send more.
 - `delta`, `reset` and `done` without a ref are pushed events; an array
-  of them (the events socket's batch: one commit's events for this client)
-  is routed element by element. They are
-  buffered per call in a heap keyed by `seq` until the caller asks for them,
-  whether or not anyone is reading that call yet; an event already seen
+  of them (one commit's events for this client) is routed element by
+  element. They are buffered per call in a heap keyed by `seq` until the
+  caller asks for them, whether or not anyone reads that call yet; an event already seen
   (seq at or below the last one handed out, or already buffered) is a
   duplicate from a replay and is discarded. A call the caller stopped
   reading (`stop_reading`: an abandoned `stream_text` or `run`) is treated
   as a finished one: its buffer is freed and its later events discarded.
 - the reply to the cancel of an abandoned call (`cancel_sent`) is awaited by
-  nobody: it is discarded, and until it comes the call counts as
-  `cancels_unanswered` (the shell lets its socket linger on close for it).
-
-`woken` collects what the routing since the shell last emptied it was for:
-the refs answered, the calls that got an event (or a subscribe error, or a
-cut-off), `LISTENING`, `ANY` for an unattributed error; the asyncio shell
-wakes the flows waiting on those keys only (client_effects.Wait.on).
+  nobody: discarded; until it comes the call counts as `cancels_unanswered`.
+`woken` collects what the routing was for since the shell last emptied it
+(refs, calls, `LISTENING`, `ANY`); the asyncio shell wakes only those.
 
 Nothing here blocks or reads a clock (the shell passes the time to `ack_due`).
 """
@@ -72,9 +68,7 @@ _KEEP_SUBSCRIBE_REFS = 1024  # a subscribe's success has no reply: keep the late
 _KEEP_CANCEL_REFS = 1024  # cancels of abandoned calls awaiting their (discarded) reply
 ACK_EVERY = 64 << 10  # say `ack` after this many bytes read on the events socket ...
 ACK_AFTER_S = 2.0  # ... or this long after the last, if anything was read (an ack wakes the sink)
-# Keys of `Router.woken` besides refs and call ids (neither can contain a space).
-LISTENING = " listening"
-ANY = " any"
+LISTENING, ANY = " listening", " any"  # keys of `Router.woken` besides refs and call ids
 
 
 class ClientError(Exception):
@@ -180,6 +174,7 @@ class Router:
         self._finished: OrderedDict[str, int] = OrderedDict()  # call_id -> seq of its done
         self._order = itertools.count()
         self.listening = False  # the events socket answered `listen`
+        self.link_offer: Any = None  # in the last `listening` (unchecked: client_local)
         self.handshakes = 0  # of the events connection (reported by the shell)
         self.reconnects = 0  # handshakes after the first
         self._listened_at = -1  # `reconnects` when `listen` was last sent (-1: never)
@@ -363,6 +358,10 @@ class Router:
             msg = decode_untrusted(frames[0], self.max_frame)
         except ProtocolError as exc:
             raise ClientError(BAD_REPLY, f"the daemon sent an undecodable frame: {exc}") from None
+        return self.route_message(msg)
+
+    def route_message(self, msg: Any) -> bool:
+        """`route`, for a message decoded already (a local link's: client_local.py)."""
         if isinstance(msg, list):
             for event in msg:
                 if not isinstance(event, dict) or event.get("ref") is not None \
@@ -384,6 +383,7 @@ class Router:
             self._route_event(msg)
         elif ref is None and op == Op.LISTENING:
             self.listening = True
+            self.link_offer = msg.get("link")  # a local link (client_local.py), if offered
             self.woken.add(LISTENING)
             return True
         elif ref is None and op == Op.CUT_OFF:

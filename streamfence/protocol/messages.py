@@ -324,8 +324,12 @@ def accepted_msg(ref: str, call_id: str, duplicate: bool = False) -> dict[str, A
             "duplicate": duplicate}
 
 
-def listening_msg() -> dict[str, Any]:
-    return {"v": VERSION, "op": Op.LISTENING.value}
+def listening_msg(link: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`link`: the sink's offer of a plain link, {"path": str, "token": bin} (PROTOCOL §5)."""
+    msg: dict[str, Any] = {"v": VERSION, "op": Op.LISTENING.value}
+    if link is not None:
+        msg["link"] = link
+    return msg
 
 
 def pending_msg(ref: str, call_id: str) -> dict[str, Any]:

@@ -34,8 +34,8 @@ import msgpack
 from streamfence.protocol.failpoints import ARMED, failpoint
 from streamfence.protocol.histograms import DELTA_LATENCY_BUCKETS, Histogram
 from streamfence.sink.calls import Calls, LiveCall
+from streamfence.sink.listeners import Cuts, Listeners, Outbox
 from streamfence.sink.store import TranscriptStore
-from streamfence.sink.subscribers import Cuts, Listeners, Outbox
 
 Step = Callable[[], None]
 COMMIT_EVERY = 1000  # events per group commit ...

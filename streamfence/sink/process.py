@@ -76,6 +76,7 @@ from streamfence.protocol.lifecycle import (
 from streamfence.protocol.logs import route_logs_to
 from streamfence.sink.commits import COMMIT_AFTER_S, COMMIT_EVERY
 from streamfence.sink.intake import WorkerIntake
+from streamfence.sink.links import Links
 from streamfence.sink.peer import SupervisorPeer
 from streamfence.sink.routers import resync, router, send
 from streamfence.sink.state import SinkState
@@ -105,8 +106,10 @@ class Sink:
         self.streams = WorkerStreams(ep.sink_stream)
         self.ctl = router(self.ctx, ep.sink_ctl)
         self.peer = SupervisorPeer(self.ctl, control_identity)
+        self._links = Links(ep.events_link)  # the subscribers own and close it
         self.subscribers = Subscribers(self.ctx, events_endpoint,
-                                       KeyStore(keys_dir) if keys_dir is not None else None)
+                                       KeyStore(keys_dir) if keys_dir is not None else None,
+                                       links=self._links)
         self._signals: list[int] = []
         self._stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
@@ -146,9 +149,11 @@ class Sink:
         keys_fd = checks.fileno() if checks is not None else None
         if keys_fd is not None:  # `keys/clients/` changed: look for revoked keys
             poller.register(keys_fd, zmq.POLLIN)
+        links_fd = self._links.fileno()  # local listeners' plain links
+        poller.register(links_fd, zmq.POLLIN)
         log.info("sink: serving pid=%s in=%s", os.getpid(), self.sin.getsockopt_string(zmq.LAST_ENDPOINT))
         try:
-            self._loop(poller, streams_fd, wake_fd, keys_fd)
+            self._loop(poller, streams_fd, wake_fd, keys_fd, links_fd)
             log.info("sink: stopping; final commit")
             self.state.commits.commit()
             replica = self.state.replica
@@ -161,7 +166,7 @@ class Sink:
             log.error("sink: %s", exc)
 
     def _loop(self, poller: zmq.Poller, streams_fd: int, wake_fd: int,
-              keys_fd: int | None) -> None:
+              keys_fd: int | None, links_fd: int) -> None:
         state, intake, subscribers = self.state, self.intake, self.subscribers
         commits, retention, replays, replica = (state.commits, state.retention, state.replays,
                                                 state.replica)
@@ -185,6 +190,8 @@ class Sink:
                 subscribers.drain()
             if keys_fd in ready:
                 subscribers.keys_changed()
+            if links_fd in ready:
+                subscribers.poll_links()
             if replica is not None:
                 if cluster_fd in ready:
                     replica.on_wake()

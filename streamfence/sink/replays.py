@@ -40,8 +40,8 @@ from streamfence.protocol.internal.control import FROM_NOW, AddSubscriber, encod
 from streamfence.protocol.messages import error_msg
 from streamfence.sink.calls import Calls
 from streamfence.sink.commits import Commits
+from streamfence.sink.listeners import Listeners
 from streamfence.sink.store import TranscriptStore
-from streamfence.sink.subscribers import Listeners
 
 REPLAY_BUDGET_S = 0.002  # time spent per loop turn, at most ...
 REPLAY_ROWS = 8  # ... in slices of this many stored rows (each up to COMMIT_EVERY events)

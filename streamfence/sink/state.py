@@ -41,13 +41,13 @@ from streamfence.sink.calls import Calls
 from streamfence.sink.commits import Commits
 from streamfence.sink.counters import Counters
 from streamfence.sink.fencing import Fencing
+from streamfence.sink.listeners import Listeners
 from streamfence.sink.peer import Publisher
 from streamfence.sink.rebinds import Rebinds
 from streamfence.sink.replays import Replays
 from streamfence.sink.replica import Replica
 from streamfence.sink.retention import Retention
 from streamfence.sink.store import TranscriptStore
-from streamfence.sink.subscribers import Listeners
 
 if TYPE_CHECKING:  # imported by the sink only in cluster mode (it brings nats)
     from streamfence.sink.cluster_log import ClusterLog

@@ -15,7 +15,9 @@ commit that stores it. The supervisor is off the per-delta path
 Each frame holds one event map or, when a commit (or a replay) has several
 for one listener, a msgpack array of them in order (at most `BATCH_MAX`
 events, about `BATCH_BYTES`): the stored bytes joined behind an array
-header, one send per listener per commit instead of one per event.
+header, one send per listener per commit instead of one per event. A
+listener on this host may take its frames over a plain link instead
+(sink/links.py: offered in `listening`; its acks stay here).
 
 Flow control (PROTOCOL §5): the sink holds at most `WINDOW_BYTES` of frames
 a listener has not acknowledged, `IDENTITY_BYTES` for all the listeners of
@@ -44,20 +46,21 @@ listener whose key left it is cut: it gets an `error` (ref nil, code
 subscriptions are dropped (sink/replays.py); a later `listen` from it gets
 the same error, and a subscribe of it is refused. Why here and not a
 control op from the supervisor: the supervisor learns of a key change no
-sooner (the CLI just edits `keys/clients/`, with or without a daemon), and
-only the sink knows which key each events connection holds, which need not
-be the key of the request socket that subscribed it. A listener that never
-says anything here has no known key: what it gets is bounded by one window,
-since it never acks, and nobody with the revoked key can subscribe it again.
+sooner (the CLI just edits `keys/clients/`), and only the sink knows which
+key each events connection holds (not always the subscribing socket's). A
+listener that never speaks here has no known key: it gets at most one
+window (it never acks), and nobody with the revoked key can subscribe it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import msgpack
 import zmq
@@ -74,7 +77,9 @@ from streamfence.protocol.messages import (
     parse_listener_msg,
 )
 from streamfence.sink.key_checks import KeyChecks
-from streamfence.sink.shares import Active, Share, Shares
+from streamfence.sink.links import Links
+from streamfence.sink.listeners import Cuts, Outbox, Peer
+from streamfence.sink.shares import Active, Shares
 
 log = logging.getLogger("streamfence.sink")
 
@@ -92,43 +97,9 @@ PING_AFTER_S = 10.0  # a silent listener holding bytes is checked after this lon
 _PING = msgpack.packb([])  # an empty batch: no event, one byte
 _raw_send = zmq.backend.Socket.send  # the compiled send, under pyzmq's Python-level one
 _NOBLOCK, _MORE = zmq.NOBLOCK, zmq.SNDMORE | zmq.NOBLOCK
-_LISTENING = encode(listening_msg())
 _REVOKED = encode(error_msg(None, ErrorCode.KEY_REVOKED,
                             "the key of this connection was revoked or rotated: nothing more "
                             "is sent on it; connect again with valid credentials"))
-
-Outbox = list[tuple[set[bytes], list[bytes]]]  # (a call's listeners, its run) after its commit
-Cuts = list[tuple[bytes, list[bytes]]]  # (listener, the events it was not sent, in order)
-
-
-class Listeners(Protocol):
-    """What the rest of the sink needs of `Subscribers` (tests give a stand-in)."""
-
-    def deliver(self, outbox: Outbox) -> Cuts: ...
-    def replay(self, listener: bytes, events: list[bytes]) -> int: ...
-    def room(self, listener: bytes) -> int: ...
-    def cut_off(self, listener: bytes, call_id: str, seq: int) -> None: ...
-    def subscribe(self, listener: bytes, call_id: str, owner: ListenerOwner,
-                  active: Active) -> str | None: ...
-    def unsubscribe_all(self, listener: bytes) -> set[str]: ...
-    def stats(self) -> dict[str, int]: ...
-
-
-class Peer:
-    """One listener (a connection to the events socket): the bytes sent it and
-    not acknowledged, its last `ack` figure, when it last said anything, the
-    Share they count in, the key it connected with (None: not heard yet or
-    no auth), and whether it was cut for that key."""
-
-    __slots__ = ("heard", "key", "out", "read", "revoked", "share")
-
-    def __init__(self, share: Share) -> None:
-        self.out = 0
-        self.read = 0
-        self.heard = 0.0
-        self.share = share
-        self.key: bytes | None = None
-        self.revoked = False
 
 
 class Subscribers:
@@ -139,7 +110,8 @@ class Subscribers:
     too."""
 
     def __init__(self, ctx: zmq.Context[Any], endpoint: str, keys: KeyStore | None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 links: Links | None = None) -> None:
         sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown listener is an error we see
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
@@ -152,6 +124,7 @@ class Subscribers:
         sock.bind(endpoint)
         self.socket = sock
         self.key_checks = KeyChecks(keys, clock()) if keys is not None else None
+        self.links = links  # local listeners' plain links (sink/links.py), if offered
         self._cut_since_tick: list[bytes] = []  # cut at their `listen`, for `tick` to return
         self._clock = clock
         self._send = _raw_send.__get__(sock)
@@ -180,6 +153,8 @@ class Subscribers:
         """Bytes `listener` may be sent now (at least one frame if it holds none)."""
         peer = self._peers.get(listener) or self._peer(listener)
         out = peer.out
+        if self.links is not None and self.links.busy(listener):
+            return 0  # the kernel has not taken what was written: as a full queue
         room = min(WINDOW_BYTES - out, IDENTITY_BYTES - peer.share.out,
                    BUFFER_BYTES - self.outstanding)
         return room if out else max(room, 1)
@@ -281,9 +256,13 @@ class Subscribers:
         if live and out and (out + size > WINDOW_BYTES or peer.share.out + size > IDENTITY_BYTES
                              or self.outstanding + size > BUFFER_BYTES):
             return False
+        links = self.links
         try:
-            self._send(listener, _MORE)
-            self._send(frame, _NOBLOCK)
+            if links is None or (linked := links.send(listener, frame)) is None:
+                self._send(listener, _MORE)
+                self._send(frame, _NOBLOCK)
+            elif not linked:
+                raise zmq.ZMQError(errno.EPIPE)  # the link ended: as an unroutable listener
         except zmq.Again:
             self.dropped_full += events
             return False
@@ -335,10 +314,28 @@ class Subscribers:
             elif read is None:
                 self.listens += 1
                 self._release(peer)
-                self._frame(ident, _LISTENING, 0, live=False)
+                self._frame(ident, self._listening(ident), 0, live=False)
             else:
                 self.acks += 1
                 self._ack(peer, read)
+
+    def _listening(self, listener: bytes) -> bytes:
+        """`listening`, with a fresh link offer when links are on (PROTOCOL §5)."""
+        offer = None if self.links is None else {"path": self.links.path,
+                                                 "token": self.links.offer(listener)}
+        return encode(listening_msg(offer))
+
+    def poll_links(self) -> None:
+        """The links' epoll was readable: attaches, drains, ends (a listener whose
+        link ended is not connected: its bytes are released)."""
+        assert self.links is not None
+        for listener in self.links.poll():
+            peer = self._peers.get(listener)
+            if peer is not None:
+                self._release(peer)
+        due = self.links.due()
+        if due is not None:
+            self.due = min(self.due, due)
 
     def _learn_key(self, listener: bytes, peer: Peer, frame: zmq.Frame) -> bool:
         """The key `peer` connected with (ZAP's User-Id); if it is not (or no
@@ -348,7 +345,7 @@ class Subscribers:
             peer.key, peer.revoked = key, False
         assert self.key_checks is not None
         if not peer.revoked and not self.key_checks.allowed(key):
-            self._cut(peer)
+            self._cut(listener, peer)
             self._cut_since_tick.append(listener)
             self.due = 0.0  # its subscriptions are dropped in this loop turn
             return True
@@ -366,10 +363,10 @@ class Subscribers:
 
     def _next_due(self) -> float:
         """When `tick` has something to do (the loop's timer): nothing without peers."""
-        if not self._peers:
-            return math.inf
-        checks = self.key_checks
-        return self.ping_due if checks is None else min(self.ping_due, checks.due)
+        checks, links = self.key_checks, self.links.due() if self.links is not None else None
+        due = math.inf if not self._peers else self.ping_due if checks is None \
+            else min(self.ping_due, checks.due)
+        return due if links is None else min(due, links)
 
     def keys_changed(self) -> None:
         """`keys/clients/` changed: `tick` looks at the allow-list this loop turn."""
@@ -384,6 +381,8 @@ class Subscribers:
         now = self._clock()
         if now >= self.ping_due:
             self.ping()
+        if self.links is not None:
+            self.links.tick()
         cut, self._cut_since_tick = self._cut_since_tick, []
         checks = self.key_checks
         if checks is not None and now >= checks.due:
@@ -391,7 +390,7 @@ class Subscribers:
             if allowed is not None:
                 for listener, peer in self._peers.items():
                     if peer.key is not None and not peer.revoked and peer.key not in allowed:
-                        self._cut(peer)
+                        self._cut(listener, peer)
                         self._try_send(listener, _REVOKED)
                         cut.append(listener)
                 if cut:
@@ -400,20 +399,21 @@ class Subscribers:
         self.due = self._next_due()
         return cut
 
-    def _cut(self, peer: Peer) -> None:
+    def _cut(self, listener: bytes, peer: Peer) -> None:
         """`listener` gets nothing more (its subscriptions are dropped by the
         caller of `tick`); it is told by whoever found it (`_REVOKED`)."""
         peer.revoked = True
         self.revoked += 1
         self._release(peer)
+        if self.links is not None:
+            self.links.close_link(listener)
 
     def _try_send(self, listener: bytes, frame: bytes) -> None:
         """A frame that is not counted in the listener's window (it is cut)."""
-        try:
-            self._send(listener, _MORE)
-            self._send(frame, _NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        with contextlib.suppress(zmq.ZMQError):
+            if self.links is None or self.links.send(listener, frame) is None:
+                self._send(listener, _MORE)
+                self._send(frame, _NOBLOCK)
 
     def ping(self) -> None:
         """Check the silent listeners that hold unacknowledged bytes: an empty
@@ -436,10 +436,14 @@ class Subscribers:
                 "events_acks": self.acks, "events_bad_input": self.bad_input,
                 "events_key_revoked": self.revoked, "events_listeners": len(self._peers),
                 "events_auth_refused": self._zap.refused if self._zap is not None else 0,
+                "events_links_attached": self.links.attached if self.links else 0,
+                "events_links_refused": self.links.refused if self.links else 0,
                 **self.shares.stats()}
 
     def close(self) -> None:
         self.socket.close(linger=0)
+        if self.links is not None:
+            self.links.close()
         if self.key_checks is not None:
             self.key_checks.close()
         if self._zap is not None:

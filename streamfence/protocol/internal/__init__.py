@@ -93,6 +93,11 @@ class Endpoints:
         return os.path.join(self.runtime_dir, "sink.stream")
 
     @property
+    def events_link(self) -> str:
+        """The sink's plain links to local listeners (sink/links.py): a path."""
+        return os.path.join(self.runtime_dir, "events.link")
+
+    @property
     def sink_ctl(self) -> str:
         return self._ipc("sink.ctl")
 
