@@ -5,18 +5,28 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
+from streamfence.protocol.client_core import ClientCore
+from streamfence.protocol.client_effects import Flow
 from streamfence.protocol.client_shell import TextFlow
 
-if TYPE_CHECKING:
-    from streamfence.protocol.client_async import AsyncClient
+T = TypeVar("T")
+
+
+class AsyncShell(Protocol):
+    """What the stream needs of its `AsyncClient` (a Protocol: no import cycle)."""
+
+    _core: ClientCore
+
+    async def _call(self, flow: Flow[T]) -> T: ...
+    def _send_cancels(self) -> None: ...
 
 
 class AsyncTextStream(TextFlow):
     """The asyncio twin of TextStream (`async for`; `async with` or `aclose()` closes it)."""
 
-    def __init__(self, client: AsyncClient, provider: str, request: Mapping[str, Any],
+    def __init__(self, client: AsyncShell, provider: str, request: Mapping[str, Any],
                  markers: bool, timeout_s: float | None, detach: bool,
                  submit_kw: dict[str, Any]) -> None:
         super().__init__(client._core, provider, request, markers, timeout_s, detach,

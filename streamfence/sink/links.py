@@ -82,6 +82,7 @@ class Links:
         self._links: dict[bytes, Link] = {}  # listener -> its link
         self.refused = 0
         self.attached = 0
+        self.bytes_sent = 0  # handed to the links (written, or waiting in a buffer)
 
     def fileno(self) -> int:
         """The epoll's fd: readable when a client connects, writes, or a link drains."""
@@ -104,6 +105,7 @@ class Links:
         """Send `frame` on `link` (what the kernel does not take waits in its
         buffer); False if the link is gone (closed here: the caller releases
         the listener's bytes)."""
+        self.bytes_sent += len(frame)
         if link.out:
             link.out += frame
             return True

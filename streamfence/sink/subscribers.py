@@ -333,9 +333,7 @@ class Subscribers:
             peer = self._peers.get(listener)
             if peer is not None:
                 self._release(peer)
-        due = self.links.due()
-        if due is not None:
-            self.due = min(self.due, due)
+        self.due = min(self.due, self.links.due() or math.inf)  # an unattached one's deadline
 
     def _learn_key(self, listener: bytes, peer: Peer, frame: zmq.Frame) -> bool:
         """The key `peer` connected with (ZAP's User-Id); if it is not (or no
@@ -436,8 +434,9 @@ class Subscribers:
                 "events_acks": self.acks, "events_bad_input": self.bad_input,
                 "events_key_revoked": self.revoked, "events_listeners": len(self._peers),
                 "events_auth_refused": self._zap.refused if self._zap is not None else 0,
-                "events_links_attached": self.links.attached if self.links else 0,
-                "events_links_refused": self.links.refused if self.links else 0,
+                **({"events_links_attached": self.links.attached, "events_links_refused":
+                    self.links.refused, "events_links_bytes": self.links.bytes_sent}
+                   if self.links is not None else {}),
                 **self.shares.stats()}
 
     def close(self) -> None:
