@@ -20,8 +20,9 @@ thread. Listens and acks stay on the events socket.
   would carry (msgpack is its own framing, as on the worker wire); the
   client counts them in its acks as it counts the socket's.
 - Writes never block: what the kernel does not take waits in the link's
-  buffer, written when the link is writable; meanwhile the listener has no
-  room (`busy`), as with a full ZeroMQ queue.
+  buffer, written when the link is writable, as frames wait in a ZeroMQ
+  queue. The buffer holds only bytes the listener has not acknowledged, so
+  the listener's window bounds it (sink/subscribers.py).
 - Ends: the client closes it, or sends anything after its attach; the
   sink closes it (`close_link`: a revoked key). The listener is then not
   connected until it attaches again; `poll` names it.

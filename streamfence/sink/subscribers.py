@@ -153,8 +153,6 @@ class Subscribers:
         """Bytes `listener` may be sent now (at least one frame if it holds none)."""
         peer = self._peers.get(listener) or self._peer(listener)
         out = peer.out
-        if self.links is not None and self.links.busy(listener):
-            return 0  # the kernel has not taken what was written: as a full queue
         room = min(WINDOW_BYTES - out, IDENTITY_BYTES - peer.share.out,
                    BUFFER_BYTES - self.outstanding)
         return room if out else max(room, 1)
