@@ -43,6 +43,7 @@ import psutil
 import zmq
 
 from scripts.chaos_common import ChaosState, chaos_run, parser, run_load, seeded, verdict
+from streamfence.devtools.launcher import wait_until
 from streamfence.protocol.client import Client, ClientError
 from streamfence.protocol.credentials import Credentials, load_credentials
 from streamfence.protocol.keys import KeyStore
@@ -54,6 +55,7 @@ RSS_BOUND = {"supervisor": 512 * MIB, "sink": 512 * MIB, "zygote": 256 * MIB,
              "worker": 256 * MIB}
 P99_BOUND_S = 0.050
 STOP_GRACE_S = 10.0
+SLOW_WAIT_S = 60.0  # the storm goes on until each slow reader finished a call, at most this
 SLOW_RESUBSCRIBES_MAX = 4
 
 
@@ -421,6 +423,11 @@ def main() -> int:
         probe.start()
         ticks_before = _cpu_ticks()
         run_load(state, args, rng, steps, options)
+        if "slow" not in skip:
+            # The storm lasts until each slow reader has finished a call (a
+            # faster load must not end it before any could: "0 of 0").
+            wait_until(lambda: len(storm.slow) >= len(attackers["slow"]), SLOW_WAIT_S,
+                       "each slow reader to finish a call")
         ticks = [after - before for after, before in zip(_cpu_ticks(), ticks_before, strict=True)]
         steal = ticks[0] / max(1, ticks[1])
         with state.daemon.client(timeout_s=10.0) as admin:
