@@ -122,11 +122,6 @@ class Links:
             self._epoll.modify(link.sock.fileno(), _OUT)
         return True
 
-    def busy(self, listener: bytes) -> bool:
-        """Whether the listener's link holds bytes the kernel has not taken."""
-        link = self._links.get(listener)
-        return link is not None and bool(link.out)
-
     def send(self, listener: bytes, frame: bytes) -> bool | None:
         """`frame` to the listener's link: None if it has none, False if the
         link is gone (closed here), True if written or waiting in its buffer."""
