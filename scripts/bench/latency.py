@@ -13,7 +13,11 @@ rotated order each round:
             as the supervisor does;
 - `daemon`  worker -> the real daemon's sink -> a subscriber (the listener
             of a client in this process that submitted the call; the
-            supervisor is not on this path). The call is
+            supervisor is not on this path), on the ZeroMQ events socket,
+            as a client on another host has it;
+- `link`    the same, the events on the local link the sink offers (PROTOCOL
+            §5 "Local links"), as the library's client on this host has
+            them: attached by its own `LocalEvents.attach`. The call is
             real: the emulator holds its stream silent (`stall`, 0 chunks), so
             its worker sends nothing while the producer writes into the sink's
             `sink.in` as attempt 1 with seq 1, 2, ... like the worker would.
@@ -30,6 +34,7 @@ with), in the same rotation: an A/B in one run.
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 import time
 import uuid
@@ -54,12 +59,13 @@ from scripts.bench.load import Producers, SinkUnderTest
 from streamfence.devtools.emulator.control import EmulatorProcess
 from streamfence.devtools.launcher import DaemonProcess
 from streamfence.protocol.client_base import new_ref, submit_msg
-from streamfence.protocol.codec import encode
+from streamfence.protocol.client_local import LocalEvents
+from streamfence.protocol.codec import DEFAULT_MAX_FRAME, encode
 from streamfence.protocol.credentials import load_credentials
 from streamfence.protocol.messages import events_endpoint
 
 RATE = 20_000
-VARIANTS = ("hop", "sink", "daemon")
+VARIANTS = ("hop", "sink", "daemon", "link")
 PAD = "abcde"
 TARGET_P99_S = 0.001
 
@@ -67,7 +73,7 @@ TARGET_P99_S = 0.001
 class StalledCall:
     """A real call whose provider stream is held silent, and its raw subscriber."""
 
-    def __init__(self, proc: DaemonProcess, emu: EmulatorProcess) -> None:
+    def __init__(self, proc: DaemonProcess, emu: EmulatorProcess, link: bool = False) -> None:
         self.proc = proc
         key = f"lat-{uuid.uuid4().hex[:10]}"
         emu_client = emu.client()
@@ -88,7 +94,17 @@ class StalledCall:
         self.sock.send(encode({"v": 1, "op": "listen"}))
         if not self.sock.poll(10_000):
             raise RuntimeError("no answer to listen on the events socket")
-        self.sock.recv()
+        listening = msgpack.unpackb(self.sock.recv())
+        # With `link`, the events come on the sink's local link (acks stay here).
+        self.link: socket.socket | None = None
+        if link:
+            local = LocalEvents.attach(listening.get("link"), DEFAULT_MAX_FRAME)
+            if local is None:
+                raise RuntimeError(f"no local link taken from {listening!r}")
+            self.link = socket.socket(fileno=os.dup(local.fileno()))
+            local.close()
+            self.link.setblocking(False)
+            self.unpacker = msgpack.Unpacker()
         self.req.send(encode(submit_msg(new_ref(), "oa", {"model": f"m#{key}", "messages": []},
                                         session_id=None, idempotency_key=None,
                                         options={"stale_timeout_s": 600.0}, listener=listener)))
@@ -108,7 +124,6 @@ class StalledCall:
 
     def drain(self, sock: zmq.Socket[bytes]) -> None:
         recv, unpackb, now_ns = sock.recv, msgpack.unpackb, time.monotonic_ns
-        out = self.latencies
         while True:
             try:
                 frame = recv(zmq.NOBLOCK)
@@ -116,17 +131,42 @@ class StalledCall:
                 return
             now = now_ns()
             self.read += len(frame)
-            got = unpackb(frame)
-            for event in got if isinstance(got, list) else [got]:  # a batch, or one event
-                if event.get("op") == "delta":
-                    out.append(now - int(event["data"][:19]))
-            if self.read - self.acked >= self.ACK_EVERY:
-                sock.send(encode({"v": 1, "op": "ack", "read": self.read}))
-                self.acked = self.read
+            self._stamp(unpackb(frame), now)
+            self._ack()
+
+    def drain_link(self, _fd: int) -> None:
+        """Drain the local link (zmq's poller names it by its descriptor)."""
+        assert self.link is not None
+        recv, now_ns, unpacker = self.link.recv, time.monotonic_ns, self.unpacker
+        while True:
+            try:
+                data = recv(1 << 18)
+            except BlockingIOError:
+                return
+            now = now_ns()
+            if not data:
+                raise RuntimeError("the sink closed the local link")
+            self.read += len(data)
+            unpacker.feed(data)
+            for got in unpacker:
+                self._stamp(got, now)
+            self._ack()
+
+    def _stamp(self, got: Any, now: int) -> None:
+        for event in got if isinstance(got, list) else [got]:  # a batch, or one event
+            if event.get("op") == "delta":
+                self.latencies.append(now - int(event["data"][:19]))
+
+    def _ack(self) -> None:
+        if self.read - self.acked >= self.ACK_EVERY:
+            self.sock.send(encode({"v": 1, "op": "ack", "read": self.read}))
+            self.acked = self.read
 
     def close(self) -> None:
         with self.proc.client(timeout_s=10.0) as client:
             client.cancel(self.call_id)
+        if self.link is not None:
+            self.link.close()
         self.sock.close(linger=0)
         self.req.close(linger=0)
 
@@ -202,11 +242,14 @@ def run(quick: bool, rounds: int) -> Section:
                         _settle({one.sock: one.drain})
                         one.on_event = None
                     else:
-                        stalled = StalledCall(proc, emu)
+                        stalled = StalledCall(proc, emu, link=variant == "link")
+                        drains: dict[Any, Any] = {stalled.sock: stalled.drain}
+                        if stalled.link is not None:
+                            drains[stalled.link.fileno()] = stalled.drain_link
                         try:
                             producers.run([["paced", daemon_sink_in, stalled.call_id, 1, 1, RATE,
-                                            seconds, PAD]], {stalled.sock: stalled.drain})
-                            _settle({stalled.sock: stalled.drain})
+                                            seconds, PAD]], drains)
+                            _settle(drains)
                         finally:
                             stalled.close()
                         samples.extend(stalled.latencies)
@@ -243,13 +286,14 @@ def _report(sec: Section, results: dict[str, list[tuple[float, float, float, int
     names = {"hop": "worker → one ZeroMQ ipc hop (the machine's floor)",
              "sink": "worker → a lone sink → a listener",
              "base": f"the same, the sink of {sec.params.get('base tree')}",
-             "daemon": "worker → the daemon's sink → subscriber"}
+             "daemon": "worker → the daemon's sink → subscriber",
+             "link": "worker → the daemon's sink → a local client's link"}
     for variant, runs in results.items():
         p50 = median([x[0] for x in runs])
         p99 = median([x[1] for x in runs])
         worst = max(x[2] for x in runs)
         text = f"p50 {p50 * 1e6:.0f} µs, p99 {p99 * 1e6:.0f} µs, max {worst * 1e3:.2f} ms"
-        if variant == "daemon":
+        if variant in ("daemon", "link"):
             sec.row(f"{names[variant]} @ {RATE // 1000}k/s", text, "p99 ≤ 1 ms",
                     "ref: one hop p50 ~40–60 µs, p99 ~90–175 µs", p99 <= TARGET_P99_S)
         else:
