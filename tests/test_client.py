@@ -98,6 +98,7 @@ class Peer:
         self.listen_ids: list[bytes] = []  # the routing id of each `listen`
         self.unroutable: list[tuple[bytes | None, Out]] = []  # events no listener took
         self.pushed = 0  # events pushed (sent, or unroutable)
+        self.subscribes_answered = 0  # subscribes whose events were all pushed
         self._ctx, self._endpoint, self._handler = ctx, endpoint, handler
         self._max_frame = max_frame
         self._listen_delay_s = listen_delay_s
@@ -194,6 +195,7 @@ class Peer:
                 if sock not in ready:
                     continue
                 ident, *frames = sock.recv_multipart()
+                known = len(self.received)
                 for out in self._answer(ident, frames):
                     if is_event(out):
                         self._push(ev, self._listener_of.get(ident), out)
@@ -203,6 +205,9 @@ class Peer:
                         sock.send_multipart([ident, out])
                     else:
                         sock.send_multipart([ident, *out])
+                if len(self.received) > known and self.received[-1].get("op") == "subscribe":
+                    with self._lock:
+                        self.subscribes_answered += 1
         except BaseException as exc:
             self.error = exc
         finally:
@@ -244,6 +249,12 @@ class Env:
         return c
 
     def teardown(self) -> None:
+        # A subscribe is not acknowledged: a client can read its call's done (pushed
+        # for the submit) and be closed before the peer pushed the subscribe's replay,
+        # which would then find no listener. Wait for the peers to answer them all.
+        sent = sum(c._core.subscribes for c in self.clients)
+        wait_until(lambda: sum(p.subscribes_answered for p in self.peers) >= sent, 5.0,
+                   f"the peers to answer the clients' {sent} subscribes")
         for c in self.clients:
             c.close()
         for p in self.peers:
