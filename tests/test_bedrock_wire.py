@@ -9,7 +9,6 @@ test resets it. Waiting polls the log with deadlines; stalls are short.
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 import urllib.error
@@ -325,6 +324,7 @@ def test_invalid_body_is_a_validation_exception(emu: EmulatorClient) -> None:
 
 def test_stall_holds_the_stream_then_resumes(emu: EmulatorClient, bedrock: Any) -> None:
     emu.script("zombie", [{"fault": "stall", "after": 2, "stall_s": 0.6, "chunks": 3}])
+    start = time.monotonic()
     stream = bedrock.converse_stream(modelId=f"{MODEL}#zombie", messages=MESSAGES)["stream"]
     arrivals: list[float] = []
     received: list[dict[str, Any]] = []
@@ -336,8 +336,9 @@ def test_stall_holds_the_stream_then_resumes(emu: EmulatorClient, bedrock: Any) 
                 lambda rs: rs and rs[0]["chunks_sent"] == 2 and not rs[0]["completed"],
                 timeout=0.5, what="the stalled stream to show 2 events sent", key="zombie")
     stream.close()
-    gap = arrivals[2] - arrivals[1]
-    assert gap >= 0.5 and gap == max(b - a for a, b in itertools.pairwise(arrivals))
+    # The 3rd event cannot arrive sooner after the start than the stall (a gap between
+    # arrivals shrinks if the 2nd is read late; this bound holds under any load).
+    assert arrivals[2] - start >= 0.6
     record = only(emu, "zombie")  # one request: the stream resumed on its connection
     assert len(received) == record["chunks_sent"] == 7
     assert record["completed"] and record["sent_text"] == record["text"]

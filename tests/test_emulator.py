@@ -7,7 +7,6 @@ by polling the log with deadlines, never by fixed sleeps; stalls are short.
 
 from __future__ import annotations
 
-import itertools
 import json
 import subprocess
 import sys
@@ -224,6 +223,7 @@ def test_stall_pauses_then_resumes_on_the_same_connection(
     control.script("zombie", [{"fault": "stall", "after": 2, "stall_s": 0.8}])
     arrivals: list[float] = []
     chunks: list[ChatCompletionChunk] = []
+    start = time.monotonic()
     with stream(oai, "zombie") as s:
         for chunk in s:
             arrivals.append(time.monotonic())
@@ -236,9 +236,9 @@ def test_stall_pauses_then_resumes_on_the_same_connection(
                     key="zombie",
                 )
                 assert stalled
-    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-    assert gaps[1] >= 0.7, gaps  # the silence between chunk 2 and chunk 3
-    assert gaps[1] == max(gaps), gaps
+    # The silence between chunk 2 and chunk 3: the 3rd cannot arrive sooner after the start
+    # (a bound no load can break, unlike a gap, which shrinks if chunk 2 is read late).
+    assert arrivals[2] - start >= 0.8, arrivals
     record = only(control, "zombie")  # one request: the stream resumed, no reconnect
     assert len(chunks) == record["chunks_sent"] == 9
     assert content(chunks) == record["text"] == record["sent_text"]
