@@ -24,7 +24,6 @@ from streamfence.protocol.internal.workers import AttemptSettings
 from streamfence.workers.errors import CredentialsMissing
 from streamfence.workers.http11 import Http11Transport
 from streamfence.workers.output import AttemptOutput
-from streamfence.workers.send_gate import wait_at_gate
 
 Profile = dict[str, Any]
 
@@ -66,9 +65,9 @@ def http_client() -> httpx2.Client:
     """The transport of an SSE adapter's SDK client: HTTP/1.1 parsed by llhttp
     (workers/http11.py) with the shared SSL context, no proxies from the
     environment, two idle connections kept per origin, and the attempt's send
-    gate before each request (workers/send_gate.py)."""
+    gate before each request, in the transport (workers/send_gate.py)."""
     return httpx2.Client(transport=Http11Transport(shared_ssl_context(), keepalive=2),
-                         trust_env=False, event_hooks={"request": [wait_at_gate]})
+                         trust_env=False)
 
 
 def api_key_of(profile: Profile) -> str:

@@ -15,7 +15,8 @@ extension for the connect and TLS handshake, the request's send and each
 read; failures raised as httpx2's exceptions (what workers/errors.py
 classifies). What it leaves out, since no worker client uses it: proxies,
 HTTP/2, `Expect: 100-continue` (an interim 1xx response is skipped), and a
-limit on connections (a worker runs one attempt at a time).
+limit on connections (a worker runs one attempt at a time). It is where an
+attempt waits for its W_GO (workers/send_gate.py), once it has a connection.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import Any
 
 import httptools
 import httpx2
+
+from streamfence.workers.send_gate import GATE
 
 __all__ = ["Http11Transport"]
 
@@ -207,6 +210,23 @@ class Http11Transport(httpx2.BaseTransport):
                 raise httpx2.ConnectError(str(exc), request=request) from exc
         return sock
 
+    def _connected_at_gate(self, origin: tuple[bytes, bytes, int],
+                           request: httpx2.Request) -> socket.socket | None:
+        """Past the attempt's send gate (workers/send_gate.py), with a new
+        connection opened while the word was awaited, unless one is kept (taken
+        after the word: it may close meanwhile). Nothing is sent on it before
+        the word; dropped, the attempt leaves it kept, clean."""
+        with self._lock:
+            kept = bool(self._idle.get(origin))
+        sock = None if kept else self._connect(origin, request)
+        try:
+            GATE.wait()
+        except BaseException:
+            if sock is not None:
+                self.keep(origin, sock)
+            raise
+        return sock
+
     # ---- one request ----------------------------------------------------------
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
         url = request.url
@@ -216,7 +236,8 @@ class Http11Transport(httpx2.BaseTransport):
         origin = (url.raw_scheme, url.raw_host,
                   url.port or (443 if url.raw_scheme == b"https" else 80))
         data = _head(request) + request.read()
-        sock = self._kept(origin) or self._connect(origin, request)
+        sock = self._connected_at_gate(origin, request) if GATE.shut_here() else None
+        sock = sock or self._kept(origin) or self._connect(origin, request)
         try:
             return self._exchange(origin, sock, request, data)
         except BaseException:

@@ -10,9 +10,13 @@ authorized: on W_DROP the gate raises `AttemptDropped` and the attempt
 ends unseen.
 
 A worker runs one attempt at a time, so there is one gate: `GATE`, armed
-per attempt by workers/worker.py and waited at by the SDKs' send hooks
-(workers/adapter.py), on the attempt's own thread only: a spare's warm-up
-thread passes it as if it were open.
+per attempt by workers/worker.py and waited at on the attempt's own thread
+only (a spare's warm-up thread passes it as if it were open): by the SSE
+wires' transport once it has the request's connection (workers/http11.py:
+a new connection is opened while the word is awaited, so a retry's TCP and
+TLS handshakes overlap the commits too; the provider sees a connection,
+never a byte of a request, before W_GO), and by botocore's before-send
+hook (workers/bedrock_converse.py).
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ class SendGate:
         self.state = GateState.SHUT
         self._thread = threading.get_ident()
         self._word, self._on_go = word, on_go
+
+    def shut_here(self) -> bool:
+        """Whether this thread's attempt still waits for its word."""
+        return self.state is GateState.SHUT and threading.get_ident() == self._thread
 
     def wait(self) -> None:
         """Return once the attempt may send (at once if it may already);
