@@ -85,10 +85,8 @@ def test_a_prepared_attempt_opens_its_connection_and_sends_its_request_after_the
         call_id = client.submit("emu", request_for(wire, key))
         wait_until(lambda: "sink.after_authorize" in failpoints.hits(str(points)), 20.0,
                    "the sink to stand still after storing the attempt's epoch")
-        opened: list[tuple[int, int]] = []
-        wait_until(lambda: bool(opened.extend(_connections_to(port, tree_of(daemon)))
-                                or opened), 5.0,
-                   "the prepared attempt's worker to open its connection to the provider")
+        opened = wait_until(lambda: _connections_to(port, tree_of(daemon)), 5.0,
+                            "the prepared attempt's worker to open its connection to the provider")
         assert emu.log(key) == [], "the request left before the go"
         result = client.result(call_id, wait_s=30.0)
     assert result is not None and result["status"] == "completed", result
