@@ -16,6 +16,25 @@ from tests.harness import DaemonProcess, tree_of, wait_until
 from tests.wires import profile_for, request_for
 
 
+def _daemon_whose_sink_pauses(tmp_path: Path, emulator: EmulatorProcess,
+                              wire: str) -> tuple[DaemonProcess, Path]:
+    """A daemon whose sink stands still 1.5 s after storing its first
+    attempt's epoch (before answering the authorize), and its failpoints' dir."""
+    points = tmp_path / "failpoints"
+    points.mkdir()
+    daemon = DaemonProcess(
+        tmp_path / "state", {"emu": profile_for(wire, emulator)},
+        daemon={"workers_spare": 1},
+        env={failpoints.ENV: "sink.after_authorize=pause(1500ms)@1",
+             failpoints.DIR_ENV: str(points)})
+    return daemon, points
+
+
+def _wait_for_the_pause(points: Path) -> None:
+    wait_until(lambda: "sink.after_authorize" in failpoints.hits(str(points)), 20.0,
+               "the sink to stand still after storing the attempt's epoch")
+
+
 @pytest.mark.parametrize("wire", ["openai", "anthropic", "bedrock"])
 def test_an_attempt_cancelled_before_its_go_never_reaches_the_provider(
         tmp_path: Path, emulator: EmulatorProcess, emu: EmulatorClient, wire: str) -> None:
@@ -28,17 +47,10 @@ def test_an_attempt_cancelled_before_its_go_never_reaches_the_provider(
     held, after = f"held-{wire}", f"after-{wire}"
     emu.script(held, [{"fault": "ok", "chunks": 5}])
     emu.script(after, [{"fault": "ok", "chunks": 5}])
-    points = tmp_path / "failpoints"
-    points.mkdir()
-    daemon = DaemonProcess(
-        tmp_path / "state", {"emu": profile_for(wire, emulator)},
-        daemon={"workers_spare": 1},
-        env={failpoints.ENV: "sink.after_authorize=pause(1500ms)@1",
-             failpoints.DIR_ENV: str(points)})
+    daemon, points = _daemon_whose_sink_pauses(tmp_path, emulator, wire)
     with daemon, daemon.client(timeout_s=20.0) as client:
         call_id = client.submit("emu", request_for(wire, held))
-        wait_until(lambda: "sink.after_authorize" in failpoints.hits(str(points)), 20.0,
-                   "the sink to stand still after storing the attempt's epoch")
+        _wait_for_the_pause(points)
         client.cancel(call_id)
         result = client.result(call_id, wait_s=30.0)
         assert result is not None and result["status"] == "cancelled", result
@@ -73,18 +85,11 @@ def test_a_prepared_attempt_opens_its_connection_and_sends_its_request_after_the
     gate (no connection during the pause) or sent before it (a request)."""
     key = f"conn-{wire}"
     emu.script(key, [{"fault": "ok", "chunks": 3}])
-    points = tmp_path / "failpoints"
-    points.mkdir()
     port = int(emulator.base_url.rsplit(":", 1)[1])
-    daemon = DaemonProcess(
-        tmp_path / "state", {"emu": profile_for(wire, emulator)},
-        daemon={"workers_spare": 1},
-        env={failpoints.ENV: "sink.after_authorize=pause(1500ms)@1",
-             failpoints.DIR_ENV: str(points)})
+    daemon, points = _daemon_whose_sink_pauses(tmp_path, emulator, wire)
     with daemon, daemon.client(timeout_s=20.0) as client:
         call_id = client.submit("emu", request_for(wire, key))
-        wait_until(lambda: "sink.after_authorize" in failpoints.hits(str(points)), 20.0,
-                   "the sink to stand still after storing the attempt's epoch")
+        _wait_for_the_pause(points)
         opened = wait_until(lambda: _connections_to(port, tree_of(daemon)), 5.0,
                             "the prepared attempt's worker to open its connection to the provider")
         assert emu.log(key) == [], "the request left before the go"
