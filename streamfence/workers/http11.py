@@ -210,22 +210,26 @@ class Http11Transport(httpx2.BaseTransport):
                 raise httpx2.ConnectError(str(exc), request=request) from exc
         return sock
 
-    def _connected_at_gate(self, origin: tuple[bytes, bytes, int],
-                           request: httpx2.Request) -> socket.socket | None:
-        """Past the attempt's send gate (workers/send_gate.py), with a new
-        connection opened while the word was awaited, unless one is kept (taken
-        after the word: it may close meanwhile). Nothing is sent on it before
-        the word; dropped, the attempt leaves it kept, clean."""
-        with self._lock:
-            kept = bool(self._idle.get(origin))
-        sock = None if kept else self._connect(origin, request)
-        try:
-            GATE.wait()
-        except BaseException:
-            if sock is not None:
-                self.keep(origin, sock)
-            raise
-        return sock
+    def _socket_for(self, origin: tuple[bytes, bytes, int],
+                    request: httpx2.Request) -> socket.socket:
+        """A connection for the request, past the attempt's send gate
+        (workers/send_gate.py). While this thread's attempt awaits its word, a
+        new connection is opened unless one is kept (a kept one is taken after
+        the word: it may close meanwhile). Nothing is sent before the word;
+        dropped, the attempt leaves its new connection kept, clean."""
+        if GATE.shut_here():
+            with self._lock:
+                kept = bool(self._idle.get(origin))
+            fresh = None if kept else self._connect(origin, request)
+            try:
+                GATE.wait()
+            except BaseException:
+                if fresh is not None:
+                    self.keep(origin, fresh)
+                raise
+            if fresh is not None:
+                return fresh
+        return self._kept(origin) or self._connect(origin, request)
 
     # ---- one request ----------------------------------------------------------
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
@@ -236,8 +240,7 @@ class Http11Transport(httpx2.BaseTransport):
         origin = (url.raw_scheme, url.raw_host,
                   url.port or (443 if url.raw_scheme == b"https" else 80))
         data = _head(request) + request.read()
-        sock = self._connected_at_gate(origin, request) if GATE.shut_here() else None
-        sock = sock or self._kept(origin) or self._connect(origin, request)
+        sock = self._socket_for(origin, request)
         try:
             return self._exchange(origin, sock, request, data)
         except BaseException:

@@ -87,5 +87,5 @@ GATE = SendGate()
 
 
 def wait_at_gate(*_args: object, **_kwargs: object) -> None:
-    """An SDK's send hook (httpx's request hook, botocore's before-send)."""
+    """botocore's before-send hook (the SSE wires' transport waits itself)."""
     GATE.wait()
