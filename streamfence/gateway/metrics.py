@@ -363,6 +363,8 @@ def families(status: Mapping[str, Any] | None, providers: Iterable[str] = ()) ->
         "streamfence_sink_bad_frames_total", "Frames the sink could not read, by socket",
         labels=["socket"]), sink.get("bad_frames") or {}))
     counter("streamfence_sink_commits_total", "Transcript group commits", sink.get("commits"))
+    counter("streamfence_sink_wal_rewinds_total", "Times the sink rewound transcript.db's WAL",
+            sink.get("wal_rewinds"))
     gauge("streamfence_sink_storage_fault", "1 while the sink waits out a storage fault",
           1 if sink.get("storage_fault") else 0)
     gauge("streamfence_journal_storage_fault", "1 while the journal refuses submits for a "

@@ -126,6 +126,7 @@ class SinkState:
             "calls_open": self.calls.open_count(),
             "db_rows": store.rows_written,
             "commits": store.commits,
+            "wal_rewinds": store.wal_rewinds,  # sink/store.py `_rewind_wal`
             "calls_pruned": store.pruned,
             "pending_events": commits.pending_events,
             "acks_unroutable": counters.acks_unroutable,
