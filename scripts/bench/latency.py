@@ -223,6 +223,7 @@ def run(quick: bool, rounds: int) -> Section:
         hop.linger = 0
         hop_endpoint = "ipc://" + rt + "/hop"
         hop.bind(hop_endpoint)
+        wal = proc.state_dir / "transcript.db-wal"
         try:
             for r in range(rounds):
                 for variant in rotated(variants, r):
@@ -261,6 +262,11 @@ def run(quick: bool, rounds: int) -> Section:
                 log(f"  latency round {r + 1}/{rounds}: " + ", ".join(
                     f"{v} p50 {results[v][-1][0] * 1e6:.0f} µs p99 {results[v][-1][1] * 1e6:.0f} µs"
                     for v in results))
+            # All of the section's deltas went through this sink: its WAL is
+            # rewound once past 64 MiB (sink/store.py), or it grows with the load.
+            sec.note(f"- the daemon's transcript.db-wal after the section: "
+                     f"{wal.stat().st_size / 2**20:.1f} MiB (rewound "
+                     f"{_sink_stats(proc).get('wal_rewinds', 0)} times)")
         finally:
             hop.close(linger=0)
             producers.close()
@@ -269,6 +275,12 @@ def run(quick: bool, rounds: int) -> Section:
                 base.close()
     _report(sec, results)
     return sec
+
+
+def _sink_stats(proc: DaemonProcess) -> dict[str, Any]:
+    with proc.client(timeout_s=10.0) as client:
+        sink: dict[str, Any] = client.status().get("sink") or {}
+    return sink
 
 
 def _settle(extra: dict[zmq.Socket[bytes], Any], seconds: float = 0.15) -> None:
