@@ -15,7 +15,7 @@ committing: SQLite rewinds it only at a write that begins once every
 frame is checkpointed, and under steady load a commit always lands during
 the checkpoint's fsyncs, so the -wal file grew for as long as the load
 lasted (888 MB after 20 s at 20k deltas/s). A checkpoint that finds the
-WAL past `limit_frames` readies a rewind (`_ready_rewind`) and sets
+WAL past `limit_bytes` readies a rewind (`_ready_rewind`) and sets
 `rewind_due`; the writer then rewinds it at its next commit
 (TranscriptStore), which takes it about 1 ms.
 """
@@ -36,11 +36,11 @@ class Checkpointer:
     """WAL checkpoints on a thread and connection of their own: at most one per
     `every_s`, and only after a commit (`wake`), so an idle sink sleeps."""
 
-    def __init__(self, path: str, limit_frames: int,
+    def __init__(self, path: str, limit_bytes: int,
                  every_s: float = CHECKPOINT_EVERY_S) -> None:
         self.path = path
         self.every_s = every_s
-        self.limit_frames = limit_frames
+        self.limit_bytes = limit_bytes
         self.rewind_due = False  # set here, cleared by the writer that rewinds
         self._stopping = threading.Event()
         self._committed = threading.Event()
@@ -59,6 +59,7 @@ class Checkpointer:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         try:
             conn.execute("PRAGMA synchronous=NORMAL")
+            limit_frames = self.limit_bytes // conn.execute("PRAGMA page_size").fetchone()[0]
             failing = False  # logged once per run of failures (a full disk fails each try)
             while True:
                 self._committed.wait()
@@ -67,7 +68,7 @@ class Checkpointer:
                 self._committed.clear()
                 try:
                     frames = self._checkpoint(conn)
-                    if frames >= self.limit_frames:
+                    if frames >= limit_frames:
                         self._ready_rewind(conn)
                     if failing:
                         failing = False

@@ -144,8 +144,7 @@ class TranscriptStore:
             # Past twice the limit (rewinds a reader held off), a rewind cuts the
             # file back; not at each one, where the cut is the commit's longest step.
             self._conn.execute(f"PRAGMA journal_size_limit={2 * wal_limit_bytes}")
-            page = self._conn.execute("PRAGMA page_size").fetchone()[0]
-            self._checkpointer = Checkpointer(path, wal_limit_bytes // page, checkpoint_every_s)
+            self._checkpointer = Checkpointer(path, wal_limit_bytes, checkpoint_every_s)
             self._checkpointer.start()
         self._rows: list[Row] = []
         self._epochs: list[tuple[str, int, float]] = []
