@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import socket
 import ssl
-import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ import openai
 import orjson
 import pytest
 
+from streamfence.devtools.certs import self_signed
 from streamfence.workers.errors import classify
 from streamfence.workers.http11 import Http11Transport
 from streamfence.workers.openai_chat import stream_chat
@@ -302,11 +302,7 @@ def test_a_line_break_in_a_header_is_never_sent(serve: Callable[..., RawServer],
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> Path:
     where = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", "key.pem", "-out", "cert.pem"],
-                   cwd=where, check=True, capture_output=True)
+    self_signed(where)
     return where
 
 

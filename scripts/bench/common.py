@@ -181,10 +181,23 @@ class CpuMeter:
 # ---- emulator and daemon ----------------------------------------------------------------
 
 @contextlib.contextmanager
-def emulator() -> Iterator[EmulatorProcess]:
-    """The bundled emulator on 127.0.0.1, quiet (WARNING) so its log costs nothing."""
-    with EmulatorProcess(extra_args=["--log-level", "WARNING"], ready_timeout=30.0) as emu:
+def emulator(tls: tuple[str, str] | None = None) -> Iterator[EmulatorProcess]:
+    """The bundled emulator on 127.0.0.1, quiet (WARNING) so its log costs nothing;
+    with `tls` (certificate, key), over TLS too (`tls_base_url`)."""
+    with EmulatorProcess(extra_args=["--log-level", "WARNING"], ready_timeout=30.0,
+                         tls=tls) as emu:
         yield emu
+
+
+@contextlib.contextmanager
+def tls_files() -> Iterator[tuple[str, str]]:
+    """A throwaway certificate for 127.0.0.1 (streamfence.devtools.certs):
+    yields (the certificate, its key); a client trusts the certificate itself."""
+    from streamfence.devtools.certs import self_signed
+
+    with tempfile.TemporaryDirectory(prefix="sfbench-tls-") as tmp:
+        cert, key = self_signed(Path(tmp))
+        yield str(cert), str(key)
 
 
 def providers_for(emu: EmulatorProcess, **profile: Any) -> dict[str, dict[str, Any]]:
@@ -195,12 +208,14 @@ def providers_for(emu: EmulatorProcess, **profile: Any) -> dict[str, dict[str, A
 
 @contextlib.contextmanager
 def daemon(providers: dict[str, dict[str, Any]], settings: dict[str, Any] | None = None,
-           ready_timeout: float = 120.0) -> Iterator[DaemonProcess]:
-    """The real daemon (`streamfence serve --log-json`) in a short temp dir."""
+           ready_timeout: float = 120.0,
+           env: dict[str, str] | None = None) -> Iterator[DaemonProcess]:
+    """The real daemon (`streamfence serve --log-json`) in a short temp dir;
+    `env`: variables set for it, beside ours."""
     with tempfile.TemporaryDirectory(prefix="sfbench-") as tmp:
         base = {"log_level": "WARNING"}
         base.update(settings or {})
-        proc = DaemonProcess(Path(tmp) / "state", providers, daemon=base)
+        proc = DaemonProcess(Path(tmp) / "state", providers, daemon=base, env=env)
         try:
             proc.start(ready_timeout=ready_timeout)
             yield proc

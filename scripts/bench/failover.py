@@ -1,10 +1,14 @@
 """Section 4: failover of a stalled stream, from the records the processes keep.
 
-Two daemons side by side, rounds alternated (the order rotated each round):
+Three daemons side by side, rounds alternated (the order rotated each round):
 `streamfence` (the pool's keys at their defaults: the spare that replaces
-the killed worker is forked once the retry has its first chunk) and
+the killed worker is forked once the retry has its first chunk),
 `refill-at-once` (`workers_refill_wait_s` 0: forked at the kill, as before
-issue 32), the baseline.
+issue 32), the baseline, and `streamfence over TLS`: the first one's
+settings against the emulator's TLS port (a throwaway certificate, trusted
+through `SSL_CERT_FILE`), as a real provider is reached; a retry lands on a worker
+that has no connection yet, so its TCP and TLS handshakes are in the figure
+unless they overlap the commits (ARCHITECTURE §2.2).
 
 Each round submits one call (openai profile, `stale_timeout_s` STALE_S,
 `on_partial: "restart"` so that a retry is allowed after visible text) whose
@@ -46,13 +50,16 @@ from scripts.bench.common import (
     median,
     providers_for,
     rotated,
+    tls_files,
 )
 from streamfence.devtools.launcher import DaemonProcess
 from streamfence.protocol.client import Client
 
 STALE_S = 0.3
-VARIANTS = ("streamfence", "refill-at-once")
-POOLS: dict[str, dict[str, Any]] = {"streamfence": {}, "refill-at-once": {"workers_refill_wait_s": 0.0}}
+TLS = "streamfence over TLS"
+VARIANTS = ("streamfence", "refill-at-once", TLS)
+POOLS: dict[str, dict[str, Any]] = {"streamfence": {}, "refill-at-once": {"workers_refill_wait_s": 0.0},
+                                    TLS: {}}
 
 
 def _status_at(client: Client) -> tuple[dict[str, Any], float]:
@@ -121,11 +128,15 @@ def run(quick: bool, rounds: int) -> Section:
                   "pools": "; ".join(f"{v}: " + (", ".join(f"{k} {x}" for k, x in p.items())
                                                  or "defaults") for v, p in POOLS.items())}
     results: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
-    with emulator() as emu, contextlib.ExitStack() as stack:
+    with tls_files() as (cert, key), emulator(tls=(cert, key)) as emu, \
+            contextlib.ExitStack() as stack:
         emu_client = emu.client()
+        plain = providers_for(emu, stale_timeout_s=STALE_S)
+        over_tls = {"oa": {**plain["oa"], "base_url": emu.tls_base_url + "/v1"}}
         procs = {v: stack.enter_context(daemon(
-            providers_for(emu, stale_timeout_s=STALE_S),
-            {"backoff_base_s": 0.0, "backoff_max_s": 0.0, **POOLS[v]})) for v in VARIANTS}
+            over_tls if v == TLS else plain,
+            {"backoff_base_s": 0.0, "backoff_max_s": 0.0, **POOLS[v]},
+            env={"SSL_CERT_FILE": cert} if v == TLS else None)) for v in VARIANTS}
         clients = {v: stack.enter_context(procs[v].client(timeout_s=10.0)) for v in VARIANTS}
         for r in range(n):
             for v in rotated(VARIANTS, r):
@@ -151,6 +162,9 @@ def _report(sec: Section, by_variant: dict[str, list[dict[str, float]]]) -> None
     sec.row("kill → retry's request at the emulator", f"{retry[0]:.2f} ms (max {retry[1]:.2f})",
             "≤ 5 ms", f"baseline refill-at-once: {retry_base[0]:.2f} ms (max "
             f"{retry_base[1]:.2f})", retry[1] <= 5.0)
+    retry_tls = ms(by_variant[TLS], "retry")
+    sec.row("the same over TLS", f"{retry_tls[0]:.2f} ms (max {retry_tls[1]:.2f})", "",
+            "plain TCP above; a retry's worker opens its connection while the commits run")
     repl, repl_base = ms(results, "replacement"), ms(base, "replacement")
     sec.row("kill → replacement worker ready", f"{repl[0]:.1f} ms (max {repl[1]:.1f})", "",
             f"forked after the retry's first chunk; refill-at-once: {repl_base[0]:.1f} ms "

@@ -4,8 +4,11 @@ Contract
 --------
 * Binds ``--host`` (default 127.0.0.1) and ``--port`` (default 0 = any free
   port), then prints exactly one line to stdout, flushed:
-  ``EMULATOR_READY http://HOST:PORT`` (no ``/v1``). Nothing else goes to
-  stdout; logs (one INFO line per request) go to stderr.
+  ``EMULATOR_READY http://HOST:PORT`` (no ``/v1``), with ``--tls-cert`` and
+  ``--tls-key`` followed by `` https://HOST:TLSPORT``: the same emulator
+  over TLS on a second free port (the certificate is the caller's; the
+  client must trust it). Nothing else goes to stdout; logs (one INFO line
+  per request) go to stderr.
 * SIGTERM / SIGINT stop it cleanly (in-flight streams get about 0.25 s, then are cut).
 * ``--exit-on-stdin-eof``: exit when stdin reaches EOF, so an emulator whose
   parent died (and with it the pipe) does not linger as an orphan.
@@ -20,6 +23,7 @@ import asyncio
 import logging
 import os
 import signal
+import ssl
 import sys
 
 from .app import make_app, start
@@ -42,7 +46,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--log-limit", type=int, default=100_000, help="request records kept")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--exit-on-stdin-eof", action="store_true")
-    return parser.parse_args(argv)
+    parser.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS too")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    args = parser.parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    return args
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -66,14 +75,19 @@ async def _serve(args: argparse.Namespace) -> int:
 
         loop.add_reader(fd, _on_stdin)
     app = make_app(require_auth=args.require_auth, log_limit=args.log_limit)
+    tls = None
+    if args.tls_cert:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(args.tls_cert, args.tls_key)
     try:
-        runner, port = await start(app, args.host, args.port)
+        runner, ports = await start(app, args.host, args.port, tls)
     except OSError as err:
         logger.error("cannot bind %s:%s: %s", args.host, args.port, err)
         return EXIT_BIND_FAILED
-    url = f"http://{args.host}:{port}"
-    logger.info("emulator listening on %s (pid %d)", url, os.getpid())
-    sys.stdout.write(f"EMULATOR_READY {url}\n")
+    schemes = ("http", "https")[: len(ports)]
+    urls = [f"{scheme}://{args.host}:{port}" for scheme, port in zip(schemes, ports, strict=True)]
+    logger.info("emulator listening on %s (pid %d)", " and ".join(urls), os.getpid())
+    sys.stdout.write(f"EMULATOR_READY {' '.join(urls)}\n")
     sys.stdout.flush()
     try:
         await stop.wait()

@@ -26,6 +26,7 @@ the bound port; the caller owns ``runner.cleanup()``.
 from __future__ import annotations
 
 import os
+import ssl
 
 import orjson
 from aiohttp import web
@@ -112,16 +113,16 @@ def make_app(*, require_auth: bool = False, log_limit: int = 100_000) -> web.App
     return app
 
 
-async def start(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve ``app`` on ``host:port`` (0 = any free port); returns the bound port."""
+async def start(app: web.Application, host: str, port: int,
+                tls: ssl.SSLContext | None = None) -> tuple[web.AppRunner, list[int]]:
+    """Serve ``app`` on ``host:port`` (0 = any free port), and with ``tls`` over
+    TLS too, on a second free port; returns the bound ports (plain first)."""
     # No access log: our own line per request (at its end) says more.
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.25)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
-    await site.start()
-    bound = port
-    for address in runner.addresses:
-        if isinstance(address, tuple) and len(address) >= 2:
-            bound = int(address[1])
-            break
-    return runner, bound
+    await web.TCPSite(runner, host, port, backlog=1024).start()
+    if tls is not None:
+        await web.TCPSite(runner, host, 0, backlog=1024, ssl_context=tls).start()
+    bound = [int(address[1]) for address in runner.addresses
+             if isinstance(address, tuple) and len(address) >= 2]
+    return runner, bound or [port]

@@ -14,7 +14,9 @@ Contract
   if this process dies.
 * URLs: ``base_url`` is ``http://HOST:PORT`` (no ``/v1``; the control API
   lives under it at ``/_emu/...``); ``openai_base_url`` is ``base_url +
-  "/v1"``, what ``openai.OpenAI(base_url=...)`` wants.
+  "/v1"``, what ``openai.OpenAI(base_url=...)`` wants. Started with
+  ``tls=(cert, key)``, ``tls_base_url`` is ``https://HOST:TLSPORT``: the
+  same routes over TLS.
 * :class:`EmulatorClient` speaks the control API with the standard library
   (urllib; no client object to close). Every failure is an
   :class:`EmulatorError` naming the call. :meth:`EmulatorClient.wait_for`
@@ -148,14 +150,19 @@ class EmulatorProcess:
         stop_timeout: float = 5.0,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        tls: tuple[str, str] | None = None,
     ) -> None:
+        """`tls`: (certificate, key) PEM files: the emulator also serves over
+        TLS, at `tls_base_url`."""
         self.host = host
         self.port = port
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
         self.extra_args = list(extra_args)
         self.env = dict(env) if env is not None else None
+        self.tls = tls
         self.base_url = ""
+        self.tls_base_url = ""
         self._proc: subprocess.Popen[bytes] | None = None
         self._stderr: IO[bytes] | None = None
 
@@ -207,6 +214,8 @@ class EmulatorProcess:
             raise EmulatorError(f"already started: {self!r}")
         cmd = [sys.executable, "-m", "streamfence.devtools.emulator", "--host", self.host, "--port", str(self.port)]
         cmd += ["--exit-on-stdin-eof", *self.extra_args]
+        if self.tls is not None:
+            cmd += ["--tls-cert", self.tls[0], "--tls-key", self.tls[1]]
         env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
         # Lives as long as the process; closed in stop().
         self._stderr = tempfile.TemporaryFile(prefix="emulator-stderr-")  # noqa: SIM115
@@ -218,7 +227,10 @@ class EmulatorProcess:
             env=env,
         )
         try:
-            self.base_url = self._read_ready_line()
+            urls = self._read_ready_line().split()
+            self.base_url = urls[0].rstrip("/")
+            if self.tls is not None:
+                self.tls_base_url = urls[1].rstrip("/")
         except BaseException:
             self.stop()
             raise
@@ -251,7 +263,7 @@ class EmulatorProcess:
         line = buf.split(b"\n", 1)[0].decode(errors="replace").strip()
         if not line.startswith(READY_PREFIX):
             raise EmulatorError(f"unexpected first line from the emulator: {line!r}")
-        return line[len(READY_PREFIX) :].strip().rstrip("/")
+        return line[len(READY_PREFIX) :].strip()
 
     def stop(self) -> int | None:
         """Terminate, kill if needed, reap; returns the exit status. Idempotent."""
