@@ -306,17 +306,58 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return where
 
 
-def sse_answer(conn: socket.socket, head: bytes) -> bool:
-    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                 b"Transfer-Encoding: chunked\r\n\r\n")
+def sse_writes() -> list[bytes]:
+    """An openai stream's writes, its body's end (the chunked terminator) left out."""
+    writes = [b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n"]
     for text in ("Hel", "lo"):
         piece = {"id": "c1", "object": "chat.completion.chunk", "model": "m",
                  "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
-        conn.sendall(chunk(b"data: " + orjson.dumps(piece) + b"\n\n"))
+        writes.append(chunk(b"data: " + orjson.dumps(piece) + b"\n\n"))
     done = ('data: {"id":"c1","object":"chat.completion.chunk","model":"m","choices":'
             '[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
-    conn.sendall(chunk(done.encode()) + b"0\r\n\r\n")
+    writes.append(chunk(done.encode()))
+    return writes
+
+
+def sse_answer(conn: socket.socket, head: bytes) -> bool:
+    *writes, last = sse_writes()
+    for data in writes:
+        conn.sendall(data)
+    conn.sendall(last + b"0\r\n\r\n")
     return True
+
+
+def sse_answer_end_apart(conn: socket.socket, head: bytes) -> bool:
+    """`sse_answer` with the body's end in a TLS record of its own after
+    `[DONE]`'s, as a provider's front may write it; corked, so that it has
+    arrived, unread, when the SDK closes the stream at `[DONE]`."""
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
+    for data in sse_writes():
+        conn.sendall(data)
+    conn.sendall(b"0\r\n\r\n")
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)
+    return True
+
+
+def test_a_tls_stream_whose_end_comes_apart_keeps_its_connection(
+        serve: Callable[..., RawServer], certificate: Path) -> None:
+    """The openai SDK closes the stream at `[DONE]`; the transport reads the
+    body's end that has already arrived and keeps the connection, so the next
+    attempt costs no new TLS handshake (red without it: two connections)."""
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(certificate / "cert.pem", certificate / "key.pem")
+    server = serve(sse_answer_end_apart, tls=server_tls)
+    trusting = ssl.create_default_context(cafile=str(certificate / "cert.pem"))
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with openai.OpenAI(base_url=server.url("/v1"), api_key="sk-test", max_retries=0, timeout=WAIT_S,
+                       http_client=httpx2.Client(transport=Http11Transport(trusting))) as sdk:
+        for _ in range(3):
+            out = RecordingOutput()
+            outcome = stream_chat(sdk, request, out)
+            assert outcome.error is None and out.text == "Hello", outcome.error
+    assert server.connections == 1
+    assert len(server.requests) == 3
 
 
 def test_the_openai_sdk_streams_a_worker_attempt_over_tls(

@@ -10,7 +10,10 @@ rest of what it does per delta; llhttp parses the same read in C
 What it does: HTTP/1.1 over TCP, or TLS with the client's SSL context; one
 request at a time per connection; up to `keepalive` idle connections kept
 per origin, one that turned readable while idle (closed by the server) or
-idle longer than `keepalive_s` never reused; the request's `timeout`
+idle longer than `keepalive_s` never reused, and one whose stream the SDK
+closed at its last event kept if the body's end has arrived (`_Body.close`;
+httpx's transport drops it, so the bare openai SDK makes a connection per
+streamed call); the request's `timeout`
 extension for the connect and TLS handshake, the request's send and each
 read; failures raised as httpx2's exceptions (what workers/errors.py
 classifies). What it leaves out, since no worker client uses it: proxies,
@@ -148,10 +151,32 @@ class _Body(httpx2.SyncByteStream):
             return
         self._closed = True
         # (llhttp's keep-alive is already False for a body that ends with the connection)
+        if not self._message.complete and self._message.keep_alive and not self._until_close:
+            self._read_the_end_if_here()
         if self._message.complete and self._message.keep_alive:
             self._transport.keep(self._origin, self._sock)
         else:
             self._sock.close()
+
+    def _read_the_end_if_here(self) -> None:
+        """The SDK closes a stream at its last event (openai's `[DONE]`), and over
+        TLS the body's end (the chunked terminator) often comes in a record of
+        its own, unread then: a connection closed for it costs the worker's next
+        attempt a new TCP and TLS handshake (httpx's own transport drops it so).
+        Read what has arrived, never waiting, and keep the connection if that
+        ends the message; a body that goes on is not drained."""
+        feed = self._message.parser.feed_data
+        try:
+            self._sock.settimeout(0.0)
+            for _ in range(4):
+                data = self._sock.recv(READ_SIZE)  # nothing there: an OSError
+                if not data:
+                    return
+                feed(data)
+                if self._message.complete:
+                    return
+        except (OSError, httptools.HttpParserError):
+            return
 
 
 class Http11Transport(httpx2.BaseTransport):
