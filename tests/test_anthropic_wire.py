@@ -147,12 +147,20 @@ def test_error_event_is_an_api_status_error_on_a_200(emu: EmulatorClient,
     assert classify(info.value).error_class == "transient"
 
 
-def test_disconnect_raises_raw_httpx2_mid_body(emu: EmulatorClient, client: anthropic.Anthropic) -> None:
+def test_disconnect_mid_body_is_a_connection_error(emu: EmulatorClient,
+                                                   client: anthropic.Anthropic) -> None:
+    """Up to 2.16 the SDK raised httpx2's RemoteProtocolError raw here; 2.17
+    wraps it in its APIConnectionError: the classifier gives both one code."""
     emu.script("cut", [{"fault": "disconnect", "after": 4}])
     received: list[RawMessageStreamEvent] = []
-    with pytest.raises(httpx2.RemoteProtocolError), client.messages.create(
-            model="claude-emu#cut", max_tokens=256, messages=MESSAGES, stream=True) as stream:
+    with pytest.raises((httpx2.RemoteProtocolError, anthropic.APIConnectionError)) as info, \
+            client.messages.create(model="claude-emu#cut", max_tokens=256, messages=MESSAGES,
+                                   stream=True) as stream:
         received.extend(stream)
+    cut = info.value
+    assert isinstance(cut.__cause__ if isinstance(cut, anthropic.APIConnectionError) else cut,
+                      httpx2.RemoteProtocolError), repr(cut)
+    assert (classify(cut).error_class, classify(cut).code) == ("transient", "connection_error")
     record = only(emu, "cut")
     assert len(received) == record["chunks_sent"] == 4
     assert text_of(received) == record["sent_text"] and record["aborted"]
