@@ -4,7 +4,8 @@ real daemon's workers on all three wires. The workers trust what the
 process's environment says (README "Providers behind a private CA"):
 `SSL_CERT_FILE` for the SSE wires, `AWS_CA_BUNDLE` for bedrock's botocore.
 Untrusted, an attempt fails at once with `tls_verify_failed`, a final error
-(a retry cannot help), and no request is ever made."""
+(a retry cannot help), and no request is ever made. A spare's TLS
+warm-up (a handshake with itself) completes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from streamfence.devtools.certs import self_signed
 from streamfence.devtools.emulator.control import EmulatorProcess, emulator_profile
+from streamfence.workers.tls_warmup import handshake_with_itself
 from tests.harness import DaemonProcess
 from tests.wires import WIRES, request_for
 
@@ -90,3 +92,9 @@ def test_the_daemons_workers_trust_what_the_environment_says(
         assert attempts == [("final", "tls_verify_failed")], (wire, attempts)
         assert control.log(f"tls-no-{wire}") == [], wire
 
+
+
+def test_a_spares_tls_warm_up_shakes_hands_with_itself() -> None:
+    """workers/tls_warmup.py: the handshake completes (its certificate, valid
+    2000-2999 for its one name, and key are in the package)."""
+    handshake_with_itself()
