@@ -25,6 +25,7 @@ from streamfence.workers.openai_chat import stream_chat
 from streamfence.workers.output import RecordingOutput
 
 WAIT_S = 10.0
+HI = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}  # a worker's request
 
 Handler = Callable[[socket.socket, bytes], None]
 
@@ -340,40 +341,37 @@ def sse_answer_end_apart(conn: socket.socket, head: bytes) -> bool:
     return True
 
 
+def _attempts_over_tls(serve: Callable[..., RawServer], certificate: Path,
+                       answer: Callable[[socket.socket, bytes], bool], attempts: int) -> RawServer:
+    """`attempts` worker attempts of the openai SDK, one after the other, on a
+    TLS server that answers with `answer`, each asserted to stream "Hello"."""
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(certificate / "cert.pem", certificate / "key.pem")
+    server = serve(answer, tls=server_tls)
+    trusting = ssl.create_default_context(cafile=str(certificate / "cert.pem"))
+    with openai.OpenAI(base_url=server.url("/v1"), api_key="sk-test", max_retries=0, timeout=WAIT_S,
+                       http_client=httpx2.Client(transport=Http11Transport(trusting))) as sdk:
+        for _ in range(attempts):
+            out = RecordingOutput()
+            outcome = stream_chat(sdk, HI, out)
+            assert outcome.error is None and out.text == "Hello", outcome.error
+    return server
+
+
 def test_a_tls_stream_whose_end_comes_apart_keeps_its_connection(
         serve: Callable[..., RawServer], certificate: Path) -> None:
     """The openai SDK closes the stream at `[DONE]`; the transport reads the
     body's end that has already arrived and keeps the connection, so the next
-    attempt costs no new TLS handshake (red without it: two connections)."""
-    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server_tls.load_cert_chain(certificate / "cert.pem", certificate / "key.pem")
-    server = serve(sse_answer_end_apart, tls=server_tls)
-    trusting = ssl.create_default_context(cafile=str(certificate / "cert.pem"))
-    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    with openai.OpenAI(base_url=server.url("/v1"), api_key="sk-test", max_retries=0, timeout=WAIT_S,
-                       http_client=httpx2.Client(transport=Http11Transport(trusting))) as sdk:
-        for _ in range(3):
-            out = RecordingOutput()
-            outcome = stream_chat(sdk, request, out)
-            assert outcome.error is None and out.text == "Hello", outcome.error
+    attempt costs no new TLS handshake (red without it: three connections)."""
+    server = _attempts_over_tls(serve, certificate, sse_answer_end_apart, 3)
     assert server.connections == 1
     assert len(server.requests) == 3
 
 
 def test_the_openai_sdk_streams_a_worker_attempt_over_tls(
         serve: Callable[..., RawServer], certificate: Path) -> None:
-    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server_tls.load_cert_chain(certificate / "cert.pem", certificate / "key.pem")
-    server = serve(sse_answer, tls=server_tls)
-    trusting = ssl.create_default_context(cafile=str(certificate / "cert.pem"))
-    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    with openai.OpenAI(base_url=server.url("/v1"), api_key="sk-test", max_retries=0, timeout=WAIT_S,
-                       http_client=httpx2.Client(transport=Http11Transport(trusting))) as sdk:
-        for _ in range(2):  # the second attempt on the kept TLS connection
-            out = RecordingOutput()
-            outcome = stream_chat(sdk, request, out)
-            assert outcome.error is None, outcome.error
-            assert out.text == "Hello"
+    # Two attempts: the second on the kept TLS connection.
+    server = _attempts_over_tls(serve, certificate, sse_answer, 2)
     assert server.connections == 1
     assert server.requests[0].startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
 
@@ -383,5 +381,5 @@ def test_the_openai_sdk_streams_a_worker_attempt_over_tls(
     with openai.OpenAI(base_url=server.url("/v1"), api_key="sk-test", max_retries=0, timeout=WAIT_S,
                        http_client=httpx2.Client(transport=untrusting)) as sdk:
         out = RecordingOutput()
-        outcome = stream_chat(sdk, request, out)
+        outcome = stream_chat(sdk, HI, out)
     assert outcome.error is not None and outcome.error.code == "tls_verify_failed", outcome.error
