@@ -4,7 +4,7 @@ handshake touches OpenSSL's state and its own pages for the first time, and
 a retry lands on a never-used spare, so that cost sat on the retry's path
 to its provider (measured in the daemon's workers: the first handshake with
 the emulator's TLS port 2.25 ms of CPU, 1.3-1.5 after this; kill -> the
-retry's request over TLS 8.78 -> 8.06 ms; docs/PERFORMANCE.md, "Issue 32:
+retry's request over TLS 7.90 -> 6.76 ms; docs/PERFORMANCE.md, "Issue 32:
 TLS"). In the zygote before it forks it gained nothing measurable: its own
 warm-up already sets OpenSSL up.
 
