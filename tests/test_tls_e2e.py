@@ -58,21 +58,17 @@ def _run_each_wire(tls_emulator: EmulatorProcess, state_dir: Path, env: dict[str
     by wire, the call's done event and its attempts' (error class, code)."""
     providers = {wire: dict(emulator_profile(wire, tls_emulator.tls_base_url),
                             stale_timeout_s=30.0) for wire in WIRES}
-    daemon = DaemonProcess(state_dir, providers, env=env)
-    try:
-        daemon.start()
-        done = {}
-        with daemon.client() as client:
-            for wire in WIRES:
-                call_id = client.submit(wire, request_for(wire, f"{key}-{wire}"))
-                events = list(client.events(call_id, timeout_s=30.0))
-                result = client.result(call_id)
-                assert result is not None, wire
-                done[wire] = (events[-1], [(a["error_class"], a["error_code"])
-                                           for a in result["diagnostics"]])
-        return done
-    finally:
-        daemon.cleanup()
+    done = {}
+    with DaemonProcess(state_dir, providers, env=env) as daemon, daemon.client() as client:
+        for wire in WIRES:
+            call_id = client.submit(wire, request_for(wire, f"{key}-{wire}"))
+            events = list(client.events(call_id, timeout_s=30.0))
+            result = client.result(call_id)
+            assert result is not None, wire
+            done[wire] = (events[-1], [(a["error_class"], a["error_code"])
+                                       for a in result["diagnostics"]])
+    assert not daemon.survivors, f"processes outlived the daemon: {daemon.survivors}"
+    return done
 
 
 def test_the_daemons_workers_trust_what_the_environment_says(
@@ -91,7 +87,6 @@ def test_the_daemons_workers_trust_what_the_environment_says(
         assert "certificate verify failed" in event["error"]["message"], (wire, event)
         assert attempts == [("final", "tls_verify_failed")], (wire, attempts)
         assert control.log(f"tls-no-{wire}") == [], wire
-
 
 
 def test_a_spares_tls_warm_up_shakes_hands_with_itself() -> None:
