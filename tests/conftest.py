@@ -82,10 +82,11 @@ def make_daemon(tmp_path: Path, emulator: EmulatorProcess) -> Iterator[Any]:
     started: list[DaemonProcess] = []
 
     def make(profile: dict[str, Any] | None = None, daemon: dict[str, Any] | None = None,
-             name: str = "state", start: bool = True, wire: str = "openai") -> DaemonProcess:
+             name: str = "state", start: bool = True, wire: str = "openai",
+             env: dict[str, str] | None = None) -> DaemonProcess:
         table = dict(profile_for(wire, emulator), stale_timeout_s=30.0)
         table.update(profile or {})
-        proc = DaemonProcess(tmp_path / name, {"emu": table}, daemon=daemon)
+        proc = DaemonProcess(tmp_path / name, {"emu": table}, daemon=daemon, env=env)
         started.append(proc)
         return proc.start() if start else proc
 

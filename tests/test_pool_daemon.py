@@ -3,15 +3,20 @@ synchronized on `status` counts and the journal, never on time: a burst
 grows the pool and it shrinks back to `workers_spare` once idle; the spares
 that refill it wait while the burst's attempts start (forks for waiting
 calls go at once); a retry after a stalled attempt runs on a spare that
-was ready before the kill."""
+was ready before the kill; a spare warms up at its own priority and gives
+way to an attempt."""
 
 from __future__ import annotations
 
+import os
+import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from streamfence.devtools.emulator.control import EmulatorClient
 from streamfence.devtools.launcher import DaemonProcess
+from streamfence.protocol import failpoints
 from streamfence.protocol.client import Client
 from tests.harness import wait_until
 from tests.wires import request_for
@@ -104,3 +109,52 @@ def test_a_retry_runs_on_a_spare_ready_before_the_kill(
         rows = dict(proc.journal_rows("SELECT attempt, worker_pid FROM attempts WHERE call_id = ?",
                                       call_id))
         assert rows[2] in ready, f"the retry ran on pid {rows[2]}, not a spare ({ready})"
+
+
+WARM_UP_STEP = "worker.before_warm_up_step"
+WARM_UP_PAUSE_S = 4.0
+
+
+def _passes(where: Path, point: str) -> list[int]:
+    """The pids that passed `point`, once per pass (failpoints' record)."""
+    try:
+        lines = (where / "hits").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [int(pid) for name, pid in (line.split() for line in lines) if name == point]
+
+
+def test_a_spare_warms_up_at_its_own_priority_and_gives_way_to_an_attempt(
+        make_daemon: Any, emu: EmulatorClient, tmp_path: Path) -> None:
+    """A spare's warm-up runs at the worker's own priority, and between its
+    steps looks for an attempt: one that came meanwhile ends it. Why: the
+    warm-up ran on a thread at nice 19 beside the attempt, and on a busy
+    machine the kernel leaves such a thread waiting for a core while it
+    holds the GIL: the attempt stands still with it (0.6-1.7 s in a probe,
+    docs/PERFORMANCE.md "A spare's warm-up and the GIL"). Held at its first
+    step (a failpoint's pause), the spare is given a call."""
+    where = tmp_path / "failpoints"
+    where.mkdir()
+    proc: DaemonProcess = make_daemon(
+        daemon={"workers_spare": 1},
+        env={failpoints.ENV: f"{WARM_UP_STEP}=pause({WARM_UP_PAUSE_S:g}s)",
+             failpoints.DIR_ENV: str(where)})
+    with proc.client(timeout_s=30.0) as client:
+        pids = wait_until(lambda: _passes(where, WARM_UP_STEP), 60.0,
+                          "the spare to reach its warm-up")
+        held_since = time.monotonic()
+        pid = pids[0]
+        own = os.getpriority(os.PRIO_PROCESS, pid)
+        threads = {int(tid): os.getpriority(os.PRIO_PROCESS, int(tid))
+                   for tid in os.listdir(f"/proc/{pid}/task")}
+        assert set(threads.values()) == {own}, \
+            f"a thread of the warming spare {pid} runs at another priority: {threads} (own {own})"
+        call_id = _submit(client, emu, [{"fault": "ok", "chunks": 3}])
+        wait_until(lambda: any(w["pid"] == pid and w["call_id"] == call_id
+                               for w in _workers(client)), 30.0, "the call given to the spare")
+        assert time.monotonic() - held_since < WARM_UP_PAUSE_S, \
+            "the call reached the spare after its warm-up's pause: this test proves nothing"
+        done = _done(client, call_id)
+        assert done["status"] == "completed" and done["attempts"] == 1, done
+        assert _passes(where, WARM_UP_STEP).count(pid) == 1, \
+            f"the spare {pid} went on warming up after its attempt came: {_passes(where, WARM_UP_STEP)}"

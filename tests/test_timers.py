@@ -63,7 +63,7 @@ def test_an_idle_daemon_sleeps(make_daemon: Any) -> None:
     assert daemon.proc is not None
     root = psutil.Process(daemon.proc.pid)
     pids = [root.pid] + [c.pid for c in root.children(recursive=True)]
-    # Start-up work ends on its own (the spares' warm-up threads, the status
+    # Start-up work ends on its own (the spares' warm-ups, the status
     # exchange above): look at successive 3 s windows until one is quiet. A
     # daemon that wakes on a timer is never quiet.
     deadline = time.monotonic() + 30.0

@@ -65,6 +65,8 @@ POINTS: dict[str, str] = {
     "worker.before_final": "the provider's stream ended; T_FINAL not yet sent (drop: the "
                            "final is lost)",
     "worker.after_rebind": "T_REBIND received; the held deltas not yet sent again",
+    "worker.before_warm_up_step": "a new spare between two steps of its warm-up; whether an "
+                                  "attempt came meanwhile not yet looked at",
     "gateway.replay_to_live": "a resumed HTTP stream read again up to Last-Event-ID; the "
                               "first event after it not yet sent",
     "cluster.before_take": "a call's owner entry read; its compare-and-set to a higher epoch "

@@ -242,7 +242,7 @@ class Http11Transport(httpx2.BaseTransport):
         new connection is opened unless one is kept (a kept one is taken after
         the word: it may close meanwhile). Nothing is sent before the word;
         dropped, the attempt leaves its new connection kept, clean."""
-        if GATE.shut_here():
+        if GATE.shut():
             with self._lock:
                 kept = bool(self._idle.get(origin))
             fresh = None if kept else self._connect(origin, request)

@@ -9,9 +9,9 @@ sees nothing, and the sink hears nothing, of an attempt that was not
 authorized: on W_DROP the gate raises `AttemptDropped` and the attempt
 ends unseen.
 
-A worker runs one attempt at a time, so there is one gate: `GATE`, armed
-per attempt by workers/worker.py and waited at on the attempt's own thread
-only (a spare's warm-up thread passes it as if it were open): by the SSE
+A worker runs one attempt at a time, on its main thread, so there is one
+gate: `GATE`, armed per attempt by workers/worker.py (a spare's warm-up
+runs before any attempt and finds it open) and waited at: by the SSE
 wires' transport once it has the request's connection (workers/http11.py:
 a new connection is opened while the word is awaited, so a retry's TCP and
 TLS handshakes overlap the commits too; the provider sees a connection,
@@ -21,7 +21,6 @@ hook (workers/bedrock_converse.py).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from enum import Enum
 
@@ -40,31 +39,29 @@ class GateState(Enum):
 
 
 class SendGate:
-    """`arm(word, on_go)`: shut the gate for this thread's attempt. `word()`
+    """`arm(word, on_go)`: shut the gate for the next attempt. `word()`
     blocks for the supervisor's word (True: W_GO); `on_go()` runs once it
     came, before the first request (the sink's hello, the liveness row)."""
 
-    __slots__ = ("_on_go", "_thread", "_word", "state")
+    __slots__ = ("_on_go", "_word", "state")
 
     def __init__(self) -> None:
         self.state = GateState.OPEN
-        self._thread = 0
         self._word: Callable[[], bool] = bool
         self._on_go: Callable[[], None] = _nothing
 
     def arm(self, word: Callable[[], bool], on_go: Callable[[], None]) -> None:
         self.state = GateState.SHUT
-        self._thread = threading.get_ident()
         self._word, self._on_go = word, on_go
 
-    def shut_here(self) -> bool:
-        """Whether this thread's attempt still waits for its word."""
-        return self.state is GateState.SHUT and threading.get_ident() == self._thread
+    def shut(self) -> bool:
+        """Whether the attempt still waits for its word."""
+        return self.state is GateState.SHUT
 
     def wait(self) -> None:
         """Return once the attempt may send (at once if it may already);
         AttemptDropped if it never may."""
-        if self.state is GateState.OPEN or threading.get_ident() != self._thread:
+        if self.state is GateState.OPEN:
             return
         if self.state is GateState.SHUT:
             if self._word():

@@ -1,5 +1,5 @@
 """One TLS handshake of the process with itself, over a socketpair, in a new
-spare's warm-up thread (workers/warmup.py): a forked worker's first
+spare's warm-up (workers/warmup.py): a forked worker's first
 handshake touches OpenSSL's state and its own pages for the first time, and
 a retry lands on a never-used spare, so that cost sat on the retry's path
 to its provider (measured in the daemon's workers: the first handshake with

@@ -10,10 +10,10 @@ call needs them.
   failure stops the zygote (its workers would be cold and slow). A kind not
   configured costs nothing here; a worker imports it on its first attempt
   of that kind (workers/registry.py), so a reload that adds one still serves.
-- `warm_worker_in_background`, in a new spare after its hello
-  (workers/worker.py): one attempt per SSE wire the zygote warmed and one
-  TLS handshake of the process with itself (workers/tls_warmup.py), best
-  effort, on a lowest-priority thread. Measured (10 forks each,
+- `warm_spare`, in a new spare after its hello (workers/worker.py): one
+  attempt per SSE wire the zygote warmed and one TLS handshake of the
+  process with itself (workers/tls_warmup.py), best effort, step by step
+  on its main thread while no attempt waits. Measured (10 forks each,
   alternated, docs/PERFORMANCE.md): a new worker's first real attempt
   13.6 -> 5.4 ms to the request, for ~20 ms of CPU; its first TLS
   handshake with a provider 2.25 -> 1.3-1.5 ms of CPU.
@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
 import socket
 import sys
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Generator, Iterator
 from typing import Any
 
+from streamfence.protocol.failpoints import ARMED, failpoint
 from streamfence.protocol.internal.outcome import AttemptOutcome
 from streamfence.protocol.internal.workers import AttemptSettings
 from streamfence.workers.registry import imported_kinds
@@ -106,36 +106,50 @@ def _serve_stub(server: socket.socket, count: int) -> None:
         _answer(server, count)
 
 
-def _run_wires(kinds: Collection[str]) -> str:
-    """One attempt per SSE wire of `kinds` against a fresh stub; returns the
-    stub's base URL (closed by then). RuntimeError if an attempt did not succeed."""
-    from streamfence.workers.output import RecordingOutput
-    from streamfence.workers.registry import adapter_of
-
-    wires = [wire for wire in _WIRES if wire[0] in kinds]
+@contextlib.contextmanager
+def _stub(count: int) -> Iterator[str]:
+    """A stub answering `count` requests on a thread; yields its base URL."""
     server = socket.create_server(("127.0.0.1", 0))
     server.settimeout(WARM_TIMEOUT_S)
-    thread = threading.Thread(target=_serve_stub, args=(server, len(wires)), daemon=True)
+    thread = threading.Thread(target=_serve_stub, args=(server, count), daemon=True)
     thread.start()
-    base = f"http://127.0.0.1:{server.getsockname()[1]}"
-    settings = AttemptSettings(connect_timeout_s=WARM_TIMEOUT_S, read_timeout_s=WARM_TIMEOUT_S)
     try:
-        for kind, path, request in wires:
-            adapter = adapter_of(kind)
-            client = adapter.make_client({"name": "warm", "kind": kind, "api_key_env": None,
-                                          "base_url": base + path})
-            try:
-                outcome: AttemptOutcome = adapter.run(client, request, RecordingOutput(),
-                                                      settings, ())
-            finally:
-                client.close()
-            if not outcome.ok:
-                raise RuntimeError(f"the {kind} warm-up attempt failed: {outcome.error}")
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
     finally:
         with contextlib.suppress(OSError):
             server.shutdown(socket.SHUT_RDWR)  # wakes the stub's accept if it still waits
         server.close()
         thread.join(WARM_TIMEOUT_S)
+
+
+def _wires(kinds: Collection[str]) -> list[tuple[str, str, dict[str, Any]]]:
+    return [wire for wire in _WIRES if wire[0] in kinds]
+
+
+def _attempt(kind: str, url: str, request: dict[str, Any]) -> None:
+    """One attempt of `kind` against the stub at `url`; RuntimeError if it failed."""
+    from streamfence.workers.output import RecordingOutput
+    from streamfence.workers.registry import adapter_of
+
+    settings = AttemptSettings(connect_timeout_s=WARM_TIMEOUT_S, read_timeout_s=WARM_TIMEOUT_S)
+    adapter = adapter_of(kind)
+    client = adapter.make_client({"name": "warm", "kind": kind, "api_key_env": None,
+                                  "base_url": url})
+    try:
+        outcome: AttemptOutcome = adapter.run(client, request, RecordingOutput(), settings, ())
+    finally:
+        client.close()
+    if not outcome.ok:
+        raise RuntimeError(f"the {kind} warm-up attempt failed: {outcome.error}")
+
+
+def _run_wires(kinds: Collection[str]) -> str:
+    """One attempt per SSE wire of `kinds` against a fresh stub; returns the
+    stub's base URL (closed by then). RuntimeError if an attempt did not succeed."""
+    wires = _wires(kinds)
+    with _stub(len(wires)) as base:
+        for kind, path, request in wires:
+            _attempt(kind, base + path, request)
     return base
 
 
@@ -171,23 +185,39 @@ def loaded_sdks() -> list[str]:
     return [name for name in _SDKS if name in sys.modules]
 
 
-def warm_worker_in_background() -> threading.Thread:
-    """In a new spare, after its hello: the same attempts, best effort (a
-    failure leaves the worker as it would be without them), on a thread of the
-    lowest priority (Linux: a thread's nice value is its own), so a spare's
-    warm-up never takes a core from a running call and an attempt sent
-    meanwhile starts at once."""
-    def run() -> None:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        try:
-            kinds = imported_kinds()  # the zygote's kinds: this worker imports no other
-            _run_wires(kinds)
-            if kinds:
-                handshake_with_itself()  # paid here, not on a retry's path to its provider
-        except Exception as exc:  # an optimization must not stop a worker
-            log.debug("worker warm-up failed: %s", exc)
+def _spare_steps() -> Generator[None, None, None]:
+    """A spare's warm-up, one step after each yield."""
+    kinds = imported_kinds()  # the zygote's kinds: this worker imports no other
+    wires = _wires(kinds)
+    with _stub(len(wires)) as base:
+        for kind, path, request in wires:
+            yield
+            _attempt(kind, base + path, request)
+    if kinds:
+        yield
+        handshake_with_itself()  # paid here, not on a retry's path to its provider
 
-    thread = threading.Thread(target=run, name="warm-up", daemon=True)
-    thread.start()
-    return thread
+
+def warm_spare(asked: Callable[[], bool]) -> None:
+    """In a new spare after its hello, on its main thread: the steps of its
+    warm-up (each a few ms), each only while `asked()` says no attempt
+    waits. An attempt that comes meanwhile waits for the step under way at
+    most, and ends the warm-up (its own run warms the worker). Best effort:
+    a failure leaves the worker as it would be without it.
+
+    Not a thread of lower priority, as it once was: on a busy machine the
+    kernel left such a thread waiting for a core while it held the GIL,
+    and the attempt beside it stood still for seconds (a 1.7 s gap in a
+    probe with 12 busy processes on 2 cores, 52 ms at equal priority:
+    docs/PERFORMANCE.md, "A spare's warm-up and the GIL")."""
+    steps = _spare_steps()
+    try:
+        with contextlib.closing(steps):
+            for _ in steps:  # here, before each step
+                if ARMED:
+                    failpoint("worker.before_warm_up_step")
+                if asked():
+                    log.debug("warm-up ended early: an attempt came")
+                    return
+    except Exception as exc:  # an optimization must not stop a worker
+        log.debug("worker warm-up failed: %s", exc)

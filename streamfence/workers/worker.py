@@ -69,7 +69,7 @@ from streamfence.workers.liveness import LivenessTable
 from streamfence.workers.registry import run_attempt
 from streamfence.workers.send_gate import GATE, AttemptDropped
 from streamfence.workers.sink_channel import LOST, SinkChannel
-from streamfence.workers.warmup import warm_worker_in_background
+from streamfence.workers.warmup import warm_spare
 
 log = logging.getLogger("streamfence.worker")
 
@@ -372,8 +372,7 @@ def _run_one(run: RunAttempt, ctl: zmq.Socket[bytes], sink: SinkChannel, live: L
 def worker_main(worker_id: int, slot: int, runtime_dir: str, slots: int,
                 log_level: int, warm: bool = False) -> NoReturn:
     """Entry point of a forked worker; never returns. `warm`: a spare, which
-    warms up after its hello, on a background thread of the lowest priority
-    (workers.warmup.warm_worker_in_background)."""
+    warms up after its hello while no attempt waits (workers.warmup.warm_spare)."""
     idle = f"worker {worker_id} (idle)"
     set_process_title(idle)
     ep = Endpoints(runtime_dir)
@@ -390,10 +389,10 @@ def worker_main(worker_id: int, slot: int, runtime_dir: str, slots: int,
     sink = SinkChannel(ep.sink_stream)
     live = LivenessTable(ep.liveness_file, slots)
     ctl.send(worker_hello_frame(worker_id, os.getpid()))
-    if warm:
-        warm_worker_in_background()
     code = ExitCode.OK
     try:
+        if warm:
+            warm_spare(lambda: bool(ctl.poll(0)))
         while True:
             run = _receive(ctl, parse_run)
             set_process_title(f"worker {worker_id} (call {run.call_id[:8]}…, "
