@@ -26,7 +26,7 @@ TIMEOUT_S = 5.0
 PEM = Path(__file__).with_name("warmup.pem")  # a file: load_cert_chain reads no memory
 
 
-def handshake_with_itself() -> None:
+def handshake_with_itself(timeout_s: float = TIMEOUT_S) -> None:
     """A full handshake, a server thread against this thread's client; raises
     what either side met (OSError, ssl.SSLError)."""
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -35,7 +35,7 @@ def handshake_with_itself() -> None:
     failed: list[BaseException] = []
     ours, theirs = socket.socketpair()
     for end in (ours, theirs):
-        end.settimeout(TIMEOUT_S)
+        end.settimeout(timeout_s)
 
     def serve() -> None:
         try:
@@ -53,6 +53,6 @@ def handshake_with_itself() -> None:
             pass
     finally:
         ours.close()
-        thread.join(TIMEOUT_S)
+        thread.join(timeout_s)
     if failed:
         raise failed[0]

@@ -38,7 +38,8 @@ from streamfence.workers.tls_warmup import handshake_with_itself
 
 log = logging.getLogger("streamfence.warmup")
 
-WARM_TIMEOUT_S = 5.0
+WARM_TIMEOUT_S = 5.0  # the zygote's steps (its warm-up failing stops it)
+SPARE_STEP_TIMEOUT_S = 1.0  # a spare's: an attempt may wait for the step under way
 _SDKS = ("openai", "anthropic", "botocore")  # the wires' SDKs, as sys.modules names them
 _HELLO = {"role": "user", "content": "hi"}
 # (kind, path under the stub's base URL, request): the SSE wires.
@@ -81,7 +82,7 @@ def _answer(server: socket.socket, count: int) -> None:
     for _ in range(count):
         conn, _addr = server.accept()
         with conn:
-            conn.settimeout(WARM_TIMEOUT_S)
+            conn.settimeout(server.gettimeout())
             data = b""
             while b"\r\n\r\n" not in data:
                 piece = conn.recv(65536)
@@ -107,10 +108,10 @@ def _serve_stub(server: socket.socket, count: int) -> None:
 
 
 @contextlib.contextmanager
-def _stub(count: int) -> Iterator[str]:
+def _stub(count: int, timeout_s: float) -> Iterator[str]:
     """A stub answering `count` requests on a thread; yields its base URL."""
     server = socket.create_server(("127.0.0.1", 0))
-    server.settimeout(WARM_TIMEOUT_S)
+    server.settimeout(timeout_s)
     thread = threading.Thread(target=_serve_stub, args=(server, count), daemon=True)
     thread.start()
     try:
@@ -119,19 +120,19 @@ def _stub(count: int) -> Iterator[str]:
         with contextlib.suppress(OSError):
             server.shutdown(socket.SHUT_RDWR)  # wakes the stub's accept if it still waits
         server.close()
-        thread.join(WARM_TIMEOUT_S)
+        thread.join(timeout_s)
 
 
 def _wires(kinds: Collection[str]) -> list[tuple[str, str, dict[str, Any]]]:
     return [wire for wire in _WIRES if wire[0] in kinds]
 
 
-def _attempt(kind: str, url: str, request: dict[str, Any]) -> None:
+def _attempt(kind: str, url: str, request: dict[str, Any], timeout_s: float) -> None:
     """One attempt of `kind` against the stub at `url`; RuntimeError if it failed."""
     from streamfence.workers.output import RecordingOutput
     from streamfence.workers.registry import adapter_of
 
-    settings = AttemptSettings(connect_timeout_s=WARM_TIMEOUT_S, read_timeout_s=WARM_TIMEOUT_S)
+    settings = AttemptSettings(connect_timeout_s=timeout_s, read_timeout_s=timeout_s)
     adapter = adapter_of(kind)
     client = adapter.make_client({"name": "warm", "kind": kind, "api_key_env": None,
                                   "base_url": url})
@@ -147,9 +148,9 @@ def _run_wires(kinds: Collection[str]) -> str:
     """One attempt per SSE wire of `kinds` against a fresh stub; returns the
     stub's base URL (closed by then). RuntimeError if an attempt did not succeed."""
     wires = _wires(kinds)
-    with _stub(len(wires)) as base:
+    with _stub(len(wires), WARM_TIMEOUT_S) as base:
         for kind, path, request in wires:
-            _attempt(kind, base + path, request)
+            _attempt(kind, base + path, request, WARM_TIMEOUT_S)
     return base
 
 
@@ -189,18 +190,19 @@ def _spare_steps() -> Generator[None, None, None]:
     """A spare's warm-up, one step after each yield."""
     kinds = imported_kinds()  # the zygote's kinds: this worker imports no other
     wires = _wires(kinds)
-    with _stub(len(wires)) as base:
+    with _stub(len(wires), SPARE_STEP_TIMEOUT_S) as base:
         for kind, path, request in wires:
             yield
-            _attempt(kind, base + path, request)
+            _attempt(kind, base + path, request, SPARE_STEP_TIMEOUT_S)
     if kinds:
         yield
-        handshake_with_itself()  # paid here, not on a retry's path to its provider
+        # Paid here, not on a retry's path to its provider.
+        handshake_with_itself(SPARE_STEP_TIMEOUT_S)
 
 
 def warm_spare(asked: Callable[[], bool]) -> None:
     """In a new spare after its hello, on its main thread: the steps of its
-    warm-up (each a few ms), each only while `asked()` says no attempt
+    warm-up (each a few ms, at most SPARE_STEP_TIMEOUT_S), each only while `asked()` says no attempt
     waits. An attempt that comes meanwhile waits for the step under way at
     most, and ends the warm-up (its own run warms the worker). Best effort:
     a failure leaves the worker as it would be without it.
