@@ -5,8 +5,8 @@ CPU is read per thread from /proc/PID/task/*/schedstat (ns resolution;
 psutil's 10 ms ticks are too coarse for one stream) before and after a
 measured window; a thread that appears during the window counts from zero,
 one that ends in it is not seen (a new spare's warm-up stub threads:
-`wait_quiet` lets them finish before a measurement). A section's own process is read
-with `time.process_time()`.
+`wait_quiet` lets them finish before a measurement). A section's own
+process is read with `time.process_time()`.
 """
 
 from __future__ import annotations

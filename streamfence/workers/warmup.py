@@ -202,10 +202,11 @@ def _spare_steps() -> Generator[None, None, None]:
 
 def warm_spare(asked: Callable[[], bool]) -> None:
     """In a new spare after its hello, on its main thread: the steps of its
-    warm-up (each a few ms, at most SPARE_STEP_TIMEOUT_S), each only while `asked()` says no attempt
-    waits. An attempt that comes meanwhile waits for the step under way at
-    most, and ends the warm-up (its own run warms the worker). Best effort:
-    a failure leaves the worker as it would be without it.
+    warm-up (each a few ms, at most SPARE_STEP_TIMEOUT_S), each only while
+    `asked()` says no attempt waits. An attempt that comes meanwhile waits
+    for the step under way at most, and ends the warm-up (its own run warms
+    the worker). Best effort: a failure leaves the worker as it would be
+    without it.
 
     Not a thread of lower priority, as it once was: on a busy machine the
     kernel left such a thread waiting for a core while it held the GIL,
