@@ -127,7 +127,7 @@ def test_wheel_installs_one_import_package_beside_supervisor(tmp_path: Path) -> 
         f"it installs {sorted(_top_level(names))}")
     assert _top_level(recorded) == {"streamfence"}, sorted(_top_level(recorded))
     assert "streamfence/py.typed" in names, "streamfence/py.typed (PEP 561) is not in the wheel"
-    assert "streamfence/workers/warmup.pem" in names, "the zygote's TLS warm-up needs warmup.pem"
+    assert "streamfence/workers/warmup.pem" in names, "a spare's TLS warm-up needs warmup.pem"
     static = {p.relative_to(ROOT).as_posix()
               for p in (ROOT / "streamfence" / "gateway" / "static").iterdir()}
     assert static <= set(names), f"the console's files the wheel lacks: {sorted(static - set(names))}"
