@@ -105,6 +105,9 @@ def test_metrics_after_a_zombie(gateway: tuple[DaemonProcess, str],
     assert after[("streamfence_attempts_total", (("outcome", "stale"),))] == 1.0
     assert after[("streamfence_attempts_total", (("outcome", "ok"),))] >= 1.0
     assert after[("streamfence_retries_total", ())] >= 1.0
+    # Its accept, then its retry's epoch, seconds apart: two syncs at least.
+    assert after[("streamfence_journal_fsyncs_total", ())] >= \
+        before[("streamfence_journal_fsyncs_total", ())] + 2
     refused = {dict(labels)["reason"]: value for (name, labels), value in after.items()
                if name == "streamfence_fence_refused_deltas_total"}
     assert refused and refused == {r: float(n) for r, n in sink["dropped_by_verdict"].items()}

@@ -84,7 +84,7 @@ STATUS: dict[str, Any] = {
     "storage": None,
     "counters": {"calls_accepted": 4, "calls_completed": 3, "attempts.ok": 3,
                  "attempts.stale": 1, "retries": 1, "bad_input.bad_message": 2,
-                 "sink_restarts": 1},
+                 "sink_restarts": 1, "journal_fsyncs": 9},
     "sink": {"accepted": 40, "dropped_by_verdict": {"stale_attempt": 2, "gap": 0},
              "storage_fault": None},
     "histograms": {"call_duration_seconds": {"le": [1.0, 5.0], "buckets": [1, 2],
@@ -112,6 +112,7 @@ def test_a_status_reply_as_prometheus_families() -> None:
     assert samples[("streamfence_calls_total", (("status", "failed"),))] == 0.0
     assert ("streamfence_calls_total", (("status", "accepted"),)) not in samples
     assert samples[("streamfence_stale_kills_total", ())] == 1.0
+    assert samples[("streamfence_journal_fsyncs_total", ())] == 9.0
     assert samples[("streamfence_attempts_total", (("outcome", "worker_died"),))] == 0.0
     assert samples[("streamfence_fence_refused_deltas_total",
                     (("reason", "stale_attempt"),))] == 2.0

@@ -2,7 +2,8 @@
 (streamfence.supervisor.request_files): the submit frame as sent, with the
 fields the daemon set kept beside it; the call stays `staging` until its
 file is durable, a start forgets calls that never got there, a done call's
-file goes, and a file that cannot be written refuses the call."""
+file goes, and a file that cannot be written refuses the call; a call
+without one asks nothing of the disk when it ends."""
 
 from __future__ import annotations
 
@@ -150,4 +151,29 @@ def test_the_fields_the_daemon_set_are_kept_beside_the_frame(tmp_path: Path) -> 
     assert call.request == {**_request(FILE_BYTES), "max_tokens": 5}
     assert call.request_file == str(tmp_path / "requests" / "capped")
     assert call.request_overrides == {"max_tokens": 5}
+    journal.close()
+
+
+def test_the_end_of_a_call_without_a_file_asks_nothing_of_the_disk(tmp_path: Path) -> None:
+    """Its done is in the transcript (which recovery reads first) and it has
+    no file to remove: its end joins the next sync, never asks for one. A
+    call with a file asks, and its file goes once the end is durable."""
+    journal = Journal(str(tmp_path / "journal.db"))
+    assert not _add(journal, "small", 100)
+    assert _add(journal, "large", FILE_BYTES)
+    assert _stored(journal) == [("large", None)]
+    accepted: list[str] = []
+    journal.commit(then=lambda: accepted.append("both"))
+    _synced(journal)
+    assert accepted == ["both"]
+    fsyncs = journal.fsyncs()
+    journal.finish_call("small", "completed")
+    journal.commit()
+    readable, _, _ = select.select([journal.sync_fileno()], [], [], 0.5)
+    assert not readable and journal.fsyncs() == fsyncs, "the journal synced for a fileless end"
+    journal.finish_call("large", "completed")
+    journal.commit()
+    _synced(journal)
+    assert journal.fsyncs() == fsyncs + 1
+    assert not (journal.files.dir / "large").exists()
     journal.close()

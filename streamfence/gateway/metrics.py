@@ -369,6 +369,8 @@ def families(status: Mapping[str, Any] | None, providers: Iterable[str] = ()) ->
           1 if sink.get("storage_fault") else 0)
     gauge("streamfence_journal_storage_fault", "1 while the journal refuses submits for a "
           "storage fault", 1 if status.get("storage") else 0)
+    counter("streamfence_journal_fsyncs_total", "Times the journal's WAL was synced to disk "
+            "(group commit: an accept or an epoch waits for one)", c.get("journal_fsyncs"))
     if isinstance(cluster := status.get("cluster"), Mapping):
         out += _cluster(cluster)
     out += usage_families(status.get("usage"))

@@ -110,7 +110,7 @@ class Journal:
                 self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
         self._db.executescript(SCHEMA)
         self._sweep()
-        self._unit = WriteUnit(path, self._db, self.files.remove)
+        self._unit = WriteUnit(path, self._db, self.files)
         self.usage = UsageBook(self._db, self._unit)  # the usage sums (supervisor/usage.py)
         self._prune_due = 0.0  # monotonic time of the next prune transaction
         self.prune_more = False  # the last prune left finished calls that were due
@@ -142,6 +142,10 @@ class Journal:
     def take_refused(self) -> list[str]:
         """The calls a failed unit added, never accepted: for the front to refuse (once)."""
         return self._unit.take_refused()
+
+    def fsyncs(self) -> int:
+        """How many times the journal's WAL was fsynced (`status`)."""
+        return self._unit.fsyncs()
 
     def fault_view(self) -> dict[str, Any] | None:
         """The fault for `status` (nil: none)."""

@@ -32,6 +32,7 @@ class WalSyncer:
         self._cond = threading.Condition()
         self._wanted = 0
         self._synced = 0
+        self._fsyncs = 0  # of the WAL, done (for `status`)
         self._stopping = False
         self._wakeup = Wakeup()
         self._thread = threading.Thread(target=self._run, name="journal-sync", daemon=True)
@@ -51,6 +52,11 @@ class WalSyncer:
         self._wakeup.clear()
         with self._cond:
             return self._synced
+
+    def fsyncs(self) -> int:
+        """How many times the thread has fsynced the WAL."""
+        with self._cond:
+            return self._fsyncs
 
     def close(self) -> int:
         """Sync what was asked for, stop, and say up to which commit is durable."""
@@ -94,4 +100,5 @@ class WalSyncer:
                 continue
             with self._cond:
                 self._synced = max(self._synced, target)
+                self._fsyncs += 1
             self._wakeup.set()

@@ -49,6 +49,7 @@ from streamfence.protocol.errors import ErrorCode, ProtocolError
 from streamfence.protocol.sqlite_faults import is_damage, is_storage_fault
 from streamfence.supervisor.journal_file import PROBE
 from streamfence.supervisor.journal_sync import WalSyncer
+from streamfence.supervisor.request_files import RequestFiles
 
 log = logging.getLogger("streamfence.journal")
 
@@ -93,14 +94,14 @@ def storage_fault(path: str, exc: sqlite3.Error) -> StorageFault | None:
 class WriteUnit:
     """Owns the open transaction, the kept writes, the calls the unit adds
     and finishes, the fault and its retries, and the callbacks waiting for
-    a sync; writes through the Journal's connection `db`. `remove_file`:
-    a finished call's request file goes (once its finish is synced)."""
+    a sync; writes through the Journal's connection `db`. `files`: a
+    finished call's request file goes once its finish is synced; a call
+    without one asks nothing of the disk when it finishes."""
 
-    def __init__(self, path: str, db: sqlite3.Connection,
-                 remove_file: Callable[[str], None]) -> None:
+    def __init__(self, path: str, db: sqlite3.Connection, files: RequestFiles) -> None:
         self._path = path
         self._db = db
-        self._remove_file = remove_file
+        self._files = files
         self._in_tx = False
         self.finishing: list[str] = []  # calls the unit finishes: their files go once it commits
         self._syncer = WalSyncer(path)
@@ -271,16 +272,16 @@ class WriteUnit:
                 # After every earlier commit: the one that writes the kept unit.
                 self._waiting.append((self._commits + 1, then))
             return
-        if self.finishing:
-            done = list(self.finishing)
-            self.finishing.clear()
-            self._after_sync(functools.partial(self._remove_files, done))
+        filed = [call_id for call_id in self.finishing if self._files.holds(call_id)]
+        self.finishing.clear()
+        if filed:
+            self._after_sync(functools.partial(self._remove_files, filed))
         if then is not None:
             self._after_sync(then)
 
     def _remove_files(self, call_ids: list[str]) -> None:
         for call_id in call_ids:
-            self._remove_file(call_id)
+            self._files.remove(call_id)
 
     def _after_sync(self, then: Callable[[], object]) -> None:
         if self._commits <= self._synced:
@@ -288,6 +289,10 @@ class WriteUnit:
             return
         self._waiting.append((self._commits, then))
         self._syncer.request(self._commits)
+
+    def fsyncs(self) -> int:
+        """How many times the WAL was fsynced (for `status`)."""
+        return self._syncer.fsyncs()
 
     def sync_fileno(self) -> int:
         """Readable when the sync thread has made more commits durable."""

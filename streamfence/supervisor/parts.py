@@ -86,7 +86,7 @@ def build_parts(cfg: DaemonConfig, journal: Journal, live: LivenessTable,
                            random.Random(), transcript_path, cluster, tracer)
     status = functools.partial(status_of, pool, driver, breakers,
                                functools.partial(sink_stats, sink), counters, pids,
-                               auth_counts, connections, journal.fault_view,
+                               auth_counts, connections, journal.fault_view, journal.fsyncs,
                                cluster.stats if cluster is not None else None,
                                functools.partial(daemon_facts, cfg, clock(), clock),
                                journal.usage)

@@ -9,7 +9,9 @@ The journal (the only user of this class) keeps the call's row in state
 
 Files are `<dir>/<call_id>`, written as `<call_id>.part` and renamed once
 synced (then the directory is synced), so a file under its final name is
-whole. The journal removes a call's file when the call is done.
+whole. The journal removes a call's file when the call is done; a call that
+`holds` names no file (most: a request under FILE_BYTES stays in the
+journal), so its end costs no unlink and no sync.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class RequestFiles:
         self.dir = directory
         self._todo: queue.SimpleQueue[tuple[str, bytes | memoryview] | None] = queue.SimpleQueue()
         self._done: deque[tuple[str, OSError | None]] = deque()
+        self._held: set[str] = set()  # calls that may have a file here (the loop's view)
         self._wakeup = Wakeup()  # set per file done; the loop polls `fileno()`
         self._thread = threading.Thread(target=self._run, name="request-files", daemon=True)
         self._thread.start()
@@ -44,6 +47,7 @@ class RequestFiles:
 
     def write(self, call_id: str, body: bytes | memoryview) -> None:
         """Write and sync `body` as `call_id`'s file; `written()` says when."""
+        self._held.add(call_id)
         self._todo.put((call_id, body))
 
     def written(self) -> list[tuple[str, OSError | None]]:
@@ -52,20 +56,28 @@ class RequestFiles:
         self._wakeup.clear()
         out: list[tuple[str, OSError | None]] = []
         while self._done:
-            out.append(self._done.popleft())
+            call_id, error = self._done.popleft()
+            if error is not None:  # the thread removed what it had written
+                self._held.discard(call_id)
+            out.append((call_id, error))
         return out
+
+    def holds(self, call_id: str) -> bool:
+        """Whether `call_id` may have a file here (written, or found at start)."""
+        return call_id in self._held
 
     def read(self, call_id: str) -> bytes:
         return (self.dir / call_id).read_bytes()
 
     def remove(self, call_id: str) -> None:
-        for name in (call_id, call_id + ".part"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.dir / name)
+        self._held.discard(call_id)
+        self._unlink(call_id)
 
     def names(self) -> list[str]:
         """The call ids that have a file (whole or not), for the journal's sweep at start."""
-        return sorted({p.name.removesuffix(".part") for p in self.dir.iterdir()})
+        found = {p.name.removesuffix(".part") for p in self.dir.iterdir()}
+        self._held |= found
+        return sorted(found)
 
     def close(self) -> None:
         self._todo.put(None)
@@ -81,9 +93,14 @@ class RequestFiles:
             except OSError as exc:
                 error = exc
                 with contextlib.suppress(OSError):  # the thread must outlive any one file
-                    self.remove(call_id)
+                    self._unlink(call_id)
             self._done.append((call_id, error))
             self._wakeup.set()
+
+    def _unlink(self, call_id: str) -> None:
+        for name in (call_id, call_id + ".part"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.dir / name)
 
     def _write(self, call_id: str, body: bytes | memoryview) -> None:
         part = self.dir / (call_id + ".part")

@@ -36,7 +36,7 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
               counters: Counter[str], pids: Callable[[], dict[str, int | None]],
               auth_counts: Callable[[], dict[str, int]],
               connections: Callable[[], dict[str, int]],
-              storage: Callable[[], dict[str, Any] | None],
+              storage: Callable[[], dict[str, Any] | None], journal_fsyncs: Callable[[], int],
               cluster: Callable[[], dict[str, Any]] | None, facts: Callable[[], dict[str, Any]],
               usage: UsageBook, user: Identity, reply: Callable[[dict[str, Any]], None]
               ) -> None:
@@ -48,7 +48,8 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
     `calls.in_flight_bytes` is the request bytes the
     calls accepted and not done hold (the byte budgets: admission.py); an admin
     also sees them per owner and `in_flight_bytes_max`; `storage`, the
-    journal's storage fault while one lasts (nil otherwise); `cluster`, in
+    journal's storage fault while one lasts (nil otherwise), and its WAL's
+    fsyncs so far (`counters.journal_fsyncs`); `cluster`, in
     cluster mode, this host's view of it (clusterlink.py `stats`; nil
     otherwise), its `appends_refused` counting the sink's too; and
     `histograms` (protocol/histograms.py): the driver's, and the sink's
@@ -75,7 +76,7 @@ def status_of(pool: Pool, driver: AttemptDriver, breakers: Breakers,
             "cluster": cluster() if cluster is not None else None,
             "connections": connections(),
             "usage": usage.totals(),
-            "counters": dict(counters, **auth_counts())}
+            "counters": dict(counters, **auth_counts(), journal_fsyncs=journal_fsyncs())}
     sink_stats(lambda stats, fresh: reply(_with_sink(body, driver.histograms.to_map(), stats,
                                                      fresh)))
 
