@@ -74,7 +74,8 @@ class RequestFiles:
         self._unlink(call_id)
 
     def names(self) -> list[str]:
-        """The call ids that have a file (whole or not), for the journal's sweep at start."""
+        """The call ids that have a file (whole or not), for the journal's sweep
+        at start; `holds` names them from then on (until `remove`)."""
         found = {p.name.removesuffix(".part") for p in self.dir.iterdir()}
         self._held |= found
         return sorted(found)

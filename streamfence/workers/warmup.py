@@ -190,10 +190,11 @@ def _spare_steps() -> Generator[None, None, None]:
     """A spare's warm-up, one step after each yield."""
     kinds = imported_kinds()  # the zygote's kinds: this worker imports no other
     wires = _wires(kinds)
-    with _stub(len(wires), SPARE_STEP_TIMEOUT_S) as base:
-        for kind, path, request in wires:
-            yield
-            _attempt(kind, base + path, request, SPARE_STEP_TIMEOUT_S)
+    if wires:  # bedrock alone has none: no stub to serve
+        with _stub(len(wires), SPARE_STEP_TIMEOUT_S) as base:
+            for kind, path, request in wires:
+                yield
+                _attempt(kind, base + path, request, SPARE_STEP_TIMEOUT_S)
     if kinds:
         yield
         # Paid here, not on a retry's path to its provider.
