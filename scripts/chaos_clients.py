@@ -25,6 +25,7 @@ sink's cut-offs). Loopback only; every loop ends with --duration.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import random
 import resource
@@ -45,6 +46,7 @@ import zmq
 from scripts.chaos_common import ChaosState, chaos_run, parser, run_load, seeded, verdict
 from streamfence.devtools.launcher import wait_until
 from streamfence.protocol.client import Client, ClientError
+from streamfence.protocol.codec import encode
 from streamfence.protocol.credentials import Credentials, load_credentials
 from streamfence.protocol.keys import KeyStore
 from streamfence.protocol.messages import events_endpoint
@@ -77,7 +79,7 @@ def _submit(ref: str, key: str, listener: str | None, content: str = "hi") -> by
                            "call": {"provider": "emu", "request": _request(key, content)}}
     if listener is not None:
         msg["listener"] = listener
-    return msgpack.packb(msg)
+    return encode(msg)
 
 
 class Raw:
@@ -299,7 +301,8 @@ def _probe(endpoint: str, credentials: str, admin_credentials: str, stop: Any,
             timed("status", c.status)
             if n % 5 == 0:
                 key = f"probe-{n}"
-                timed("submit", lambda k=key: c.submit("emu", _request(k), subscribe=False))
+                timed("submit", functools.partial(c.submit, "emu", _request(key),
+                                                  subscribe=False))
                 timed("admin status", admin.status)
     results.put(latency)
 

@@ -22,6 +22,7 @@ import msgpack
 import zmq
 
 from scripts.chaos_common import ChaosState, chaos_run, parser, run_load, seeded, verdict
+from streamfence.protocol.codec import encode
 from streamfence.protocol.credentials import load_credentials
 from streamfence.protocol.internal import (
     C_AUTHORIZE,
@@ -64,24 +65,23 @@ def _garbage(rng: random.Random) -> list[bytes]:
 
 
 def _forged(rng: random.Random, live: list[dict[str, Any]]) -> bytes:
-    call = rng.choice(live) if live and rng.random() < 0.8 else {"call_id": os.urandom(8).hex(),
-                                                                  "attempt": 1}
+    call: dict[str, Any] = (rng.choice(live) if live and rng.random() < 0.8
+                            else {"call_id": os.urandom(8).hex(), "attempt": 1})
     attempt = rng.choice([call["attempt"] - 1, call["attempt"] + rng.randint(1, 5),
                           rng.randint(-5, 1000), 0])
     kind = rng.randrange(4)
     if kind == 0:
-        return msgpack.packb([T_DELTA, call["call_id"], attempt, rng.randint(-3, 500), "text",
-                              "FORGED"])
+        return encode([T_DELTA, call["call_id"], attempt, rng.randint(-3, 500), "text", "FORGED"])
     if kind == 1:
-        return msgpack.packb([T_FINAL, call["call_id"], attempt, rng.randint(0, 50), {"ok": True}])
+        return encode([T_FINAL, call["call_id"], attempt, rng.randint(0, 50), {"ok": True}])
     if kind == 2:
-        return msgpack.packb([T_DELTA, call["call_id"], "one", "two", "text", b"\xff" * 4])
+        return encode([T_DELTA, call["call_id"], "one", "two", "text", b"\xff" * 4])
     return os.urandom(rng.randint(1, 40))
 
 
 def _forged_control(rng: random.Random) -> bytes:
-    return msgpack.packb(rng.choice([[C_AUTHORIZE, "x"], [C_FENCE], [C_FINISH, 1, 2, 3],
-                                     [99, "?"], "not a list"]))
+    return encode(rng.choice([[C_AUTHORIZE, "x"], [C_FENCE], [C_FINISH, 1, 2, 3],
+                              [99, "?"], "not a list"]))
 
 
 def attacker(state: ChaosState, rng: random.Random) -> None:

@@ -104,7 +104,7 @@ class StalledCall:
             self.link = socket.socket(fileno=os.dup(local.fileno()))
             local.close()
             self.link.setblocking(False)
-            self.unpacker = msgpack.Unpacker()
+            self.unpacker: msgpack.Unpacker = msgpack.Unpacker()
         self.req.send(encode(submit_msg(new_ref(), "oa", {"model": f"m#{key}", "messages": []},
                                         session_id=None, idempotency_key=None,
                                         options={"stale_timeout_s": 600.0}, listener=listener)))

@@ -390,8 +390,8 @@ class SinkUnderTest:
         self.sock.send(msgpack.packb({"v": 1, "op": "listen"}))
         if not self.sock.poll(30_000):
             raise RuntimeError("the sink's events socket did not answer listen within 30 s")
-        self.read = len(self.sock.recv())  # bytes read since `listen`, and acknowledged
-        self._acked = 0
+        self.read: int = len(self.sock.recv())  # bytes read since `listen`, and acknowledged
+        self._acked: int = 0
         self.events: int = 0
         self.on_event: Callable[[bytes, int], None] | None = None
         self._req: int = 0

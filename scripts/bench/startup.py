@@ -79,7 +79,7 @@ def _pool_ready(proc: DaemonProcess, pool: int) -> float:
             at = (sent + time.time()) / 2
             idle = [w for w in status["workers"] if w["state"] == "idle"]
             if len(idle) >= pool:
-                return at - min(w["for_s"] for w in idle)
+                return at - float(min(w["for_s"] for w in idle))
             time.sleep(0.01)
     return float("nan")
 
