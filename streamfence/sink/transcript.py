@@ -221,6 +221,12 @@ class TranscriptReader:
         uri = pathlib.Path(path).absolute().as_uri() + "?mode=ro"
         self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
 
+    def made(self) -> bool:
+        """Whether the sink has made its tables here: a first start stamps the
+        file (supervisor/storepair.py) before its sink starts."""
+        return self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' "
+                                  "AND name = 'events'").fetchone() is not None
+
     def events_after(self, call_id: str, from_seq: int = 0) -> list[bytes]:
         """The stored public events of `call_id` with seq > from_seq, in seq order,
         each exactly as a subscriber receives it."""

@@ -9,7 +9,9 @@ durable:
   (`on_stored`: the file is written off the loop; the reply waits in
   `_staged`);
 - in cluster mode, only once the cluster stored the call's record
-  (ARCHITECTURE §4.17: accepted means replicated).
+  (ARCHITECTURE §4.17: accepted means replicated). A call the journal held
+  at start that never ran is stored there again before it runs
+  (`recovered`): its daemon may have died before the cluster had it.
 
 A call whose journal write meets a storage fault was never accepted: it and
 the turn's other new calls are refused with the fault's code
@@ -224,6 +226,36 @@ class Acceptance:
                 self._replicating[call_id].extend(replies)
             else:
                 self._answer(replies)
+
+    def recovered(self, call: Call) -> None:
+        """A call the journal held at start, to run again. In cluster mode one
+        that never ran may be unknown to the cluster (its daemon died between
+        the journal's commit and the record's replication: no other host can
+        take it up, and its take at epoch 1 would find no entry and call it
+        moved): it is stored there again first, as at its submit; a
+        duplicate submit meanwhile waits with it."""
+        if self._cluster is None or call.epoch > 0:
+            self._driver.enqueue(call)
+            return
+        self._driver.enqueue(call, staged=True)
+        self._replicating[call.call_id] = []
+        self._rejoin(call)
+
+    def _rejoin(self, call: Call) -> None:
+        assert self._cluster is not None
+        spec = call.spec
+        record = call_record(call.call_id, call.owner, spec.provider, spec.request,
+                             spec.options.to_map(), spec.session_id, spec.idempotency_key)
+        self._cluster.accept(call.call_id, record, functools.partial(self._rejoined, call),
+                             again=True)
+
+    def _rejoined(self, call: Call, error: str | None) -> None:
+        """Tried until the cluster answers: its `accepted` may have gone out
+        before the restart. A call cancelled meanwhile is not tried again."""
+        if error is not None and self._driver.calls.get(call.call_id) is call:
+            self._rejoin(call)
+            return
+        self._replicated(call.call_id, None)
 
     def _answer(self, replies: list[Accept]) -> None:
         for identity, msg, then_subscribe, who in replies:

@@ -82,15 +82,21 @@ class ClusterLink:
     def run_done(self) -> None:
         self.bridge.run_done()
 
-    def accept(self, call_id: str, record: bytes, then: Callable[[str | None], None]) -> None:
+    def accept(self, call_id: str, record: bytes, then: Callable[[str | None], None], *,
+               again: bool = False) -> None:
         """Store the call's record at the cluster's replication; `then(None)` once
-        stored, or `then(why not)`."""
+        stored, or `then(why not)`. `again`: at start, a journaled call that
+        never ran, which the cluster may lack (its host died between the
+        journal's commit and the record's write, or between the record and
+        its entry): what the cluster has stays, and a call another host ran
+        since (its log holds records) gets no entry back."""
         def done(result: Any) -> None:
             if isinstance(result, BaseException):
                 log.warning("the cluster did not store call %s: %s", call_id, result)
                 then(f"{type(result).__name__}: {result}")
             else:
-                self.accepted += 1
+                if not again:
+                    self.accepted += 1
                 if result is not None:
                     self._owners[call_id] = result
                 then(None)
@@ -100,7 +106,10 @@ class ClusterLink:
             # Tried again (ACCEPTING): a write whose answer was lost (a node died) may
             # have landed, and both writes are idempotent (the record's id; the owner
             # entry, found as this host's at epoch 0).
-            await ledger.accept(call_id, record)
+            if not again or await ledger.accepted(call_id) is None:
+                await ledger.accept(call_id, record)  # (its id dedupes within 2 min only)
+            elif await ledger.last_record(call_id) is not None:
+                return None  # run by another host since: its take at epoch 1 finds out
             # Owned by this host at epoch 0 (not run yet): should this host die
             # before the first attempt, the others find it in `sf_owners`.
             held = await ledger.take(call_id, None, 0)

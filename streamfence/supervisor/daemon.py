@@ -194,7 +194,7 @@ class Daemon:
                             self.transcript_path, tracer)
         self._sink.start(parts.sink)
         for call in recovered:
-            parts.driver.enqueue(call)
+            parts.front.acceptance.recovered(call)
         parts.pool.maintain()
         return parts
 

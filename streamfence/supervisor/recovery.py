@@ -35,6 +35,10 @@ def recover_calls(journal: Journal, providers: dict[str, ProviderProfile],
     are raised as storepair.StoreError naming it; on the journal, as they are."""
     reader = TranscriptReader(transcript_path) if os.path.exists(
         transcript_path) else None
+    with storepair.reading(transcript_path):
+        if reader is not None and not reader.made():  # died before its sink ever ran:
+            reader.close()  # nothing can be stored in it
+            reader = None
     recovered: list[Call] = []
     for jc in journal.unfinished():
         with storepair.reading(transcript_path):  # damage named as the transcript's
