@@ -7,17 +7,23 @@ import os
 import signal
 import socket
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psutil
 
 from streamfence.devtools import launcher
 from streamfence.devtools.launcher import wait_until
 
-__all__ = ["DaemonProcess", "assert_one_exact_answer", "free_port", "healthy", "process_state",
-           "stopped", "tree_of", "wait_until"]
+if TYPE_CHECKING:  # cluster mode's tests only: it brings nats
+    from streamfence.cluster.ledger import Ledger
+    from streamfence.devtools.nats_cluster import NatsCluster
+
+__all__ = ["DaemonProcess", "as_host", "assert_one_exact_answer", "free_port", "healthy",
+           "process_state", "stopped", "tree_of", "wait_until"]
+
+T = TypeVar("T")
 
 STOP_GRACE_S = 1.0  # the tests' drain at a stop (stop_grace_s; the daemon's default is 30 s)
 
@@ -94,3 +100,20 @@ def healthy(url: str) -> bool:
             return bool(reply.status == 200)
     except OSError:
         return False
+
+
+def as_host(nats: "NatsCluster", host: str, body: "Callable[[Ledger], Awaitable[T]]") -> T:
+    """Run `body(ledger)` with a ledger of its own, as cluster host `host`
+    (a second host, or a reader); its result."""
+    import asyncio
+
+    from streamfence.cluster.ledger import Ledger
+    from streamfence.cluster.settings import ClusterSettings
+
+    async def main() -> T:
+        ledger = await Ledger.connect(ClusterSettings(tuple(nats.urls), host))
+        try:
+            return await body(ledger)
+        finally:
+            await ledger.close()
+    return asyncio.run(main())

@@ -20,12 +20,11 @@ import pytest
 
 from streamfence.cluster.ledger import Ledger
 from streamfence.cluster.records import EPOCH, EVENTS, Record, call_record
-from streamfence.cluster.settings import ClusterSettings
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.nats_cluster import NatsCluster
 from streamfence.protocol.client_router import ClientError
 from streamfence.sink.transcript import read_events_after
-from tests.harness import DaemonProcess, stopped, tree_of, wait_until
+from tests.harness import DaemonProcess, as_host, stopped, tree_of, wait_until
 from tests.wires import profile_for
 
 pytestmark = pytest.mark.slow
@@ -50,17 +49,6 @@ def _request(key: str) -> dict[str, Any]:
     return {"model": f"gpt-emu#{key}", "messages": [{"role": "user", "content": "hi"}]}
 
 
-def _ledger(nats: NatsCluster, host: str, body: Any) -> Any:
-    """Run `body(ledger)` with a ledger of its own as `host`; its result."""
-    async def main() -> Any:
-        ledger = await Ledger.connect(ClusterSettings(tuple(nats.urls), host))
-        try:
-            return await body(ledger)
-        finally:
-            await ledger.close()
-    return asyncio.run(main())
-
-
 def _events_in(records: list[Record]) -> list[dict[str, Any]]:
     """The public events an owner's EVENTS records carry, in order."""
     out = []
@@ -77,7 +65,7 @@ def _wait_runs(nats: NatsCluster, call_id: str, what: str) -> None:
     """Until the call's log holds two EVENTS records (its first runs)."""
     async def runs(ledger: Ledger) -> int:
         return sum(1 for r in await ledger.read(call_id) if r.kind == EVENTS)
-    wait_until(lambda: _ledger(nats, "reader", runs) >= 2, 15, what)
+    wait_until(lambda: as_host(nats, "reader", runs) >= 2, 15, what)
 
 
 def _take_as_host_b(nats: NatsCluster, call_id: str, beat: bool = False) -> int:
@@ -92,7 +80,7 @@ def _take_as_host_b(nats: NatsCluster, call_id: str, beat: bool = False) -> int:
         held = await ledger.take(call_id, seen)
         assert held is not None and held.epoch == 2
         return (await ledger.open_epoch(held)).log_seq
-    opened: int = _ledger(nats, "host-b", take)
+    opened: int = as_host(nats, "host-b", take)
     return opened
 
 
@@ -117,7 +105,7 @@ def test_a_call_is_replicated_owned_and_logged_on_the_cluster(
         record = msgpack.unpackb(await ledger.accepted(call) or b"", raw=False)
         return record, await ledger.read(call)
 
-    record, log = _ledger(nats, "reader", look)
+    record, log = as_host(nats, "reader", look)
     assert record["call_id"] == call and record["provider"] == "emu"
     assert record["request"]["model"] == "gpt-emu#logged"
 
@@ -126,7 +114,7 @@ def test_a_call_is_replicated_owned_and_logged_on_the_cluster(
     # Done: its entry in sf_owners goes (it holds live calls only), released
     # once the supervisor has the sink's answer to the finish, which can come
     # after the client read the done the sink sent.
-    wait_until(lambda: _ledger(nats, "reader", owner) is None, 10,
+    wait_until(lambda: as_host(nats, "reader", owner) is None, 10,
                "the done call's entry in sf_owners to go", interval=0.1)
     assert (log[0].kind, log[0].epoch, log[0].host) == (EPOCH, 1, HOST)
     assert {r.host for r in log} == {HOST} and {r.epoch for r in log} == {1}
@@ -158,7 +146,7 @@ def test_a_host_whose_call_was_taken_stops_writing_it_and_kills_its_worker(
     assert record["ended"] - took_at < 10.0
     _wait_forgotten(daemon, 15, "the call to be forgotten")
 
-    log = _ledger(nats, "reader", lambda ledger: ledger.read(call_id))
+    log = as_host(nats, "reader", lambda ledger: ledger.read(call_id))
     after = [r for r in log if r.seq > opened]
     assert all(r.host != HOST for r in after), after  # nothing of host-a after host-b's epoch
     with daemon.client() as client:
@@ -191,7 +179,7 @@ def test_a_sink_killed_mid_stream_goes_on_under_a_new_epoch_it_owns(
 
     async def look(ledger: Ledger) -> tuple[Any, list[Record]]:
         return await ledger.owner(call_id), await ledger.read(call_id)
-    owner, log = _ledger(nats, "reader", look)
+    owner, log = as_host(nats, "reader", look)
     assert owner is None  # done
     assert [(r.kind, r.epoch) for r in log if r.kind == EPOCH] == [(EPOCH, 1), (EPOCH, 2)]
     assert {r.host for r in log} == {HOST}
@@ -228,12 +216,12 @@ def test_a_frozen_host_loses_its_call_to_another_host_and_is_fenced_when_it_wake
         with stopped(tree_of(a)):
             async def owner(ledger: Ledger) -> Any:
                 return await ledger.owner(call_id)
-            wait_until(lambda: (o := _ledger(nats, "reader", owner)) is None
+            wait_until(lambda: (o := as_host(nats, "reader", owner)) is None
                        or o.host == "host-b", 20, "host b to take the call")
 
             async def done(ledger: Ledger) -> bool:
                 return any(e["op"] == "done" for e in _events_in(await ledger.read(call_id)))
-            wait_until(lambda: _ledger(nats, "reader", done), 30, "host b to finish the call")
+            wait_until(lambda: as_host(nats, "reader", done), 30, "host b to finish the call")
             assert not emu.log("zombie")[0]["ended"], "host a's stream ended while it was frozen"
 
         record = emu.wait_for(lambda log: log[0] if log and log[0]["ended"] else None,
@@ -242,7 +230,7 @@ def test_a_frozen_host_loses_its_call_to_another_host_and_is_fenced_when_it_wake
         assert record["aborted"] and not record["completed"], record
         _wait_forgotten(a, 20, "host a to forget the call")
 
-        log = _ledger(nats, "reader", lambda ledger: ledger.read(call_id))
+        log = as_host(nats, "reader", lambda ledger: ledger.read(call_id))
         epochs = [(r.epoch, r.host) for r in log if r.kind == EPOCH]
         assert epochs == [(1, "host-a"), (2, "host-b")], epochs
         b_opened = next(r.seq for r in log if r.kind == EPOCH and r.host == "host-b")
@@ -320,7 +308,7 @@ def test_a_host_takes_up_at_its_start_the_calls_the_cluster_says_it_owns(
             await ledger.accept(stray, call_record(
                 stray, record["owner"], "emu", _request("stray"), {}, None, None))
             assert await ledger.take(stray, None, 0) is not None
-        _ledger(nats, "host-a", leave_strays)
+        as_host(nats, "host-a", leave_strays)
 
         a.start()
         with a.client() as client:
@@ -330,7 +318,7 @@ def test_a_host_takes_up_at_its_start_the_calls_the_cluster_says_it_owns(
 
         async def owners(ledger: Ledger) -> tuple[Any, Any]:
             return await ledger.owner(ended), await ledger.owner(stray)
-        wait_until(lambda: _ledger(nats, "reader", owners) == (None, None), 15,
+        wait_until(lambda: as_host(nats, "reader", owners) == (None, None), 15,
                    "both entries to go (done calls have none)")
         assert len(emu.log("ended")) == 1  # the ended call did not run again
         assert len(emu.log("stray")) == 1
@@ -363,7 +351,7 @@ def test_a_host_wins_back_a_call_it_had_moved_away(
             done = client.result(call_id, wait_s=30.0)
         assert done is not None and done["status"] == "completed", done
         assert done["response"]["content"] == "won back"
-        log = _ledger(nats, "reader", lambda ledger: ledger.read(call_id))
+        log = as_host(nats, "reader", lambda ledger: ledger.read(call_id))
         epochs = [(r.epoch, r.host) for r in log if r.kind == EPOCH]
         assert epochs == [(1, "host-a"), (2, "host-b"), (3, "host-a")], epochs
         events = _events_in(log)
@@ -402,7 +390,7 @@ def test_a_take_whose_answer_was_lost_does_not_lose_the_call(
             assert seen is not None and (seen.host, seen.epoch) == ("host-a", 1), seen
             await ledger.owners.update(call_id, msgpack.packb(["host-a", 1]),
                                        last=seen.revision)
-        _ledger(nats, "host-a", rewrite)
+        as_host(nats, "host-a", rewrite)
         assert not emu.log("lostanswer")[0]["ended"], "attempt 1 ended before the rewrite"
 
         with a.client() as client:
@@ -462,7 +450,7 @@ def test_a_done_the_cluster_refuses_is_never_sent_stored_or_journaled(
             seen.extend(events)
         assert client.result(call_id) is None  # pending: served from the log, no done in it
         assert client.status()["counters"].get("calls_cancelled", 0) == 0
-    logged = _events_in(_ledger(nats, "reader", lambda ledger: ledger.read(call_id)))
+    logged = _events_in(as_host(nats, "reader", lambda ledger: ledger.read(call_id)))
     assert not any(e["op"] == "done" for e in logged)
     assert seen == logged[:len(seen)]  # what A's subscriber got is what the log holds
 
@@ -488,7 +476,7 @@ def test_a_call_cancelled_before_it_ran_has_its_done_in_the_log(
             client.cancel(queued)
             done = client.result(queued, wait_s=10.0)
         assert done is not None and done["status"] == "cancelled", done
-        log = _ledger(nats, "reader", lambda ledger: ledger.read(queued))
+        log = as_host(nats, "reader", lambda ledger: ledger.read(queued))
         assert [(r.kind, r.epoch, r.host) for r in log if r.kind == EPOCH] == [(EPOCH, 0, HOST)]
         logged = _events_in(log)
         assert [e["op"] for e in logged] == ["done"] and logged[0]["status"] == "cancelled"
@@ -557,7 +545,7 @@ def test_a_forwarded_cancel_is_cluster_unavailable_only_if_it_reached_no_host(
         await ledger.accept(ghost, call_record(ghost, "local", "emu", _request("ghost"), {},
                                                None, None))
         assert await ledger.take(ghost, None, 1) is not None
-    _ledger(nats, "host-z", own)
+    as_host(nats, "host-z", own)
 
     def cancel() -> str:
         with daemon.client(timeout_s=30.0) as client:
@@ -578,7 +566,7 @@ def test_a_forwarded_cancel_is_cluster_unavailable_only_if_it_reached_no_host(
             await asyncio.sleep(0.1)
             answers.append(await asyncio.to_thread(cancel))
         return answers, asked
-    answers, asked = _ledger(nats, "host-z", deaf)
+    answers, asked = as_host(nats, "host-z", deaf)
     assert answers[-1] == "cancel_unknown", answers
     assert set(answers[:-1]) <= {"cluster_unavailable"}, answers
     assert asked == [ghost], asked  # it did reach host Z: Z could have acted on it

@@ -14,12 +14,10 @@ entry, both idempotent), as at its submit, before it runs."""
 
 from __future__ import annotations
 
-import asyncio
 import select
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -31,12 +29,11 @@ from streamfence.devtools.nats_cluster import NatsCluster
 from streamfence.protocol import failpoints
 from streamfence.sink.transcript import TranscriptReader
 from streamfence.supervisor.clusterlink import ClusterLink
-from tests.harness import DaemonProcess, wait_until
+from tests.harness import DaemonProcess, as_host, wait_until
 from tests.wires import profile_for
 
 pytestmark = pytest.mark.slow
 CRASH = "supervisor.after_journal_commit=crash"  # before the record is replicated
-T = TypeVar("T")
 
 
 def _host(tmp_path: Path, emulator: EmulatorProcess, nats: NatsCluster,
@@ -53,22 +50,11 @@ def _request(key: str) -> dict[str, Any]:
     return {"model": f"gpt-emu#{key}", "messages": [{"role": "user", "content": "hi"}]}
 
 
-def _as_host(nats: NatsCluster, host: str, body: Callable[[Ledger], Awaitable[T]]) -> T:
-    """`body(ledger)` with a ledger of its own as `host`; its result."""
-    async def main() -> T:
-        ledger = await Ledger.connect(ClusterSettings(tuple(nats.urls), host))
-        try:
-            return await body(ledger)
-        finally:
-            await ledger.close()
-    return asyncio.run(main())
-
-
 def _in_the_cluster(nats: NatsCluster, call_id: str) -> tuple[bool, Any]:
     """Whether the cluster has the call's record, and its owner entry."""
     async def look(ledger: Ledger) -> tuple[bool, Any]:
         return await ledger.accepted(call_id) is not None, await ledger.owner(call_id)
-    return _as_host(nats, "reader", look)
+    return as_host(nats, "reader", look)
 
 
 def _sink_made(path: Path) -> bool:
@@ -134,7 +120,7 @@ def test_a_call_another_host_ran_since_gets_no_entry_back(nats: NatsCluster) -> 
         assert held is not None
         await ledger.open_epoch(held)
         assert await ledger.release(held.owner)
-    _as_host(nats, "host-b", run_elsewhere)
+    as_host(nats, "host-b", run_elsewhere)
 
     link = ClusterLink(ClusterSettings(tuple(nats.urls), "host-a", replicas=3), 2.0,
                        time.monotonic)
