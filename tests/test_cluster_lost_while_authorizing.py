@@ -17,7 +17,6 @@ move)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,11 +24,10 @@ from typing import Any
 import pytest
 
 from streamfence.cluster.ledger import Ledger
-from streamfence.cluster.settings import ClusterSettings
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.nats_cluster import NatsCluster
 from streamfence.protocol import failpoints
-from tests.harness import DaemonProcess, wait_until
+from tests.harness import DaemonProcess, as_host, wait_until
 from tests.wires import profile_for
 
 pytestmark = pytest.mark.slow
@@ -63,17 +61,14 @@ def daemon(tmp_path: Path, emulator: EmulatorProcess, nats: NatsCluster
 
 def _take_and_open_as_host_b(nats: NatsCluster, call_id: str) -> int:
     """Host B takes the call from this host's epoch 2 and opens epoch 3."""
-    async def main() -> int:
-        ledger = await Ledger.connect(ClusterSettings(tuple(nats.urls), "host-b"))
-        try:
-            seen = await ledger.owner(call_id)
-            assert seen is not None and (seen.host, seen.epoch) == (HOST, 2), seen
-            held = await ledger.take(call_id, seen)
-            assert held is not None and held.epoch == 3
-            return (await ledger.open_epoch(held)).log_seq
-        finally:
-            await ledger.close()
-    return asyncio.run(main())
+    async def take_and_open(ledger: Ledger) -> int:
+        seen = await ledger.owner(call_id)
+        assert seen is not None and (seen.host, seen.epoch) == (HOST, 2), seen
+        held = await ledger.take(call_id, seen)
+        assert held is not None and held.epoch == 3
+        return (await ledger.open_epoch(held)).log_seq
+    opened: int = as_host(nats, "host-b", take_and_open)
+    return opened
 
 
 def test_a_call_taken_while_its_attempt_is_authorized_is_not_run_here(
@@ -121,29 +116,20 @@ def test_a_first_attempt_whose_epoch_open_is_refused_is_fenced_and_moved(
         wait_until(lambda: (where / f"fired.{OPEN}").exists(), 20,
                    "the sink to stand still before the first attempt's epoch append")
 
-        async def take_and_open() -> None:
-            ledger = await Ledger.connect(ClusterSettings(tuple(nats.urls), "host-b"))
-            try:
-                seen = await ledger.owner(call_id)
-                assert seen is not None and (seen.host, seen.epoch) == (HOST, 1), seen
-                held = await ledger.take(call_id, seen)
-                assert held is not None
-                await ledger.open_epoch(held)
-            finally:
-                await ledger.close()
-        asyncio.run(take_and_open())  # within the 3 s pause
+        async def take_and_open(ledger: Ledger) -> None:
+            seen = await ledger.owner(call_id)
+            assert seen is not None and (seen.host, seen.epoch) == (HOST, 1), seen
+            held = await ledger.take(call_id, seen)
+            assert held is not None
+            await ledger.open_epoch(held)
+        as_host(nats, "host-b", take_and_open)  # within the 3 s pause
         wait_until(lambda: client.status()["counters"].get("calls_moved", 0) == 1, 15,
                    "this host to see the call moved to host b")
         wait_until(lambda: not [w for w in client.status()["workers"]
                                 if w["call_id"] == call_id], 10, "the attempt's worker gone")
 
-    async def log_of() -> list[Any]:
-        ledger = await Ledger.connect(ClusterSettings(tuple(nats.urls), "reader"))
-        try:
-            return await ledger.read(call_id)
-        finally:
-            await ledger.close()
-    hosts = [(r.kind, r.epoch, r.host) for r in asyncio.run(log_of())]
+    hosts = [(r.kind, r.epoch, r.host) for r in as_host(nats, "reader",
+                                                        lambda ledger: ledger.read(call_id))]
     assert all(host == "host-b" for _, _, host in hosts), hosts
 
 

@@ -13,7 +13,6 @@ gateway/console_views.py); every wait is on a page or log condition.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import urllib.request
 from pathlib import Path
@@ -21,14 +20,12 @@ from typing import Any
 
 import pytest
 
-from streamfence.cluster.ledger import Ledger
 from streamfence.cluster.records import EVENTS
-from streamfence.cluster.settings import ClusterSettings
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.nats_cluster import NatsCluster
 from streamfence.gateway.keys import http_key
 from streamfence.protocol.credentials import load_credentials
-from tests.harness import DaemonProcess, free_port, healthy, stopped, tree_of, wait_until
+from tests.harness import DaemonProcess, as_host, free_port, healthy, stopped, tree_of, wait_until
 from tests.wires import profile_for
 
 pytestmark = pytest.mark.slow
@@ -59,13 +56,7 @@ class Host:
 
 
 def _log_of(nats: NatsCluster, call_id: str) -> Any:
-    async def main() -> Any:
-        ledger = await Ledger.connect(ClusterSettings(tuple(nats.urls), "reader"))
-        try:
-            return await ledger.read(call_id)
-        finally:
-            await ledger.close()
-    return asyncio.run(main())
+    return as_host(nats, "reader", lambda ledger: ledger.read(call_id))
 
 
 def _host_row(page: str, host: str) -> str:
