@@ -1,7 +1,7 @@
 """The schedule explorer: faults in the windows between steps (issue 28).
 
     python -m scripts.chaos_schedules [--schedules 200] [--seed S] [--only CLASS]
-                                      [--index K] [--list]
+                                      [--index K] [--list] [--cluster]
 
 A schedule arms one or two failpoints (streamfence/protocol/failpoints.py,
 docs/ARCHITECTURE.md §7) through STREAMFENCE_FAILPOINTS, runs a mix of six
@@ -15,6 +15,11 @@ STREAMFENCE_FAILPOINTS_DIR) and the emulator, and judges it. Classes:
     pause         one pause (shorter than the stale timeout)
     host-pause    (with --only only) two hosts on a NATS cluster, one standing
                   still past its lease at a cluster.* point: scripts/chaos_host_pause.py
+
+With `--cluster` each schedule's daemon is one host of a cluster (a real
+3-node NATS cluster of its own, started per schedule), and a single fault
+may also be armed at the `cluster.*` points (never counted free): the same
+faults, now with the cluster's replication and ownership between the steps.
 
 P1 may also be a SIGKILL of the sink from outside at a time into the run.
 A recovery step is one that only the recovery passes (after a sink's death:
@@ -59,6 +64,7 @@ on any violation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -88,6 +94,7 @@ from streamfence.devtools.emulator.control import (
     emulator_profile,
 )
 from streamfence.devtools.launcher import DaemonExited, DaemonProcess
+from streamfence.devtools.nats_cluster import nats_cluster
 from streamfence.devtools.verdict import CallRecord
 from streamfence.protocol import failpoints
 from streamfence.protocol.client import ClientError
@@ -120,9 +127,11 @@ CHECK_ACT = (("supervisor.before_authorize", "sink.after_authorize"),
              ("worker.before_final", "sink.before_final_ack"),
              ("supervisor.before_rebind", "sink.after_rebind"),
              ("sink.after_rebind", "worker.after_rebind"))
-# Points a single fault may arm: those the call mix passes without another fault.
+# Points a single fault may arm: those the call mix passes without another fault
+# (the cluster's only with --cluster).
 SINGLES = tuple(p for p in failpoints.POINTS
                 if p not in AFTER_SINK and p not in failpoints.CLUSTER_POINTS)
+CLUSTER_SINGLES = SINGLES + failpoints.CLUSTER_POINTS
 # P1 of a pair: steps passed while calls stream, so that a recovery follows.
 PAIR_FIRST = ("supervisor.after_journal_commit", "supervisor.before_authorize",
               "supervisor.before_dispatch", "supervisor.after_fence", "sink.after_commit",
@@ -150,6 +159,7 @@ class Schedule:
     faults: tuple[Fault, ...]
     calls: tuple[Plan, ...]
     kill_sink_at: float | None = None  # seconds after the calls start
+    cluster: bool = False  # the daemon is a host of a cluster (--cluster)
 
     def stages(self) -> list[str]:
         last = max((f.stage for f in self.faults), default=0)
@@ -162,7 +172,7 @@ class Schedule:
             text += f", then, after the daemon's restart, '{stages[1]}'"
         if self.kill_sink_at is not None:
             text = f"{SINK_KILL} {self.kill_sink_at:.1f} s into the run; " + text
-        return text
+        return text + (" (a cluster host)" if self.cluster else "")
 
     def free(self) -> bool:
         """Every fault costs no provider request by design (the docstring's table)."""
@@ -206,9 +216,10 @@ def _second(rng: random.Random, first: Fault | None, action: str) -> Fault:
     return Fault(choose(AFTER_WORKER), action, CALLS + 1)
 
 
-def _faults(rng: random.Random, cls: str) -> tuple[tuple[Fault, ...], float | None]:
+def _faults(rng: random.Random, cls: str, cluster: bool
+            ) -> tuple[tuple[Fault, ...], float | None]:
     if cls in ("crash", "pause"):
-        point = rng.choice(SINGLES)
+        point = rng.choice(CLUSTER_SINGLES if cluster else SINGLES)
         return (Fault(point, "crash" if cls == "crash" else _pause(rng), _nth(rng, point)),), None
     if cls == "pause+crash":
         check, act = rng.choice(CHECK_ACT)
@@ -241,14 +252,15 @@ def _calls(rng: random.Random) -> tuple[Plan, ...]:
                  rng.randint(1, 3)))
 
 
-def generate(seed: int, count: int, only: str | None) -> list[Schedule]:
+def generate(seed: int, count: int, only: str | None, cluster: bool = False
+             ) -> list[Schedule]:
     classes = [only] if only else list(CLASSES)
     out = []
     for i in range(count):
         rng = random.Random(seed * 1_000_003 + i)
         cls = classes[i % len(classes)]
-        faults, kill_at = _faults(rng, cls)
-        out.append(Schedule(i, cls, faults, _calls(rng), kill_at))
+        faults, kill_at = _faults(rng, cls, cluster)
+        out.append(Schedule(i, cls, faults, _calls(rng), kill_at, cluster))
     return out
 
 
@@ -274,6 +286,7 @@ class Run:
     restarts: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
     start_error: str = ""
+    nats_urls: list[str] | None = None  # --cluster: the schedule's own NATS cluster
 
     @property
     def fp_dir(self) -> Path:
@@ -288,11 +301,15 @@ class Run:
         spec = stages[min(self.stage, len(stages) - 1)]
         providers = {w: dict(emulator_profile(w, self.emulator.base_url),
                              stale_timeout_s=STALE_S, max_attempts=4) for w in WIRES}
+        tables: dict[str, dict[str, Any]] = {"http": {"listen": f"127.0.0.1:{self.port}"}}
+        if self.nats_urls is not None:  # a lease well above the pauses: one host only
+            tables["cluster"] = {"urls": self.nats_urls, "host": "host-a", "replicas": 3,
+                                 "lease_s": 5.0}
         daemon = DaemonProcess(
             self.tmp / "state", providers, log_json=False,
             daemon={"workers_spare": 3, "workers_max": 12, "log_level": "INFO"},
             env={failpoints.ENV: spec, failpoints.DIR_ENV: str(self.fp_dir)},
-            tables={"http": {"listen": f"127.0.0.1:{self.port}"}})
+            tables=tables)
         daemon.log_path = self.tmp / "daemon.log"
         self.daemon = daemon
         daemon.start(ready_timeout=40.0)
@@ -383,8 +400,11 @@ def judge_run(run: Run, followed: list[Followed], emu: EmulatorClient, started: 
 
 
 def run_schedule(s: Schedule, emulator: EmulatorProcess, emu: EmulatorClient) -> Outcome:
-    with tempfile.TemporaryDirectory(prefix="streamfence-sched-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="streamfence-sched-") as tmp, \
+            contextlib.ExitStack() as stack:
         run = Run(s, emulator, Path(tmp))
+        if s.cluster:
+            run.nats_urls = stack.enter_context(nats_cluster(Path(tmp) / "nats")).urls
         run.fp_dir.mkdir()
         tag = f"s{s.index}-{random.SystemRandom().randrange(1 << 24):x}"
         followed = [Followed(p, f"{tag}-{p.name}", CallRecord("", f"{tag}-{p.name}"))
@@ -469,13 +489,15 @@ def main() -> int:
     p.add_argument("--index", type=int, action="append",
                    help="run schedule K of the seed's list only (repeatable)")
     p.add_argument("--list", action="store_true", help="print the schedules, run nothing")
+    p.add_argument("--cluster", action="store_true",
+                   help="each daemon a host of a cluster (a NATS cluster per schedule)")
     args = p.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     print(f"seed: {seed}  (rerun with --seed {seed})", flush=True)
     if args.only == host_pause.CLASS:
         return host_pause.explore(seed, args.schedules, args.index, args.list)
     count = max(args.schedules, max(args.index or [0]) + 1)
-    schedules = [s for s in generate(seed, count, args.only)
+    schedules = [s for s in generate(seed, count, args.only, args.cluster)
                  if args.index is None or s.index in args.index]
     if args.list:
         for s in schedules:
