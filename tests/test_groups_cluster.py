@@ -12,9 +12,9 @@ import pytest
 
 from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProcess
 from streamfence.devtools.nats_cluster import NatsCluster
+from tests.harness import as_host
 from tests.test_cluster_daemon import (
     _host,
-    _ledger,
     _take_as_host_b,
     _wait_forgotten,
     _wait_runs,
@@ -54,7 +54,7 @@ def test_a_group_call_won_back_runs_on_the_groups_deployment(
         history = a.journal_rows("SELECT attempt, profile, model FROM attempts WHERE "
                                  "call_id = ? ORDER BY attempt", call_id)
         assert history == [(1, "emu", "gpt-emu#gback"), (3, "emu", "gpt-emu#gback")]
-        log = _ledger(nats, "reader", lambda ledger: ledger.read(call_id))
+        log = as_host(nats, "reader", lambda ledger: ledger.read(call_id))
         assert log, "the call's log in the cluster"
     finally:
         a.cleanup()
