@@ -402,9 +402,8 @@ def judge_run(run: Run, followed: list[Followed], emu: EmulatorClient, started: 
 def run_schedule(s: Schedule, emulator: EmulatorProcess, emu: EmulatorClient) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="streamfence-sched-") as tmp, \
             contextlib.ExitStack() as stack:
-        run = Run(s, emulator, Path(tmp))
-        if s.cluster:
-            run.nats_urls = stack.enter_context(nats_cluster(Path(tmp) / "nats")).urls
+        urls = stack.enter_context(nats_cluster(Path(tmp) / "nats")).urls if s.cluster else None
+        run = Run(s, emulator, Path(tmp), nats_urls=urls)
         run.fp_dir.mkdir()
         tag = f"s{s.index}-{random.SystemRandom().randrange(1 << 24):x}"
         followed = [Followed(p, f"{tag}-{p.name}", CallRecord("", f"{tag}-{p.name}"))

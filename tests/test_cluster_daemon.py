@@ -68,17 +68,18 @@ def _wait_runs(nats: NatsCluster, call_id: str, what: str) -> None:
     wait_until(lambda: as_host(nats, "reader", runs) >= 2, 15, what)
 
 
-def _take_as_host_b(nats: NatsCluster, call_id: str, beat: bool = False) -> int:
+def _take_as_host_b(nats: NatsCluster, call_id: str, beat: bool = False,
+                    from_epoch: int = 1) -> int:
     """Host B (a ledger here; with `beat`, one that beat once, so host A watches
-    it) takes the call from host A's epoch 1 at epoch 2 and opens that epoch
-    in its log: the sequence of its epoch record."""
+    it) takes the call from host A's `from_epoch` at the next epoch and opens
+    that epoch in its log: the sequence of its epoch record."""
     async def take(ledger: Ledger) -> int:
         if beat:
             await ledger.beat()
         seen = await ledger.owner(call_id)
-        assert seen is not None and (seen.host, seen.epoch) == (HOST, 1), seen
+        assert seen is not None and (seen.host, seen.epoch) == (HOST, from_epoch), seen
         held = await ledger.take(call_id, seen)
-        assert held is not None and held.epoch == 2
+        assert held is not None and held.epoch == from_epoch + 1
         return (await ledger.open_epoch(held)).log_seq
     opened: int = as_host(nats, "host-b", take)
     return opened

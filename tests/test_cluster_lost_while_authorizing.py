@@ -28,10 +28,10 @@ from streamfence.devtools.emulator.control import EmulatorClient, EmulatorProces
 from streamfence.devtools.nats_cluster import NatsCluster
 from streamfence.protocol import failpoints
 from tests.harness import DaemonProcess, as_host, wait_until
+from tests.test_cluster_daemon import HOST, _take_as_host_b
 from tests.wires import profile_for
 
 pytestmark = pytest.mark.slow
-HOST = "host-a"
 PAUSE = "supervisor.before_authorize"
 
 
@@ -59,18 +59,6 @@ def daemon(tmp_path: Path, emulator: EmulatorProcess, nats: NatsCluster
     yield from _armed_host(tmp_path, emulator, nats, f"{PAUSE}=pause(3s)@2")
 
 
-def _take_and_open_as_host_b(nats: NatsCluster, call_id: str) -> int:
-    """Host B takes the call from this host's epoch 2 and opens epoch 3."""
-    async def take_and_open(ledger: Ledger) -> int:
-        seen = await ledger.owner(call_id)
-        assert seen is not None and (seen.host, seen.epoch) == (HOST, 2), seen
-        held = await ledger.take(call_id, seen)
-        assert held is not None and held.epoch == 3
-        return (await ledger.open_epoch(held)).log_seq
-    opened: int = as_host(nats, "host-b", take_and_open)
-    return opened
-
-
 def test_a_call_taken_while_its_attempt_is_authorized_is_not_run_here(
         daemon: tuple[DaemonProcess, Path], emu: EmulatorClient, nats: NatsCluster) -> None:
     proc, where = daemon
@@ -84,7 +72,7 @@ def test_a_call_taken_while_its_attempt_is_authorized_is_not_run_here(
                                 options={"stale_timeout_s": 1.0, "on_partial": "restart"})
         wait_until(lambda: (where / f"fired.{PAUSE}").exists(), 20,
                    "the supervisor to stand still before attempt 2's authorize")
-        _take_and_open_as_host_b(nats, call_id)  # within the 3 s pause
+        _take_as_host_b(nats, call_id, from_epoch=2)  # within the 3 s pause
         wait_until(lambda: client.status()["counters"].get("calls_moved", 0) == 1, 10,
                    "this host to see the call moved to host b")
     assert len(emu.log("taken")) == 1, \

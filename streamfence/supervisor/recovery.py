@@ -33,12 +33,13 @@ def recover_calls(journal: Journal, providers: dict[str, ProviderProfile],
     """The calls to run again (subscribers that come back resume from what the
     transcript holds: the sink serves it). SQLite's errors on the transcript
     are raised as storepair.StoreError naming it; on the journal, as they are."""
-    reader = TranscriptReader(transcript_path) if os.path.exists(
-        transcript_path) else None
-    with storepair.reading(transcript_path):
-        if reader is not None and not reader.made():  # died before its sink ever ran:
-            reader.close()  # nothing can be stored in it
-            reader = None
+    reader = None
+    if os.path.exists(transcript_path):
+        with storepair.reading(transcript_path):
+            reader = TranscriptReader(transcript_path)
+            if not reader.made():  # stamped, then the daemon died before its sink ran:
+                reader.close()  # nothing can be stored in it
+                reader = None
     recovered: list[Call] = []
     for jc in journal.unfinished():
         with storepair.reading(transcript_path):  # damage named as the transcript's
